@@ -1,0 +1,1 @@
+"""The control plane: engines on ipyparallel, roles, runs."""

@@ -1,0 +1,199 @@
+"""Cluster: a local PS cluster on ipyparallel engines, from the kernel.
+
+    cluster = Cluster(ps=1, workers=2).start()
+    run = cluster.train(model_fn, dataset, loss_fn, optimizer="sgd", lr=0.1, mode="sync", steps=600)
+    run.wait()
+    cluster.stop()
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+import os
+import secrets
+import time
+
+import cloudpickle
+import torch
+
+from ..errors import ClusterStateError, ConfigError
+from ..runtime import engine as remote
+from ..runtime.placement import round_robin
+from ..runtime.plan import TrainPlan, describe_variables, optimizer_name
+from ..runtime.worker import build_model
+from ..spec import ClusterSpec
+from .engines import EngineSet
+from .roles import assign_roles
+from .run import Run
+
+_run_ids = itertools.count(int(time.time()) % 1_000_000 * 1000 + 1)
+
+
+def _count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r}: use an integer >= {minimum}")
+    return value
+
+
+class Cluster:
+    """ps and worker tasks on local ipyparallel engines. Worker 0 is the chief.
+
+    ``gpus``: how many GPUs the workers share (one per worker engine, round-robin);
+    default: every visible GPU, 0 on a machine without CUDA.
+    """
+
+    def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None):
+        self.num_ps = _count("ps", ps, 1)
+        self.num_workers = _count("workers", workers, 1)
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus is not None and _count("gpus", gpus, 0) > available:
+            raise ConfigError(f"gpus={gpus} but this machine has {available}: use gpus <= {available}")
+        self.gpus = available if gpus is None else gpus
+        self.name = name or f"pscluster-{os.getpid()}-{secrets.token_hex(2)}"
+        self.spec: ClusterSpec | None = None
+        self.runs: list[Run] = []
+        self._engines: EngineSet | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.spec is not None
+
+    def start(self) -> "Cluster":
+        """Start the engines, assign roles, start the ps servers. Returns self."""
+        if self.running:
+            raise ClusterStateError(f"cluster {self.name} is already running: stop() it first")
+        engines = EngineSet(self.num_ps + self.num_workers, self.name)
+        infos = engines.start()
+        try:
+            spec = assign_roles(infos, self.num_ps, self.num_workers, gpus=self.gpus, name=self.name)
+            for task in spec.workers:
+                engines.view(task.engine_id).apply_sync(remote.pin_device, task.device)
+            ports = [engines.view(t.engine_id).apply_async(remote.start_ps, spec.secret, t.index, t.host)
+                     for t in spec.ps]
+            self.spec = spec.with_ps_ports([p.get(timeout=60) for p in ports])
+        except BaseException:
+            engines.stop()
+            raise
+        self._engines = engines
+        return self
+
+    def stop(self) -> None:
+        """Stop training, the ps servers and every engine; leaves no process behind."""
+        if self._engines is None:
+            return
+        active = self.active_run
+        if active is not None:
+            try:
+                active.stop()
+            except Exception:
+                pass
+        self._engines.stop()
+        self._engines = None
+        self.spec = None
+
+    def __enter__(self) -> "Cluster":
+        return self if self.running else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def pids(self) -> list[int]:
+        """Every process of this cluster (engines and the ipyparallel controller)."""
+        return list(self._engines.pids) if self._engines else []
+
+    # --- training ---------------------------------------------------------------------------
+    @property
+    def active_run(self) -> Run | None:
+        return next((r for r in self.runs if not r.done), None)
+
+    def _require_running(self, what: str) -> ClusterSpec:
+        if self.spec is None:
+            raise ClusterStateError(f"cannot {what}: the cluster is not running, start() it first")
+        return self.spec
+
+    def train(self, model_fn, dataset, loss_fn, *, optimizer="sgd", mode: str = "sync", steps: int = 1000,
+              batch_size: int = 64, replicas_to_aggregate: int | None = None, seed: int = 0,
+              log_every: int = 100, request_timeout: float = 120.0, name: str | None = None,
+              **optimizer_kwargs) -> Run:
+        """Start training in the background and return its Run (``run.wait()`` blocks).
+
+        ``model_fn``: a torch.nn.Module or a zero-argument callable that builds one.
+        ``optimizer``: a ``torch.optim`` class or its name; extra keyword arguments go to it.
+        ``steps``: the global step target. ``replicas_to_aggregate`` (sync): gradients
+        averaged per global step, default the number of workers.
+        """
+        spec = self._require_running("train")
+        if self.active_run is not None:
+            raise ClusterStateError(f"{self.active_run.name} is still training: "
+                                    "wait for it (run.wait()) or stop it (run.stop())")
+        if not isinstance(model_fn, torch.nn.Module) and not callable(model_fn):
+            raise ConfigError("model_fn must be a torch.nn.Module or a function that builds one")
+        if not callable(loss_fn):
+            raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss()")
+        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise ConfigError("dataset must be a map-style dataset (len() and indexing), "
+                              "e.g. pscluster.datasets.digits('train')")
+        replicas = self.num_workers if replicas_to_aggregate is None else replicas_to_aggregate
+        model = build_model(model_fn, seed)
+        names = [n for n, _ in model.named_parameters()]
+        if not names:
+            raise ConfigError("the model has no parameters to train: check model_fn")
+        try:
+            code = cloudpickle.dumps((model_fn, dataset, loss_fn))
+        except Exception as e:
+            raise ConfigError(f"cannot ship the model, dataset or loss to the engines ({e}): "
+                              "define them in the notebook or an importable module") from None
+        run_plan = TrainPlan(run_id=next(_run_ids) & 0xFFFFFFFF or 1, mode=mode, steps=steps,
+                             batch_size=batch_size, optimizer=optimizer_name(optimizer),
+                             optimizer_kwargs=optimizer_kwargs, replicas_to_aggregate=replicas,
+                             num_workers=self.num_workers,
+                             variables=describe_variables(model, round_robin(names, self.num_ps)),
+                             seed=seed, log_every=log_every, request_timeout=request_timeout)
+        run = Run(spec, run_plan, model_fn, loss_fn, name=name)
+        from dataclasses import replace
+        run.plan = run_plan = replace(run_plan, metrics_address=run.collector.address)
+        plan_json, spec_json = run_plan.to_json(), spec.to_json()
+        run._attach([self._engines.view(t.engine_id).apply_async(remote.train_worker, spec_json, t.index,
+                                                                 plan_json, code)
+                     for t in spec.workers])
+        self.runs.append(run)
+        return run
+
+    # --- views ------------------------------------------------------------------------------
+    def roles(self) -> list[dict]:
+        """One row per task: role, task index, engine id, host, pid, device."""
+        spec = self._require_running("list roles")
+        rows = []
+        for t in (*spec.ps, *spec.workers):
+            role = "chief" if t.is_chief else t.role
+            rows.append({"role": role, "task": t.index, "engine": t.engine_id, "host": t.host,
+                         "pid": t.pid, "device": t.device if t.role == "worker" else "cpu",
+                         "address": t.address if t.role == "ps" else ""})
+        return rows
+
+    def placement(self) -> list[str]:
+        """TF-style placement lines of the latest run, e.g. ``0.weight: /job:ps/task:0``."""
+        if not self.runs:
+            return []
+        return [v.placement for v in self.runs[-1].plan.variables]
+
+    def status(self) -> dict:
+        return {"name": self.name, "running": self.running, "ps": self.num_ps, "workers": self.num_workers,
+                "roles": self.roles() if self.running else [],
+                "runs": [r.summary() for r in self.runs]}
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<Cluster {self.name} {state}: {self.num_ps} ps, {self.num_workers} workers>"
+
+    def _repr_html_(self) -> str:
+        if not self.running:
+            return html.escape(repr(self))
+        rows = self.roles()
+        head = "".join(f"<th>{k}</th>" for k in rows[0])
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>"
+                       for r in rows)
+        return f"<b>{html.escape(repr(self))}</b><table><tr>{head}</tr>{body}</table>"

@@ -1,0 +1,90 @@
+"""ipyparallel engines for one cluster: start, call, stop, leave nothing behind."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import ipyparallel as ipp
+
+from ..errors import ClusterStateError
+from . import reaper
+from .roles import EngineInfo
+
+os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no progress bars from ipyparallel itself
+
+
+class EngineSet:
+    """An ipyparallel controller with ``n`` local engines, and a reaper that kills them
+    all if this process dies without stopping them."""
+
+    def __init__(self, n: int, cluster_id: str, *, timeout: float = 90.0):
+        self.n = n
+        self.cluster_id = cluster_id
+        self.timeout = timeout
+        self._ipp: ipp.Cluster | None = None
+        self.client: ipp.Client | None = None
+        self.pids: list[int] = []
+        self._reaper: subprocess.Popen | None = None
+
+    def start(self) -> list[EngineInfo]:
+        self._ipp = ipp.Cluster(n=self.n, cluster_id=self.cluster_id, log_level=logging.ERROR,
+                                shutdown_atexit=True)
+        try:
+            self.client = self._ipp.start_and_connect_sync(activate=False)
+            self.client.wait_for_engines(self.n, timeout=self.timeout, interactive=False)
+            infos = self.client[:].apply_sync(_describe)
+            engines = [EngineInfo(engine_id=eid, host=i["host"], pid=i["pid"])
+                       for eid, i in zip(self.client.ids, infos)]
+        except (TimeoutError, ipp.error.TimeoutError) as e:
+            self.stop()
+            raise ClusterStateError(f"engines did not register within {self.timeout:.0f}s ({e}): "
+                                    "check the machine's load and try again") from None
+        except BaseException:
+            self.stop()
+            raise
+        self.pids = [e.pid for e in engines] + [self._ipp.controller.pid]
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "pscluster.cluster.reaper", str(os.getpid()), *map(str, self.pids)],
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        return engines
+
+    def view(self, engine_id: int):
+        return self.client[engine_id]
+
+    def alive_pids(self) -> list[int]:
+        return [p for p in self.pids if reaper.alive(p)]
+
+    def stop(self) -> None:
+        """Shut engines down through the client (quietly), stop the cluster, kill survivors."""
+        if self.client is not None:
+            try:
+                self.client.shutdown(targets="all", block=True)
+            except Exception:  # engines already gone: the kill below makes sure
+                pass
+            self.client.close()
+            self.client = None
+        if self._ipp is not None:
+            try:
+                self._ipp.stop_cluster_sync()
+            except Exception:
+                pass
+            self._ipp = None
+        reaper.kill_all(self.pids, grace=5.0)
+        deadline = time.monotonic() + 5
+        while self.alive_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._reaper is not None:
+            self._reaper.kill()
+            self._reaper.wait(5)
+            self._reaper = None
+
+
+def _describe():
+    from pscluster.runtime.engine import describe
+
+    return describe()

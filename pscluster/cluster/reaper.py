@@ -1,0 +1,60 @@
+"""A watchdog process: when the owner (the kernel) dies, kill the cluster's processes.
+
+Started in its own session so it outlives the owner; exits when the owner is
+gone and the processes are dead, or when every process it watches is already
+gone (the cluster was stopped normally).
+
+    python -m pscluster.cluster.reaper OWNER_PID PID [PID ...]
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+POLL_S = 0.5
+GRACE_S = 3.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours is dead for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def kill_all(pids: list[int], grace: float = GRACE_S) -> None:
+    """SIGTERM, then SIGKILL whatever is still alive after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            if alive(pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def watch(owner: int, pids: list[int]) -> None:
+    while True:
+        if not any(alive(p) for p in pids):
+            return
+        if not alive(owner):
+            kill_all(pids)
+            return
+        time.sleep(POLL_S)
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]), [int(p) for p in sys.argv[2:]])

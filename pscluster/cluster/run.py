@@ -1,0 +1,228 @@
+"""Run: the controller's handle on one training run.
+
+Workers train in ipyparallel tasks; their metric events arrive through a
+Collector; when they finish, the run keeps the final parameters, so nothing
+trained is lost when the cluster stops afterwards.
+"""
+
+from __future__ import annotations
+
+import html
+import queue
+import sys
+import time
+
+import torch
+
+from ..errors import RuntimeTimeout, TrainingError
+from ..evaluate import evaluate
+from ..metrics.collector import Collector
+from ..runtime.client import PSClient
+from ..runtime.plan import TrainPlan
+from ..runtime.worker import build_model
+from ..spec import ClusterSpec
+
+
+class Run:
+    """A training run on a cluster. ``cluster.train(...)`` returns one; it trains in the background."""
+
+    def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, *, name: str | None = None):
+        self.spec = spec
+        self.plan = plan
+        self.name = name or f"run-{plan.run_id}"
+        self.logs: list[str] = []
+        self.events: list[dict] = []
+        self.results: list[dict] | None = None
+        self.ps_stats: list[dict] | None = None
+        self.error: str | None = None
+        self._model_fn = model_fn
+        self._loss_fn = loss_fn
+        self._state_dict: dict[str, torch.Tensor] | None = None
+        self._pending_logs: queue.Queue = queue.Queue()
+        self._results = []
+        self.started = time.time()
+        self.finished: float | None = None
+        self.collector = Collector(self._on_event)
+
+    def _on_event(self, event: dict) -> None:
+        self.events.append(event)
+        if event.get("kind") == "log":
+            line = f"[{event['task']}] {event['line']}"
+            self.logs.append(line)
+            self._pending_logs.put(line)
+
+    def _attach(self, async_results) -> None:
+        self._results = list(async_results)
+
+    # --- state --------------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None
+
+    @property
+    def global_step(self) -> int:
+        """The global step: final once done, else read live from ps 0."""
+        if self.ps_stats is not None:
+            return self.ps_stats[0].get("step", 0)
+        stats = self._read_ps_stats(timeout=5.0)
+        return stats[0].get("step", 0) if stats else 0
+
+    @property
+    def local_steps(self) -> list[int] | None:
+        return None if self.results is None else [r["local_steps"] for r in self.results]
+
+    @property
+    def wall_s(self) -> float:
+        return (self.finished or time.time()) - self.started
+
+    # --- control -------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None, *, verbose: bool = True) -> "Run":
+        """Block until training ends, printing each worker's progress lines as they arrive."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            self._print_pending(verbose)
+            if all(ar.ready() for ar in self._results):
+                self._finish()
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                self._print_pending(verbose)
+                raise RuntimeTimeout(f"{self.name} still training after {timeout:.0f}s: "
+                                     "call run.wait() again, or run.stop() to end it")
+            failed = [ar for ar in self._results if ar.ready() and not ar.successful()]
+            if failed:
+                self._signal_stop()  # other workers must not wait on the failed one
+            time.sleep(0.05)
+        self._print_pending(verbose)
+        if self.error:
+            raise TrainingError(self.error)
+        return self
+
+    def stop(self) -> "Run":
+        """End training at the next step of every worker and wait for it."""
+        if not self.done:
+            self._signal_stop()
+            self.wait(timeout=self.plan.request_timeout, verbose=False)
+        return self
+
+    def _signal_stop(self) -> None:
+        try:
+            with PSClient(self.spec, timeout=10.0) as client:
+                client.run_id = self.plan.run_id
+                client.stop()
+        except Exception:  # the ps tasks may be gone already; wait() reports the real error
+            pass
+
+    def _print_pending(self, verbose: bool) -> None:
+        while True:
+            try:
+                line = self._pending_logs.get_nowait()
+            except queue.Empty:
+                return
+            if verbose:
+                print(line, file=sys.stdout, flush=True)
+
+    def _read_ps_stats(self, timeout: float) -> list[dict] | None:
+        try:
+            with PSClient(self.spec, timeout=timeout) as client:
+                client.run_id = self.plan.run_id
+                return client.stats()
+        except Exception:
+            return None
+
+    def _finish(self) -> None:
+        errors, results = [], []
+        for i, ar in enumerate(self._results):
+            try:
+                results.append(ar.get(0))
+            except Exception as e:  # a RemoteError: keep its one-line form
+                errors.append(f"worker {i} failed: {_one_line(e)}")
+        self.finished = time.time()
+        self.collector.close()
+        self.ps_stats = self._read_ps_stats(timeout=10.0)
+        if not errors:
+            self.results = results
+            self._state_dict = self._pull_parameters()
+        else:
+            self.error = "; ".join(errors) + ": fix the cause and train again"
+
+    def _pull_parameters(self) -> dict[str, torch.Tensor]:
+        with PSClient(self.spec, timeout=30.0) as client:
+            client.run_id = self.plan.run_id
+            reply = client.pull()
+        if reply is None:
+            raise TrainingError("the ps tasks no longer hold this run's variables: train again")
+        names = {v.id: v.name for v in self.plan.variables}
+        state = {}
+        for msg in reply.messages:
+            for vid, t in zip(msg.ids, msg.tensors):
+                state[names[vid]] = t.clone()
+        return {v.name: state[v.name] for v in self.plan.variables}
+
+    # --- results ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained parameters (after the run finished), by parameter name."""
+        if self._state_dict is None:
+            self.wait()
+        return dict(self._state_dict)
+
+    def model(self) -> torch.nn.Module:
+        """A model built by ``model_fn`` in this process, holding the trained parameters."""
+        model = build_model(self._model_fn, self.plan.seed)
+        model.load_state_dict(self.state_dict(), strict=False)
+        return model
+
+    def evaluate(self, dataset, *, batch_size: int = 1024) -> dict:
+        """``{"loss": ..., "accuracy": ...}`` of the trained model on ``dataset``."""
+        return evaluate(self.model(), dataset, self._loss_fn, batch_size=batch_size)
+
+    def staleness(self) -> dict[int, int]:
+        """Histogram of push staleness, counted by ps 0 (async runs)."""
+        stats = self.ps_stats or self._read_ps_stats(5.0) or [{}]
+        return {int(k): v for k, v in stats[0].get("staleness", {}).items()}
+
+    def summary(self) -> dict:
+        """The run as plain data (for reports): mode, sizes, steps, speed."""
+        results = self.results or []
+        samples = sum(r["samples"] for r in results)
+        stats = self.ps_stats or [{}]
+        return {"name": self.name, "run_id": self.plan.run_id, "mode": self.mode,
+                "ps": len(self.spec.ps), "workers": len(self.spec.workers),
+                "replicas_to_aggregate": self.plan.replicas_to_aggregate, "steps": self.plan.steps,
+                "global_step": stats[0].get("step"), "local_steps": self.local_steps,
+                "dropped_stale": sum(s.get("dropped_stale", 0) for s in stats[:1]),
+                "staleness": self.staleness() if self.mode == "async" else None,
+                "samples_per_sec": samples / self.wall_s if self.done and self.wall_s > 0 else None,
+                "wall_s": self.wall_s, "status": self.status}
+
+    @property
+    def status(self) -> str:
+        if not self.done:
+            return "training"
+        return "failed" if self.error else "finished"
+
+    def __repr__(self) -> str:
+        return (f"<Run {self.name} {self.mode} {self.status}: global step {self.summary()['global_step']}"
+                f"/{self.plan.steps}, local steps {self.local_steps}>")
+
+    def _repr_html_(self) -> str:
+        s = self.summary()
+        rows = "".join(f"<tr><th style='text-align:left'>{html.escape(str(k))}</th>"
+                       f"<td style='text-align:left'>{html.escape(_fmt(v))}</td></tr>"
+                       for k, v in s.items() if k != "staleness" or v)
+        return f"<table>{rows}</table>"
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _one_line(e: BaseException) -> str:
+    ename = getattr(e, "ename", type(e).__name__)
+    evalue = getattr(e, "evalue", str(e))
+    return f"{ename}: {str(evalue).strip().splitlines()[-1] if str(evalue).strip() else ''}"
+
+

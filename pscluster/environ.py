@@ -1,0 +1,32 @@
+"""Every ``PSCLUSTER_*`` environment variable, read here and nowhere else.
+
+=======================  ==========================================================
+``PSCLUSTER_CONFIG``     JSON ``{"cluster": <ClusterSpec>, "task": {"type", "index"}}``:
+                         lets a plain process join a cluster (the TF_CONFIG analog).
+``PSCLUSTER_SMOKE``      ``1`` makes the bundled notebooks run a small, fast size.
+``PSCLUSTER_REPORT_DIR`` where the notebooks write their JSON reports.
+=======================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+CONFIG = "PSCLUSTER_CONFIG"
+SMOKE = "PSCLUSTER_SMOKE"
+REPORT_DIR = "PSCLUSTER_REPORT_DIR"
+
+
+def config_json() -> str | None:
+    """The raw ``PSCLUSTER_CONFIG`` value, or None when unset."""
+    return os.environ.get(CONFIG) or None
+
+
+def smoke() -> bool:
+    """True when notebooks should run their small, fast size."""
+    return os.environ.get(SMOKE, "") not in ("", "0")
+
+
+def report_dir(default: str) -> str:
+    """Directory for notebook JSON reports."""
+    return os.environ.get(REPORT_DIR) or default

@@ -1,0 +1,1 @@
+"""Metric events on the controller side: the collector."""

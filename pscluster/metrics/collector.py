@@ -1,0 +1,54 @@
+"""The controller's end of the metrics pipeline: a ZeroMQ PULL socket and a thread.
+
+Runtime tasks send JSON event batches (see ``pscluster.runtime.metrics``); the
+collector decodes them and hands each event to a callback. JSON only: nothing
+received is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import zmq
+
+
+class Collector:
+    """Receives event batches on ``address`` and calls ``on_event(event)`` for each."""
+
+    def __init__(self, on_event, host: str = "127.0.0.1", context: zmq.Context | None = None):
+        self._on_event = on_event
+        self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.bad_batches = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pscluster-collector", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(100):
+                    self._dispatch(self._sock.recv())
+            while self._sock.poll(0):  # what arrived before close
+                self._dispatch(self._sock.recv())
+        finally:
+            self._sock.close(linger=0)
+
+    def _dispatch(self, raw: bytes) -> None:
+        try:
+            batch = json.loads(raw)
+        except ValueError:
+            self.bad_batches += 1
+            return
+        for event in batch if isinstance(batch, list) else []:
+            if isinstance(event, dict):
+                self._on_event(event)
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)

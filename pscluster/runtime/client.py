@@ -1,0 +1,149 @@
+"""PSClient: a worker's (or the controller's) connection to every ps task.
+
+Requests to several ps tasks are all sent before any reply is awaited; each
+reply is matched by request id, and every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from ..errors import ProtocolError, RuntimeTimeout, TrainingError
+from ..spec import ClusterSpec
+from . import protocol
+from .protocol import Flag, Message, Op
+
+
+@dataclass
+class Reply:
+    """What the ps tasks answered to one request, merged."""
+
+    step: int          # ps 0's step: the global step
+    flags: Flag        # union of every ps's flags
+    value: int         # ps 0's value (staleness for pushes)
+    messages: list[Message]
+
+
+class PSClient:
+    """Request/reply to all ps tasks of ``spec`` over one DEALER socket per ps."""
+
+    def __init__(self, spec: ClusterSpec, *, task: int = protocol.NO_TASK, timeout: float = 120.0,
+                 context: zmq.Context | None = None):
+        self.spec = spec
+        self.task = task
+        self.timeout = timeout
+        self.run_id = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._ctx = context or zmq.Context.instance()
+        self._ids = itertools.count(1)
+        self._socks = []
+        for ps in spec.ps:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ps.address)
+            self._socks.append(s)
+        self._poller = zmq.Poller()
+        for s in self._socks:
+            self._poller.register(s, zmq.POLLIN)
+        self.hello()
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close(linger=0)
+        self._socks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- one round trip to a set of ps tasks ------------------------------------------
+    def request(self, op: Op, per_ps: dict[int, tuple[list[int], list[torch.Tensor]]] | None = None, *,
+                step: int = 0, meta: dict | list | None = None, targets=None,
+                timeout: float | None = None) -> list[Message]:
+        """Send ``op`` to ``targets`` (default: every ps), then collect one reply from each.
+
+        ``per_ps`` maps a ps index to the (ids, tensors) it receives; ``meta`` is a dict sent
+        to all or a list with one dict per ps.
+        """
+        targets = range(len(self._socks)) if targets is None else targets
+        pending = {}
+        for i in targets:
+            rid = next(self._ids) & 0xFFFFFFFF
+            ids, tensors = (per_ps or {}).get(i, ([], []))
+            m = meta[i] if isinstance(meta, list) else meta
+            frames = protocol.encode(Message(op=op, task=self.task, run_id=self.run_id, request_id=rid,
+                                             step=step, ids=ids, tensors=tensors, meta=m), self.spec.key)
+            self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+            self._socks[i].send_multipart(frames, copy=False)
+            pending[i] = rid
+        replies: dict[int, Message] = {}
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while len(replies) < len(pending):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(pending) - set(replies))
+                raise RuntimeTimeout(f"no reply to {op.name} from ps {missing} within "
+                                     f"{self.timeout if timeout is None else timeout:.0f}s: "
+                                     "check that the ps tasks are alive")
+            for sock, _ in self._poller.poll(int(left * 1000) + 1):
+                i = self._socks.index(sock)
+                frames = sock.recv_multipart(copy=False)
+                self.bytes_received += sum(len(f) for f in frames)
+                msg = protocol.decode(frames, self.spec.key)
+                if pending.get(i) != msg.request_id:
+                    continue  # a late reply to a request that timed out earlier
+                if msg.op is Op.ERROR:
+                    raise TrainingError(f"ps {i}: {(msg.meta or {}).get('error', 'error')}")
+                replies[i] = msg
+        return [replies[i] for i in sorted(replies)]
+
+    @staticmethod
+    def merge(messages: list[Message]) -> Reply:
+        flags = Flag.NONE
+        for m in messages:
+            flags |= m.flags
+        return Reply(step=messages[0].step, flags=flags, value=messages[0].value, messages=messages)
+
+    # --- the operations -------------------------------------------------------------------
+    def hello(self) -> None:
+        """Check every ps speaks our protocol version (a mismatch fails to decode)."""
+        try:
+            self.request(Op.HELLO, timeout=min(self.timeout, 30.0))
+        except ProtocolError as e:
+            raise ProtocolError(f"ps handshake failed: {e}") from None
+
+    def init(self, run_id: int, per_ps: dict, configs: list[dict]) -> None:
+        """The chief's INIT: variables with their initial values and the run's config, per ps."""
+        self.run_id = run_id
+        self.request(Op.INIT, per_ps, meta=configs)
+
+    def pull(self) -> Reply | None:
+        """Current parameters, or None while the chief has not initialized the run."""
+        msgs = self.request(Op.PULL)
+        if any(m.op is Op.NOT_READY for m in msgs):
+            return None
+        return self.merge(msgs)
+
+    def push(self, step: int, per_ps: dict) -> Reply:
+        return self.merge(self.request(Op.PUSH, per_ps, step=step))
+
+    def push_pull(self, step: int, per_ps: dict) -> Reply:
+        """Push gradients computed on ``step`` and get the parameters after they were applied."""
+        return self.merge(self.request(Op.PUSH_PULL, per_ps, step=step))
+
+    def stats(self) -> list[dict]:
+        return [m.meta or {} for m in self.request(Op.STATS)]
+
+    def stop(self) -> None:
+        self.request(Op.STOP)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.request(Op.SHUTDOWN, timeout=timeout)

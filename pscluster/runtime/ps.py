@@ -1,0 +1,298 @@
+"""The ps server: holds variables and their optimizer state, applies updates.
+
+One thread, one ROUTER socket. Each run is set up by the chief's INIT message
+(variables, initial values, optimizer, mode), so a ps needs nothing but its
+address and the cluster secret to start.
+
+Sync mode (SyncReplicasOptimizer): gradients computed on the current step are
+summed until ``replicas_to_aggregate`` have arrived, then one averaged update is
+applied and the step advances; a gradient computed on an older step is dropped
+and counted. A PUSH_PULL in sync mode is answered when its step's update has been
+applied (the token-queue wait of TF, in one round trip).
+
+Async mode: each gradient is applied on arrival and its staleness (current step
+minus the step it was computed on) is recorded.
+
+Once the step target is reached (or STOP arrives), replies carry Flag.STOPPED and
+later gradients are not applied.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from ..errors import ProtocolError
+from . import protocol
+from .plan import resolve_optimizer
+from .protocol import Flag, Message, Op
+
+POLL_MS = 100
+
+
+@dataclass
+class _RunState:
+    """One run's variables, optimizer and counters on this ps."""
+
+    run_id: int
+    mode: str
+    steps: int
+    replicas: int
+    ids: list[int]
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+    stopped: bool = False
+    accum: list[torch.Tensor] | None = None
+    accum_count: int = 0
+    contributors: list[int] = field(default_factory=list)
+    waiting: list[tuple[bytes, Message]] = field(default_factory=list)
+    snapshot: tuple[int, list[torch.Tensor]] | None = None
+    pushes: int = 0
+    pulls: int = 0
+    applied: int = 0
+    dropped_stale: int = 0
+    late: int = 0
+    staleness: Counter = field(default_factory=Counter)
+
+    def params_snapshot(self) -> list[torch.Tensor]:
+        """Copies of the current values, made once per step: replies are sent without a
+        copy, so they must not alias tensors that the next update changes in place."""
+        if self.snapshot is None or self.snapshot[0] != self.step:
+            self.snapshot = (self.step, [p.detach().clone() for p in self.params])
+        return self.snapshot[1]
+
+
+class ParameterServer:
+    """Serves one ps task on ``tcp://host:port`` (port 0: a free port, see ``.port``)."""
+
+    def __init__(self, key: bytes, *, index: int = 0, host: str = "127.0.0.1", port: int = 0,
+                 context: zmq.Context | None = None):
+        self.key = key
+        self.index = index
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.run: _RunState | None = None
+        self.bad_messages = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle -----------------------------------------------------------------
+    def start(self) -> "ParameterServer":
+        """Serve in a daemon thread."""
+        self._thread = threading.Thread(target=self.serve_forever, name=f"ps-{self.index}", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(POLL_MS):
+                    frames = self._sock.recv_multipart(copy=False)
+                    self._handle(frames)
+        finally:
+            self._sock.close(linger=0)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- dispatch ------------------------------------------------------------------
+    def _handle(self, frames) -> None:
+        identity, body = frames[0].bytes, frames[1:]
+        self.bytes_in += sum(len(f) for f in body)
+        try:
+            msg = protocol.decode(body, self.key)
+        except ProtocolError:
+            self.bad_messages += 1
+            return
+        handler = self._HANDLERS.get(msg.op)
+        if handler is None:
+            self._error(identity, msg, f"op {msg.op.name} is not a request")
+            return
+        try:
+            handler(self, identity, msg)
+        except ProtocolError as e:
+            self._error(identity, msg, str(e))
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        frames = protocol.encode(msg, self.key)
+        self.bytes_out += sum(memoryview(f).nbytes for f in frames)
+        self._sock.send_multipart([identity, *frames], copy=False)
+
+    def _reply(self, identity: bytes, req: Message, op: Op, *, flags=Flag.NONE, value: int = 0,
+               with_params: bool = False, meta: dict | None = None) -> None:
+        run = self.run
+        reply = Message(op=op, flags=flags, run_id=req.run_id, request_id=req.request_id,
+                        step=run.step if run else 0, value=value, meta=meta)
+        if run is not None and run.stopped:
+            reply.flags |= Flag.STOPPED
+        if with_params:
+            reply.ids = list(run.ids)
+            reply.tensors = run.params_snapshot()
+        self._send(identity, reply)
+
+    def _error(self, identity: bytes, req: Message, text: str) -> None:
+        self._reply(identity, req, Op.ERROR, meta={"error": text})
+
+    def _current(self, identity: bytes, msg: Message) -> _RunState | None:
+        """The run a request is about, or None after answering NOT_READY / ERROR."""
+        run = self.run
+        if run is None or run.run_id != msg.run_id:
+            if run is not None and msg.run_id < run.run_id:
+                self._error(identity, msg, f"run {msg.run_id} is over: ps {self.index} serves run {run.run_id}")
+            else:
+                self._reply(identity, msg, Op.NOT_READY)
+            return None
+        return run
+
+    # --- requests ------------------------------------------------------------------
+    def _hello(self, identity, msg):
+        self._reply(identity, msg, Op.OK, value=protocol.PROTOCOL_VERSION, meta={"ps": self.index})
+
+    def _init(self, identity, msg):
+        if self.run is not None and self.run.run_id == msg.run_id:
+            self._reply(identity, msg, Op.OK)  # already initialized: the chief retried
+            return
+        cfg = msg.meta or {}
+        try:
+            params = [torch.nn.Parameter(t.clone()) for t in msg.tensors]
+            optimizer = resolve_optimizer(cfg["optimizer"])(params, **cfg.get("optimizer_kwargs", {})) \
+                if params else None
+            run = _RunState(run_id=msg.run_id, mode=cfg["mode"], steps=int(cfg["steps"]),
+                            replicas=int(cfg["replicas_to_aggregate"]), ids=list(msg.ids),
+                            names=list(cfg["names"]), params=params, optimizer=optimizer)
+        except (KeyError, TypeError, ValueError) as e:
+            self._error(identity, msg, f"bad INIT: {e}")
+            return
+        self._release_waiting()
+        self.run = run
+        self._reply(identity, msg, Op.OK)
+
+    def _pull(self, identity, msg):
+        run = self._current(identity, msg)
+        if run is not None:
+            run.pulls += 1
+            self._reply(identity, msg, Op.PARAMS, with_params=True)
+
+    def _push(self, identity, msg):
+        run = self._current(identity, msg)
+        if run is None:
+            return
+        if msg.ids != run.ids:
+            self._error(identity, msg, f"push holds variables {msg.ids}, ps {self.index} has {run.ids}")
+            return
+        run.pushes += 1
+        with_params = msg.op is Op.PUSH_PULL
+        reply_op = Op.PARAMS if with_params else Op.OK
+        if run.stopped:
+            run.late += 1
+            self._reply(identity, msg, reply_op, flags=Flag.DROPPED, with_params=with_params)
+            return
+        staleness = run.step - msg.step
+        if run.mode == "async":
+            run.staleness[staleness] += 1
+            self._apply(run, msg.tensors, 1)
+            self._reply(identity, msg, reply_op, value=staleness, with_params=with_params)
+            return
+        if staleness != 0:
+            run.dropped_stale += 1
+            self._reply(identity, msg, reply_op, flags=Flag.DROPPED, value=staleness, with_params=with_params)
+            return
+        if run.accum is None:
+            run.accum = [g.to(torch.float32 if not g.is_floating_point() else g.dtype, copy=True)
+                         for g in msg.tensors]
+        else:
+            for a, g in zip(run.accum, msg.tensors):
+                a.add_(g)
+        run.accum_count += 1
+        run.contributors.append(msg.task)
+        if with_params:
+            # The frames of `msg` are released after this call: keep only the header.
+            run.waiting.append((identity, Message(op=msg.op, run_id=msg.run_id, request_id=msg.request_id)))
+        else:
+            self._reply(identity, msg, Op.OK)
+        if run.accum_count >= run.replicas:
+            self._apply(run, run.accum, run.accum_count)
+            run.accum, run.accum_count, run.contributors = None, 0, []
+            self._release_waiting()
+
+    def _stats(self, identity, msg):
+        run = self.run
+        meta = {"ps": self.index, "bad_messages": self.bad_messages,
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+        if run is not None:
+            meta.update(run_id=run.run_id, mode=run.mode, step=run.step, stopped=run.stopped,
+                        pushes=run.pushes, pulls=run.pulls, applied=run.applied,
+                        dropped_stale=run.dropped_stale, late=run.late,
+                        staleness={str(k): v for k, v in sorted(run.staleness.items())},
+                        waiting_on=sorted(set(run.contributors)),
+                        variables=run.names)
+        self._reply(identity, msg, Op.OK, meta=meta)
+
+    def _stop_run(self, identity, msg):
+        run = self.run
+        if run is not None and run.run_id == msg.run_id:
+            run.stopped = True
+            self._release_waiting()
+        self._reply(identity, msg, Op.OK)
+
+    def _shutdown(self, identity, msg):
+        self._reply(identity, msg, Op.OK)
+        self._stop.set()
+
+    # --- updates -------------------------------------------------------------------
+    def _apply(self, run: _RunState, grads, count: int) -> None:
+        if run.optimizer is not None:
+            scale = 1.0 / count
+            for p, g in zip(run.params, grads):
+                p.grad = g.to(p.dtype) * scale if count > 1 else g.to(p.dtype, copy=True)
+            run.optimizer.step()
+            for p in run.params:
+                p.grad = None
+        run.step += 1
+        run.applied += 1
+        if run.step >= run.steps:
+            run.stopped = True
+
+    def _release_waiting(self) -> None:
+        run = self.run
+        if run is None:
+            return
+        waiting, run.waiting = run.waiting, []
+        for identity, req in waiting:
+            self._reply(identity, req, Op.PARAMS, with_params=True)
+
+    _HANDLERS = {Op.HELLO: _hello, Op.INIT: _init, Op.PULL: _pull, Op.PUSH: _push,
+                 Op.PUSH_PULL: _push, Op.STATS: _stats, Op.STOP: _stop_run, Op.SHUTDOWN: _shutdown}
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
