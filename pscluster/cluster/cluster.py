@@ -13,8 +13,8 @@ import itertools
 import os
 import secrets
 import time
+from dataclasses import replace
 
-import cloudpickle
 import torch
 
 from ..errors import ClusterStateError, ConfigError
@@ -26,6 +26,7 @@ from ..spec import ClusterSpec
 from .engines import EngineSet
 from .roles import assign_roles
 from .run import Run
+from .shipping import ship
 
 _run_ids = itertools.count(int(time.time()) % 1_000_000 * 1000 + 1)
 
@@ -141,11 +142,7 @@ class Cluster:
         names = [n for n, _ in model.named_parameters()]
         if not names:
             raise ConfigError("the model has no parameters to train: check model_fn")
-        try:
-            code = cloudpickle.dumps((model_fn, dataset, loss_fn))
-        except Exception as e:
-            raise ConfigError(f"cannot ship the model, dataset or loss to the engines ({e}): "
-                              "define them in the notebook or an importable module") from None
+        code = ship(model_fn, dataset, loss_fn)
         run_plan = TrainPlan(run_id=next(_run_ids) & 0xFFFFFFFF or 1, mode=mode, steps=steps,
                              batch_size=batch_size, optimizer=optimizer_name(optimizer),
                              optimizer_kwargs=optimizer_kwargs, replicas_to_aggregate=replicas,
@@ -153,7 +150,6 @@ class Cluster:
                              variables=describe_variables(model, round_robin(names, self.num_ps)),
                              seed=seed, log_every=log_every, request_timeout=request_timeout)
         run = Run(spec, run_plan, model_fn, loss_fn, name=name)
-        from dataclasses import replace
         run.plan = run_plan = replace(run_plan, metrics_address=run.collector.address)
         plan_json, spec_json = run_plan.to_json(), spec.to_json()
         run._attach([self._engines.view(t.engine_id).apply_async(remote.train_worker, spec_json, t.index,

@@ -85,6 +85,7 @@ class ParameterServer:
         else:
             self.port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.run: _RunState | None = None
+        self._stop_requested: set[int] = set()  # STOP can arrive before the chief's INIT
         self.bad_messages = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -187,6 +188,7 @@ class ParameterServer:
             self._error(identity, msg, f"bad INIT: {e}")
             return
         self._release_waiting()
+        run.stopped = run.run_id in self._stop_requested
         self.run = run
         self._reply(identity, msg, Op.OK)
 
@@ -256,6 +258,8 @@ class ParameterServer:
         if run is not None and run.run_id == msg.run_id:
             run.stopped = True
             self._release_waiting()
+        else:
+            self._stop_requested.add(msg.run_id)
         self._reply(identity, msg, Op.OK)
 
     def _shutdown(self, identity, msg):

@@ -1,0 +1,50 @@
+"""Shipping notebook-defined code to engines with cloudpickle.
+
+cloudpickle sends functions and classes of ``__main__`` (notebook cells) by
+value, but those of any other imported module by reference, which fails on an
+engine that cannot import that module (a helper file next to the notebook, a
+test module). Modules that are not installed (outside site-packages and the
+standard library) are therefore sent by value too.
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+from pathlib import Path
+
+import cloudpickle
+
+from ..errors import ConfigError
+
+_INSTALLED = tuple(Path(p).resolve() for p in {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")})
+
+
+def _local_modules(objs) -> list:
+    modules = []
+    for obj in objs:
+        for candidate in (obj, type(obj)):
+            name = getattr(candidate, "__module__", None)
+            module = sys.modules.get(name) if name else None
+            file = getattr(module, "__file__", None)
+            if module is None or name == "__main__" or not file or name.split(".")[0] == "pscluster":
+                continue
+            path = Path(file).resolve()
+            if not any(path.is_relative_to(root) for root in _INSTALLED):
+                modules.append(module)
+    return modules
+
+
+def ship(*objs) -> bytes:
+    """cloudpickle bytes of ``objs`` (a tuple), local modules' code included by value."""
+    modules = _local_modules(objs)
+    for m in modules:
+        cloudpickle.register_pickle_by_value(m)
+    try:
+        return cloudpickle.dumps(objs)
+    except Exception as e:
+        raise ConfigError(f"cannot ship the model, dataset or loss to the engines ({e}): "
+                          "define them in the notebook or an importable module") from None
+    finally:
+        for m in modules:
+            cloudpickle.unregister_pickle_by_value(m)

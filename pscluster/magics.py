@@ -1,0 +1,166 @@
+"""``%pscluster`` and ``%%pscluster``: thin wrappers over the public API.
+
+    %pscluster start --ps 1 --workers 2
+    %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1
+    model = ...; loss_fn = ...; dataset = ...
+    %pscluster status
+    %pscluster stop
+
+Errors are shown as one line (IPython's UsageError), never a traceback, and
+leave the running cluster and finished runs as they were.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from .cluster.cluster import Cluster
+from .errors import ConfigError, PSClusterError
+
+USAGE = "usage: %pscluster start|train|status|stop [options]  (%pscluster <command> --help for options)"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(f"{message}: see %pscluster {self.prog.split()[-1]} --help")
+
+    def exit(self, status=0, message=None):
+        if message:
+            print(message)
+        raise _HelpShown
+
+
+class _HelpShown(Exception):
+    pass
+
+
+def _parsers() -> dict[str, _Parser]:
+    start = _Parser(prog="%pscluster start", add_help=True)
+    start.add_argument("--ps", type=int, default=1, help="number of ps tasks (>= 1)")
+    start.add_argument("--workers", type=int, default=2, help="number of worker tasks (>= 1)")
+    start.add_argument("--gpus", type=int, default=None, help="GPUs for the workers (default: all visible)")
+    start.add_argument("--name", default=None, help="cluster name")
+
+    train = _Parser(prog="%%pscluster train")
+    train.add_argument("--mode", choices=("sync", "async"), default="sync")
+    train.add_argument("--steps", type=int, default=1000, help="global step target")
+    train.add_argument("--batch-size", type=int, default=64)
+    train.add_argument("--optimizer", default="sgd", help="a torch.optim class name")
+    train.add_argument("--lr", type=float, default=0.01, help="learning rate")
+    train.add_argument("--momentum", type=float, default=None, help="(optimizers that take it)")
+    train.add_argument("--replicas-to-aggregate", type=int, default=None, help="sync: default all workers")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--log-every", type=int, default=100)
+    train.add_argument("--name", default=None, help="run name")
+
+    return {"start": start, "train": train, "status": _Parser(prog="%pscluster status"),
+            "stop": _Parser(prog="%pscluster stop")}
+
+
+@magics_class
+class PSClusterMagics(Magics):
+    """The cluster started by ``%pscluster start`` lives in this object (one per kernel)."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.cluster: Cluster | None = None
+        self.last_run = None
+
+    @line_cell_magic
+    def pscluster(self, line: str, cell: str | None = None):
+        try:
+            words = shlex.split(line)
+        except ValueError as e:
+            raise UsageError(f"cannot parse the arguments ({e}): check the quotes") from None
+        if not words:
+            raise UsageError(USAGE)
+        command, rest = words[0], words[1:]
+        parsers = _parsers()
+        if command not in parsers:
+            raise UsageError(f"unknown command {command!r}: {USAGE}")
+        if (cell is not None) != (command == "train"):
+            raise UsageError("train is a cell magic (%%pscluster train ...); "
+                             "start, status and stop are line magics (%pscluster ...)")
+        try:
+            args = parsers[command].parse_args(rest)
+            return getattr(self, f"_{command}")(args, cell)
+        except _HelpShown:
+            return None
+        except PSClusterError as e:
+            raise UsageError(str(e)) from None
+
+    def _start(self, args, cell):
+        if self.cluster is not None and self.cluster.running:
+            raise UsageError(f"cluster {self.cluster.name} is already running: %pscluster stop it first")
+        cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name)
+        self.cluster = cluster.start()
+        return self.cluster
+
+    def _running(self, what: str) -> Cluster:
+        if self.cluster is None or not self.cluster.running:
+            raise UsageError(f"no cluster to {what}: run %pscluster start first")
+        return self.cluster
+
+    def _train(self, args, cell):
+        cluster = self._running("train on")
+        if "model" not in _defined_names(cell):
+            raise UsageError("the %%pscluster train cell defines no `model`: assign a torch.nn.Module "
+                             "(or a function that builds one) to `model` in the cell")
+        result = self.shell.run_cell(cell, store_history=False)
+        if not result.success:
+            return None
+        ns = self.shell.user_ns
+        for name, what in (("loss_fn", "a loss function, e.g. torch.nn.CrossEntropyLoss()"),
+                           ("dataset", "a dataset, e.g. pscluster.datasets.digits('train')")):
+            if name not in ns:
+                raise UsageError(f"the %%pscluster train cell defines no `{name}`: assign {what} to `{name}`")
+        kwargs = {"lr": args.lr}
+        if args.momentum is not None:
+            kwargs["momentum"] = args.momentum
+        run = cluster.train(ns["model"], ns["dataset"], ns["loss_fn"], optimizer=args.optimizer, mode=args.mode,
+                            steps=args.steps, batch_size=args.batch_size,
+                            replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed,
+                            log_every=args.log_every, name=args.name, **kwargs)
+        self.last_run = run
+        try:
+            run.wait()
+        except KeyboardInterrupt:
+            run.stop()
+            print(f"{run.name} stopped at global step {run.global_step}")
+        return run
+
+    def _status(self, args, cell):
+        if self.cluster is None or not self.cluster.running:
+            print("no cluster running: %pscluster start --ps 1 --workers 2")
+            return None
+        return self.cluster
+
+    def _stop(self, args, cell):
+        cluster = self._running("stop")
+        cluster.stop()
+        print(f"cluster {cluster.name} stopped")
+
+
+def _defined_names(cell: str) -> set[str]:
+    """Names a cell binds at top level (assignments, defs, imports); empty if it does not parse."""
+    try:
+        tree = ast.parse(cell)
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        for sub in ast.walk(node) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.With, ast.If)) else ():
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                names.add(sub.id)
+    return names
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(PSClusterMagics(ipython))

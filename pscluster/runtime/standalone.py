@@ -1,0 +1,59 @@
+"""Running a task without a notebook: the cluster comes from ``PSCLUSTER_CONFIG``.
+
+ps task::
+
+    PSCLUSTER_CONFIG='{"cluster": ..., "task": {"type": "ps", "index": 0}}' python -m pscluster.runtime
+
+worker task, from the user's own script::
+
+    from pscluster.runtime.standalone import train_from_environment
+    summary = train_from_environment(model_fn, dataset, loss_fn, optimizer="sgd", lr=0.1, steps=1000)
+
+Every worker derives the same plan (placement is a pure function of the model),
+so no coordinator is needed: the chief initializes the ps tasks as usual.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from ..errors import ConfigError
+from ..spec import from_environment
+from .placement import round_robin
+from .plan import TrainPlan, describe_variables, optimizer_name
+from .ps import ParameterServer
+from .worker import build_model, run_worker
+
+
+def serve_ps() -> None:
+    """Serve the ps task named in ``PSCLUSTER_CONFIG`` until SIGTERM/SIGINT or a SHUTDOWN message."""
+    spec, task = from_environment()
+    if task.role != "ps":
+        raise ConfigError(f"{task.name} is a worker: run it from your script with train_from_environment()")
+    server = ParameterServer(spec.key, index=task.index, host=task.host, port=task.port).start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.is_set() and server.running:
+        done.wait(0.2)
+    server.shutdown()
+
+
+def train_from_environment(model_fn, dataset, loss_fn, *, optimizer="sgd", mode: str = "sync",
+                           steps: int = 1000, batch_size: int = 64, replicas_to_aggregate: int | None = None,
+                           seed: int = 0, log_every: int = 100, run_id: int = 1,
+                           request_timeout: float = 120.0, log=print, **optimizer_kwargs) -> dict:
+    """Train as the worker named in ``PSCLUSTER_CONFIG``; returns the worker's summary."""
+    spec, task = from_environment()
+    if task.role != "worker":
+        raise ConfigError(f"{task.name} is a ps task: serve it with `python -m pscluster.runtime`")
+    model = build_model(model_fn, seed)
+    names = [n for n, _ in model.named_parameters()]
+    plan = TrainPlan(run_id=run_id, mode=mode, steps=steps, batch_size=batch_size,
+                     optimizer=optimizer_name(optimizer), optimizer_kwargs=optimizer_kwargs,
+                     replicas_to_aggregate=replicas_to_aggregate or len(spec.workers),
+                     num_workers=len(spec.workers),
+                     variables=describe_variables(model, round_robin(names, len(spec.ps))),
+                     seed=seed, log_every=log_every, request_timeout=request_timeout)
+    return run_worker(spec, task.index, plan, model_fn, dataset, loss_fn, log=log)

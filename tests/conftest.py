@@ -1,0 +1,30 @@
+"""Session-wide safety net: no engine, controller or ps process outlives the test run."""
+
+import os
+
+import psutil
+import pytest
+
+os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+
+
+def _leftovers() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reap_leftover_processes():
+    """Kill (and report) any child process the tests left behind."""
+    yield
+    left = _leftovers()
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=5)
+    if left:
+        print("\nreaped leftover processes:", ", ".join(f"{p.pid}" for p in left))

@@ -1,0 +1,102 @@
+"""Sync and async semantics on real engines (1 ps + 2 workers, and 2 ps tasks)."""
+
+import pytest
+import torch
+
+import pscluster
+from pscluster.errors import ClusterStateError, TrainingError
+
+from conftest import mlp
+
+pytestmark = pytest.mark.integration
+LOSS = torch.nn.CrossEntropyLoss()
+
+
+def test_roles_table(cluster_1ps_2w):
+    roles = cluster_1ps_2w.roles()
+    assert [(r["role"], r["task"]) for r in roles] == [("ps", 0), ("chief", 0), ("worker", 1)]
+    assert len({r["pid"] for r in roles}) == 3 and len({r["engine"] for r in roles}) == 3
+    assert all(r["device"] == "cpu" for r in roles)  # no CUDA on this machine
+    assert roles[0]["address"].startswith("tcp://127.0.0.1:")
+
+
+def test_sync_global_step_is_local_steps_over_replicas(cluster_1ps_2w, digits_train):
+    run = cluster_1ps_2w.train(mlp, digits_train, LOSS, optimizer="sgd", lr=0.1, mode="sync",
+                               steps=120, batch_size=32, log_every=40).wait(verbose=False)
+    s = run.summary()
+    assert s["global_step"] == 120
+    assert run.local_steps == [120, 120]  # each worker contributes once per global step
+    assert s["dropped_stale"] == 0
+    assert len(run.logs) == 6 and run.logs[0].startswith("[worker:")
+    assert "After 40 training steps (40 global steps), loss" in " ".join(run.logs)
+
+
+def test_sync_with_fewer_replicas_drops_and_counts_stale_gradients(cluster_1ps_2w, digits_train):
+    run = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, mode="sync", steps=150, batch_size=32,
+                               replicas_to_aggregate=1).wait(verbose=False)
+    stats = run.ps_stats[0]
+    # Every push was applied (one per global step), dropped as stale, or arrived after the target.
+    assert sum(run.local_steps) == stats["pushes"]
+    assert stats["applied"] == run.global_step == 150
+    assert stats["pushes"] == stats["applied"] + stats["dropped_stale"] + stats["late"]
+    assert stats["dropped_stale"] > 0  # two workers racing for the same step
+
+
+def test_async_records_staleness_per_push(cluster_1ps_2w, digits_train):
+    run = cluster_1ps_2w.train(mlp, digits_train, LOSS, optimizer=torch.optim.SGD, lr=0.05, mode="async",
+                               steps=200, batch_size=32).wait(verbose=False)
+    stats = run.ps_stats[0]
+    hist = run.staleness()
+    assert run.global_step == 200
+    assert sum(hist.values()) == stats["applied"] == 200
+    assert stats["pushes"] == stats["applied"] + stats["late"]
+    assert max(hist) >= 1  # the two workers interleave
+    per_worker = sum(sum(r["staleness"].values()) for r in run.results)
+    assert per_worker == stats["applied"]
+
+
+def test_trained_model_evaluates_and_survives_cluster_state(cluster_1ps_2w, digits_train):
+    run = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, mode="sync", steps=300,
+                               batch_size=64).wait(verbose=False)
+    result = run.evaluate(pscluster.datasets.digits("test"))
+    assert result["accuracy"] > 0.85 and result["loss"] < 1.0
+    assert set(run.state_dict()) == {n for n, _ in mlp().named_parameters()}
+
+
+def test_worker_error_is_one_line_and_cluster_stays_usable(cluster_1ps_2w, digits_train):
+    def broken():
+        return torch.nn.Sequential(torch.nn.Linear(63, 10))  # digits have 64 features
+
+    run = cluster_1ps_2w.train(broken, digits_train, LOSS, steps=10)
+    with pytest.raises(TrainingError) as err:
+        run.wait(timeout=120, verbose=False)
+    assert "\n" not in str(err.value) and "worker 0 failed" in str(err.value)
+    again = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, steps=20).wait(verbose=False)
+    assert again.global_step == 20
+
+
+def test_second_train_while_one_runs_is_refused(cluster_1ps_2w, digits_train):
+    run = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, steps=2000, batch_size=8)
+    try:
+        with pytest.raises(ClusterStateError, match="still training"):
+            cluster_1ps_2w.train(mlp, digits_train, LOSS, steps=10)
+    finally:
+        run.stop()
+    assert run.done and run.global_step < 2000
+
+
+def test_two_ps_tasks_hold_disjoint_variables(start_cluster, digits_train):
+    cluster = start_cluster(ps=2, workers=2)
+    run = cluster.train(mlp, digits_train, LOSS, optimizer="adam", lr=0.01, mode="async", steps=100,
+                        batch_size=32).wait(verbose=False)
+    held = [set(s["variables"]) for s in run.ps_stats]
+    assert held[0] and held[1] and not held[0] & held[1]
+    assert held[0] | held[1] == {n for n, _ in mlp().named_parameters()}
+    assert cluster.placement() == ["0.weight: /job:ps/task:0", "0.bias: /job:ps/task:1",
+                                   "2.weight: /job:ps/task:0", "2.bias: /job:ps/task:1"]
+    pids = cluster.pids
+    cluster.stop()
+    from pscluster.cluster.reaper import alive
+    assert pids and not [p for p in pids if alive(p)]
+    with pytest.raises(ClusterStateError, match="not running"):
+        cluster.train(mlp, digits_train, LOSS, steps=10)
