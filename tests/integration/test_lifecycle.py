@@ -1,0 +1,51 @@
+"""Lifecycle: stop() leaves nothing behind; a cluster dies with the process that owns it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pscluster.cluster.reaper import alive
+
+pytestmark = pytest.mark.integration
+
+OWNER = textwrap.dedent("""
+    import json, os, sys, time, pscluster
+    cluster = pscluster.Cluster(ps=1, workers=1).start()
+    print(json.dumps(cluster.pids), flush=True)
+    time.sleep(300)
+""")
+
+
+def wait_dead(pids, timeout) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_cluster_dies_with_its_owner_process():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(owner.stdout.readline())
+        assert len(pids) == 3 and all(alive(p) for p in pids)  # 2 engines + the ipyparallel controller
+        os.kill(owner.pid, signal.SIGKILL)  # a kernel that dies without cleaning up
+        owner.wait(10)
+        assert wait_dead(pids, timeout=20) == []
+    finally:
+        owner.kill()
+        owner.wait(10)
+
+
+def test_stop_leaves_no_process(start_cluster):
+    cluster = start_cluster(ps=1, workers=1)
+    pids = cluster.pids
+    assert all(alive(p) for p in pids)
+    cluster.stop()
+    assert [p for p in pids if alive(p)] == []
+    cluster.stop()  # stopping twice is harmless
