@@ -1,0 +1,50 @@
+"""The magics on real engines: start, a train cell, bad input that loses nothing, stop."""
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+
+from pscluster.cluster.reaper import alive
+
+pytestmark = pytest.mark.integration
+
+TRAIN_CELL = """
+import torch, pscluster
+model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+loss_fn = torch.nn.CrossEntropyLoss()
+dataset = pscluster.datasets.digits("train")
+"""
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "pscluster")
+    yield shell
+    magics = shell.magics_manager.registry["PSClusterMagics"]
+    if magics.cluster is not None:
+        magics.cluster.stop()
+
+
+def test_magic_session(ip, capsys):
+    cluster = ip.run_line_magic("pscluster", "start --ps 1 --workers 2")
+    pids = cluster.pids
+    with pytest.raises(UsageError, match="already running: %pscluster stop it first"):
+        ip.run_line_magic("pscluster", "start --ps 1 --workers 1")
+    with pytest.raises(UsageError, match="defines no `model`"):
+        ip.run_cell_magic("pscluster", "train --steps 10", "loss_fn = None")
+    with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
+        ip.run_cell_magic("pscluster", "train --bogus", TRAIN_CELL)
+    run = ip.run_cell_magic("pscluster", "train --mode sync --steps 40 --batch-size 32 --lr 0.1 --log-every 20",
+                            TRAIN_CELL)
+    assert run.global_step == 40 and run.local_steps == [40, 40]
+    out = capsys.readouterr().out
+    assert "[worker:1] After 20 training steps (20 global steps), loss" in out
+    with pytest.raises(UsageError, match="unknown optimizer 'nope'"):
+        ip.run_cell_magic("pscluster", "train --optimizer nope", TRAIN_CELL)
+    assert ip.run_line_magic("pscluster", "status") is cluster and all(alive(p) for p in pids)
+    assert run.evaluate(ip.user_ns["dataset"])["accuracy"] is not None  # still there after the errors
+    ip.run_line_magic("pscluster", "stop")
+    assert [p for p in pids if alive(p)] == []
+    with pytest.raises(UsageError, match="run %pscluster start first"):
+        ip.run_cell_magic("pscluster", "train", TRAIN_CELL)

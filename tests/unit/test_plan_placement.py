@@ -1,0 +1,157 @@
+"""Pure planning functions: placement, role assignment, devices, TrainPlan, optimizers."""
+
+import pytest
+import torch
+
+from pscluster.cluster.roles import EngineInfo, assign_roles, worker_devices
+from pscluster.errors import ConfigError
+from pscluster.runtime.placement import round_robin
+from pscluster.runtime.plan import (TrainPlan, VariableSpec, describe_variables, optimizer_name,
+                                    resolve_optimizer)
+
+
+class MyOptimizer(torch.optim.SGD):
+    """An optimizer from outside torch.optim, found by its ``module:Class`` path."""
+
+
+@pytest.fixture
+def engines():
+    # registration order is not engine-id order
+    return [EngineInfo(engine_id=i, host="h", pid=1000 + i) for i in (4, 0, 3, 1, 2)]
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def plan(**changes) -> TrainPlan:
+    kw = dict(run_id=1, mode="sync", steps=10, batch_size=8, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
+    return TrainPlan(**{**kw, **changes})
+
+
+# --- placement -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_ps, expected", [
+    (1, [0, 0, 0, 0, 0]),
+    (2, [0, 1, 0, 1, 0]),
+    (3, [0, 1, 2, 0, 1]),
+    (7, [0, 1, 2, 3, 4]),
+])
+def test_round_robin(num_ps, expected):
+    names = ["a", "b", "c", "d", "e"]
+    assert round_robin(names, num_ps) == dict(zip(names, expected))
+
+
+def test_round_robin_needs_a_ps():
+    with pytest.raises(ValueError):
+        round_robin(["a"], 0)
+
+
+def test_describe_variables(model):
+    variables = describe_variables(model, round_robin([n for n, _ in model.named_parameters()], 2))
+    assert [(v.id, v.name, v.shape, v.dtype, v.ps) for v in variables] == [
+        (0, "0.weight", (3, 4), "float32", 0), (1, "0.bias", (3,), "float32", 1),
+        (2, "2.weight", (2, 3), "float32", 0), (3, "2.bias", (2,), "float32", 1)]
+    assert variables[0].nbytes == 48 and variables[0].placement == "0.weight: /job:ps/task:0"
+    assert VariableSpec(0, "e", (10, 4), "float16", 0).nbytes == 80
+
+
+# --- roles and devices ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpus, devices", [(0, ["cpu"] * 3), (2, ["cuda:0", "cuda:1", "cuda:0"]),
+                                           (4, ["cuda:0", "cuda:1", "cuda:2"])])
+def test_worker_devices(gpus, devices):
+    assert worker_devices(3, gpus) == devices
+
+
+def test_worker_devices_negative_gpus():
+    with pytest.raises(ConfigError, match="gpus=-1: use 0"):
+        worker_devices(2, -1)
+
+
+@pytest.mark.parametrize("gpus, devices", [(0, ["cpu", "cpu"]), (2, ["cuda:0", "cuda:1"])])
+def test_assign_roles_puts_ps_on_the_lowest_engine_ids(engines, gpus, devices):
+    spec = assign_roles(engines, 2, 2, gpus=gpus, name="c", secret="ab" * 16)
+    assert [(t.role, t.index, t.engine_id, t.pid, t.device) for t in spec.ps] == [
+        ("ps", 0, 0, 1000, "cpu"), ("ps", 1, 1, 1001, "cpu")]
+    assert [(t.role, t.index, t.engine_id, t.device) for t in spec.workers] == [
+        ("worker", 0, 2, devices[0]), ("worker", 1, 3, devices[1])]
+    assert spec.chief.engine_id == 2
+    assert spec.name == "c" and spec.secret == "ab" * 16
+    assert all(t.host == "127.0.0.1" for t in spec.ps + spec.workers)
+
+
+def test_assign_roles_with_too_few_engines(engines):
+    with pytest.raises(ConfigError, match="5 engines for 2 ps \\+ 4 workers: start more engines"):
+        assign_roles(engines, 2, 4)
+
+
+# --- TrainPlan -----------------------------------------------------------------------------
+
+
+def test_train_plan_json_round_trip(model):
+    p = plan(variables=describe_variables(model, round_robin([n for n, _ in model.named_parameters()], 2)),
+             mode="async", optimizer="Adam", optimizer_kwargs={"lr": 0.01, "amsgrad": True},
+             metrics_address="tcp://127.0.0.1:5555", seed=3, num_workers=2, replicas_to_aggregate=2)
+    back = TrainPlan.from_json(p.to_json())
+    assert back == p
+    assert isinstance(back.variables[0].shape, tuple)
+    assert [v.name for v in back.variables_on(1)] == ["0.bias", "2.bias"]
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"mode": "ssp"}, "unknown mode 'ssp': use 'sync' or 'async'"),
+    ({"steps": 0}, "steps=0: use a positive integer"),
+    ({"steps": 2.5}, "steps=2.5: use a positive integer"),
+    ({"batch_size": -1}, "batch_size=-1"),
+    ({"replicas_to_aggregate": 0}, "replicas_to_aggregate=0"),
+    ({"run_id": 0}, "run_id must fit in 32 bits"),
+    ({"run_id": 2**32}, "run_id must fit in 32 bits"),
+    ({"request_timeout": 0}, "request_timeout must be positive"),
+    ({"optimizer": "nosuchopt"}, "unknown optimizer 'nosuchopt': use a torch.optim class"),
+    ({"optimizer_kwargs": {"lr": torch.tensor(0.1)}}, "optimizer keyword arguments must be plain"),
+    ({"optimizer_kwargs": {"betas": object()}}, "optimizer keyword arguments must be plain"),
+])
+def test_train_plan_validation(changes, problem):
+    with pytest.raises(ConfigError, match=problem) as info:
+        plan(**changes)
+    assert "\n" not in str(info.value)
+
+
+# --- optimizers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("sgd", torch.optim.SGD), ("SGD", torch.optim.SGD), ("Adam", torch.optim.Adam),
+    ("adagrad", torch.optim.Adagrad), ("ADAMW", torch.optim.AdamW), ("rmsprop", torch.optim.RMSprop),
+    ("torch.optim:SGD", torch.optim.SGD), ("torch.optim.adam:Adam", torch.optim.Adam),
+    (f"{__name__}:MyOptimizer", MyOptimizer),
+])
+def test_resolve_optimizer(name, cls):
+    assert resolve_optimizer(name) is cls
+
+
+@pytest.mark.parametrize("name", ["Optimizer", "adamx", "no.such.module:Opt", "torch.optim:NoSuch",
+                                  "os:getcwd", "torch.optim:Optimizer"])
+def test_resolve_optimizer_refuses_what_is_not_an_optimizer(name):
+    with pytest.raises(ConfigError, match="optimizer"):
+        resolve_optimizer(name)
+
+
+@pytest.mark.parametrize("given, name", [
+    (torch.optim.SGD, "SGD"), (torch.optim.Adagrad, "Adagrad"), ("adam", "adam"),
+    (MyOptimizer, f"{__name__}:MyOptimizer"),
+])
+def test_optimizer_name(given, name):
+    assert optimizer_name(given) == name
+    assert resolve_optimizer(optimizer_name(given)) is (given if isinstance(given, type) else torch.optim.Adam)
+
+
+@pytest.mark.parametrize("given", [42, torch.nn.Linear, "bogus"])
+def test_optimizer_name_refuses(given):
+    with pytest.raises(ConfigError):
+        optimizer_name(given)

@@ -1,0 +1,216 @@
+"""The wire format: round trips, signing, versioning, malformed input, zero copy, no pickle."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from pscluster.errors import ProtocolError
+from pscluster.runtime import protocol
+from pscluster.runtime.protocol import Flag, Message, Op, decode, encode
+
+KEY = bytes(range(32))
+
+
+def sample(dtype, shape=(3, 4)):
+    """Values that use the whole range of ``dtype`` (sign, fraction, extremes)."""
+    g = torch.Generator().manual_seed(0)
+    if dtype is torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) * 100
+    info = torch.iinfo(dtype)
+    t = torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(dtype)
+    if t.numel() >= 2:  # extremes catch sign and byte-order mistakes
+        t.view(-1)[:2] = torch.tensor([info.min, info.max], dtype=dtype)
+    return t
+
+
+def round_trip(msg: Message, key: bytes = KEY) -> Message:
+    return decode(encode(msg, key), key)
+
+
+def resign(frames, key: bytes = KEY, **header):
+    """``frames`` with header fields replaced and a fresh, valid signature."""
+    fields = dict(zip(("magic", "version", "op", "flags", "task", "run_id", "request_id", "step", "value",
+                       "count"), protocol._HEADER.unpack(frames[0])))
+    fields.update(header)
+    return sign([protocol._HEADER.pack(*fields.values()), *frames[1:-1]], key)
+
+
+def sign(frames, key: bytes = KEY):
+    """``frames`` (without a mac) followed by their valid mac."""
+    return [*frames, protocol._mac(key, frames)]
+
+
+@pytest.fixture
+def frames():
+    """A signed PUSH of two tensors."""
+    return encode(Message(op=Op.PUSH, task=1, run_id=RUN, step=3, ids=[0, 5],
+                          tensors=[sample(torch.float32), sample(torch.int64, (2,))]), KEY)
+
+
+RUN = 42
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(protocol._DTYPES), ids=str)
+@pytest.mark.parametrize("shape", [(3, 4), (), (0,), (2, 0, 3), (1,) * protocol.MAX_DIMS],
+                         ids=["2d", "0-dim", "empty", "empty-3d", "max-dims"])
+def test_round_trip_every_dtype_and_shape(dtype, shape):
+    t = sample(dtype, shape)
+    back = round_trip(Message(op=Op.PARAMS, ids=[9], tensors=[t]))
+    assert back.ids == [9]
+    (u,) = back.tensors
+    assert u.dtype == dtype and u.shape == t.shape
+    assert torch.equal(u, t)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(12.0).reshape(3, 4).t(),
+    lambda: torch.arange(24, dtype=torch.int32).reshape(4, 6)[:, ::2],
+    lambda: torch.arange(10.0)[3:7],
+    lambda: torch.ones(3, requires_grad=True) * 2,
+], ids=["transposed", "strided", "offset", "requires-grad"])
+def test_round_trip_of_views_and_tensors_that_need_grad(make):
+    t = make()
+    (u,) = round_trip(Message(op=Op.PUSH, ids=[0], tensors=[t])).tensors
+    assert torch.equal(u, t.detach())
+
+
+def test_header_fields_and_json_meta_survive():
+    meta = {"names": ["fc1.weight", "ünïcode"], "nested": {"lr": 0.1, "ok": True, "none": None}}
+    msg = Message(op=Op.PUSH_PULL, flags=Flag.STOPPED | Flag.DROPPED, task=65534, run_id=2**32 - 1,
+                  request_id=123456, step=-5, value=2**62, meta=meta)
+    back = round_trip(msg)
+    for name in ("op", "flags", "task", "run_id", "request_id", "step", "value", "meta"):
+        assert getattr(back, name) == getattr(msg, name), name
+    assert back.ids == [] and back.tensors == []
+
+
+def test_message_without_meta_decodes_to_none():
+    assert round_trip(Message(op=Op.HELLO)).meta is None
+
+
+def test_decode_accepts_zmq_frames():
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://protocol-test")
+        b.connect("inproc://protocol-test")
+        t = torch.randn(1000, 10)
+        a.send_multipart(encode(Message(op=Op.PARAMS, ids=[1], tensors=[t]), KEY), copy=False)
+        back = decode(b.recv_multipart(copy=False), KEY)
+        assert torch.equal(back.tensors[0], t)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+# --- the frames on the wire ----------------------------------------------------------------
+
+
+def test_frames_are_header_table_json_raw_payloads_and_mac():
+    tensors = [sample(torch.float32, (3, 4)), sample(torch.bool, (5,)), sample(torch.float64, ())]
+    meta = {"error": "x"}
+    frames = encode(Message(op=Op.PUSH, ids=[0, 1, 2], tensors=tensors, meta=meta), KEY)
+    sizes = [memoryview(f).nbytes for f in frames]
+    assert len(frames) == 3 + len(tensors) + 1
+    assert sizes[0] == protocol._HEADER.size and bytes(frames[0][:4]) == protocol.MAGIC
+    assert sizes[1] == len(tensors) * protocol._TENSOR.size
+    assert json.loads(bytes(frames[2])) == meta
+    for frame, t in zip(frames[3:-1], tensors):
+        # the raw bytes of the tensor, nothing around them: no pickle, no length prefix
+        assert bytes(memoryview(frame)) == t.numpy().tobytes()
+    assert sizes[-1] == protocol._MAC_SIZE
+    assert not any(bytes(memoryview(f))[:1] == b"\x80" for f in frames[:3])  # no pickle opcode
+
+
+def test_encode_does_not_copy_contiguous_payloads():
+    t = torch.randn(256, 256)
+    frames = encode(Message(op=Op.PUSH, ids=[0], tensors=[t]), KEY)
+    assert frames[3].ctypes.data == t.data_ptr()
+
+
+def test_decode_does_not_copy_payloads(frames):
+    received = [bytearray(memoryview(f)) for f in frames]
+    msg = decode(received, KEY)
+    for payload, t in zip(received[3:-1], msg.tensors):
+        start = np.frombuffer(payload, dtype=np.uint8).ctypes.data
+        assert start <= t.data_ptr() < start + len(payload)
+    received[3][:4] = bytes(4)  # the tensor is a view: it sees a change of the frame
+    assert msg.tensors[0].view(-1)[0].item() == 0.0
+
+
+def test_mac_covers_frame_boundaries():
+    assert protocol._mac(KEY, [b"ab", b"c"]) != protocol._mac(KEY, [b"a", b"bc"])
+
+
+# --- what decode refuses -------------------------------------------------------------------
+
+
+def test_wrong_key_is_refused(frames):
+    with pytest.raises(ProtocolError, match="bad signature"):
+        decode(frames, bytes(32))
+
+
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 4, -1], ids=["header", "table", "json", "payload0", "payload1",
+                                                             "mac"])
+def test_a_flipped_byte_anywhere_is_refused(frames, index):
+    frames = [bytearray(memoryview(f)) for f in frames]
+    if not frames[index]:
+        frames[index] = bytearray(b"x")  # an empty frame gets a byte instead
+    else:
+        frames[index][len(frames[index]) // 2] ^= 0x01
+    with pytest.raises(ProtocolError):
+        decode(frames, KEY)
+
+
+def test_other_protocol_version_says_to_install_the_same_version(frames):
+    with pytest.raises(ProtocolError, match="install the same pscluster version") as info:
+        decode(resign(frames, version=protocol.PROTOCOL_VERSION + 1), KEY)
+    assert f"protocol version {protocol.PROTOCOL_VERSION + 1}" in str(info.value)
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda f: f[:3], "at least 4 expected"),
+    (lambda f: f[:2] + [b""], "at least 4 expected"),
+    (lambda f: resign(f[:-2] + [f[-1]]), "tensor table does not match"),
+    (lambda f: resign(f, count=3), "tensor table does not match"),
+    (lambda f: resign([f[0], f[1][:-1], *f[2:]]), "tensor table does not match"),
+    (lambda f: resign(f, magic=b"XXXX"), "not a pscluster message"),
+    (lambda f: sign([f[0] + b"\x00", *f[1:-1]]), "malformed header"),
+    (lambda f: resign(f, op=99), "unknown op 99"),
+    (lambda f: resign([f[0], f[1][:8] + struct.pack("!Q", 5) + f[1][16:], *f[2:]]), r"tensor 0: 48 bytes for shape \(5, 4\)"),
+    (lambda f: resign([f[0], bytes(f[1][:4]) + b"\x63" + bytes(f[1][5:]), *f[2:]]), "bad tensor descriptor"),
+    (lambda f: resign([*f[:3], bytes(memoryview(f[3]))[:-4], *f[4:]]), r"bytes for shape \(3, 4\)"),
+    (lambda f: resign([f[0], f[1], b"{not json", *f[3:]]), "bad JSON frame"),
+    (lambda f: resign([f[0], f[1], b"\xff\xfe", *f[3:]]), "bad JSON frame"),
+], ids=["3-frames", "no-mac", "missing-payload", "count", "short-table", "magic", "header-size", "op",
+        "shape", "dtype-code", "short-payload", "json", "json-not-utf8"])
+def test_malformed_messages_are_refused(frames, change, problem):
+    with pytest.raises(ProtocolError, match=problem):
+        decode(change(frames), KEY)
+
+
+# --- what encode refuses -------------------------------------------------------------------
+
+
+def test_encode_refuses_unsupported_dtype_naming_the_supported_ones():
+    with pytest.raises(ProtocolError, match="complex64 cannot go on the wire: use one of .*torch.float32"):
+        encode(Message(op=Op.PUSH, ids=[0], tensors=[torch.zeros(2, dtype=torch.complex64)]), KEY)
+
+
+def test_encode_refuses_too_many_dims():
+    with pytest.raises(ProtocolError, match=f"at most {protocol.MAX_DIMS}"):
+        encode(Message(op=Op.PUSH, ids=[0], tensors=[torch.zeros((1,) * (protocol.MAX_DIMS + 1))]), KEY)
+
+
+def test_encode_needs_one_id_per_tensor():
+    with pytest.raises(ValueError, match="one variable id per tensor"):
+        encode(Message(op=Op.PUSH, ids=[0, 1], tensors=[torch.zeros(1)]), KEY)
