@@ -1,8 +1,11 @@
-"""pscluster: parameter-server training of PyTorch models, driven from Jupyter."""
+"""pscluster: parameter-server training of PyTorch models, driven from Jupyter.
+
+The control-plane names (Cluster, Run) load on first use, so importing
+``pscluster.runtime`` on an engine or a plain process pulls in no IPython or
+ipyparallel.
+"""
 
 from . import datasets
-from .cluster.cluster import Cluster
-from .cluster.run import Run
 from .errors import PSClusterError
 from .spec import ClusterSpec, TaskSpec
 
@@ -10,6 +13,18 @@ __version__ = "0.1.0"
 
 __all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "datasets",
            "load_ipython_extension", "__version__"]
+
+
+def __getattr__(name):
+    if name == "Cluster":
+        from .cluster.cluster import Cluster
+
+        return Cluster
+    if name == "Run":
+        from .cluster.run import Run
+
+        return Run
+    raise AttributeError(f"module 'pscluster' has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython):

@@ -83,7 +83,8 @@ class PSClusterMagics(Magics):
         parsers = _parsers()
         if command not in parsers:
             raise UsageError(f"unknown command {command!r}: {USAGE}")
-        if (cell is not None) != (command == "train"):
+        wants_help = "-h" in rest or "--help" in rest
+        if (cell is not None) != (command == "train") and not wants_help:
             raise UsageError("train is a cell magic (%%pscluster train ...); "
                              "start, status and stop are line magics (%pscluster ...)")
         try:
@@ -147,18 +148,26 @@ class PSClusterMagics(Magics):
 
 
 def _defined_names(cell: str) -> set[str]:
-    """Names a cell binds at top level (assignments, defs, imports); empty if it does not parse."""
+    """Names a cell binds at top level (assignments, loops, with, defs, imports; not inside
+    function or class bodies); empty if the cell does not parse."""
     try:
         tree = ast.parse(cell)
     except SyntaxError:
         return set()
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+    names: set[str] = set()
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        for sub in ast.walk(node) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.With, ast.If)) else ():
-            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
-                names.add(sub.id)
+            continue  # names bound inside are local to it
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names if a.name != "*")
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Lambda):
+            continue
+        pending.extend(ast.iter_child_nodes(node))
     return names
 
 

@@ -36,7 +36,7 @@ class TaskSpec:
             raise ConfigError(f"unknown role {self.role!r}: use 'ps' or 'worker'")
         if self.index < 0:
             raise ConfigError(f"task index {self.index} is negative: indices start at 0")
-        if not (self.device == "cpu" or self.device.startswith("cuda:")):
+        if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda:")):
             raise ConfigError(f"device {self.device!r}: use 'cpu' or 'cuda:<n>'")
 
     @property
@@ -131,6 +131,8 @@ def from_environment() -> tuple[ClusterSpec, TaskSpec]:
         d = json.loads(raw)
         spec = ClusterSpec.from_dict(d["cluster"])
         return spec, spec.task(d["task"]["type"], int(d["task"]["index"]))
-    except (json.JSONDecodeError, KeyError, TypeError):
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError):
         raise ConfigError(f"{environ.CONFIG} is not valid: expected "
                           '{"cluster": {...}, "task": {"type": ..., "index": ...}}') from None

@@ -9,6 +9,7 @@ import sys
 import time
 
 import ipyparallel as ipp
+import psutil
 
 from ..errors import ClusterStateError
 from . import reaper
@@ -46,7 +47,7 @@ class EngineSet:
         except BaseException:
             self.stop()
             raise
-        self.pids = [e.pid for e in engines] + [self._ipp.controller.pid]
+        self.pids = _with_descendants([e.pid for e in engines] + [self._ipp.controller.pid])
         self._reaper = subprocess.Popen(
             [sys.executable, "-m", "pscluster.cluster.reaper", str(os.getpid()), *map(str, self.pids)],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -82,6 +83,17 @@ class EngineSet:
             self._reaper.kill()
             self._reaper.wait(5)
             self._reaper = None
+
+
+def _with_descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every process below them (the controller's schedulers, the engines' nannies)."""
+    found = list(pids)
+    for pid in pids:
+        try:
+            found += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return list(dict.fromkeys(found))
 
 
 def _describe():

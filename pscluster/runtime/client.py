@@ -51,7 +51,11 @@ class PSClient:
         self._poller = zmq.Poller()
         for s in self._socks:
             self._poller.register(s, zmq.POLLIN)
-        self.hello()
+        try:
+            self.hello()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         for s in self._socks:

@@ -58,6 +58,9 @@ def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
                 obj = getattr(obj, part)
         except (ImportError, AttributeError):
             raise ConfigError(f"optimizer {name!r} not found: give an importable 'module:Class'") from None
+        if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)
+                and obj is not torch.optim.Optimizer):
+            raise ConfigError(f"{name!r} is not an optimizer: give a torch.optim.Optimizer subclass")
         return obj
     by_lower = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
                 if isinstance(getattr(torch.optim, n), type)

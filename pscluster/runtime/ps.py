@@ -87,6 +87,7 @@ class ParameterServer:
         self.run: _RunState | None = None
         self._stop_requested: set[int] = set()  # STOP can arrive before the chief's INIT
         self.bad_messages = 0
+        self.failed_requests = 0
         self.bytes_in = 0
         self.bytes_out = 0
         self._stop = threading.Event()
@@ -136,6 +137,9 @@ class ParameterServer:
             handler(self, identity, msg)
         except ProtocolError as e:
             self._error(identity, msg, str(e))
+        except Exception as e:  # a bad request must never take the server down
+            self.failed_requests += 1
+            self._error(identity, msg, f"{msg.op.name} failed: {type(e).__name__}: {e}")
 
     def _send(self, identity: bytes, msg: Message) -> None:
         frames = protocol.encode(msg, self.key)
@@ -205,6 +209,11 @@ class ParameterServer:
         if msg.ids != run.ids:
             self._error(identity, msg, f"push holds variables {msg.ids}, ps {self.index} has {run.ids}")
             return
+        bad = [vid for vid, g, p in zip(msg.ids, msg.tensors, run.params) if g.shape != p.shape]
+        if bad:
+            self._error(identity, msg, f"gradients of variables {bad} have the wrong shape: "
+                                       "the worker's model differs from the chief's")
+            return
         run.pushes += 1
         with_params = msg.op is Op.PUSH_PULL
         reply_op = Op.PARAMS if with_params else Op.OK
@@ -233,16 +242,16 @@ class ParameterServer:
         if with_params:
             # The frames of `msg` are released after this call: keep only the header.
             run.waiting.append((identity, Message(op=msg.op, run_id=msg.run_id, request_id=msg.request_id)))
-        else:
-            self._reply(identity, msg, Op.OK)
         if run.accum_count >= run.replicas:
             self._apply(run, run.accum, run.accum_count)
             run.accum, run.accum_count, run.contributors = None, 0, []
             self._release_waiting()
+        if not with_params:
+            self._reply(identity, msg, Op.OK)
 
     def _stats(self, identity, msg):
         run = self.run
-        meta = {"ps": self.index, "bad_messages": self.bad_messages,
+        meta = {"ps": self.index, "bad_messages": self.bad_messages, "failed_requests": self.failed_requests,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
         if run is not None:
             meta.update(run_id=run.run_id, mode=run.mode, step=run.step, stopped=run.stopped,

@@ -13,6 +13,7 @@ from pscluster.runtime import protocol
 from pscluster.runtime.protocol import Flag, Message, Op, decode, encode
 
 KEY = bytes(range(32))
+RUN = 42
 
 
 def sample(dtype, shape=(3, 4)):
@@ -51,9 +52,6 @@ def frames():
     """A signed PUSH of two tensors."""
     return encode(Message(op=Op.PUSH, task=1, run_id=RUN, step=3, ids=[0, 5],
                           tensors=[sample(torch.float32), sample(torch.int64, (2,))]), KEY)
-
-
-RUN = 42
 
 
 # --- round trips ---------------------------------------------------------------------------
@@ -179,14 +177,15 @@ def test_other_protocol_version_says_to_install_the_same_version(frames):
 
 @pytest.mark.parametrize("change, problem", [
     (lambda f: f[:3], "at least 4 expected"),
-    (lambda f: f[:2] + [b""], "at least 4 expected"),
+    (lambda f: f[:-1], "bad signature"),
     (lambda f: resign(f[:-2] + [f[-1]]), "tensor table does not match"),
     (lambda f: resign(f, count=3), "tensor table does not match"),
     (lambda f: resign([f[0], f[1][:-1], *f[2:]]), "tensor table does not match"),
     (lambda f: resign(f, magic=b"XXXX"), "not a pscluster message"),
     (lambda f: sign([f[0] + b"\x00", *f[1:-1]]), "malformed header"),
     (lambda f: resign(f, op=99), "unknown op 99"),
-    (lambda f: resign([f[0], f[1][:8] + struct.pack("!Q", 5) + f[1][16:], *f[2:]]), r"tensor 0: 48 bytes for shape \(5, 4\)"),
+    (lambda f: resign([f[0], f[1][:8] + struct.pack("!Q", 5) + f[1][16:], *f[2:]]),
+     r"tensor 0: 48 bytes for shape \(5, 4\)"),
     (lambda f: resign([f[0], bytes(f[1][:4]) + b"\x63" + bytes(f[1][5:]), *f[2:]]), "bad tensor descriptor"),
     (lambda f: resign([*f[:3], bytes(memoryview(f[3]))[:-4], *f[4:]]), r"bytes for shape \(3, 4\)"),
     (lambda f: resign([f[0], f[1], b"{not json", *f[3:]]), "bad JSON frame"),
@@ -209,6 +208,11 @@ def test_encode_refuses_unsupported_dtype_naming_the_supported_ones():
 def test_encode_refuses_too_many_dims():
     with pytest.raises(ProtocolError, match=f"at most {protocol.MAX_DIMS}"):
         encode(Message(op=Op.PUSH, ids=[0], tensors=[torch.zeros((1,) * (protocol.MAX_DIMS + 1))]), KEY)
+
+
+def test_encode_refuses_meta_that_is_not_json_instead_of_pickling_it():
+    with pytest.raises(TypeError):
+        encode(Message(op=Op.INIT, meta={"optimizer": object()}), KEY)
 
 
 def test_encode_needs_one_id_per_tensor():

@@ -10,7 +10,7 @@ import zmq
 from pscluster.errors import RuntimeTimeout, TrainingError
 from pscluster.runtime import protocol
 from pscluster.runtime.client import PSClient
-from pscluster.runtime.protocol import Flag, Message, Op
+from pscluster.runtime.protocol import Flag, Op
 from pscluster.runtime.ps import wait_until
 
 LR = 0.1
@@ -47,7 +47,7 @@ def test_hello_and_pull_before_init(local_ps):
 def test_stats_before_init_has_only_server_counters(local_ps):
     client = local_ps.client(local_ps.start())
     stats = client.stats()[0]
-    assert set(stats) == {"ps", "bad_messages", "bytes_in", "bytes_out"}
+    assert set(stats) == {"ps", "bad_messages", "failed_requests", "bytes_in", "bytes_out"}
     assert stats["bytes_in"] > 0 and stats["bad_messages"] == 0
 
 
@@ -90,6 +90,12 @@ def test_requests_of_an_older_run_are_refused(start_run, values):
         old.pull()
     newer = run.local.client(run.spec, run_id=8)
     assert newer.pull() is None  # a run that is not initialized yet
+
+
+def test_a_reply_op_sent_as_a_request_is_an_error(local_ps):
+    client = local_ps.client(local_ps.start())
+    with pytest.raises(TrainingError, match="ps 0: op PARAMS is not a request"):
+        client.request(Op.PARAMS)
 
 
 def test_push_of_other_variables_is_an_error(start_run, values):
@@ -265,7 +271,7 @@ def test_failed_handshake_leaves_no_socket_open(local_ps):
         PSClient(other, timeout=0.3, context=ctx)
     terminated = threading.Thread(target=ctx.term, daemon=True)
     terminated.start()
-    terminated.join(2)  # term() waits for every socket of the context to be closed
+    terminated.join(1)  # term() waits for every socket of the context to be closed
     leaked = terminated.is_alive()
     del failure  # let the garbage collector close what leaked, so term() can finish
     gc.collect()
@@ -275,7 +281,7 @@ def test_failed_handshake_leaves_no_socket_open(local_ps):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_signed_push_with_wrong_shapes_is_an_error_not_a_crash(start_run, values, mode):
     run = start_run(values, mode=mode, replicas=1)
-    client = run.client(task=0, timeout=1)
+    client = run.client(task=0, timeout=0.5)
     wrong = [torch.ones(4), torch.ones(3, 4)]  # the shapes of `b` and `w`, swapped
     with pytest.raises(TrainingError):
         client.push(0, run.split(wrong))

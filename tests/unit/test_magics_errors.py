@@ -1,0 +1,138 @@
+"""``%pscluster`` refuses bad input with a one-line UsageError that names the fix.
+
+No engines start here: every command below fails before a cluster would start. The
+one stand-in is a "running cluster" object for the checks that need one.
+"""
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from pscluster.magics import USAGE, PSClusterMagics, _defined_names
+
+
+class RunningCluster:
+    """Stands in for a started Cluster: only what the magics read before training."""
+
+    name = "stand-in"
+    running = True
+
+    def train(self, *args, **kwargs):
+        raise AssertionError("the magic must refuse the cell before training")
+
+
+@pytest.fixture(scope="module")
+def shell():
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "pscluster")
+    return shell
+
+
+@pytest.fixture
+def magics(shell):
+    """The extension's magics object, reset to "no cluster" after each test."""
+    obj = next(m for m in shell.magics_manager.registry.values() if isinstance(m, PSClusterMagics))
+    obj.cluster = None
+    yield obj
+    obj.cluster = None
+
+
+def usage_error(shell, line, cell=None) -> str:
+    with pytest.raises(UsageError) as info:
+        if cell is None:
+            shell.run_line_magic("pscluster", line)
+        else:
+            shell.run_cell_magic("pscluster", line, cell)
+    message = str(info.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.mark.parametrize("line, fragments", [
+    ("", [USAGE]),
+    ("bogus", ["unknown command 'bogus'", "%pscluster start|train|status|stop"]),
+    ("start --ps 0", ["ps=0", "use an integer >= 1"]),
+    ("start --workers -1", ["workers=-1", "use an integer >= 1"]),
+    ("start --gpus 999", ["gpus=999", "use gpus <="]),
+    ("start --bogus 1", ["unrecognized arguments: --bogus 1", "see %pscluster start --help"]),
+    ("start --ps one", ["invalid int value: 'one'", "see %pscluster start --help"]),
+    ("start --name 'unclosed", ["cannot parse the arguments", "check the quotes"]),
+    ("train --steps 10", ["train is a cell magic", "%%pscluster train"]),
+    ("stop", ["no cluster to stop", "%pscluster start first"]),
+], ids=["empty", "unknown-command", "no-ps", "negative-workers", "too-many-gpus", "unknown-option", "not-a-number",
+        "quotes", "train-as-line-magic", "stop-before-start"])
+def test_bad_line_magics(shell, magics, line, fragments):
+    message = usage_error(shell, line)
+    for fragment in fragments:
+        assert fragment in message, message
+    assert magics.cluster is None  # nothing was started
+
+
+@pytest.mark.parametrize("line, cell, fragments", [
+    ("train --steps 10", "model = 1", ["no cluster to train on", "%pscluster start first"]),
+    ("start", "x = 1", ["start, status and stop are line magics"]),
+], ids=["train-before-start", "start-as-cell-magic"])
+def test_bad_cell_magics(shell, magics, line, cell, fragments):
+    message = usage_error(shell, line, cell)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("train --mode ssp", "argument --mode: invalid choice: 'ssp'"),
+    ("train --lr fast", "argument --lr: invalid float value: 'fast'"),
+])
+def test_bad_train_options(shell, magics, line, fragment):
+    magics.cluster = RunningCluster()
+    message = usage_error(shell, line, "model = 1")
+    assert fragment in message and "see %pscluster train --help" in message
+
+
+def test_train_cell_without_model(shell, magics):
+    magics.cluster = RunningCluster()
+    message = usage_error(shell, "train --steps 10", "net = 1\nloss_fn = None\n")
+    assert "defines no `model`" in message and "assign a torch.nn.Module" in message
+    assert "net" not in shell.user_ns  # the cell was refused before it ran
+
+
+def test_train_cell_without_loss_fn(shell, magics):
+    magics.cluster = RunningCluster()
+    for name in ("loss_fn", "dataset"):
+        shell.user_ns.pop(name, None)
+    message = usage_error(shell, "train --steps 10", "model = 1\n")
+    assert "defines no `loss_fn`" in message and "torch.nn.CrossEntropyLoss()" in message
+
+
+def test_start_while_running(shell, magics):
+    magics.cluster = RunningCluster()
+    message = usage_error(shell, "start --ps 1")
+    assert "stand-in is already running" in message and "%pscluster stop it first" in message
+
+
+@pytest.mark.parametrize("line, option", [("start --help", "--workers"), ("train --help", "--batch-size")])
+def test_help_prints_and_is_not_an_error(shell, magics, capsys, line, option):
+    assert shell.run_line_magic("pscluster", line) is None
+    assert option in capsys.readouterr().out
+    assert magics.cluster is None
+
+
+def test_status_without_cluster(shell, magics, capsys):
+    assert shell.run_line_magic("pscluster", "status") is None
+    assert "no cluster running: %pscluster start" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cell, names", [
+    ("model = Net()", {"model"}),
+    ("model, loss_fn = a, b\ndataset: object = d", {"model", "loss_fn", "dataset"}),
+    ("def model():\n    inner = 1\n    return inner\nclass Net: pass", {"model", "Net"}),
+    ("with open(f) as fh:\n    model = load(fh)", {"fh", "model"}),
+    ("if big:\n    model = A()\nelse:\n    model = B()", {"model"}),
+    ("print(model)\nmodel.eval()", set()),
+    ("model = (", set()),
+    ("import torch\nimport os.path\nfrom models import model", {"torch", "os", "model"}),
+    ("from models import make as model", {"model"}),
+    ("try:\n    model = A()\nexcept ImportError:\n    model = B()", {"model"}),
+], ids=["assign", "tuple-and-annotated", "def-and-class", "with", "if", "only-reads", "syntax-error", "imports",
+        "import-as", "try"])
+def test_defined_names(cell, names):
+    assert _defined_names(cell) == names

@@ -1,0 +1,322 @@
+"""The worker loop against in-process ps servers, its helpers, input sharding and metrics."""
+
+import itertools
+import json
+import math
+import re
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from pscluster.datasets import digits
+from pscluster.errors import ConfigError
+from pscluster.metrics.collector import Collector
+from pscluster.runtime.data import fetch_batch, sharded_batches
+from pscluster.runtime.metrics import MetricsEmitter
+from pscluster.runtime.placement import round_robin
+from pscluster.runtime.plan import TrainPlan, describe_variables
+from pscluster.runtime.ps import wait_until
+from pscluster.runtime.worker import batch_accuracy, build_model, log_line, run_worker
+
+RUN_ID = 7  # the run id the conftest clients use
+SEED = 3
+BATCH = 32
+LR = 0.1
+LOG_LINE = re.compile(r"After \d+ training steps \(\d+ global steps\), loss \d+\.\d{3}, "
+                      r"accuracy \d\.\d{3} \(\d+\.\d{3} sec/batch\)")
+
+
+def mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def other_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    ds = digits("train")
+    ds.tensors()  # load once for the module
+    return ds
+
+
+def make_plan(spec, *, steps, mode="sync", replicas=1, log_every=100, model_fn=mlp, metrics_address=None):
+    model = build_model(model_fn, SEED)
+    names = [n for n, _ in model.named_parameters()]
+    return TrainPlan(run_id=RUN_ID, mode=mode, steps=steps, batch_size=BATCH, optimizer="sgd",
+                     optimizer_kwargs={"lr": LR}, replicas_to_aggregate=replicas,
+                     num_workers=len(spec.workers),
+                     variables=describe_variables(model, round_robin(names, len(spec.ps))),
+                     seed=SEED, log_every=log_every, metrics_address=metrics_address, request_timeout=30.0)
+
+
+def local_training(dataset, steps: int) -> torch.nn.Module:
+    """The same training in one process: plain torch, DataLoader over a DistributedSampler."""
+    torch.manual_seed(SEED)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    step = 0
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            if step == steps:
+                return model
+            optimizer.zero_grad()
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+            step += 1
+
+
+def run_workers(spec, plan, dataset):
+    """Every worker of ``spec`` in its own thread; their summaries by index."""
+    summaries, errors = {}, {}
+
+    def work(i):
+        try:
+            summaries[i] = run_worker(spec, i, plan, mlp, dataset, torch.nn.CrossEntropyLoss())
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors[i] = e
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(spec.workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a worker did not finish"
+    return summaries
+
+
+# --- whole runs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_one_worker_matches_plain_torch_training(local_ps, dataset, num_ps):
+    steps = 50  # 45 batches per epoch: crosses an epoch boundary (short last batch, reshuffle)
+    spec = local_ps.start(num_ps=num_ps, num_workers=1)
+    plan = make_plan(spec, steps=steps, log_every=10)
+    lines = []
+    summary = run_worker(spec, 0, plan, mlp, dataset, torch.nn.CrossEntropyLoss(), log=lines.append)
+
+    assert (summary["local_steps"], summary["global_step"], summary["dropped"]) == (steps, steps, 0)
+    assert summary["samples"] == len(dataset) + (steps - math.ceil(len(dataset) / BATCH)) * BATCH
+    assert len(lines) == steps // 10 and all(LOG_LINE.fullmatch(line) for line in lines)
+    assert lines[-1].startswith(f"After {steps} training steps ({steps} global steps)")
+
+    reply = local_ps.client(spec, run_id=RUN_ID).pull()
+    trained = {plan.variables[i].name: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
+    expected = dict(local_training(dataset, steps).named_parameters())
+    assert trained.keys() == expected.keys()
+    for name, value in expected.items():
+        assert (trained[name] - value.detach()).abs().max() <= 1e-6, name
+
+
+def test_two_sync_workers_make_one_global_step_per_local_step(local_ps, dataset):
+    steps = 20
+    spec = local_ps.start(num_ps=1, num_workers=2)
+    summaries = run_workers(spec, make_plan(spec, steps=steps, replicas=2), dataset)
+    for s in summaries.values():
+        assert (s["local_steps"], s["global_step"], s["dropped"]) == (steps, steps, 0)
+        assert s["staleness"] == {0: steps}
+    stats = local_ps.client(spec, run_id=RUN_ID).stats()[0]
+    assert (stats["step"], stats["applied"], stats["pushes"], stats["dropped_stale"]) == (steps, steps, 2 * steps, 0)
+
+
+def test_two_async_workers_apply_exactly_the_step_target(local_ps, dataset):
+    # One ps: with several, the last concurrent pushes may be applied on one ps and late on another.
+    steps = 20
+    spec = local_ps.start(num_ps=1, num_workers=2)
+    summaries = run_workers(spec, make_plan(spec, steps=steps, mode="async"), dataset)
+    applied = sum(s["local_steps"] - s["dropped"] for s in summaries.values())
+    assert applied == steps
+    assert all(s["dropped"] <= 1 and s["global_step"] == steps for s in summaries.values())
+    stats = local_ps.client(spec, run_id=RUN_ID).stats()[0]
+    assert stats["applied"] == steps and stats["late"] == sum(s["dropped"] for s in summaries.values())
+    assert sum(stats["staleness"].values()) == steps
+
+
+def test_worker_refuses_a_model_that_differs_from_the_plan(local_ps, dataset):
+    spec = local_ps.start(num_ps=1, num_workers=1)
+    plan = make_plan(spec, steps=1, model_fn=other_mlp)
+    with pytest.raises(ConfigError, match="differs from the planned one: make model_fn deterministic"):
+        run_worker(spec, 0, plan, mlp, dataset, torch.nn.CrossEntropyLoss())
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def test_build_model():
+    template = mlp()
+    copy = build_model(template, SEED)
+    assert copy is not template
+    assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), template.parameters()))
+    a, b = build_model(mlp, SEED), build_model(mlp, SEED)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    with pytest.raises(ConfigError, match="model_fn returned int: it must build a torch.nn.Module"):
+        build_model(lambda: 3, SEED)
+
+
+def test_log_line_format():
+    assert (log_line(200, 385, 0.5534, 0.8361, 0.01234)
+            == "After 200 training steps (385 global steps), loss 0.553, accuracy 0.836 (0.012 sec/batch)")
+    assert log_line(1, 2, 1.0, None, 0.5) == "After 1 training steps (2 global steps), loss 1.000 (0.500 sec/batch)"
+
+
+@pytest.mark.parametrize("output, target, expected", [
+    (torch.tensor([[2.0, 1.0], [0.0, 3.0], [5.0, 1.0], [1.0, 2.0]]), torch.tensor([0, 1, 1, 1]), 0.75),
+    (torch.tensor([[0.5], [-1.0], [2.0], [-0.1]]), torch.tensor([1.0, 0.0, 0.0, 0.0]), 0.75),
+    (torch.tensor([0.5, -1.0]), torch.tensor([1.0, 1.0]), 0.5),
+    (torch.randn(4, 3), torch.randn(4), None),
+], ids=["classes", "binary-logit", "binary-flat", "regression"])
+def test_batch_accuracy(output, target, expected):
+    assert batch_accuracy(output, target) == expected
+
+
+# --- input sharding --------------------------------------------------------------------------
+
+
+class Indices(Dataset):
+    """Item ``i`` is ``i``: batches show which indices a worker read."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def epochs(dataset, rank, world, batch, n_epochs=2, seed=SEED):
+    """The indices ``rank`` reads in each of its first epochs."""
+    per_epoch = math.ceil(math.ceil(len(dataset) / world) / batch)
+    batches = sharded_batches(dataset, rank, world, batch, seed)
+    return [[i for _ in range(per_epoch) for i in next(batches).tolist()] for _ in range(n_epochs)]
+
+
+def test_two_ranks_read_disjoint_shards_that_cover_the_data():
+    ds = Indices(100)
+    (first0, second0), (first1, _) = epochs(ds, 0, 2, 8), epochs(ds, 1, 2, 8)
+    assert len(first0) == len(first1) == 50
+    assert not set(first0) & set(first1)
+    assert set(first0) | set(first1) == set(range(100))
+    assert first0 != second0  # reshuffled every epoch
+
+
+def test_uneven_data_is_padded_like_distributed_sampler():
+    ds = Indices(101)
+    shards = [epochs(ds, rank, 2, 8, n_epochs=1)[0] for rank in (0, 1)]
+    assert [len(s) for s in shards] == [51, 51]
+    assert set(shards[0]) | set(shards[1]) == set(range(101))
+    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=SEED)
+    assert shards[1] == list(sampler)
+
+
+def test_last_short_batch_is_kept():
+    batches = sharded_batches(Indices(10), 0, 1, 4, SEED)
+    assert [len(next(batches)) for _ in range(6)] == [4, 4, 2, 4, 4, 2]
+
+
+def test_empty_dataset():
+    with pytest.raises(ValueError, match="empty"):
+        next(sharded_batches(Indices(0), 0, 1, 4, SEED))
+
+
+def test_fetch_batch_uses_batched_indexing_when_the_dataset_has_it(dataset):
+    X, y = dataset.tensors()
+    xb, yb = fetch_batch(dataset, [5, 1, 9])
+    assert torch.equal(xb, X[[5, 1, 9]]) and torch.equal(yb, y[[5, 1, 9]])
+    assert torch.equal(fetch_batch(Indices(10), [5, 1, 9]), torch.tensor([5, 1, 9]))
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def collector():
+    events = []
+    c = Collector(events.append)
+    yield c, events
+    c.close()
+    assert not c._thread.is_alive()
+
+
+@pytest.fixture
+def emitters():
+    """Factory of MetricsEmitters, all closed at teardown."""
+    made = []
+
+    def make(address, task="worker:0"):
+        made.append(MetricsEmitter(address, task))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def test_emitter_and_collector_deliver_events_in_order(collector, emitters):
+    c, events = collector
+    emitter = emitters(c.address)
+    for i in range(5):
+        emitter.emit("step", local_step=i, loss=0.5)
+    emitter.flush()
+    assert wait_until(lambda: len(events) == 5, 2)
+    assert [e["local_step"] for e in events] == list(range(5))
+    assert all(e["kind"] == "step" and e["task"] == "worker:0" and e["loss"] == 0.5 for e in events)
+    assert abs(events[0]["time"] - time.time()) < 60
+    assert emitter.dropped == 0
+
+
+def test_close_sends_what_is_buffered(collector):
+    c, events = collector
+    emitter = MetricsEmitter(c.address, "ps:0")
+    emitter.emit("state", state="training")
+    emitter.emit("done")
+    emitter.close()
+    assert wait_until(lambda: len(events) == 2, 2)
+    assert [e["kind"] for e in events] == ["state", "done"]
+
+
+def test_emitter_without_a_listener_never_blocks(emitters):
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    emitter = emitters(f"tcp://127.0.0.1:{port}")
+    started = time.monotonic()
+    for i in range(1000):
+        emitter.emit("step", local_step=i)
+        emitter.flush()
+    assert time.monotonic() - started < 10
+    assert 0 < emitter.dropped < 1000  # the send queue filled up, then events were dropped and counted
+
+
+def test_emitter_without_address_does_nothing(emitters):
+    emitter = emitters(None)
+    emitter.emit("step", local_step=1)
+    emitter.flush()
+    assert emitter.dropped == 0
+
+
+def test_collector_counts_bad_batches_and_ignores_odd_ones(collector):
+    c, events = collector
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        push.connect(c.address)
+        for raw in (b"not json", json.dumps({"kind": "x"}).encode(), json.dumps([1, "two", {"kind": "ok"}]).encode()):
+            push.send(raw)
+        assert wait_until(lambda: len(events) == 1, 2)
+    finally:
+        push.close(linger=0)
+    assert events == [{"kind": "ok"}]
+    assert c.bad_batches == 1
