@@ -5,13 +5,13 @@ The control-plane names (Cluster, Run) load on first use, so importing
 ipyparallel.
 """
 
-from . import datasets
+from . import datasets, environ
 from .errors import PSClusterError
 from .spec import ClusterSpec, TaskSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "datasets",
+__all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "datasets", "environ",
            "load_ipython_extension", "__version__"]
 
 

@@ -99,6 +99,7 @@ class PSClusterMagics(Magics):
         if self.cluster is not None and self.cluster.running:
             raise UsageError(f"cluster {self.cluster.name} is already running: %pscluster stop it first")
         cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name)
+        print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on local engines...", flush=True)
         self.cluster = cluster.start()
         return self.cluster
 

@@ -193,7 +193,7 @@ class Run:
                 "ps": len(self.spec.ps), "workers": len(self.spec.workers),
                 "replicas_to_aggregate": self.plan.replicas_to_aggregate, "steps": self.plan.steps,
                 "global_step": stats[0].get("step"), "local_steps": self.local_steps,
-                "dropped_stale": sum(s.get("dropped_stale", 0) for s in stats[:1]),
+                "dropped_stale": stats[0].get("dropped_stale"), "late": stats[0].get("late"),
                 "staleness": self.staleness() if self.mode == "async" else None,
                 "samples_per_sec": samples / self.wall_s if self.done and self.wall_s > 0 else None,
                 "wall_s": self.wall_s, "status": self.status}
