@@ -19,7 +19,7 @@ from pscluster.metrics.collector import Collector
 from pscluster.runtime.data import fetch_batch, sharded_batches
 from pscluster.runtime.metrics import MetricsEmitter
 from pscluster.runtime.placement import round_robin
-from pscluster.runtime.plan import TrainPlan, describe_variables
+from pscluster.runtime.plan import TrainPlan, describe_variables, resolve_optimizer
 from pscluster.runtime.ps import wait_until
 from pscluster.runtime.worker import batch_accuracy, build_model, log_line, run_worker
 
@@ -46,21 +46,27 @@ def dataset():
     return ds
 
 
-def make_plan(spec, *, steps, mode="sync", replicas=1, log_every=100, model_fn=mlp, metrics_address=None):
+SGD = ("sgd", {"lr": LR})
+OPTIMIZERS = [SGD, ("SGD", {"lr": 0.05, "momentum": 0.9}), ("adam", {"lr": 0.01}),
+              ("adagrad", {"lr": 0.05}), ("AdamW", {"lr": 0.01, "betas": [0.8, 0.99]})]
+
+
+def make_plan(spec, *, steps, mode="sync", replicas=1, log_every=100, model_fn=mlp, metrics_address=None,
+              optimizer=SGD):
     model = build_model(model_fn, SEED)
     names = [n for n, _ in model.named_parameters()]
-    return TrainPlan(run_id=RUN_ID, mode=mode, steps=steps, batch_size=BATCH, optimizer="sgd",
-                     optimizer_kwargs={"lr": LR}, replicas_to_aggregate=replicas,
+    return TrainPlan(run_id=RUN_ID, mode=mode, steps=steps, batch_size=BATCH, optimizer=optimizer[0],
+                     optimizer_kwargs=optimizer[1], replicas_to_aggregate=replicas,
                      num_workers=len(spec.workers),
                      variables=describe_variables(model, round_robin(names, len(spec.ps))),
                      seed=SEED, log_every=log_every, metrics_address=metrics_address, request_timeout=30.0)
 
 
-def local_training(dataset, steps: int) -> torch.nn.Module:
+def local_training(dataset, steps: int, optimizer=SGD) -> torch.nn.Module:
     """The same training in one process: plain torch, DataLoader over a DistributedSampler."""
     torch.manual_seed(SEED)
     model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = resolve_optimizer(optimizer[0])(model.parameters(), **optimizer[1])
     loss_fn = torch.nn.CrossEntropyLoss()
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
@@ -116,6 +122,23 @@ def test_one_worker_matches_plain_torch_training(local_ps, dataset, num_ps):
     trained = {plan.variables[i].name: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
     expected = dict(local_training(dataset, steps).named_parameters())
     assert trained.keys() == expected.keys()
+    for name, value in expected.items():
+        assert (trained[name] - value.detach()).abs().max() <= 1e-6, name
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS[1:], ids=lambda o: f"{o[0]}{o[1]}")
+def test_optimizer_state_on_two_ps_matches_plain_torch(local_ps, dataset, optimizer):
+    """Each ps keeps the optimizer state (momentum, Adam moments, Adagrad sums) of its own variables."""
+    steps = 30
+    spec = local_ps.start(num_ps=2, num_workers=1)
+    plan = make_plan(spec, steps=steps, optimizer=optimizer)
+    run_worker(spec, 0, plan, mlp, dataset, torch.nn.CrossEntropyLoss())
+    reply = local_ps.client(spec, run_id=RUN_ID).pull()
+    trained = {plan.variables[i].name: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
+    expected = dict(local_training(dataset, steps, optimizer).named_parameters())
+    initial = dict(build_model(mlp, SEED).named_parameters())
+    moved = max((trained[n] - p).abs().max().item() for n, p in initial.items())
+    assert moved > 1e-3
     for name, value in expected.items():
         assert (trained[name] - value.detach()).abs().max() <= 1e-6, name
 
