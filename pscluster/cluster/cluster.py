@@ -28,7 +28,7 @@ from .roles import assign_roles
 from .run import Run
 from .shipping import ship
 
-_run_ids = itertools.count(int(time.time()) % 1_000_000 * 1000 + 1)
+_run_ids = itertools.count(1)  # unique per controller process; a ps serves one run at a time
 
 
 def _count(name: str, value, minimum: int) -> int:
@@ -143,7 +143,7 @@ class Cluster:
         if not names:
             raise ConfigError("the model has no parameters to train: check model_fn")
         code = ship(model_fn, dataset, loss_fn)
-        run_plan = TrainPlan(run_id=next(_run_ids) & 0xFFFFFFFF or 1, mode=mode, steps=steps,
+        run_plan = TrainPlan(run_id=next(_run_ids), mode=mode, steps=steps,
                              batch_size=batch_size, optimizer=optimizer_name(optimizer),
                              optimizer_kwargs=optimizer_kwargs, replicas_to_aggregate=replicas,
                              num_workers=self.num_workers,

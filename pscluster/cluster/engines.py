@@ -49,7 +49,8 @@ class EngineSet:
             raise
         self.pids = _with_descendants([e.pid for e in engines] + [self._ipp.controller.pid])
         self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "pscluster.cluster.reaper", str(os.getpid()), *map(str, self.pids)],
+            [sys.executable, "-m", "pscluster.cluster.reaper", str(os.getpid()), *map(str, self.pids),
+             "--remove", self._ipp.cluster_file],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
         return engines

@@ -4,14 +4,17 @@ Started in its own session so it outlives the owner; exits when the owner is
 gone and the processes are dead, or when every process it watches is already
 gone (the cluster was stopped normally).
 
-    python -m pscluster.cluster.reaper OWNER_PID PID [PID ...]
+    python -m pscluster.cluster.reaper OWNER_PID PID [PID ...] [--remove FILE ...]
+
+``--remove``: files to delete after killing (the ipyparallel cluster file, so
+that no stale cluster is listed afterwards).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
-import sys
 import time
 
 POLL_S = 0.5
@@ -46,15 +49,25 @@ def kill_all(pids: list[int], grace: float = GRACE_S) -> None:
             time.sleep(0.05)
 
 
-def watch(owner: int, pids: list[int]) -> None:
+def watch(owner: int, pids: list[int], remove: list[str] = ()) -> None:
     while True:
         if not any(alive(p) for p in pids):
             return
         if not alive(owner):
             kill_all(pids)
+            for path in remove:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
             return
         time.sleep(POLL_S)
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), [int(p) for p in sys.argv[2:]])
+    parser = argparse.ArgumentParser(prog="python -m pscluster.cluster.reaper")
+    parser.add_argument("owner", type=int)
+    parser.add_argument("pids", type=int, nargs="+")
+    parser.add_argument("--remove", nargs="*", default=[])
+    args = parser.parse_args()
+    watch(args.owner, args.pids, args.remove)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 OWNER = textwrap.dedent("""
     import json, os, sys, time, pscluster
     cluster = pscluster.Cluster(ps=1, workers=1).start()
-    print(json.dumps(cluster.pids), flush=True)
+    print(json.dumps([cluster.pids, cluster._engines._ipp.cluster_file]), flush=True)
     time.sleep(300)
 """)
 
@@ -32,11 +32,16 @@ def wait_dead(pids, timeout) -> list[int]:
 def test_cluster_dies_with_its_owner_process():
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
     try:
-        pids = json.loads(owner.stdout.readline())
+        pids, cluster_file = json.loads(owner.stdout.readline())
+        assert os.path.exists(cluster_file)
         assert len(pids) >= 3 and all(alive(p) for p in pids)  # engines, nannies, controller and its schedulers
         os.kill(owner.pid, signal.SIGKILL)  # a kernel that dies without cleaning up
         owner.wait(10)
         assert wait_dead(pids, timeout=20) == []
+        deadline = time.monotonic() + 5
+        while os.path.exists(cluster_file) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(cluster_file)  # no stale cluster left for ipyparallel to list
     finally:
         owner.kill()
         owner.wait(10)
