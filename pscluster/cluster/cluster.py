@@ -12,7 +12,6 @@ import html
 import itertools
 import os
 import secrets
-import time
 from dataclasses import replace
 
 import torch
