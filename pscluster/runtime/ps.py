@@ -86,6 +86,7 @@ class ParameterServer:
             self.port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.run: _RunState | None = None
         self._stop_requested: set[int] = set()  # STOP can arrive before the chief's INIT
+        self._past_runs: set[int] = set()
         self.bad_messages = 0
         self.failed_requests = 0
         self.bytes_in = 0
@@ -165,7 +166,7 @@ class ParameterServer:
         """The run a request is about, or None after answering NOT_READY / ERROR."""
         run = self.run
         if run is None or run.run_id != msg.run_id:
-            if run is not None and msg.run_id < run.run_id:
+            if msg.run_id in self._past_runs:
                 self._error(identity, msg, f"run {msg.run_id} is over: ps {self.index} serves run {run.run_id}")
             else:
                 self._reply(identity, msg, Op.NOT_READY)
@@ -192,6 +193,8 @@ class ParameterServer:
             self._error(identity, msg, f"bad INIT: {e}")
             return
         self._release_waiting()
+        if self.run is not None:
+            self._past_runs.add(self.run.run_id)
         run.stopped = run.run_id in self._stop_requested
         self.run = run
         self._reply(identity, msg, Op.OK)

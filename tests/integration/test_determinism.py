@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import mlp
+from .conftest import mlp
 
 pytestmark = pytest.mark.integration
 SEED, STEPS, BATCH, LR = 7, 50, 32, 0.1

@@ -6,7 +6,7 @@ import torch
 import pscluster
 from pscluster.errors import ClusterStateError, TrainingError
 
-from conftest import mlp
+from .conftest import mlp
 
 pytestmark = pytest.mark.integration
 LOSS = torch.nn.CrossEntropyLoss()

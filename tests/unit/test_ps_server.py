@@ -13,6 +13,8 @@ from pscluster.runtime.client import PSClient
 from pscluster.runtime.protocol import Flag, Op
 from pscluster.runtime.ps import wait_until
 
+from .conftest import ps_config
+
 LR = 0.1
 
 
@@ -83,13 +85,16 @@ def test_bad_init_is_an_error_reply(local_ps, values, config, problem):
     assert client.pull() is None  # still not initialized, still serving
 
 
-def test_requests_of_an_older_run_are_refused(start_run, values):
-    run = start_run(values)
-    old = run.local.client(run.spec, run_id=6)
-    with pytest.raises(TrainingError, match="run 6 is over: ps 0 serves run 7"):
+def test_requests_of_a_replaced_run_are_refused(start_run, values):
+    run = start_run(values)  # run 7
+    old = run.local.client(run.spec, run_id=7)
+    assert old.pull() is not None
+    per_ps = run.split(run.initial)
+    run.local.client(run.spec).init(3, per_ps, [ps_config(run.names)])  # a lower id is fine: ids need not grow
+    with pytest.raises(TrainingError, match="run 7 is over: ps 0 serves run 3"):
         old.pull()
-    newer = run.local.client(run.spec, run_id=8)
-    assert newer.pull() is None  # a run that is not initialized yet
+    unseen = run.local.client(run.spec, run_id=5)
+    assert unseen.pull() is None  # a run that is not initialized yet
 
 
 def test_a_reply_op_sent_as_a_request_is_an_error(local_ps):
