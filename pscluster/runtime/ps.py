@@ -235,8 +235,7 @@ class ParameterServer:
             self._reply(identity, msg, reply_op, flags=Flag.DROPPED, value=staleness, with_params=with_params)
             return
         if run.accum is None:
-            run.accum = [g.to(torch.float32 if not g.is_floating_point() else g.dtype, copy=True)
-                         for g in msg.tensors]
+            run.accum = [g.clone() for g in msg.tensors]
         else:
             for a, g in zip(run.accum, msg.tensors):
                 a.add_(g)
