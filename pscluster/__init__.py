@@ -12,7 +12,7 @@ from .spec import ClusterSpec, TaskSpec
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "datasets", "environ",
-           "load_ipython_extension", "__version__"]
+           "load_ipython_extension", "runs", "__version__"]
 
 
 def __getattr__(name):
@@ -25,6 +25,14 @@ def __getattr__(name):
 
         return Run
     raise AttributeError(f"module 'pscluster' has no attribute {name!r}")
+
+
+def runs(store=None):
+    """Past runs in the run store (default ``$PSCLUSTER_HOME/runs.sqlite``), newest first, as a DataFrame."""
+    from .metrics.store import RunStore
+
+    with RunStore(store) as s:
+        return s.runs()
 
 
 def load_ipython_extension(ipython):

@@ -3,6 +3,8 @@
 =======================  ==========================================================
 ``PSCLUSTER_CONFIG``     JSON ``{"cluster": <ClusterSpec>, "task": {"type", "index"}}``:
                          lets a plain process join a cluster (the TF_CONFIG analog).
+``PSCLUSTER_HOME``       directory of the run store (``runs.sqlite``) and the cluster
+                         registry; default: the user's data directory.
 ``PSCLUSTER_SMOKE``      ``1`` makes the bundled notebooks run a small, fast size.
 ``PSCLUSTER_REPORT_DIR`` where the notebooks write their JSON reports.
 =======================  ==========================================================
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 
 CONFIG = "PSCLUSTER_CONFIG"
+HOME = "PSCLUSTER_HOME"
 SMOKE = "PSCLUSTER_SMOKE"
 REPORT_DIR = "PSCLUSTER_REPORT_DIR"
 
@@ -20,6 +23,15 @@ REPORT_DIR = "PSCLUSTER_REPORT_DIR"
 def config_json() -> str | None:
     """The raw ``PSCLUSTER_CONFIG`` value, or None when unset."""
     return os.environ.get(CONFIG) or None
+
+
+def home() -> str:
+    """Directory of the run store and the cluster registry."""
+    if os.environ.get(HOME):
+        return os.environ[HOME]
+    import platformdirs
+
+    return platformdirs.user_data_dir("pscluster")
 
 
 def smoke() -> bool:

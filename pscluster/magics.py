@@ -127,7 +127,7 @@ class PSClusterMagics(Magics):
         run = cluster.train(ns["model"], ns["dataset"], ns["loss_fn"], optimizer=args.optimizer, mode=args.mode,
                             steps=args.steps, batch_size=args.batch_size,
                             replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed,
-                            log_every=args.log_every, name=args.name, **kwargs)
+                            log_every=args.log_every, name=args.name, code=cell, **kwargs)
         self.last_run = run
         try:
             run.wait()

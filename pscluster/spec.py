@@ -106,6 +106,10 @@ class ClusterSpec:
         except (KeyError, TypeError) as e:
             raise ConfigError(f"not a ClusterSpec ({e}): expected keys name, secret, ps, worker") from None
 
+    def public_dict(self) -> dict:
+        """``to_dict()`` without the secret: what may be stored and shown."""
+        return {k: v for k, v in self.to_dict().items() if k != "secret"}
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 

@@ -1,11 +1,14 @@
 """Session-wide safety net: no engine, controller or ps process outlives the test run."""
 
 import os
+import tempfile
 
 import psutil
 import pytest
 
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")
+# Run stores and registries of the tests go to a fresh directory, never the user's.
+os.environ["PSCLUSTER_HOME"] = tempfile.mkdtemp(prefix="pscluster-tests-")
 
 
 def _leftovers() -> list[psutil.Process]:

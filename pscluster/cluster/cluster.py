@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import html
-import itertools
+import inspect
 import os
 import secrets
 from dataclasses import replace
@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import ClusterStateError, ConfigError
+from ..metrics.store import RunStore
 from ..runtime import engine as remote
 from ..runtime.placement import round_robin
 from ..runtime.plan import TrainPlan, describe_variables, optimizer_name
@@ -26,8 +27,6 @@ from .engines import EngineSet
 from .roles import assign_roles
 from .run import Run
 from .shipping import ship
-
-_run_ids = itertools.count(1)  # unique per controller process; a ps serves one run at a time
 
 
 def _count(name: str, value, minimum: int) -> int:
@@ -40,10 +39,12 @@ class Cluster:
     """ps and worker tasks on local ipyparallel engines. Worker 0 is the chief.
 
     ``gpus``: how many GPUs the workers share (one per worker engine, round-robin);
-    default: every visible GPU, 0 on a machine without CUDA.
+    default: every visible GPU, 0 on a machine without CUDA. ``store``: the run store
+    file (default ``$PSCLUSTER_HOME/runs.sqlite``).
     """
 
-    def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None):
+    def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None,
+                 store: str | os.PathLike | None = None):
         self.num_ps = _count("ps", ps, 1)
         self.num_workers = _count("workers", workers, 1)
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -53,7 +54,16 @@ class Cluster:
         self.name = name or f"pscluster-{os.getpid()}-{secrets.token_hex(2)}"
         self.spec: ClusterSpec | None = None
         self.runs: list[Run] = []
+        self._store_path = store
+        self._store: RunStore | None = None
         self._engines: EngineSet | None = None
+
+    @property
+    def store(self) -> RunStore:
+        """The run store this cluster records its runs in (opened on first use)."""
+        if self._store is None:
+            self._store = RunStore(self._store_path)
+        return self._store
 
     # --- lifecycle ------------------------------------------------------------------------
     @property
@@ -117,13 +127,14 @@ class Cluster:
     def train(self, model_fn, dataset, loss_fn, *, optimizer="sgd", mode: str = "sync", steps: int = 1000,
               batch_size: int = 64, replicas_to_aggregate: int | None = None, seed: int = 0,
               log_every: int = 100, request_timeout: float = 120.0, name: str | None = None,
-              **optimizer_kwargs) -> Run:
+              code: str | None = None, **optimizer_kwargs) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
         ``model_fn``: a torch.nn.Module or a zero-argument callable that builds one.
         ``optimizer``: a ``torch.optim`` class or its name; extra keyword arguments go to it.
         ``steps``: the global step target. ``replicas_to_aggregate`` (sync): gradients
-        averaged per global step, default the number of workers.
+        averaged per global step, default the number of workers. ``code``: the source of the
+        model cell, kept in the run store (default: the source of ``model_fn`` when it has one).
         """
         spec = self._require_running("train")
         if self.active_run is not None:
@@ -141,18 +152,23 @@ class Cluster:
         names = [n for n, _ in model.named_parameters()]
         if not names:
             raise ConfigError("the model has no parameters to train: check model_fn")
-        code = ship(model_fn, dataset, loss_fn)
-        run_plan = TrainPlan(run_id=next(_run_ids), mode=mode, steps=steps,
+        payload = ship(model_fn, dataset, loss_fn)
+        run_plan = TrainPlan(run_id=1, mode=mode, steps=steps,
                              batch_size=batch_size, optimizer=optimizer_name(optimizer),
                              optimizer_kwargs=optimizer_kwargs, replicas_to_aggregate=replicas,
                              num_workers=self.num_workers,
                              variables=describe_variables(model, round_robin(names, self.num_ps)),
                              seed=seed, log_every=log_every, request_timeout=request_timeout)
-        run = Run(spec, run_plan, model_fn, loss_fn, name=name)
+        config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables")}
+        run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=config,
+                                       spec=spec.public_dict(), code=code or _source(model_fn))
+        run_plan = replace(run_plan, run_id=run_id)
+        self.store.record_placement(run_id, run_plan.variables)
+        run = Run(spec, run_plan, model_fn, loss_fn, self.store)
         run.plan = run_plan = replace(run_plan, metrics_address=run.collector.address)
         plan_json, spec_json = run_plan.to_json(), spec.to_json()
         run._attach([self._engines.view(t.engine_id).apply_async(remote.train_worker, spec_json, t.index,
-                                                                 plan_json, code)
+                                                                 plan_json, payload)
                      for t in spec.workers])
         self.runs.append(run)
         return run
@@ -192,3 +208,10 @@ class Cluster:
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>"
                        for r in rows)
         return f"<b>{html.escape(repr(self))}</b><table><tr>{head}</tr>{body}</table>"
+
+
+def _source(model_fn) -> str | None:
+    try:
+        return inspect.getsource(model_fn if not isinstance(model_fn, torch.nn.Module) else type(model_fn))
+    except (OSError, TypeError):
+        return None

@@ -1,8 +1,8 @@
 """Run: the controller's handle on one training run.
 
 Workers train in ipyparallel tasks; their metric events arrive through a
-Collector; when they finish, the run keeps the final parameters, so nothing
-trained is lost when the cluster stops afterwards.
+Collector and go to the run store; when they finish, the run keeps the final
+parameters, so nothing trained is lost when the cluster stops afterwards.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import queue
 import sys
 import time
 
+import pandas as pd
 import torch
 
 from ..errors import RuntimeTimeout, TrainingError
 from ..evaluate import evaluate
 from ..metrics.collector import Collector
+from ..metrics.store import RunStore
 from ..runtime.client import PSClient
 from ..runtime.plan import TrainPlan
 from ..runtime.worker import build_model
@@ -26,12 +28,12 @@ from ..spec import ClusterSpec
 class Run:
     """A training run on a cluster. ``cluster.train(...)`` returns one; it trains in the background."""
 
-    def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, *, name: str | None = None):
+    def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore):
         self.spec = spec
         self.plan = plan
-        self.name = name or f"run-{plan.run_id}"
+        self.store = store
+        self.name = store.run(plan.run_id)["name"]
         self.logs: list[str] = []
-        self.events: list[dict] = []
         self.results: list[dict] | None = None
         self.ps_stats: list[dict] | None = None
         self.error: str | None = None
@@ -40,19 +42,28 @@ class Run:
         self._state_dict: dict[str, torch.Tensor] | None = None
         self._pending_logs: queue.Queue = queue.Queue()
         self._results = []
+        self._stop_requested = False
         self.started = time.time()
         self.finished: float | None = None
-        self.collector = Collector(self._on_event)
+        self.collector = Collector(self._on_batch)
 
-    def _on_event(self, event: dict) -> None:
-        self.events.append(event)
-        if event.get("kind") == "log":
-            line = f"[{event['task']}] {event['line']}"
-            self.logs.append(line)
-            self._pending_logs.put(line)
+    @property
+    def id(self) -> int:
+        """The run's id in the run store (also its id on the data plane)."""
+        return self.plan.run_id
+
+    def _on_batch(self, events: list[dict]) -> None:
+        self.store.add_batch(self.id, events)
+        for event in events:
+            if event.get("kind") == "log":
+                line = f"[{event['task']}] {event['line']}"
+                self.logs.append(line)
+                self._pending_logs.put(line)
 
     def _attach(self, async_results) -> None:
         self._results = list(async_results)
+        self.store.set_status(self.id, "training")
+        self.store.add_event(self.id, "controller", "start", {"workers": len(self._results)})
 
     # --- state --------------------------------------------------------------------------
     @property
@@ -104,6 +115,7 @@ class Run:
     def stop(self) -> "Run":
         """End training at the next step of every worker and wait for it."""
         if not self.done:
+            self._stop_requested = True
             self._signal_stop()
             self.wait(timeout=self.plan.request_timeout, verbose=False)
         return self
@@ -148,6 +160,8 @@ class Run:
             self._state_dict = self._pull_parameters()
         else:
             self.error = "; ".join(errors) + ": fix the cause and train again"
+        self.store.set_status(self.id, self.status, self.summary())
+        self.store.add_event(self.id, "controller", "end", {"status": self.status, "error": self.error})
 
     def _pull_parameters(self) -> dict[str, torch.Tensor]:
         with PSClient(self.spec, timeout=30.0) as client:
@@ -179,6 +193,11 @@ class Run:
         """``{"loss": ..., "accuracy": ...}`` of the trained model on ``dataset``."""
         return evaluate(self.model(), dataset, self._loss_fn, batch_size=batch_size)
 
+    def metrics(self) -> pd.DataFrame:
+        """Per-step worker metrics from the run store: one row per reported step per worker
+        (worker, time, local_step, global_step, loss, accuracy, compute_s, wait_s, comm_s, bytes, staleness)."""
+        return self.store.metrics(self.id)
+
     def staleness(self) -> dict[int, int]:
         """Histogram of push staleness, counted by ps 0 (async runs)."""
         stats = self.ps_stats or self._read_ps_stats(5.0) or [{}]
@@ -202,7 +221,9 @@ class Run:
     def status(self) -> str:
         if not self.done:
             return "training"
-        return "failed" if self.error else "finished"
+        if self.error:
+            return "failed"
+        return "stopped" if self._stop_requested else "finished"
 
     def __repr__(self) -> str:
         return (f"<Run {self.name} {self.mode} {self.status}: global step {self.summary()['global_step']}"

@@ -1,7 +1,7 @@
 """The controller's end of the metrics pipeline: a ZeroMQ PULL socket and a thread.
 
 Runtime tasks send JSON event batches (see ``pscluster.runtime.metrics``); the
-collector decodes them and hands each event to a callback. JSON only: nothing
+collector decodes them and hands each batch (a list of event dicts) to a callback. JSON only: nothing
 received is unpickled.
 """
 
@@ -14,10 +14,10 @@ import zmq
 
 
 class Collector:
-    """Receives event batches on ``address`` and calls ``on_event(event)`` for each."""
+    """Receives event batches on ``address`` and calls ``on_batch(events)`` for each."""
 
-    def __init__(self, on_event, host: str = "127.0.0.1", context: zmq.Context | None = None):
-        self._on_event = on_event
+    def __init__(self, on_batch, host: str = "127.0.0.1", context: zmq.Context | None = None):
+        self._on_batch = on_batch
         self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -45,9 +45,9 @@ class Collector:
         except ValueError:
             self.bad_batches += 1
             return
-        for event in batch if isinstance(batch, list) else []:
-            if isinstance(event, dict):
-                self._on_event(event)
+        events = [e for e in batch if isinstance(e, dict)] if isinstance(batch, list) else []
+        if events:
+            self._on_batch(events)
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()

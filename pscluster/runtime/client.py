@@ -26,6 +26,7 @@ class Reply:
     step: int          # ps 0's step: the global step
     flags: Flag        # union of every ps's flags
     value: int         # ps 0's value (staleness for pushes)
+    wait_s: float      # the longest a ps held the request (sync: waiting for other replicas)
     messages: list[Message]
 
 
@@ -114,7 +115,8 @@ class PSClient:
         flags = Flag.NONE
         for m in messages:
             flags |= m.flags
-        return Reply(step=messages[0].step, flags=flags, value=messages[0].value, messages=messages)
+        return Reply(step=messages[0].step, flags=flags, value=messages[0].value,
+                     wait_s=max(m.wait_us for m in messages) / 1e6, messages=messages)
 
     # --- the operations -------------------------------------------------------------------
     def hello(self) -> None:

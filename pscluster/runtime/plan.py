@@ -124,8 +124,11 @@ class TrainPlan:
     def variables_on(self, ps: int) -> tuple[VariableSpec, ...]:
         return tuple(v for v in self.variables if v.ps == ps)
 
+    def to_dict(self) -> dict:
+        return asdict(self)
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str) -> "TrainPlan":

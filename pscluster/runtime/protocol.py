@@ -5,7 +5,7 @@ A message is a list of ZeroMQ frames::
     [header, table, json, payload_0, ..., payload_n-1, mac]
 
 ``header`` is a fixed struct (magic, protocol version, op, flags, task, run id,
-request id, step, value, tensor count); ``table`` describes each tensor (variable
+request id, step, value, wait in microseconds, tensor count); ``table`` describes each tensor (variable
 id, dtype code, shape); ``json`` is UTF-8 JSON for the few control messages that
 carry structured data (empty otherwise); each payload is a tensor's raw bytes,
 sent without a copy; ``mac`` is a keyed BLAKE2b over every other frame, with the
@@ -32,7 +32,7 @@ MAGIC = b"PSCL"
 MAX_DIMS = 8
 NO_TASK = 0xFFFF  # the `task` of a message that comes from the controller, not a worker
 
-_HEADER = struct.Struct("!4sHBBHIIqqI")
+_HEADER = struct.Struct("!4sHBBHIIqqII")
 _TENSOR = struct.Struct("!IBB2x" + "Q" * MAX_DIMS)
 _MAC_SIZE = 16
 
@@ -81,6 +81,7 @@ class Message:
     request_id: int = 0
     step: int = 0
     value: int = 0
+    wait_us: int = 0  # replies: how long the ps held the request (sync: waiting for the other replicas)
     ids: list[int] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     meta: dict | None = None
@@ -111,7 +112,8 @@ def encode(msg: Message, key: bytes) -> list:
     if len(msg.ids) != len(msg.tensors):
         raise ValueError("one variable id per tensor")
     header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.op), int(msg.flags), msg.task,
-                          msg.run_id, msg.request_id, msg.step, msg.value, len(msg.tensors))
+                          msg.run_id, msg.request_id, msg.step, msg.value, min(msg.wait_us, 0xFFFFFFFF),
+                          len(msg.tensors))
     table = bytearray()
     payloads = []
     for var_id, t in zip(msg.ids, msg.tensors):
@@ -144,7 +146,7 @@ def decode(frames, key: bytes) -> Message:
         raise ProtocolError("bad signature: the sender does not hold this cluster's secret")
     if bufs[0].nbytes != _HEADER.size:
         raise ProtocolError("malformed header")
-    magic, version, op, flags, task, run_id, request_id, step, value, count = _HEADER.unpack(bufs[0])
+    magic, version, op, flags, task, run_id, request_id, step, value, wait_us, count = _HEADER.unpack(bufs[0])
     if magic != MAGIC:
         raise ProtocolError("not a pscluster message")
     if version != PROTOCOL_VERSION:
@@ -157,7 +159,7 @@ def decode(frames, key: bytes) -> Message:
     except ValueError:
         raise ProtocolError(f"unknown op {op}") from None
     msg = Message(op=op, flags=Flag(flags), task=task, run_id=run_id,
-                  request_id=request_id, step=step, value=value)
+                  request_id=request_id, step=step, value=value, wait_us=wait_us)
     for i, fields in enumerate(_TENSOR.iter_unpack(bufs[1])):
         var_id, code, ndim = fields[:3]
         shape = fields[3:3 + ndim]

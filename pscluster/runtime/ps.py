@@ -29,10 +29,12 @@ import zmq
 
 from ..errors import ProtocolError
 from . import protocol
+from .metrics import MetricsEmitter
 from .plan import resolve_optimizer
 from .protocol import Flag, Message, Op
 
 POLL_MS = 100
+REPORT_S = 0.5  # how often a ps sends its counters to the collector
 
 
 @dataclass
@@ -47,12 +49,14 @@ class _RunState:
     names: list[str]
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
+    num_workers: int = 1
+    emitter: MetricsEmitter | None = None
     step: int = 0
     stopped: bool = False
     accum: list[torch.Tensor] | None = None
     accum_count: int = 0
     contributors: list[int] = field(default_factory=list)
-    waiting: list[tuple[bytes, Message]] = field(default_factory=list)
+    waiting: list[tuple[bytes, Message, float]] = field(default_factory=list)  # (identity, header, since)
     snapshot: tuple[int, list[torch.Tensor]] | None = None
     pushes: int = 0
     pulls: int = 0
@@ -60,6 +64,12 @@ class _RunState:
     dropped_stale: int = 0
     late: int = 0
     staleness: Counter = field(default_factory=Counter)
+
+    def waiting_for(self) -> list[int]:
+        """Sync: the workers whose gradient for the current step has not arrived yet."""
+        if self.mode != "sync" or self.stopped:
+            return []
+        return sorted(set(range(self.num_workers)) - set(self.contributors))
 
     def params_snapshot(self) -> list[torch.Tensor]:
         """Copies of the current values, made once per step: replies are sent without a
@@ -104,13 +114,35 @@ class ParameterServer:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        last_report = 0.0
         try:
             while not self._stop.is_set():
                 if poller.poll(POLL_MS):
                     frames = self._sock.recv_multipart(copy=False)
                     self._handle(frames)
+                if time.monotonic() - last_report >= REPORT_S:
+                    last_report = time.monotonic()
+                    self._report()
         finally:
+            self._close_run()
             self._sock.close(linger=0)
+
+    def _report(self, *, now: bool = False) -> None:
+        """Send this ps's counters for the current run to the collector (never blocks)."""
+        run = self.run
+        if run is None or run.emitter is None:
+            return
+        run.emitter.emit("ps", step=run.step, pushes=run.pushes, pulls=run.pulls, applied=run.applied,
+                         dropped_stale=run.dropped_stale, late=run.late, bytes_in=self.bytes_in,
+                         bytes_out=self.bytes_out, waiting_for=run.waiting_for())
+        if now:
+            run.emitter.flush()
+
+    def _close_run(self) -> None:
+        if self.run is not None and self.run.emitter is not None:
+            self._report(now=True)
+            self.run.emitter.close()
+            self.run.emitter = None
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -148,10 +180,10 @@ class ParameterServer:
         self._sock.send_multipart([identity, *frames], copy=False)
 
     def _reply(self, identity: bytes, req: Message, op: Op, *, flags=Flag.NONE, value: int = 0,
-               with_params: bool = False, meta: dict | None = None) -> None:
+               wait_us: int = 0, with_params: bool = False, meta: dict | None = None) -> None:
         run = self.run
         reply = Message(op=op, flags=flags, run_id=req.run_id, request_id=req.request_id,
-                        step=run.step if run else 0, value=value, meta=meta)
+                        step=run.step if run else 0, value=value, wait_us=wait_us, meta=meta)
         if run is not None and run.stopped:
             reply.flags |= Flag.STOPPED
         if with_params:
@@ -188,13 +220,17 @@ class ParameterServer:
                 if params else None
             run = _RunState(run_id=msg.run_id, mode=cfg["mode"], steps=int(cfg["steps"]),
                             replicas=int(cfg["replicas_to_aggregate"]), ids=list(msg.ids),
-                            names=list(cfg["names"]), params=params, optimizer=optimizer)
+                            names=list(cfg["names"]), params=params, optimizer=optimizer,
+                            num_workers=int(cfg.get("num_workers", 1)))
         except (KeyError, TypeError, ValueError) as e:
             self._error(identity, msg, f"bad INIT: {e}")
             return
         self._release_waiting()
         if self.run is not None:
             self._past_runs.add(self.run.run_id)
+            self._close_run()
+        if cfg.get("metrics_address"):
+            run.emitter = MetricsEmitter(cfg["metrics_address"], f"ps:{self.index}", context=self._ctx)
         run.stopped = run.run_id in self._stop_requested
         self.run = run
         self._reply(identity, msg, Op.OK)
@@ -243,7 +279,8 @@ class ParameterServer:
         run.contributors.append(msg.task)
         if with_params:
             # The frames of `msg` are released after this call: keep only the header.
-            run.waiting.append((identity, Message(op=msg.op, run_id=msg.run_id, request_id=msg.request_id)))
+            run.waiting.append((identity, Message(op=msg.op, run_id=msg.run_id, request_id=msg.request_id),
+                                time.monotonic()))
         if run.accum_count >= run.replicas:
             self._apply(run, run.accum, run.accum_count)
             run.accum, run.accum_count, run.contributors = None, 0, []
@@ -269,6 +306,7 @@ class ParameterServer:
         if run is not None and run.run_id == msg.run_id:
             run.stopped = True
             self._release_waiting()
+            self._report(now=True)
         else:
             self._stop_requested.add(msg.run_id)
         self._reply(identity, msg, Op.OK)
@@ -290,14 +328,16 @@ class ParameterServer:
         run.applied += 1
         if run.step >= run.steps:
             run.stopped = True
+            self._report(now=True)
 
     def _release_waiting(self) -> None:
         run = self.run
         if run is None:
             return
         waiting, run.waiting = run.waiting, []
-        for identity, req in waiting:
-            self._reply(identity, req, Op.PARAMS, with_params=True)
+        now = time.monotonic()
+        for identity, req, since in waiting:
+            self._reply(identity, req, Op.PARAMS, with_params=True, wait_us=int((now - since) * 1e6))
 
     _HANDLERS = {Op.HELLO: _hello, Op.INIT: _init, Op.PULL: _pull, Op.PUSH: _push,
                  Op.PUSH_PULL: _push, Op.STATS: _stats, Op.STOP: _stop_run, Op.SHUTDOWN: _shutdown}

@@ -88,6 +88,7 @@ class _Shards:
 
 def _ps_config(plan: TrainPlan, ps: int) -> dict:
     return {"mode": plan.mode, "steps": plan.steps, "replicas_to_aggregate": plan.replicas_to_aggregate,
+            "num_workers": plan.num_workers, "metrics_address": plan.metrics_address,
             "optimizer": plan.optimizer, "optimizer_kwargs": plan.optimizer_kwargs,
             "names": [v.name for v in plan.variables_on(ps)]}
 
@@ -131,7 +132,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
 
         batches = sharded_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed)
         local_step, samples, dropped = 0, 0, 0
-        compute_s = comm_s = window_s = 0.0
+        compute_s = comm_s = wait_s = window_s = 0.0
         staleness = Counter()
         loss_value, accuracy = float("nan"), None
         while not (reply.flags & Flag.STOPPED) and reply.step < plan.steps:
@@ -144,14 +145,17 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             loss.backward()
             t1 = time.perf_counter()
             computed_on = reply.step
+            sent, received = client.bytes_sent, client.bytes_received
             reply = client.push_pull(computed_on, shards.grads())
             shards.load(reply)
             t2 = time.perf_counter()
 
             local_step += 1
             samples += len(y)
+            step_wait = min(reply.wait_s, t2 - t1)
             compute_s += t1 - t0
-            comm_s += t2 - t1
+            wait_s += step_wait
+            comm_s += t2 - t1 - step_wait
             window_s += t2 - t0
             was_dropped = bool(reply.flags & Flag.DROPPED)
             dropped += was_dropped
@@ -160,7 +164,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             loss_value = loss.item()
             accuracy = batch_accuracy(output.detach(), y)
             emitter.emit("step", local_step=local_step, global_step=reply.step, loss=loss_value,
-                         accuracy=accuracy, compute_s=t1 - t0, comm_s=t2 - t1,
+                         accuracy=accuracy, compute_s=t1 - t0, wait_s=step_wait, comm_s=t2 - t1 - step_wait,
+                         bytes_sent=client.bytes_sent - sent, bytes_received=client.bytes_received - received,
                          staleness=None if was_dropped else reply.value, dropped=was_dropped)
             if local_step % plan.log_every == 0:
                 line = log_line(local_step, reply.step, loss_value, accuracy, window_s / plan.log_every)
@@ -170,7 +175,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
                     log(line)
         summary = {"task": index, "local_steps": local_step, "global_step": reply.step,
                    "dropped": dropped, "samples": samples, "wall_s": time.time() - started,
-                   "compute_s": compute_s, "comm_s": comm_s, "final_loss": loss_value,
+                   "compute_s": compute_s, "wait_s": wait_s, "comm_s": comm_s, "final_loss": loss_value,
                    "final_accuracy": accuracy, "staleness": dict(staleness),
                    "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
                    "metrics_dropped": emitter.dropped}

@@ -37,7 +37,7 @@ def round_trip(msg: Message, key: bytes = KEY) -> Message:
 def resign(frames, key: bytes = KEY, **header):
     """``frames`` with header fields replaced and a fresh, valid signature."""
     fields = dict(zip(("magic", "version", "op", "flags", "task", "run_id", "request_id", "step", "value",
-                       "count"), protocol._HEADER.unpack(frames[0])))
+                       "wait_us", "count"), protocol._HEADER.unpack(frames[0])))
     fields.update(header)
     return sign([protocol._HEADER.pack(*fields.values()), *frames[1:-1]], key)
 

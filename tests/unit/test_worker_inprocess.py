@@ -268,7 +268,7 @@ def test_fetch_batch_uses_batched_indexing_when_the_dataset_has_it(dataset):
 @pytest.fixture
 def collector():
     events = []
-    c = Collector(events.append)
+    c = Collector(events.extend)
     yield c, events
     c.close()
     assert not c._thread.is_alive()

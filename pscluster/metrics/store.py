@@ -1,0 +1,263 @@
+"""The run store: one SQLite file of runs, their placement, metrics and events.
+
+The schema is defined once, below, as numbered migrations applied by
+``PRAGMA user_version``. The file is in WAL mode: readers (the dashboard, the
+side panel, another notebook) use read-only connections and never block the
+writer, which is the controller's collector thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+
+import pandas as pd
+
+from .. import environ
+
+STORE_FILE = "runs.sqlite"
+
+MIGRATIONS = [
+    """
+    CREATE TABLE runs (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        name TEXT NOT NULL,
+        cluster TEXT NOT NULL,
+        mode TEXT NOT NULL,
+        status TEXT NOT NULL,
+        started REAL NOT NULL,
+        ended REAL,
+        config TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        code TEXT,
+        summary TEXT
+    );
+    CREATE TABLE placement (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        variable TEXT NOT NULL,
+        ps INTEGER NOT NULL,
+        shape TEXT NOT NULL,
+        dtype TEXT NOT NULL,
+        bytes INTEGER NOT NULL,
+        PRIMARY KEY (run_id, variable)
+    );
+    CREATE TABLE metrics (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        worker INTEGER NOT NULL,
+        time REAL NOT NULL,
+        local_step INTEGER NOT NULL,
+        global_step INTEGER NOT NULL,
+        loss REAL,
+        accuracy REAL,
+        compute_s REAL,
+        wait_s REAL,
+        comm_s REAL,
+        bytes_sent INTEGER,
+        bytes_received INTEGER,
+        staleness INTEGER,
+        dropped INTEGER
+    );
+    CREATE INDEX metrics_by_run ON metrics (run_id, worker, local_step);
+    CREATE TABLE ps_metrics (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        ps INTEGER NOT NULL,
+        time REAL NOT NULL,
+        step INTEGER NOT NULL,
+        pushes INTEGER NOT NULL,
+        pulls INTEGER NOT NULL,
+        applied INTEGER NOT NULL,
+        dropped_stale INTEGER NOT NULL,
+        late INTEGER NOT NULL,
+        bytes_in INTEGER NOT NULL,
+        bytes_out INTEGER NOT NULL,
+        waiting_for TEXT NOT NULL
+    );
+    CREATE INDEX ps_metrics_by_run ON ps_metrics (run_id, ps, time);
+    CREATE TABLE evaluations (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        global_step INTEGER NOT NULL,
+        time REAL NOT NULL,
+        loss REAL,
+        accuracy REAL
+    );
+    CREATE TABLE events (
+        run_id INTEGER NOT NULL REFERENCES runs(id),
+        time REAL NOT NULL,
+        task TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        detail TEXT NOT NULL
+    );
+    CREATE INDEX events_by_run ON events (run_id, time);
+    """,
+]
+
+_METRIC_COLUMNS = ("worker", "time", "local_step", "global_step", "loss", "accuracy", "compute_s", "wait_s",
+                   "comm_s", "bytes_sent", "bytes_received", "staleness", "dropped")
+_PS_COLUMNS = ("ps", "time", "step", "pushes", "pulls", "applied", "dropped_stale", "late", "bytes_in",
+               "bytes_out", "waiting_for")
+
+
+def default_path() -> str:
+    """``$PSCLUSTER_HOME/runs.sqlite`` (default home: the user's data directory)."""
+    return os.path.join(environ.home(), STORE_FILE)
+
+
+def _task_index(task: str) -> int:
+    return int(task.rsplit(":", 1)[1])
+
+
+class RunStore:
+    """The run store. ``readonly=True`` opens a reader that never writes or blocks the writer."""
+
+    def __init__(self, path: str | os.PathLike | None = None, *, readonly: bool = False):
+        self.path = os.fspath(path or default_path())
+        self.readonly = readonly
+        self._lock = threading.Lock()
+        if readonly:
+            if not os.path.exists(self.path):
+                raise FileNotFoundError(f"no run store at {self.path}: train a run first, or set PSCLUSTER_HOME")
+            self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False,
+                                       timeout=10)
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._migrate()
+
+    def _migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+            with self._db:
+                self._db.executescript(f"BEGIN; {script}; PRAGMA user_version = {number}; COMMIT;")
+
+    @property
+    def schema_version(self) -> int:
+        return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _write(self, sql: str, rows) -> None:
+        with self._lock, self._db:
+            self._db.executemany(sql, rows)
+
+    # --- writing (the controller) ----------------------------------------------------------
+    def create_run(self, *, name: str | None, cluster: str, mode: str, config: dict, spec: dict,
+                   code: str | None = None) -> int:
+        """A new run row in status 'starting'; returns its id (also the data plane's run id)."""
+        with self._lock, self._db:
+            cur = self._db.execute(
+                "INSERT INTO runs (name, cluster, mode, status, started, config, spec, code) "
+                "VALUES ('', ?, ?, 'starting', ?, ?, ?, ?)",
+                (cluster, mode, time.time(), json.dumps(config), json.dumps(spec), code))
+            run_id = cur.lastrowid
+            self._db.execute("UPDATE runs SET name = ? WHERE id = ?", (name or f"run-{run_id}", run_id))
+        return run_id
+
+    def set_status(self, run_id: int, status: str, summary: dict | None = None) -> None:
+        ended = time.time() if status in ("finished", "failed", "stopped") else None
+        with self._lock, self._db:
+            self._db.execute("UPDATE runs SET status = ?, ended = COALESCE(?, ended), "
+                             "summary = COALESCE(?, summary) WHERE id = ?",
+                             (status, ended, None if summary is None else json.dumps(summary), run_id))
+
+    def record_placement(self, run_id: int, variables) -> None:
+        """One row per variable: name, ps task, shape, dtype, bytes (VariableSpec-like objects)."""
+        self._write("INSERT OR REPLACE INTO placement VALUES (?, ?, ?, ?, ?, ?)",
+                    [(run_id, v.name, v.ps, json.dumps(list(v.shape)), v.dtype, v.nbytes) for v in variables])
+
+    def add_event(self, run_id: int, task: str, kind: str, detail: dict | None = None) -> None:
+        self._write("INSERT INTO events VALUES (?, ?, ?, ?, ?)",
+                    [(run_id, time.time(), task, kind, json.dumps(detail or {}))])
+
+    def add_evaluation(self, run_id: int, global_step: int, loss: float, accuracy: float | None) -> None:
+        self._write("INSERT INTO evaluations VALUES (?, ?, ?, ?, ?)",
+                    [(run_id, global_step, time.time(), loss, accuracy)])
+
+    def add_batch(self, run_id: int, events: list[dict]) -> None:
+        """Store one batch of runtime events: 'step' -> metrics, 'ps' -> ps_metrics, the rest -> events."""
+        steps, ps_rows, other = [], [], []
+        for e in events:
+            kind = e.get("kind")
+            try:
+                if kind == "step":
+                    steps.append((run_id, _task_index(e["task"]),
+                                  *(e.get(c) for c in _METRIC_COLUMNS[1:])))
+                elif kind == "ps":
+                    ps_rows.append((run_id, _task_index(e["task"]), *(e.get(c, 0) for c in _PS_COLUMNS[1:-1]),
+                                    json.dumps(e.get("waiting_for", []))))
+                else:
+                    detail = {k: v for k, v in e.items() if k not in ("kind", "task", "time")}
+                    other.append((run_id, e["time"], e["task"], str(kind), json.dumps(detail)))
+            except (KeyError, ValueError, IndexError, TypeError):
+                continue  # a malformed event is skipped, never fatal
+        with self._lock, self._db:
+            if steps:
+                self._db.executemany(f"INSERT INTO metrics VALUES (?, {', '.join('?' * len(_METRIC_COLUMNS))})",
+                                     steps)
+            if ps_rows:
+                self._db.executemany(f"INSERT INTO ps_metrics VALUES (?, {', '.join('?' * len(_PS_COLUMNS))})",
+                                     ps_rows)
+            if other:
+                self._db.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?)", other)
+
+    # --- reading (anyone) ------------------------------------------------------------------
+    def _frame(self, sql: str, params=()) -> pd.DataFrame:
+        with self._lock:
+            return pd.read_sql_query(sql, self._db, params=params)
+
+    def runs(self) -> pd.DataFrame:
+        """One row per run, newest first: id, name, cluster, mode, status, started, ended, wall_s."""
+        df = self._frame("SELECT id, name, cluster, mode, status, started, ended FROM runs ORDER BY id DESC")
+        df["wall_s"] = df["ended"] - df["started"]
+        return df
+
+    def run(self, run_id: int) -> dict | None:
+        """A run's row with config, spec and summary decoded; None if there is no such run."""
+        with self._lock:
+            cur = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,))
+            row = cur.fetchone()
+            names = [d[0] for d in cur.description]
+        if row is None:
+            return None
+        record = dict(zip(names, row))
+        for key in ("config", "spec", "summary"):
+            record[key] = json.loads(record[key]) if record[key] else None
+        return record
+
+    def metrics(self, run_id: int, since_time: float = 0.0) -> pd.DataFrame:
+        """Per-step worker metrics (one row per reported step per worker), oldest first."""
+        return self._frame(f"SELECT {', '.join(_METRIC_COLUMNS)} FROM metrics WHERE run_id = ? AND time > ? "
+                           "ORDER BY time, worker", (run_id, since_time))
+
+    def ps_metrics(self, run_id: int, since_time: float = 0.0) -> pd.DataFrame:
+        df = self._frame(f"SELECT {', '.join(_PS_COLUMNS)} FROM ps_metrics WHERE run_id = ? AND time > ? "
+                         "ORDER BY time, ps", (run_id, since_time))
+        df["waiting_for"] = df["waiting_for"].map(json.loads)
+        return df
+
+    def placement(self, run_id: int) -> pd.DataFrame:
+        df = self._frame("SELECT variable, ps, shape, dtype, bytes FROM placement WHERE run_id = ? "
+                         "ORDER BY rowid", (run_id,))
+        df["shape"] = df["shape"].map(lambda s: tuple(json.loads(s)))
+        return df
+
+    def evaluations(self, run_id: int) -> pd.DataFrame:
+        return self._frame("SELECT global_step, time, loss, accuracy FROM evaluations WHERE run_id = ? "
+                           "ORDER BY global_step", (run_id,))
+
+    def events(self, run_id: int) -> pd.DataFrame:
+        df = self._frame("SELECT time, task, kind, detail FROM events WHERE run_id = ? ORDER BY time, rowid",
+                         (run_id,))
+        df["detail"] = df["detail"].map(json.loads)
+        return df
