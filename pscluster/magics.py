@@ -1,8 +1,8 @@
 """``%pscluster`` and ``%%pscluster``: thin wrappers over the public API.
 
     %pscluster start --ps 1 --workers 2
-    %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1
-    model = ...; loss_fn = ...; dataset = ...
+    %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1 [--wait]
+    model = ...; loss_fn = ...; dataset = ...; test_dataset = ... (optional)
     %pscluster status
     %pscluster stop
 
@@ -57,6 +57,8 @@ def _parsers() -> dict[str, _Parser]:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--log-every", type=int, default=100)
     train.add_argument("--name", default=None, help="run name")
+    train.add_argument("--wait", action="store_true",
+                       help="block until the run ends, with a progress bar and the workers' log lines")
 
     return {"start": start, "train": train, "status": _Parser(prog="%pscluster status"),
             "stop": _Parser(prog="%pscluster stop")}
@@ -127,13 +129,15 @@ class PSClusterMagics(Magics):
         run = cluster.train(ns["model"], ns["dataset"], ns["loss_fn"], optimizer=args.optimizer, mode=args.mode,
                             steps=args.steps, batch_size=args.batch_size,
                             replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed,
-                            log_every=args.log_every, name=args.name, code=cell, **kwargs)
+                            log_every=args.log_every, name=args.name, code=cell,
+                            test_dataset=ns.get("test_dataset"), **kwargs)
         self.last_run = run
-        try:
-            run.wait()
-        except KeyboardInterrupt:
-            run.stop()
-            print(f"{run.name} stopped at global step {run.global_step}")
+        if args.wait:
+            try:
+                run.wait(progress=True)
+            except KeyboardInterrupt:
+                run.stop()
+                print(f"{run.name} stopped at global step {run.global_step}")
         return run
 
     def _status(self, args, cell):

@@ -127,7 +127,8 @@ class Cluster:
     def train(self, model_fn, dataset, loss_fn, *, optimizer="sgd", mode: str = "sync", steps: int = 1000,
               batch_size: int = 64, replicas_to_aggregate: int | None = None, seed: int = 0,
               log_every: int = 100, request_timeout: float = 120.0, name: str | None = None,
-              code: str | None = None, **optimizer_kwargs) -> Run:
+              code: str | None = None, test_dataset=None, eval_every: int | None = None,
+              **optimizer_kwargs) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
         ``model_fn``: a torch.nn.Module or a zero-argument callable that builds one.
@@ -135,6 +136,8 @@ class Cluster:
         ``steps``: the global step target. ``replicas_to_aggregate`` (sync): gradients
         averaged per global step, default the number of workers. ``code``: the source of the
         model cell, kept in the run store (default: the source of ``model_fn`` when it has one).
+        ``test_dataset``: evaluated in this process every ``eval_every`` global steps (default:
+        a tenth of ``steps``) and at the end; results go to the run store and the dashboard.
         """
         spec = self._require_running("train")
         if self.active_run is not None:
@@ -164,7 +167,7 @@ class Cluster:
                                        spec=spec.public_dict(), code=code or _source(model_fn))
         run_plan = replace(run_plan, run_id=run_id)
         self.store.record_placement(run_id, run_plan.variables)
-        run = Run(spec, run_plan, model_fn, loss_fn, self.store)
+        run = Run(spec, run_plan, model_fn, loss_fn, self.store, test_dataset=test_dataset, eval_every=eval_every)
         run.plan = run_plan = replace(run_plan, metrics_address=run.collector.address)
         plan_json, spec_json = run_plan.to_json(), spec.to_json()
         run._attach([self._engines.view(t.engine_id).apply_async(remote.train_worker, spec_json, t.index,

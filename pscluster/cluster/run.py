@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import queue
 import sys
+import threading
 import time
 
 import pandas as pd
@@ -26,9 +27,14 @@ from ..spec import ClusterSpec
 
 
 class Run:
-    """A training run on a cluster. ``cluster.train(...)`` returns one; it trains in the background."""
+    """A training run on a cluster. ``cluster.train(...)`` returns one; it trains in the background.
 
-    def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore):
+    A monitor thread follows the workers, evaluates the model on ``test_dataset`` every
+    ``eval_every`` global steps (into the run store), and finalizes the run when they end.
+    """
+
+    def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore, *,
+                 test_dataset=None, eval_every: int | None = None):
         self.spec = spec
         self.plan = plan
         self.store = store
@@ -43,6 +49,10 @@ class Run:
         self._pending_logs: queue.Queue = queue.Queue()
         self._results = []
         self._stop_requested = False
+        self._test_dataset = test_dataset
+        self.eval_every = eval_every or max(1, plan.steps // 10)
+        self._latest_step = 0
+        self._done = threading.Event()
         self.started = time.time()
         self.finished: float | None = None
         self.collector = Collector(self._on_batch)
@@ -55,7 +65,9 @@ class Run:
     def _on_batch(self, events: list[dict]) -> None:
         self.store.add_batch(self.id, events)
         for event in events:
-            if event.get("kind") == "log":
+            if event.get("kind") == "step":
+                self._latest_step = max(self._latest_step, event.get("global_step", 0))
+            elif event.get("kind") == "log":
                 line = f"[{event['task']}] {event['line']}"
                 self.logs.append(line)
                 self._pending_logs.put(line)
@@ -64,6 +76,38 @@ class Run:
         self._results = list(async_results)
         self.store.set_status(self.id, "training")
         self.store.add_event(self.id, "controller", "start", {"workers": len(self._results)})
+        threading.Thread(target=self._monitor, name=f"pscluster-{self.name}", daemon=True).start()
+
+    def _monitor(self) -> None:
+        next_eval = self.eval_every
+        try:
+            while not all(ar.ready() for ar in self._results):
+                if any(ar.ready() and not ar.successful() for ar in self._results):
+                    self._signal_stop()  # other workers must not wait on the failed one
+                if self._test_dataset is not None and self._latest_step >= next_eval:
+                    self._evaluate_live()
+                    next_eval = self._latest_step + self.eval_every
+                time.sleep(0.05)
+            self._finish()
+        except Exception as e:  # finalizing failed (ps gone...): the run still ends, with the reason
+            self.error = self.error or f"{self.name} could not be finalized: {_one_line(e)}"
+            self.finished = self.finished or time.time()
+            self.store.set_status(self.id, "failed")
+        finally:
+            self._done.set()
+
+    def _evaluate_live(self) -> None:
+        try:
+            step, state = self._pull_parameters(timeout=10.0)
+        except Exception:  # the run just ended or a ps is busy: the next evaluation will do
+            return
+        self._record_evaluation(step, state)
+
+    def _record_evaluation(self, step: int, state: dict) -> None:
+        model = build_model(self._model_fn, self.plan.seed)
+        model.load_state_dict(state, strict=False)
+        result = evaluate(model, self._test_dataset, self._loss_fn)
+        self.store.add_evaluation(self.id, step, result["loss"], result["accuracy"])
 
     # --- state --------------------------------------------------------------------------
     @property
@@ -72,15 +116,14 @@ class Run:
 
     @property
     def done(self) -> bool:
-        return self.finished is not None
+        return self._done.is_set()
 
     @property
     def global_step(self) -> int:
-        """The global step: final once done, else read live from ps 0."""
+        """The global step: final once done (from ps 0), else the latest one a worker reported."""
         if self.ps_stats is not None:
             return self.ps_stats[0].get("step", 0)
-        stats = self._read_ps_stats(timeout=5.0)
-        return stats[0].get("step", 0) if stats else 0
+        return self._latest_step
 
     @property
     def local_steps(self) -> list[int] | None:
@@ -91,23 +134,29 @@ class Run:
         return (self.finished or time.time()) - self.started
 
     # --- control -------------------------------------------------------------------------
-    def wait(self, timeout: float | None = None, *, verbose: bool = True) -> "Run":
-        """Block until training ends, printing each worker's progress lines as they arrive."""
+    def wait(self, timeout: float | None = None, *, verbose: bool = True, progress: bool = False) -> "Run":
+        """Block until training ends, printing each worker's progress lines as they arrive;
+        ``progress=True`` adds a progress bar of the global step."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done:
-            self._print_pending(verbose)
-            if all(ar.ready() for ar in self._results):
-                self._finish()
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                self._print_pending(verbose)
-                raise RuntimeTimeout(f"{self.name} still training after {timeout:.0f}s: "
-                                     "call run.wait() again, or run.stop() to end it")
-            failed = [ar for ar in self._results if ar.ready() and not ar.successful()]
-            if failed:
-                self._signal_stop()  # other workers must not wait on the failed one
-            time.sleep(0.05)
-        self._print_pending(verbose)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=self.plan.steps, desc=self.name, unit="step")
+        try:
+            while not self._done.wait(0.1):
+                self._print_pending(verbose, bar)
+                if bar is not None:
+                    bar.update(self._latest_step - bar.n)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RuntimeTimeout(f"{self.name} still training after {timeout:.0f}s: "
+                                         "call run.wait() again, or run.stop() to end it")
+            if bar is not None:
+                bar.update(self.global_step - bar.n)
+        finally:
+            self._print_pending(verbose, bar)
+            if bar is not None:
+                bar.close()
         if self.error:
             raise TrainingError(self.error)
         return self
@@ -128,13 +177,15 @@ class Run:
         except Exception:  # the ps tasks may be gone already; wait() reports the real error
             pass
 
-    def _print_pending(self, verbose: bool) -> None:
+    def _print_pending(self, verbose: bool, bar=None) -> None:
         while True:
             try:
                 line = self._pending_logs.get_nowait()
             except queue.Empty:
                 return
-            if verbose:
+            if verbose and bar is not None:
+                bar.write(line)
+            elif verbose:
                 print(line, file=sys.stdout, flush=True)
 
     def _read_ps_stats(self, timeout: float) -> list[dict] | None:
@@ -157,14 +208,17 @@ class Run:
         self.ps_stats = self._read_ps_stats(timeout=10.0)
         if not errors:
             self.results = results
-            self._state_dict = self._pull_parameters()
+            step, self._state_dict = self._pull_parameters()
+            if self._test_dataset is not None:
+                self._record_evaluation(step, self._state_dict)
         else:
             self.error = "; ".join(errors) + ": fix the cause and train again"
         self.store.set_status(self.id, self.status, self.summary())
         self.store.add_event(self.id, "controller", "end", {"status": self.status, "error": self.error})
 
-    def _pull_parameters(self) -> dict[str, torch.Tensor]:
-        with PSClient(self.spec, timeout=30.0) as client:
+    def _pull_parameters(self, timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor]]:
+        """The global step and the parameters the ps tasks hold now, by name."""
+        with PSClient(self.spec, timeout=timeout) as client:
             client.run_id = self.plan.run_id
             reply = client.pull()
         if reply is None:
@@ -174,7 +228,7 @@ class Run:
         for msg in reply.messages:
             for vid, t in zip(msg.ids, msg.tensors):
                 state[names[vid]] = t.clone()
-        return {v.name: state[v.name] for v in self.plan.variables}
+        return reply.step, {v.name: state[v.name] for v in self.plan.variables}
 
     # --- results ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -219,7 +273,7 @@ class Run:
 
     @property
     def status(self) -> str:
-        if not self.done:
+        if self.finished is None:
             return "training"
         if self.error:
             return "failed"

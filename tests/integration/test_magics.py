@@ -35,8 +35,8 @@ def test_magic_session(ip, capsys):
         ip.run_cell_magic("pscluster", "train --steps 10", "loss_fn = None")
     with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
         ip.run_cell_magic("pscluster", "train --bogus", TRAIN_CELL)
-    run = ip.run_cell_magic("pscluster", "train --mode sync --steps 40 --batch-size 32 --lr 0.1 --log-every 20",
-                            TRAIN_CELL)
+    run = ip.run_cell_magic("pscluster", "train --mode sync --steps 40 --batch-size 32 --lr 0.1 --log-every 20 "
+                            "--wait", TRAIN_CELL)
     assert run.global_step == 40 and run.local_steps == [40, 40]
     out = capsys.readouterr().out
     assert "[worker:1] After 20 training steps (20 global steps), loss" in out

@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 
+import pscluster
 from pscluster.metrics.store import RunStore
 
 from .conftest import mlp
@@ -41,7 +42,8 @@ def test_store_holds_metrics_placement_and_events_of_a_run(stored_cluster, digit
     reader = subprocess.Popen([sys.executable, "-c", READER, str(path), str(stop)], stdout=subprocess.PIPE, text=True)
     try:
         run = cluster.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="sync", steps=150,
-                            batch_size=32, name="stored-sync").wait(verbose=False)
+                            batch_size=32, name="stored-sync", test_dataset=pscluster.datasets.digits("test"),
+                            eval_every=50).wait(verbose=False)
     finally:
         stop.touch()
         queries, rows_seen = map(int, reader.communicate(timeout=30)[0].split())
@@ -72,6 +74,11 @@ def test_store_holds_metrics_placement_and_events_of_a_run(stored_cluster, digit
     ps_rows = store.ps_metrics(run.id)
     assert set(ps_rows["ps"]) == {0, 1}
     assert ps_rows.groupby("ps")["applied"].max().tolist() == [150, 150]
+
+    evaluations = store.evaluations(run.id)
+    assert evaluations["global_step"].iloc[-1] == 150 and len(evaluations) >= 2  # periodic, then final
+    assert evaluations["global_step"].is_monotonic_increasing
+    assert evaluations["accuracy"].iloc[-1] == pytest.approx(run.evaluate(pscluster.datasets.digits("test"))["accuracy"])
 
     record = store.run(run.id)
     assert record["name"] == "stored-sync" and record["status"] == "finished" and record["ended"] > record["started"]
