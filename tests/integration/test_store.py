@@ -78,7 +78,8 @@ def test_store_holds_metrics_placement_and_events_of_a_run(stored_cluster, digit
     evaluations = store.evaluations(run.id)
     assert evaluations["global_step"].iloc[-1] == 150 and len(evaluations) >= 2  # periodic, then final
     assert evaluations["global_step"].is_monotonic_increasing
-    assert evaluations["accuracy"].iloc[-1] == pytest.approx(run.evaluate(pscluster.datasets.digits("test"))["accuracy"])
+    final = run.evaluate(pscluster.datasets.digits("test"))
+    assert evaluations["accuracy"].iloc[-1] == pytest.approx(final["accuracy"])
 
     record = store.run(run.id)
     assert record["name"] == "stored-sync" and record["status"] == "finished" and record["ended"] > record["started"]
