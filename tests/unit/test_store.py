@@ -1,0 +1,120 @@
+"""The run store on a real SQLite file: schema, writes, reads, concurrent readers."""
+
+import sqlite3
+import threading
+
+import pytest
+
+from pscluster.metrics.store import MIGRATIONS, RunStore, default_path
+from pscluster.runtime.plan import VariableSpec
+
+
+@pytest.fixture
+def store(tmp_path):
+    with RunStore(tmp_path / "runs.sqlite") as s:
+        yield s
+
+
+def new_run(store, **kw) -> int:
+    return store.create_run(name=kw.get("name"), cluster="c1", mode="sync", config={"steps": 10},
+                            spec={"ps": [], "worker": []}, code="model = 1")
+
+
+def step(worker, local, global_, t=1.0, **extra):
+    return {"kind": "step", "task": f"worker:{worker}", "time": t, "local_step": local, "global_step": global_,
+            "loss": 1.0 / local, **extra}
+
+
+def test_schema_is_versioned_and_in_wal_mode(store):
+    assert store.schema_version == len(MIGRATIONS)
+    assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    RunStore(store.path).close()  # opening again applies nothing twice
+    assert store.schema_version == len(MIGRATIONS)
+
+
+def test_default_path_follows_pscluster_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("PSCLUSTER_HOME", str(tmp_path / "home"))
+    assert default_path() == str(tmp_path / "home" / "runs.sqlite")
+    with RunStore() as s:
+        assert s.path == default_path()
+
+
+def test_run_lifecycle_and_listing(store):
+    first, second = new_run(store), new_run(store, name="named")
+    assert second > first
+    runs = store.runs()
+    assert list(runs["id"]) == [second, first] and list(runs["name"]) == ["named", f"run-{first}"]
+    assert set(runs["status"]) == {"starting"}
+    store.set_status(first, "finished", {"global_step": 10})
+    record = store.run(first)
+    assert record["status"] == "finished" and record["ended"] >= record["started"]
+    assert record["summary"] == {"global_step": 10} and record["config"] == {"steps": 10}
+    assert store.run(12345) is None
+
+
+def test_batches_are_routed_to_their_tables(store):
+    run = new_run(store)
+    store.add_batch(run, [
+        step(0, 1, 1, staleness=0), step(1, 1, 2, t=1.1, staleness=1),
+        {"kind": "ps", "task": "ps:1", "time": 1.2, "step": 2, "pushes": 2, "pulls": 2, "applied": 2,
+         "dropped_stale": 0, "late": 0, "bytes_in": 100, "bytes_out": 200, "waiting_for": [0]},
+        {"kind": "state", "task": "worker:1", "time": 1.3, "state": "training"},
+        {"kind": "step", "task": "worker:x"},  # malformed: skipped
+        {"kind": "step"},                      # malformed: skipped
+    ])
+    metrics = store.metrics(run)
+    assert list(metrics["worker"]) == [0, 1] and list(metrics["global_step"]) == [1, 2]
+    assert list(metrics["staleness"]) == [0, 1]
+    assert store.metrics(run, since_time=1.05)["worker"].tolist() == [1]
+    ps = store.ps_metrics(run)
+    assert ps.iloc[0]["ps"] == 1 and ps.iloc[0]["waiting_for"] == [0] and ps.iloc[0]["bytes_out"] == 200
+    events = store.events(run)
+    assert events.iloc[0]["kind"] == "state" and events.iloc[0]["detail"] == {"state": "training"}
+
+
+def test_placement_and_evaluations(store):
+    run = new_run(store)
+    store.record_placement(run, [VariableSpec(0, "fc.weight", (10, 4), "float32", 0),
+                                 VariableSpec(1, "fc.bias", (10,), "float32", 1)])
+    placement = store.placement(run)
+    assert list(placement["variable"]) == ["fc.weight", "fc.bias"]
+    assert list(placement["bytes"]) == [160, 40] and placement.iloc[0]["shape"] == (10, 4)
+    store.add_evaluation(run, 20, 0.5, 0.9)
+    store.add_evaluation(run, 10, 0.7, None)
+    evals = store.evaluations(run)
+    assert list(evals["global_step"]) == [10, 20] and evals.iloc[1]["accuracy"] == 0.9
+
+
+def test_readonly_reader_cannot_write_and_needs_the_file(store, tmp_path):
+    new_run(store)
+    with RunStore(store.path, readonly=True) as reader:
+        assert len(reader.runs()) == 1
+        with pytest.raises(sqlite3.OperationalError):
+            reader._db.execute("DELETE FROM runs")
+    with pytest.raises(FileNotFoundError, match="set PSCLUSTER_HOME"):
+        RunStore(tmp_path / "missing.sqlite", readonly=True)
+
+
+def test_a_reader_in_a_loop_never_makes_the_writer_fail(store):
+    run = new_run(store)
+    stop, reads, errors = threading.Event(), [0], []
+
+    def read():
+        with RunStore(store.path, readonly=True) as reader:
+            while not stop.is_set():
+                try:
+                    reader.metrics(run)
+                    reads[0] += 1
+                except Exception as e:  # noqa: BLE001 - any reader failure is reported
+                    errors.append(e)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        for i in range(1, 301):
+            store.add_batch(run, [step(0, i, i, t=float(i))])
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not errors and reads[0] > 0
+    assert len(store.metrics(run)) == 300
