@@ -11,7 +11,7 @@ from .spec import ClusterSpec, TaskSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "datasets", "environ",
+__all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "compare", "datasets", "environ",
            "load_ipython_extension", "runs", "__version__"]
 
 
@@ -24,6 +24,11 @@ def __getattr__(name):
         from .cluster.run import Run
 
         return Run
+    if name == "compare":
+        from .compare import compare
+
+        globals()["compare"] = compare  # importing the submodule set the attribute to the module
+        return compare
     raise AttributeError(f"module 'pscluster' has no attribute {name!r}")
 
 

@@ -132,6 +132,7 @@ class PSClusterMagics(Magics):
                             log_every=args.log_every, name=args.name, code=cell,
                             test_dataset=ns.get("test_dataset"), **kwargs)
         self.last_run = run
+        run.dashboard()
         if args.wait:
             try:
                 run.wait(progress=True)

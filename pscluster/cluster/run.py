@@ -247,6 +247,15 @@ class Run:
         """``{"loss": ..., "accuracy": ...}`` of the trained model on ``dataset``."""
         return evaluate(self.model(), dataset, self._loss_fn, batch_size=batch_size)
 
+    def dashboard(self) -> None:
+        """Display this run's dashboard: live while it trains, the final figures once it is over.
+
+        (It returns nothing, so that a cell ending with it does not display it twice.)
+        """
+        from ..widgets import show
+
+        show(self.store.path, self.id)
+
     def metrics(self) -> pd.DataFrame:
         """Per-step worker metrics from the run store: one row per reported step per worker
         (worker, time, local_step, global_step, loss, accuracy, compute_s, wait_s, comm_s, bytes, staleness)."""

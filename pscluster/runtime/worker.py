@@ -179,7 +179,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
                    "final_accuracy": accuracy, "staleness": dict(staleness),
                    "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
                    "metrics_dropped": emitter.dropped}
-        emitter.emit("done", **{k: v for k, v in summary.items() if k != "staleness"})
+        emitter.emit("done", **{k: v for k, v in summary.items() if k not in ("task", "staleness")})
         return summary
     finally:
         emitter.close()

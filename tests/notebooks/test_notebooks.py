@@ -44,3 +44,33 @@ def test_quickstart_runs_and_reports_both_runs(tmp_path):
     assert sync["local_steps"] == [sync["global_step"]] * 2  # 2 workers, replicas_to_aggregate=2
     text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert "training steps (" in text and "global steps), loss" in text
+
+
+def plotly_figures(nb) -> list[list[dict]]:
+    """The trace lists of every static plotly figure in the executed notebook's HTML outputs."""
+    decoder = json.JSONDecoder()
+    figures = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            html = output.get("data", {}).get("text/html", "")
+            start = 0
+            while (at := html.find("Plotly.newPlot(", start)) >= 0:
+                args = html.index(",", at) + 1  # past the div id
+                traces, end = decoder.raw_decode(html[args:].lstrip())
+                figures.append(traces)
+                start = args + end
+    return figures
+
+
+def test_sync_vs_async_shows_static_figures_per_worker(tmp_path):
+    nb = execute("02_sync_vs_async", tmp_path)
+    figures = plotly_figures(nb)
+    assert figures, "no static plotly figure in the executed notebook"
+    per_worker = [f for f in figures if {"worker 0", "worker 1"} <= {t.get("name") for t in f}]
+    assert len(per_worker) >= 2  # the two-worker runs' convergence (and speed) figures
+    for traces in per_worker:
+        for name in ("worker 0", "worker 1"):
+            trace = next(t for t in traces if t.get("name") == name)
+            assert len(trace.get("x", [])) > 0 and len(trace.get("y", [])) > 0
+    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
+    assert html.count("* plotly.js v") == 1  # the library is embedded once per report, so it renders offline

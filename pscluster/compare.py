@@ -1,0 +1,76 @@
+"""Compare runs from the run store: convergence and speed overlaid, and a short table.
+
+``compare([run_a, run_b])`` takes Run objects or run ids. The result displays like the dashboard: a
+plotly FigureWidget in JupyterLab, static HTML (plotly.js once per process) in an nbconvert report.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import ipywidgets as widgets
+import pandas as pd
+import plotly.graph_objects as go
+
+from .errors import ConfigError
+from .metrics.store import RunStore, default_path
+from .widgets import figures
+from .widgets.dashboard import figures_html, plotlyjs_once, widget_bundle
+
+
+class Comparison:
+    """The comparison of some runs: ``figure`` (a plotly Figure) and ``table`` (a DataFrame, one row a run)."""
+
+    def __init__(self, figure: go.Figure, table: pd.DataFrame):
+        self.figure = figure
+        self.table = table
+        self._widget: go.FigureWidget | None = None
+
+    def _table_html(self) -> str:
+        return figures.table_html(self.table, digits=2)
+
+    def static_html(self, include_plotlyjs: bool = True) -> str:
+        """The figure as static plotly HTML, then the table."""
+        return figures_html([self.figure], include_plotlyjs) + self._table_html()
+
+    def _repr_html_(self) -> str:
+        return self.static_html(plotlyjs_once(self))
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        if self._widget is None:
+            self._widget = go.FigureWidget(self.figure)
+            self._box = widgets.VBox([self._widget, widgets.HTML(self._table_html())])
+        return widget_bundle(self._box, [self._widget], self._repr_html_(), **kwargs)
+
+
+def _source(run, store) -> tuple[str, int]:
+    """(store path, run id) of a Run object or a run id."""
+    if isinstance(run, numbers.Integral):
+        return (getattr(store, "path", store) or default_path()), int(run)
+    try:
+        return run.store.path, run.id
+    except AttributeError:
+        raise ConfigError(f"cannot compare {run!r}: pass Run objects or run ids (see pscluster.runs())") from None
+
+
+def compare(runs, *, store=None) -> Comparison:
+    """Overlay the convergence and speed of ``runs`` (Run objects, or run ids in ``store``: a path or a
+    RunStore, default ``$PSCLUSTER_HOME/runs.sqlite``). Each run is labelled by name, mode and workers."""
+    pairs, stores = [], {}
+    try:
+        for run in runs:
+            path, run_id = _source(run, store)
+            if path not in stores:
+                stores[path] = RunStore(path, readonly=True)
+            record = stores[path].run(run_id)
+            if record is None:
+                raise ConfigError(f"no run {run_id} in the run store {path}: see pscluster.runs()")
+            workers = len((record["spec"] or {}).get("worker", []))
+            label = f"{record['name']} ({record['mode']}, {workers} worker{'s' * (workers != 1)})"
+            if any(label == seen for seen, _ in pairs):
+                label += f" #{run_id}"
+            pairs.append((label, stores[path].metrics(run_id)))
+    finally:
+        for s in stores.values():
+            s.close()
+    return Comparison(figures.compare_figure(pairs), figures.compare_table(pairs))

@@ -1,0 +1,238 @@
+"""The live dashboard on a real run store (SQLite in a temp dir), written the way the controller writes it.
+
+No engines: the test plays the controller, writing step and ps events with ``add_batch``. Every
+dashboard a test makes is closed at teardown, which stops its thread.
+"""
+
+import time
+from types import SimpleNamespace
+
+import plotly.graph_objects as go
+import pytest
+
+from pscluster.compare import Comparison, compare
+from pscluster.errors import ConfigError
+from pscluster.metrics.store import RunStore
+from pscluster.widgets import Dashboard, dashboard, show
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+SPEC = {"name": "c", "ps": [{"role": "ps", "index": i, "host": "127.0.0.1", "port": 5000 + i, "device": "cpu"}
+                            for i in range(2)],
+        "worker": [{"role": "worker", "index": i, "host": "127.0.0.1", "port": 0, "device": "cpu"}
+                   for i in range(2)]}
+VARIABLES = [SimpleNamespace(name="fc1.weight", ps=0, shape=(32, 64), dtype="float32", nbytes=8192),
+             SimpleNamespace(name="fc1.bias", ps=1, shape=(32,), dtype="float32", nbytes=128),
+             SimpleNamespace(name="fc2.weight", ps=0, shape=(10, 32), dtype="float32", nbytes=1280)]
+
+
+class Writer:
+    """Plays the controller of one run: step events of 2 workers and ps samples, with real timestamps."""
+
+    def __init__(self, store: RunStore, mode: str = "sync", optimizer: str = "Adam"):
+        self.store = store
+        config = {"mode": mode, "steps": 100, "batch_size": 8, "optimizer": optimizer, "optimizer_kwargs": {},
+                  "replicas_to_aggregate": 2, "num_workers": 2, "seed": 0, "log_every": 10}
+        self.run_id = store.create_run(name=f"{mode}-run", cluster="c", mode=mode, config=config, spec=SPEC)
+        store.record_placement(self.run_id, VARIABLES)
+        store.set_status(self.run_id, "training")
+        store.add_batch(self.run_id, [{"kind": "state", "task": f"worker:{w}", "time": time.time(),
+                                       "state": "training"} for w in range(2)])
+        self.steps = 0
+
+    def write(self, steps: int) -> None:
+        """``steps`` more local steps of each worker, and a sample of each ps."""
+        events, now = [], time.time()
+        for i in range(steps):
+            self.steps += 1
+            for w in range(2):
+                events.append({"kind": "step", "task": f"worker:{w}", "time": now + 0.001 * i + 0.0001 * w,
+                               "local_step": self.steps, "global_step": self.steps, "loss": 1.0 / self.steps,
+                               "accuracy": 0.5, "compute_s": 0.001, "wait_s": 0.0, "comm_s": 0.001,
+                               "bytes_sent": 10, "bytes_received": 10, "staleness": w, "dropped": False})
+        for ps in range(2):
+            events.append({"kind": "ps", "task": f"ps:{ps}", "time": now + 0.001 * steps, "step": self.steps,
+                           "pushes": 2 * self.steps, "pulls": 2, "applied": self.steps, "dropped_stale": 0,
+                           "late": 0, "bytes_in": 100 * self.steps, "bytes_out": 100 * self.steps,
+                           "waiting_for": [1]})
+        self.store.add_batch(self.run_id, events)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = RunStore(tmp_path / "runs.sqlite")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def dashboards():
+    """Factory of dashboards that closes every one of them (their threads stop) at teardown."""
+    made = []
+
+    def make(path, run_id, **kw):
+        made.append(Dashboard(path, run_id, **kw))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()
+    assert not any(d.running for d in made), "a dashboard thread did not stop"
+
+
+@pytest.fixture
+def fresh_plotlyjs(monkeypatch):
+    """As in a new process: nothing displayed has carried plotly.js yet."""
+    monkeypatch.setattr(dashboard, "_plotlyjs_sent", False)
+
+
+def names(widget) -> list[str]:
+    return [t.name for t in widget.data]
+
+
+def wait_for(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_refresh_fills_the_figure_widgets(store, dashboards):
+    run = Writer(store)
+    run.write(10)
+    run.write(10)  # a second ps sample: the first rates
+    d = dashboards(store.path, run.run_id)
+    assert set(d.figures) == {"placement", "speed", "convergence", "waiting", "ps_load"}
+    assert all(isinstance(f, go.FigureWidget) for f in d.figures.values())
+    assert d.refresh() is False  # still training
+    speed, convergence = d.figures["speed"], d.figures["convergence"]
+    assert len(speed.data) == 2 and any("(slowest)" in n for n in names(speed))
+    assert names(convergence).count("worker 0") == 2 and names(convergence).count("worker 1 (smoothed)") == 2
+    assert len(convergence.data[0].x) == 20
+    assert names(d.figures["placement"]) == ["fc1.weight", "fc1.bias", "fc2.weight"]
+    assert d.figures["placement"].data[0].y[0] == 8192 * 3  # Adam: two slots per variable
+    assert len(d.figures["ps_load"].data) == 4
+    assert "waits for worker 1" in d.figures["waiting"].layout.title.text
+    assert "fc1.weight: /job:ps/task:0" in d.lines.value
+    assert "chief" in d.roles.value and "training" in d.roles.value
+    assert "sync-run" in d.header.value and "20 / 100" in d.header.value
+    assert d.figures["speed"] in d.box.children
+
+
+def test_a_second_refresh_appends_in_place(store, dashboards):
+    run = Writer(store, mode="async")
+    run.write(5)
+    run.write(5)
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    assert "staleness" in d.figures and "waiting" not in d.figures
+    widgets = dict(d.figures)
+    time.sleep(0.01)
+    run.write(15)
+    d.refresh()
+    assert d.figures == widgets  # the same FigureWidgets, updated in place
+    assert len(d.figures["convergence"].data[0].x) == 25
+    assert list(d.figures["staleness"].data[0].y) == [25, 25]
+    assert "25 / 100" in d.header.value
+
+
+def test_the_thread_stops_by_itself_when_the_run_is_over(store, dashboards):
+    run = Writer(store)
+    run.write(5)
+    d = dashboards(store.path, run.run_id, refresh_s=0.05).start()
+    wait_for(lambda: "5 / 100" in d.header.value)
+    assert d.running
+    run.write(5)
+    store.set_status(run.run_id, "finished")
+    wait_for(lambda: not d.running)
+    assert "finished" in d.header.value and "10 / 100" in d.header.value
+    assert len(d.figures["convergence"].data[0].x) == 10  # the last refresh read everything
+
+
+def test_errors_show_in_the_header_and_never_raise(store, dashboards, monkeypatch):
+    run = Writer(store)
+    d = dashboards(store.path, run.run_id, refresh_s=0.02)
+    monkeypatch.setattr(d._data, "read", lambda _: 1 / 0)
+    d.start()
+    wait_for(lambda: not d.running)  # gave up after MAX_FAILURES tries
+    assert "ZeroDivisionError" in d.header.value and "stopped refreshing" in d.header.value
+
+
+def test_unknown_run_is_a_clear_error(store, dashboards):
+    with pytest.raises(ConfigError, match="no run 42"):
+        dashboards(store.path, 42)
+
+
+def test_display_bundle_has_the_widget_and_static_html_with_plotlyjs_once(store, dashboards, fresh_plotlyjs):
+    run = Writer(store)
+    run.write(10)
+    first, second = dashboards(store.path, run.run_id), dashboards(store.path, run.run_id)
+    first.refresh()
+    second.refresh()
+    bundle = first._repr_mimebundle_()
+    assert bundle[WIDGET]["model_id"] == first.box.model_id
+    html = bundle["text/html"]
+    assert html.count("plotly.js v") == 1 and html.count("Plotly.newPlot") == 5
+    assert "fc1.weight: /job:ps/task:0" in html and "chief" in html and "sync-run" in html
+    assert "plotly.js v" in first._repr_mimebundle_()["text/html"]  # an update of its display keeps it
+    other = second._repr_mimebundle_()
+    assert WIDGET in other and "plotly.js v" not in other["text/html"]
+    assert "plotly.js v" not in second.static_html(include_plotlyjs=False)
+
+
+def test_a_writer_is_never_disturbed_by_a_polling_dashboard(store, dashboards):
+    run = Writer(store)
+    run.write(1)
+    d = dashboards(store.path, run.run_id, refresh_s=0.02)
+    refreshes = []
+    refresh = d._refresh
+    d._refresh = lambda s: refreshes.append(1) or refresh(s)
+    d.start()
+    errors, batches = [], 0
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:  # the dashboard polls all along
+        try:
+            run.write(5)
+            batches += 1
+        except Exception as e:  # pragma: no cover - what the test is about
+            errors.append(e)
+        time.sleep(0.005)
+    assert not errors and batches > 20 and len(refreshes) > 2
+    assert len(store.metrics(run.run_id)) == 2 * (1 + 5 * batches)
+    assert d.running and d.error is None
+    store.set_status(run.run_id, "finished")
+    wait_for(lambda: not d.running)
+    assert d.figures["convergence"].data[0].x[-1] == 1 + 5 * batches  # it read every row in the end
+
+
+def test_show_displays_and_updates_the_display_when_the_run_ends(store, monkeypatch):
+    run = Writer(store)
+    run.write(3)
+    shown, updates = [], []
+    handle = SimpleNamespace(update=lambda obj: updates.append(obj._repr_mimebundle_()))
+    monkeypatch.setattr("IPython.display.display", lambda obj, display_id: shown.append(obj) or handle)
+    d = show(store.path, run.run_id, refresh_s=0.05)
+    try:
+        assert shown == [d] and d.running and len(d.figures["convergence"].data[0].x) == 3
+        run.write(4)
+        store.set_status(run.run_id, "finished")
+        wait_for(lambda: not d.running)
+        assert len(updates) == 1 and "finished" in updates[0]["text/html"]
+    finally:
+        d.close()
+
+
+def test_compare_runs_by_id_and_by_run_object(store, fresh_plotlyjs):
+    a, b = Writer(store, "sync"), Writer(store, "async")
+    a.write(10)
+    b.write(20)
+    result = compare([a.run_id, SimpleNamespace(id=b.run_id, store=store)], store=store.path)
+    assert isinstance(result, Comparison)
+    labels = ["sync-run (sync, 2 workers)", "async-run (async, 2 workers)"]
+    assert [t.name for t in result.figure.data][:2] == labels
+    assert list(result.table["run"]) == labels and list(result.table["global steps"]) == [10, 20]
+    bundle = result._repr_mimebundle_()
+    assert WIDGET in bundle and bundle["text/html"].count("plotly.js v") == 1
+    with pytest.raises(ConfigError, match="no run 99"):
+        compare([99], store=store.path)
+    with pytest.raises(ConfigError, match="Run objects or run ids"):
+        compare(["run-1"], store=store.path)

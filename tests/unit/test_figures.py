@@ -1,0 +1,254 @@
+"""The dashboard's figures, from small hand-made DataFrames shaped like the run store's answers."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from pscluster.runtime.placement import optimizer_slots
+from pscluster.widgets import figures
+
+RATES = {0: 20.0, 1: 10.0, 2: 16.0}  # steps/s of each worker: worker 1 is the slowest
+STEPS = 30
+
+
+def make_metrics(rates=RATES, steps=STEPS, t0=1000.0) -> pd.DataFrame:
+    """One row per local step of each worker, at its steady rate; staleness cycles 0, 1, 2, 3."""
+    rows = []
+    for w, rate in rates.items():
+        for i in range(1, steps + 1):
+            rows.append(dict(worker=w, time=t0 + i / rate, local_step=i, global_step=len(rates) * i + w,
+                             loss=2.0 / i, accuracy=min(1.0, i / steps), compute_s=0.01, wait_s=0.0,
+                             comm_s=0.001, bytes_sent=100, bytes_received=100, staleness=i % 4,
+                             dropped=int(i % 10 == 0)))
+    return pd.DataFrame(rows).sort_values("time", ignore_index=True)
+
+
+def make_ps_metrics(t0=1000.0) -> pd.DataFrame:
+    """Two ps tasks sampled at 0.5 s: ps 0 moves 1000 bytes/s more each sample, ps 1 is restarted last."""
+    rows = []
+    for ps in (0, 1):
+        for k in range(6):
+            restarted = ps == 1 and k == 5
+            rows.append(dict(ps=ps, time=t0 + 0.5 * k + 0.01 * ps, step=10 * k, pushes=0 if restarted else 20 * k,
+                             pulls=0 if restarted else 2 * k, applied=10 * k, dropped_stale=k // 2, late=0,
+                             bytes_in=0 if restarted else 1000 * k * k, bytes_out=0 if restarted else 500 * k,
+                             waiting_for=[1] if k == 5 else ([0, 1] if k % 2 else [])))
+    return pd.DataFrame(rows).sort_values("time", ignore_index=True)
+
+
+PLACEMENT = pd.DataFrame({"variable": ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], "ps": [0, 1, 0, 1],
+                          "shape": [(32, 64), (32,), (10, 32), (10,)], "dtype": ["float32"] * 4,
+                          "bytes": [8192, 128, 1280, 40]})
+
+
+def names(fig) -> list[str]:
+    return [t.name for t in fig.data]
+
+
+def no_data(fig) -> bool:
+    return [a.text for a in fig.layout.annotations] == ["no data yet"]
+
+
+def test_convergence_has_raw_and_smoothed_traces_per_worker_and_the_test_set():
+    metrics = make_metrics()
+    evaluations = pd.DataFrame({"global_step": [30, 60, 90], "time": [1, 2, 3], "loss": [1.0, 0.5, 0.3],
+                                "accuracy": [0.5, 0.7, 0.9]})
+    fig = figures.convergence_figure(metrics, evaluations)
+    for w in RATES:  # loss and accuracy: one raw and one smoothed line each
+        assert names(fig).count(f"worker {w}") == 2
+        assert names(fig).count(f"worker {w} (smoothed)") == 2
+    raw = next(t for t in fig.data if t.name == "worker 1" and t.yaxis == "y")
+    assert len(raw.x) == STEPS and list(raw.x) == sorted(raw.x)
+    assert names(fig).count("test set") == 2
+    assert [t.yaxis for t in fig.data if t.name == "test set"] == ["y", "y2"]
+    assert fig.layout.template.layout.paper_bgcolor == "white" and fig.layout.height >= 300
+    assert "test set" not in names(figures.convergence_figure(metrics, evaluations.iloc[:0]))
+
+
+def test_convergence_smooths_with_a_moving_average():
+    fig = figures.convergence_figure(make_metrics({0: 10.0}))
+    raw, smooth = fig.data[0].y, fig.data[1].y
+    assert smooth[0] == raw[0] and np.all(np.diff(smooth) < 0)  # a falling loss stays falling
+    assert smooth[-1] > raw[-1]  # and lags behind it
+
+
+def test_long_runs_are_thinned_but_keep_their_last_point():
+    fig = figures.convergence_figure(make_metrics({0: 100.0}, steps=5 * figures.MAX_POINTS))
+    x = fig.data[0].x
+    assert len(x) <= figures.MAX_POINTS + 1 and x[-1] == 5 * figures.MAX_POINTS
+
+
+def test_speed_highlights_the_slowest_worker():
+    fig = figures.speed_figure(make_metrics(), start=1000.0)
+    assert names(fig) == ["worker 0", "worker 1 (slowest)", "worker 2"]
+    widths = {t.name: t.line.width for t in fig.data}
+    assert widths["worker 1 (slowest)"] > widths["worker 0"] == widths["worker 2"]
+    assert "slowest: worker 1 (10.0 steps/s)" in fig.layout.title.text
+    for trace, rate in zip(fig.data, RATES.values()):
+        np.testing.assert_allclose(trace.y, rate, rtol=1e-6)
+        assert trace.x[0] > 0  # seconds since the start
+
+
+def test_speed_of_a_single_worker_has_no_slowest():
+    assert names(figures.speed_figure(make_metrics({3: 5.0}))) == ["worker 3"]
+
+
+def test_steps_per_second_overall_and_recent():
+    metrics = make_metrics()
+    np.testing.assert_allclose(figures.steps_per_second(metrics).to_numpy(), list(RATES.values()))
+    # worker 1 stops after 0.9 s: at most one row of it in the last second of the run (to 1001.875 s)
+    cut = metrics[(metrics["worker"] != 1) | (metrics["time"] < 1001.0)]
+    recent = figures.steps_per_second(cut, recent_s=1.0)
+    assert math.isnan(recent[1]) and recent[0] == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("slots", [0, 1, 2])
+def test_placement_stacks_bytes_per_ps_with_optimizer_state(slots):
+    fig = figures.placement_figure(PLACEMENT, slots, num_ps=3)
+    assert fig.layout.barmode == "stack" and names(fig) == list(PLACEMENT["variable"])
+    per_ps = {}
+    for trace in fig.data:
+        per_ps[trace.x[0]] = per_ps.get(trace.x[0], 0) + trace.y[0]
+    assert per_ps == {"ps:0": (8192 + 1280) * (1 + slots), "ps:1": (128 + 40) * (1 + slots)}
+    assert list(fig.layout.xaxis.categoryarray) == ["ps:0", "ps:1", "ps:2"]  # the empty ps shows too
+
+
+def test_placement_lines_are_tf_style():
+    assert figures.placement_lines(PLACEMENT) == [
+        "fc1.weight: /job:ps/task:0", "fc1.bias: /job:ps/task:1", "fc2.weight: /job:ps/task:0",
+        "fc2.bias: /job:ps/task:1"]
+
+
+def test_staleness_histogram_counts_applied_pushes_only():
+    metrics = make_metrics()
+    metrics.loc[metrics.index[:5], "staleness"] = np.nan  # pushes without a staleness
+    fig = figures.staleness_figure(metrics)
+    applied = metrics[(metrics["dropped"] == 0) & metrics["staleness"].notna()]
+    expected = applied["staleness"].astype(int).value_counts().sort_index()
+    assert list(fig.data[0].x) == list(expected.index) and list(fig.data[0].y) == list(expected)
+    assert sum(fig.data[0].y) < len(metrics)
+    assert f"max {int(applied['staleness'].max())}" in fig.layout.title.text
+
+
+def test_waiting_strip_shows_who_the_latest_step_waits_for():
+    fig = figures.waiting_figure(make_ps_metrics(), num_workers=3, start=1000.0)
+    (heat,) = fig.data
+    assert list(heat.y) == ["worker 0", "worker 1", "worker 2"]
+    assert [row[-1] for row in heat.z] == [0, 1, 0]  # the last slot waits for worker 1 only
+    assert [row[1] for row in heat.z] == [1, 1, 0]  # slot 1 waited for workers 0 and 1
+    assert list(heat.x) == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    assert "waits for worker 1" in fig.layout.title.text and "2 stale gradients dropped" in fig.layout.title.text
+
+
+def test_ps_load_rates_come_from_counter_differences():
+    fig = figures.ps_load_figure(make_ps_metrics(), start=1000.0)
+    assert names(fig) == ["ps 0", "ps 0", "ps 1", "ps 1"]
+    bytes0, requests0, bytes1, requests1 = fig.data
+    assert (bytes0.xaxis, requests0.xaxis) == ("x", "x2")
+    # bytes_in + bytes_out of ps 0: 1000 k² + 500 k, sampled every 0.5 s
+    expected = [(1000 * (k * k - (k - 1) ** 2) + 500) / 0.5 for k in range(1, 6)]
+    np.testing.assert_allclose(bytes0.y, expected)
+    np.testing.assert_allclose(requests0.y, 22 / 0.5)
+    np.testing.assert_allclose(bytes0.x, [0.5, 1.0, 1.5, 2.0, 2.5])
+    assert math.isnan(bytes1.y[-1]) and math.isnan(requests1.y[-1])  # a restarted ps's counters went down
+
+
+SPEC = {"name": "c", "ps": [{"role": "ps", "index": i, "host": "127.0.0.1", "port": 1, "device": "cpu"}
+                            for i in range(2)],
+        "worker": [{"role": "worker", "index": i, "host": "127.0.0.1", "port": 0, "device": f"cuda:{i}"}
+                   for i in range(3)]}
+
+
+def make_events(*rows) -> pd.DataFrame:
+    return pd.DataFrame([dict(time=float(i), task=task, kind=kind, detail=detail)
+                         for i, (task, kind, detail) in enumerate(rows)], columns=["time", "task", "kind", "detail"])
+
+
+def test_roles_frame_lists_ps_chief_and_workers_with_their_state():
+    events = make_events(("controller", "start", {}), ("worker:1", "state", {"state": "waiting for chief"}),
+                         ("worker:0", "state", {"state": "initializing"}), ("worker:0", "state", {"state": "training"}),
+                         ("worker:2", "lost", {}))
+    record = {"status": "training", "spec": SPEC}
+    roles = figures.roles_frame(record, make_metrics(), events)
+    assert list(roles.columns) == figures.ROLE_COLUMNS
+    assert list(roles["role"]) == ["ps", "ps", "chief", "worker", "worker"]
+    assert list(roles["task"]) == ["ps:0", "ps:1", "worker:0", "worker:1", "worker:2"]
+    assert list(roles["state"]) == ["serving", "serving", "training", "waiting for chief", "lost"]
+    assert list(roles["device"][2:]) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert roles["steps/s"][:2].isna().all()
+    np.testing.assert_allclose(roles["steps/s"][2:], list(RATES.values()))
+
+    finished = figures.roles_frame({"status": "finished", "spec": SPEC}, make_metrics(), events)
+    assert list(finished["state"]) == ["finished"] * 4 + ["lost"]
+
+
+def test_table_html_escapes_and_blanks_nan():
+    text = figures.table_html(pd.DataFrame({"a": ["<b>"], "b": [np.nan], "c": [1.25]}))
+    assert "&lt;b&gt;" in text and "<td style='padding: 1px 10px; text-align: left'></td>" in text
+    assert ">1.2<" in text or ">1.3<" in text
+
+
+def test_compare_overlays_runs_and_tabulates_them():
+    runs = [("sync", make_metrics({0: 10.0, 1: 10.0})), ("async", make_metrics({0: 20.0})),
+            ("empty", make_metrics().iloc[:0])]
+    fig = figures.compare_figure(runs)
+    assert names(fig) == ["sync", "async", "global steps/s", "local steps/s (all workers)"]
+    assert list(fig.data[2].x) == ["sync", "async"]
+    np.testing.assert_allclose(fig.data[3].y, [20.0, 20.0])  # local steps/s summed over workers
+    table = figures.compare_table(runs[:2])
+    assert list(table["run"]) == ["sync", "async"] and list(table["workers"]) == [2, 1]
+    assert list(table["local steps"]) == [2 * STEPS, STEPS]
+
+
+EMPTY_METRICS = make_metrics().iloc[:0]
+EMPTY_PS = make_ps_metrics().iloc[:0]
+
+
+@pytest.mark.parametrize("build", [
+    lambda: figures.convergence_figure(EMPTY_METRICS, None),
+    lambda: figures.speed_figure(EMPTY_METRICS),
+    lambda: figures.staleness_figure(EMPTY_METRICS),
+    lambda: figures.staleness_figure(make_metrics().assign(staleness=np.nan)),
+    lambda: figures.waiting_figure(EMPTY_PS, 2),
+    lambda: figures.ps_load_figure(EMPTY_PS),
+    lambda: figures.ps_load_figure(make_ps_metrics().iloc[:1]),  # one sample: no rate yet
+    lambda: figures.placement_figure(PLACEMENT.iloc[:0], 2),
+    lambda: figures.compare_figure([]),
+])
+def test_empty_inputs_give_a_no_data_figure(build):
+    fig = build()
+    assert isinstance(fig, go.Figure) and no_data(fig) and not fig.data
+
+
+def test_roles_frame_without_a_run_is_empty():
+    assert list(figures.roles_frame(None, EMPTY_METRICS, make_events()).columns) == figures.ROLE_COLUMNS
+    roles = figures.roles_frame({"status": "starting", "spec": SPEC}, EMPTY_METRICS, make_events())
+    assert list(roles["state"]) == ["starting"] * 5 and roles["steps/s"].isna().all()
+
+
+@pytest.mark.parametrize("build", [
+    lambda: figures.convergence_figure(make_metrics(), None),
+    lambda: figures.speed_figure(make_metrics()),
+    lambda: figures.staleness_figure(make_metrics()),
+    lambda: figures.waiting_figure(make_ps_metrics(), 2),
+    lambda: figures.ps_load_figure(make_ps_metrics()),
+    lambda: figures.placement_figure(PLACEMENT, 1),
+    lambda: figures.compare_figure([("a", make_metrics())]),
+    lambda: figures.no_data_figure("x"),
+])
+def test_figures_pass_plotly_validation(build):
+    # Figures are built unvalidated for speed: validating them again must not find a bad property.
+    go.Figure(build().to_dict())
+
+
+@pytest.mark.parametrize("optimizer, kwargs, slots", [
+    ("sgd", {"lr": 0.1}, 0), ("SGD", {"momentum": 0.9}, 1), ("SGD", {"momentum": 0}, 0), ("Adam", {}, 2),
+    ("adamw", {"amsgrad": True}, 3), ("Adagrad", {}, 1), ("RMSprop", {}, 1), ("RMSprop", {"momentum": 0.9}, 2),
+    ("RMSprop", {"momentum": 0.9, "centered": True}, 3), ("Adadelta", {}, 2), ("NAdam", {}, 2),
+    ("mypackage.optim:Lion", {}, 2),
+])
+def test_optimizer_slots(optimizer, kwargs, slots):
+    assert optimizer_slots(optimizer, kwargs) == slots
