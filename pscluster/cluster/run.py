@@ -24,6 +24,7 @@ from ..runtime.client import PSClient
 from ..runtime.plan import TrainPlan
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
+from .progress import StepProgress
 
 
 class Run:
@@ -140,19 +141,17 @@ class Run:
         deadline = None if timeout is None else time.monotonic() + timeout
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=self.plan.steps, desc=self.name, unit="step")
+            bar = StepProgress(self.plan.steps, self.name)
         try:
             while not self._done.wait(0.1):
                 self._print_pending(verbose, bar)
                 if bar is not None:
-                    bar.update(self._latest_step - bar.n)
+                    bar.update(self._latest_step)
                 if deadline is not None and time.monotonic() > deadline:
                     raise RuntimeTimeout(f"{self.name} still training after {timeout:.0f}s: "
                                          "call run.wait() again, or run.stop() to end it")
             if bar is not None:
-                bar.update(self.global_step - bar.n)
+                bar.update(self.global_step, force=True)
         finally:
             self._print_pending(verbose, bar)
             if bar is not None:

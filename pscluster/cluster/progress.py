@@ -1,0 +1,64 @@
+"""A progress bar of the global step that also works in reports executed headless.
+
+In a kernel the bar is one display output updated in place through its display
+id, so JupyterLab shows it moving and nbconvert keeps its final state; on a
+terminal it is a plain tqdm bar. Both use tqdm's own formatting.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm.std import tqdm
+
+UPDATE_S = 0.5
+
+
+def _in_kernel() -> bool:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class StepProgress:
+    """Progress of a run towards its global step target."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n = total, desc, 0
+        self._started = self._shown = time.monotonic()
+        self._bar = None
+        self._handle = None
+        if _in_kernel():
+            from IPython.display import display
+
+            self._handle = display({"text/plain": self._line()}, raw=True, display_id=True)
+        else:
+            self._bar = tqdm(total=total, desc=desc, unit="step", file=sys.stdout)
+
+    def _line(self) -> str:
+        return tqdm.format_meter(self.n, self.total, time.monotonic() - self._started, prefix=self.desc,
+                                 unit="step", ncols=80)
+
+    def update(self, n: int, *, force: bool = False) -> None:
+        """Move to global step ``n`` (redrawn at most every UPDATE_S seconds unless ``force``)."""
+        if self._bar is not None:
+            self._bar.update(n - self._bar.n)
+            return
+        self.n = n
+        if force or time.monotonic() - self._shown >= UPDATE_S:
+            self._shown = time.monotonic()
+            self._handle.update({"text/plain": self._line()}, raw=True)
+
+    def write(self, line: str) -> None:
+        """Print a line without breaking the bar."""
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            self.update(self.n, force=True)
