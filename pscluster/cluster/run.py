@@ -170,8 +170,7 @@ class Run:
 
     def _signal_stop(self) -> None:
         try:
-            with PSClient(self.spec, timeout=10.0) as client:
-                client.run_id = self.plan.run_id
+            with PSClient(self.spec, run_id=self.id, timeout=10.0) as client:
                 client.stop()
         except Exception:  # the ps tasks may be gone already; wait() reports the real error
             pass
@@ -189,8 +188,7 @@ class Run:
 
     def _read_ps_stats(self, timeout: float) -> list[dict] | None:
         try:
-            with PSClient(self.spec, timeout=timeout) as client:
-                client.run_id = self.plan.run_id
+            with PSClient(self.spec, run_id=self.id, timeout=timeout) as client:
                 return client.stats()
         except Exception:
             return None
@@ -217,8 +215,7 @@ class Run:
 
     def _pull_parameters(self, timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor]]:
         """The global step and the parameters the ps tasks hold now, by name."""
-        with PSClient(self.spec, timeout=timeout) as client:
-            client.run_id = self.plan.run_id
+        with PSClient(self.spec, run_id=self.id, timeout=timeout) as client:
             reply = client.pull()
         if reply is None:
             raise TrainingError("the ps tasks no longer hold this run's variables: train again")

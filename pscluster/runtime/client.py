@@ -33,12 +33,12 @@ class Reply:
 class PSClient:
     """Request/reply to all ps tasks of ``spec`` over one DEALER socket per ps."""
 
-    def __init__(self, spec: ClusterSpec, *, task: int = protocol.NO_TASK, timeout: float = 120.0,
-                 context: zmq.Context | None = None):
+    def __init__(self, spec: ClusterSpec, *, task: int = protocol.NO_TASK, run_id: int = 0,
+                 timeout: float = 120.0, context: zmq.Context | None = None):
         self.spec = spec
         self.task = task
         self.timeout = timeout
-        self.run_id = 0
+        self.run_id = run_id  # the run every request is about
         self.bytes_sent = 0
         self.bytes_received = 0
         self._ctx = context or zmq.Context.instance()

@@ -263,7 +263,7 @@ class ParameterServer:
         staleness = run.step - msg.step
         if run.mode == "async":
             run.staleness[staleness] += 1
-            self._apply(run, msg.tensors, 1)
+            self._apply(run, [g.clone() for g in msg.tensors], 1)  # the frames are read-only views
             self._reply(identity, msg, reply_op, value=staleness, with_params=with_params)
             return
         if staleness != 0:
@@ -316,11 +316,11 @@ class ParameterServer:
         self._stop.set()
 
     # --- updates -------------------------------------------------------------------
-    def _apply(self, run: _RunState, grads, count: int) -> None:
+    def _apply(self, run: _RunState, grads: list[torch.Tensor], count: int) -> None:
+        """One optimizer step with the mean of ``count`` summed gradients (tensors this ps owns)."""
         if run.optimizer is not None:
-            scale = 1.0 / count
             for p, g in zip(run.params, grads):
-                p.grad = g.to(p.dtype) * scale if count > 1 else g.to(p.dtype, copy=True)
+                p.grad = g.div_(count) if count > 1 else g
             run.optimizer.step()
             for p in run.params:
                 p.grad = None

@@ -68,16 +68,16 @@ class _Shards:
         if set(params) != set(expected) or any(tuple(params[n].shape) != expected[n].shape for n in expected):
             raise ConfigError("the model built on this worker differs from the planned one: "
                               "make model_fn deterministic (same layers and shapes every call)")
-        self.by_ps = {i: [(v.id, params[v.name]) for v in plan.variables_on(i)] for i in range(num_ps)}
+        self.ids = {i: [v.id for v in plan.variables_on(i)] for i in range(num_ps)}
+        self.params = {i: [params[v.name] for v in plan.variables_on(i)] for i in range(num_ps)}
         self.by_id = {v.id: params[v.name] for v in plan.variables}
 
     def values(self) -> dict:
-        return {i: ([vid for vid, _ in vs], [p.detach() for _, p in vs]) for i, vs in self.by_ps.items()}
+        return {i: (self.ids[i], [p.detach() for p in ps]) for i, ps in self.params.items()}
 
     def grads(self) -> dict:
-        return {i: ([vid for vid, _ in vs],
-                    [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in vs])
-                for i, vs in self.by_ps.items()}
+        return {i: (self.ids[i], [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps])
+                for i, ps in self.params.items()}
 
     @torch.no_grad()
     def load(self, reply) -> None:
@@ -118,8 +118,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
     shards = _Shards(model, plan, len(spec.ps))
     emitter = MetricsEmitter(plan.metrics_address, f"worker:{index}")
     started = time.time()
-    client = PSClient(spec, task=index, timeout=plan.request_timeout)
-    client.run_id = plan.run_id
+    client = PSClient(spec, task=index, run_id=plan.run_id, timeout=plan.request_timeout)
     try:
         if task.is_chief:
             emitter.emit("state", state="initializing")
