@@ -45,6 +45,8 @@ def _parsers() -> dict[str, _Parser]:
     start.add_argument("--workers", type=int, default=2, help="number of worker tasks (>= 1)")
     start.add_argument("--gpus", type=int, default=None, help="GPUs for the workers (default: all visible)")
     start.add_argument("--name", default=None, help="cluster name")
+    start.add_argument("--threads", type=int, default=None,
+                       help="torch threads per task (default: the cores shared out among the tasks)")
 
     train = _Parser(prog="%%pscluster train")
     train.add_argument("--mode", choices=("sync", "async"), default="sync")
@@ -100,7 +102,7 @@ class PSClusterMagics(Magics):
     def _start(self, args, cell):
         if self.cluster is not None and self.cluster.running:
             raise UsageError(f"cluster {self.cluster.name} is already running: %pscluster stop it first")
-        cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name)
+        cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads)
         print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on local engines...", flush=True)
         self.cluster = cluster.start()
         return self.cluster

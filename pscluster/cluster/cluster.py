@@ -19,7 +19,6 @@ import torch
 from ..errors import ClusterStateError, ConfigError
 from ..metrics.store import RunStore
 from ..runtime import engine as remote
-from ..runtime.placement import round_robin
 from ..runtime.plan import TrainPlan, describe_variables, optimizer_name
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
@@ -40,13 +39,17 @@ class Cluster:
 
     ``gpus``: how many GPUs the workers share (one per worker engine, round-robin);
     default: every visible GPU, 0 on a machine without CUDA. ``store``: the run store
-    file (default ``$PSCLUSTER_HOME/runs.sqlite``).
+    file (default ``$PSCLUSTER_HOME/runs.sqlite``). ``threads``: torch intra-op threads of each task;
+    default: this machine's cores shared out among the tasks (at least 1), as every engine runs here —
+    more threads than cores make the tasks spin against each other.
     """
 
     def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None,
-                 store: str | os.PathLike | None = None):
+                 store: str | os.PathLike | None = None, threads: int | None = None):
         self.num_ps = _count("ps", ps, 1)
         self.num_workers = _count("workers", workers, 1)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.threads = max(1, cores // (ps + workers)) if threads is None else _count("threads", threads, 1)
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus is not None and _count("gpus", gpus, 0) > available:
             raise ConfigError(f"gpus={gpus} but this machine has {available}: use gpus <= {available}")
@@ -78,8 +81,8 @@ class Cluster:
         infos = engines.start()
         try:
             spec = assign_roles(infos, self.num_ps, self.num_workers, gpus=self.gpus, name=self.name)
-            for task in spec.workers:
-                engines.view(task.engine_id).apply_sync(remote.pin_device, task.device)
+            for task in [*spec.ps, *spec.workers]:
+                engines.view(task.engine_id).apply_sync(remote.configure_task, task.device, self.threads)
             ports = [engines.view(t.engine_id).apply_async(remote.start_ps, spec.secret, t.index, t.host)
                      for t in spec.ps]
             self.spec = spec.with_ps_ports([p.get(timeout=60) for p in ports])
@@ -128,6 +131,7 @@ class Cluster:
               batch_size: int = 64, replicas_to_aggregate: int | None = None, seed: int = 0,
               log_every: int = 100, request_timeout: float = 120.0, name: str | None = None,
               code: str | None = None, test_dataset=None, eval_every: int | None = None,
+              placement="round_robin", partition: dict | None = None, staleness_bound: int = 2,
               **optimizer_kwargs) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
@@ -138,6 +142,11 @@ class Cluster:
         model cell, kept in the run store (default: the source of ``model_fn`` when it has one).
         ``test_dataset``: evaluated in this process every ``eval_every`` global steps (default:
         a tenth of ``steps``) and at the end; results go to the run store and the dashboard.
+        ``mode``: ``sync``, ``async`` or ``ssp`` (bounded staleness: no worker runs more than
+        ``staleness_bound`` steps ahead of the slowest). ``placement``: ``"round_robin"``,
+        ``"greedy"``, a ``{variable: ps}`` dict or a strategy from ``pscluster.placement``;
+        ``partition``: ``{variable name or prefix: shard count or partitioner}`` splits variables
+        along dim 0 across ps tasks (see ``plan()`` to compare placements before training).
         """
         spec = self._require_running("train")
         if self.active_run is not None:
@@ -152,15 +161,14 @@ class Cluster:
                               "e.g. pscluster.datasets.digits('train')")
         replicas = self.num_workers if replicas_to_aggregate is None else replicas_to_aggregate
         model = build_model(model_fn, seed)
-        names = [n for n, _ in model.named_parameters()]
-        if not names:
+        if not any(True for _ in model.parameters()):
             raise ConfigError("the model has no parameters to train: check model_fn")
+        variables = describe_variables(model, self.num_ps, placement, partition)
         payload = ship(model_fn, dataset, loss_fn)
         run_plan = TrainPlan(run_id=1, mode=mode, steps=steps,
                              batch_size=batch_size, optimizer=optimizer_name(optimizer),
                              optimizer_kwargs=optimizer_kwargs, replicas_to_aggregate=replicas,
-                             num_workers=self.num_workers,
-                             variables=describe_variables(model, round_robin(names, self.num_ps)),
+                             num_workers=self.num_workers, variables=variables, staleness_bound=staleness_bound,
                              seed=seed, log_every=log_every, request_timeout=request_timeout)
         config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables")}
         run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=config,

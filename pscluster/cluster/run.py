@@ -21,7 +21,7 @@ from ..evaluate import evaluate
 from ..metrics.collector import Collector
 from ..metrics.store import RunStore
 from ..runtime.client import PSClient
-from ..runtime.plan import TrainPlan
+from ..runtime.plan import TrainPlan, assemble
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
 from .progress import StepProgress
@@ -214,17 +214,13 @@ class Run:
         self.store.add_event(self.id, "controller", "end", {"status": self.status, "error": self.error})
 
     def _pull_parameters(self, timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor]]:
-        """The global step and the parameters the ps tasks hold now, by name."""
+        """The global step and the parameters the ps tasks hold now, by parameter name (shards of a
+        partitioned parameter put back together)."""
         with PSClient(self.spec, run_id=self.id, timeout=timeout) as client:
-            reply = client.pull()
+            reply = client.pull_all()
         if reply is None:
             raise TrainingError("the ps tasks no longer hold this run's variables: train again")
-        names = {v.id: v.name for v in self.plan.variables}
-        state = {}
-        for msg in reply.messages:
-            for vid, t in zip(msg.ids, msg.tensors):
-                state[names[vid]] = t.clone()
-        return reply.step, {v.name: state[v.name] for v in self.plan.variables}
+        return reply.step, assemble(self.plan.variables, reply.messages)
 
     # --- results ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -235,14 +235,22 @@ class RunStore:
             record[key] = json.loads(record[key]) if record[key] else None
         return record
 
-    def metrics(self, run_id: int, since_time: float = 0.0) -> pd.DataFrame:
-        """Per-step worker metrics (one row per reported step per worker), oldest first."""
-        return self._frame(f"SELECT {', '.join(_METRIC_COLUMNS)} FROM metrics WHERE run_id = ? AND time > ? "
-                           "ORDER BY time, worker", (run_id, since_time))
+    def _table_rows(self, table: str, columns, order: str, run_id: int, after_row: int | None) -> pd.DataFrame:
+        cursor = "" if after_row is None else "rowid AS row, "
+        return self._frame(f"SELECT {cursor}{', '.join(columns)} FROM {table} WHERE run_id = ? AND rowid > ? "
+                           f"ORDER BY {order}", (int(run_id), int(after_row or 0)))
 
-    def ps_metrics(self, run_id: int, since_time: float = 0.0) -> pd.DataFrame:
-        df = self._frame(f"SELECT {', '.join(_PS_COLUMNS)} FROM ps_metrics WHERE run_id = ? AND time > ? "
-                         "ORDER BY time, ps", (run_id, since_time))
+    def metrics(self, run_id: int, after_row: int | None = None) -> pd.DataFrame:
+        """Per-step worker metrics (one row per reported step per worker), oldest first.
+
+        With ``after_row``, only the rows stored after that cursor, with a ``row`` column whose maximum
+        is the cursor to give next time (0 to start): rows are numbered in the order they are stored.
+        """
+        return self._table_rows("metrics", _METRIC_COLUMNS, "time, worker", run_id, after_row)
+
+    def ps_metrics(self, run_id: int, after_row: int | None = None) -> pd.DataFrame:
+        """The ps tasks' counters, sampled every ~0.5 s, oldest first; ``after_row`` as in ``metrics``."""
+        df = self._table_rows("ps_metrics", _PS_COLUMNS, "time, ps", run_id, after_row)
         df["waiting_for"] = df["waiting_for"].map(json.loads)
         return df
 

@@ -138,6 +138,17 @@ class PSClient:
             return None
         return self.merge(msgs)
 
+    def pull_all(self) -> Reply | None:
+        """Every variable, sparse ones whole (the controller's pull of the trained parameters)."""
+        msgs = self.request(Op.PULL, meta={"all": True})
+        if any(m.op is Op.NOT_READY for m in msgs):
+            return None
+        return self.merge(msgs)
+
+    def pull_rows(self, per_ps: dict) -> Reply:
+        """Rows of sparse variables: ``per_ps`` maps a ps index to (variable ids, row index tensors)."""
+        return self.merge(self.request(Op.PULL_ROWS, per_ps, targets=sorted(per_ps)))
+
     def push(self, step: int, per_ps: dict) -> Reply:
         return self.merge(self.request(Op.PUSH, per_ps, step=step))
 

@@ -11,6 +11,7 @@ import os
 import socket
 
 import cloudpickle
+import torch
 
 from ..spec import ClusterSpec
 from .plan import TrainPlan
@@ -24,9 +25,11 @@ def describe() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
-def pin_device(device: str) -> None:
-    """Give this process one GPU (``cuda:i`` -> CUDA_VISIBLE_DEVICES=i) or none (``cpu``)."""
+def configure_task(device: str, threads: int) -> None:
+    """Give this process one GPU (``cuda:i`` -> CUDA_VISIBLE_DEVICES=i) or none (``cpu``), and
+    ``threads`` torch intra-op threads."""
     os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":")[1] if device.startswith("cuda:") else ""
+    torch.set_num_threads(threads)
 
 
 def start_ps(secret: str, index: int, host: str = "127.0.0.1", port: int = 0) -> int:

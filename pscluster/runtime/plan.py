@@ -8,43 +8,86 @@ an environment variable.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..errors import ConfigError
+from .placement import Variable, placement_line, shard_map
 
-MODES = ("sync", "async")
+MODES = ("sync", "async", "ssp")
 
 
 @dataclass(frozen=True)
 class VariableSpec:
-    """A model parameter as the ps sees it: id, name, shape, dtype and home ps task."""
+    """What one ps holds of a model parameter: all of it, or rows ``[start, start + shape[0])`` of it
+    (a shard, named ``<variable>/part_<k>``). ``sparse``: the parameter of an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``sparse=True``, pulled and pushed by rows."""
 
     id: int
     name: str
     shape: tuple[int, ...]
     dtype: str
     ps: int
+    variable: str = ""   # the model parameter; "" means the same as name
+    start: int = 0
+    sparse: bool = False
+
+    @property
+    def parameter(self) -> str:
+        return self.variable or self.name
+
+    @property
+    def partitioned(self) -> bool:
+        return self.parameter != self.name
+
+    @property
+    def stop(self) -> int:
+        return self.start + (self.shape[0] if self.shape else 1)
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     @property
     def placement(self) -> str:
         """The TF-style listing line, e.g. ``fc1.weight: /job:ps/task:0``."""
-        return f"{self.name}: /job:ps/task:{self.ps}"
+        return placement_line(self.name, self.ps, (self.start, self.stop) if self.partitioned else None,
+                              self.nbytes)
 
 
-def describe_variables(model: torch.nn.Module, placement: dict[str, int]) -> tuple[VariableSpec, ...]:
-    """The VariableSpecs of ``model``'s parameters, in ``named_parameters()`` order."""
-    return tuple(VariableSpec(id=i, name=n, shape=tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."),
-                              ps=placement[n])
-                 for i, (n, p) in enumerate(model.named_parameters()))
+def sparse_parameters(model: torch.nn.Module) -> set[str]:
+    """Names of the weights of the model's ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``."""
+    return {f"{prefix}.weight" if prefix else "weight" for prefix, m in model.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+
+
+def describe_variables(model: torch.nn.Module, num_ps: int, placement="round_robin",
+                       partition=None) -> tuple[VariableSpec, ...]:
+    """The VariableSpecs of ``model``'s parameters (``named_parameters()`` order), split by ``partition``
+    and placed by ``placement`` (see ``pscluster.runtime.placement.shard_map``)."""
+    params = dict(model.named_parameters())
+    sparse = sparse_parameters(model)
+    shards = shard_map([Variable(n, tuple(p.shape), p.element_size()) for n, p in params.items()], num_ps,
+                       placement, partition)
+    return tuple(VariableSpec(id=i, name=s.name, shape=s.shape, ps=s.ps,
+                              dtype=str(params[s.variable].dtype).removeprefix("torch."),
+                              variable="" if s.part is None else s.variable, start=s.start,
+                              sparse=s.variable in sparse)
+                 for i, s in enumerate(shards))
+
+
+def assemble(variables, messages) -> dict[str, torch.Tensor]:
+    """Whole parameters by name from the (ids, tensors) of ``messages`` that hold every variable of
+    ``variables``; the shards of a partitioned parameter are joined in row order."""
+    received = {vid: t for m in messages for vid, t in zip(m.ids, m.tensors)}
+    parts: dict[str, list] = {}
+    for v in sorted(variables, key=lambda v: v.start):
+        parts.setdefault(v.parameter, []).append(received[v.id])
+    order = list(dict.fromkeys(v.parameter for v in variables))
+    return {name: torch.cat(parts[name]).clone() if len(parts[name]) > 1 else parts[name][0].clone()
+            for name in order}
 
 
 def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
@@ -102,10 +145,15 @@ class TrainPlan:
     log_every: int = 100
     metrics_address: str | None = None
     request_timeout: float = 120.0
+    staleness_bound: int = 2  # ssp: how many steps a worker may run ahead of the slowest
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ConfigError(f"unknown mode {self.mode!r}: use 'sync' or 'async'")
+            raise ConfigError(f"unknown mode {self.mode!r}: use 'sync', 'async' or 'ssp'")
+        if isinstance(self.staleness_bound, bool) or not isinstance(self.staleness_bound, int) \
+                or self.staleness_bound < 0:
+            raise ConfigError(f"staleness_bound={self.staleness_bound!r}: use an integer >= 0 (steps a worker "
+                              "may run ahead of the slowest)")
         for name in ("steps", "batch_size", "replicas_to_aggregate", "num_workers", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

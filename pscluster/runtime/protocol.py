@@ -27,7 +27,7 @@ import torch
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"PSCL"
 MAX_DIMS = 8
 NO_TASK = 0xFFFF  # the `task` of a message that comes from the controller, not a worker
@@ -49,6 +49,7 @@ class Op(IntEnum):
     STATS = 6
     STOP = 7
     SHUTDOWN = 8
+    PULL_ROWS = 9  # rows of sparse variables: one int64 tensor of row indices per variable
     # replies
     OK = 64
     PARAMS = 65

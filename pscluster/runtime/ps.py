@@ -13,6 +13,15 @@ applied (the token-queue wait of TF, in one round trip).
 Async mode: each gradient is applied on arrival and its staleness (current step
 minus the step it was computed on) is recorded.
 
+SSP mode (bounded staleness): as async, but the reply to a worker's push is held
+while that worker has pushed more than ``staleness_bound`` times more than the
+slowest worker, so no worker runs more than the bound ahead.
+
+Sparse variables (embedding tables) are never sent whole after INIT: workers pull
+the rows their batch touches (PULL_ROWS) and push (row indices, row gradients)
+pairs; the ps applies them with a sparse-aware optimizer (SGD, Adagrad, or Adam as
+the lazy SparseAdam, which touches only the rows present).
+
 Once the step target is reached (or STOP arrives), replies carry Flag.STOPPED and
 later gradients are not applied.
 """
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -32,6 +42,9 @@ from . import protocol
 from .metrics import MetricsEmitter
 from .plan import resolve_optimizer
 from .protocol import Flag, Message, Op
+
+# torch's sparse optimizers build sparse tensors without stating whether to check them; ours are checked
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled", category=UserWarning)
 
 POLL_MS = 100
 REPORT_S = 0.5  # how often a ps sends its counters to the collector
@@ -48,16 +61,20 @@ class _RunState:
     ids: list[int]
     names: list[str]
     params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
+    sparse: list[bool]
+    sparse_optimizer: torch.optim.Optimizer | None = None
     num_workers: int = 1
+    staleness_bound: int = 0
     emitter: MetricsEmitter | None = None
     step: int = 0
     stopped: bool = False
-    accum: list[torch.Tensor] | None = None
+    accum: list | None = None  # sync: per variable, a summed dense gradient or a list of (rows, values)
     accum_count: int = 0
     contributors: list[int] = field(default_factory=list)
     waiting: list[tuple[bytes, Message, float]] = field(default_factory=list)  # (identity, header, since)
     snapshot: tuple[int, list[torch.Tensor]] | None = None
+    clocks: Counter = field(default_factory=Counter)  # ssp: pushes per worker
     pushes: int = 0
     pulls: int = 0
     applied: int = 0
@@ -65,18 +82,62 @@ class _RunState:
     late: int = 0
     staleness: Counter = field(default_factory=Counter)
 
+    @property
+    def dense_ids(self) -> list[int]:
+        return [vid for vid, sparse in zip(self.ids, self.sparse) if not sparse]
+
     def waiting_for(self) -> list[int]:
-        """Sync: the workers whose gradient for the current step has not arrived yet."""
-        if self.mode != "sync" or self.stopped:
+        """Sync: the workers whose gradient for the current step has not arrived yet; SSP: the
+        slowest workers, while some worker is held for them."""
+        if self.stopped:
             return []
-        return sorted(set(range(self.num_workers)) - set(self.contributors))
+        if self.mode == "sync":
+            return sorted(set(range(self.num_workers)) - set(self.contributors))
+        if self.mode == "ssp" and self.waiting:
+            slowest = min(self.clocks[w] for w in range(self.num_workers))
+            return [w for w in range(self.num_workers) if self.clocks[w] == slowest]
+        return []
+
+    def ahead(self, worker: int) -> int:
+        """SSP: how many pushes ``worker`` is ahead of the slowest worker."""
+        return self.clocks[worker] - min(self.clocks[w] for w in range(self.num_workers))
 
     def params_snapshot(self) -> list[torch.Tensor]:
-        """Copies of the current values, made once per step: replies are sent without a
+        """Copies of the current dense values, made once per step: replies are sent without a
         copy, so they must not alias tensors that the next update changes in place."""
         if self.snapshot is None or self.snapshot[0] != self.step:
-            self.snapshot = (self.step, [p.detach().clone() for p in self.params])
+            self.snapshot = (self.step, [p.detach().clone() for p, sparse in zip(self.params, self.sparse)
+                                         if not sparse])
         return self.snapshot[1]
+
+
+def _optimizers(params: list[torch.nn.Parameter], sparse: list[bool], name: str, kwargs: dict):
+    """(optimizer of the dense variables, optimizer of the sparse ones), None where there are none.
+    Adam and AdamW become SparseAdam (lazy: only the rows present move) for sparse variables."""
+    cls = resolve_optimizer(name)
+    dense_params = [p for p, s in zip(params, sparse) if not s]
+    sparse_params = [p for p, s in zip(params, sparse) if s]
+    dense = cls(dense_params, **kwargs) if dense_params else None
+    if not sparse_params:
+        return dense, None
+    if cls in (torch.optim.Adam, torch.optim.AdamW):
+        kwargs = {k: v for k, v in kwargs.items() if k in ("lr", "betas", "eps")}
+        return dense, torch.optim.SparseAdam(sparse_params, **kwargs)
+    if cls not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"{cls.__name__} cannot update sparse embeddings: use SGD, Adagrad or Adam")
+    return dense, cls(sparse_params, **kwargs)
+
+
+SPARSE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam, torch.optim.AdamW)
+
+
+def _sparse_grad(param: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> torch.Tensor:
+    """The mean of ``count`` sparse gradients given as (row indices, row values) parts."""
+    rows = torch.cat([r for r, _ in parts])
+    values = torch.cat([v for _, v in parts])
+    if count > 1:
+        values = values / count
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, param.shape, check_invariants=False).coalesce()
 
 
 class ParameterServer:
@@ -187,7 +248,7 @@ class ParameterServer:
         if run is not None and run.stopped:
             reply.flags |= Flag.STOPPED
         if with_params:
-            reply.ids = list(run.ids)
+            reply.ids = run.dense_ids
             reply.tensors = run.params_snapshot()
         self._send(identity, reply)
 
@@ -216,12 +277,16 @@ class ParameterServer:
         cfg = msg.meta or {}
         try:
             params = [torch.nn.Parameter(t.clone()) for t in msg.tensors]
-            optimizer = resolve_optimizer(cfg["optimizer"])(params, **cfg.get("optimizer_kwargs", {})) \
-                if params else None
+            sparse = [bool(x) for x in cfg.get("sparse", [False] * len(params))]
+            if len(sparse) != len(params):
+                raise ValueError(f"{len(sparse)} sparse flags for {len(params)} variables")
+            optimizer, sparse_optimizer = _optimizers(params, sparse, cfg["optimizer"],
+                                                      cfg.get("optimizer_kwargs", {}))
             run = _RunState(run_id=msg.run_id, mode=cfg["mode"], steps=int(cfg["steps"]),
                             replicas=int(cfg["replicas_to_aggregate"]), ids=list(msg.ids),
-                            names=list(cfg["names"]), params=params, optimizer=optimizer,
-                            num_workers=int(cfg.get("num_workers", 1)))
+                            names=list(cfg["names"]), params=params, optimizer=optimizer, sparse=sparse,
+                            sparse_optimizer=sparse_optimizer, num_workers=int(cfg.get("num_workers", 1)),
+                            staleness_bound=int(cfg.get("staleness_bound", 0)))
         except (KeyError, TypeError, ValueError) as e:
             self._error(identity, msg, f"bad INIT: {e}")
             return
@@ -237,22 +302,43 @@ class ParameterServer:
 
     def _pull(self, identity, msg):
         run = self._current(identity, msg)
-        if run is not None:
-            run.pulls += 1
-            self._reply(identity, msg, Op.PARAMS, with_params=True)
+        if run is None:
+            return
+        run.pulls += 1
+        if (msg.meta or {}).get("all"):  # every variable, sparse ones whole (the controller, at the end)
+            reply = Message(op=Op.PARAMS, run_id=msg.run_id, request_id=msg.request_id, step=run.step,
+                            ids=list(run.ids), tensors=[p.detach().clone() for p in run.params])
+            self._send(identity, reply)
+            return
+        self._reply(identity, msg, Op.PARAMS, with_params=True)
+
+    def _pull_rows(self, identity, msg):
+        """Rows of sparse variables: the request holds, per variable, a 1-D int64 tensor of row indices."""
+        run = self._current(identity, msg)
+        if run is None:
+            return
+        position = {vid: i for i, vid in enumerate(run.ids)}
+        rows = []
+        for vid, index in zip(msg.ids, msg.tensors):
+            param = run.params[self._sparse_position(run, position, vid)]
+            rows.append(param.detach()[_checked_rows(index, param.shape[0], vid)])
+        run.pulls += 1
+        self._send(identity, Message(op=Op.PARAMS, flags=Flag.STOPPED if run.stopped else Flag.NONE,
+                                     run_id=msg.run_id, request_id=msg.request_id, step=run.step,
+                                     ids=list(msg.ids), tensors=rows))
+
+    @staticmethod
+    def _sparse_position(run: _RunState, position: dict, vid: int) -> int:
+        i = position.get(vid)
+        if i is None or not run.sparse[i]:
+            raise ProtocolError(f"variable {vid} is not a sparse variable of this ps")
+        return i
 
     def _push(self, identity, msg):
         run = self._current(identity, msg)
         if run is None:
             return
-        if msg.ids != run.ids:
-            self._error(identity, msg, f"push holds variables {msg.ids}, ps {self.index} has {run.ids}")
-            return
-        bad = [vid for vid, g, p in zip(msg.ids, msg.tensors, run.params) if g.shape != p.shape]
-        if bad:
-            self._error(identity, msg, f"gradients of variables {bad} have the wrong shape: "
-                                       "the worker's model differs from the chief's")
-            return
+        grads = self._gradients(run, msg)
         run.pushes += 1
         with_params = msg.op is Op.PUSH_PULL
         reply_op = Op.PARAMS if with_params else Op.OK
@@ -261,9 +347,20 @@ class ParameterServer:
             self._reply(identity, msg, reply_op, flags=Flag.DROPPED, with_params=with_params)
             return
         staleness = run.step - msg.step
-        if run.mode == "async":
+        if run.mode != "sync":
             run.staleness[staleness] += 1
-            self._apply(run, [g.clone() for g in msg.tensors], 1)  # the frames are read-only views
+            self._apply(run, [g.clone() if isinstance(g, torch.Tensor) else [(r.clone(), v.clone()) for r, v in g]
+                              for g in grads], 1)  # the frames are read-only views
+            if run.mode == "ssp":
+                run.clocks[msg.task] += 1
+                if run.ahead(msg.task) > run.staleness_bound and not run.stopped:
+                    run.waiting.append((identity, Message(op=msg.op, task=msg.task, run_id=msg.run_id,
+                                                          request_id=msg.request_id, value=staleness),
+                                        time.monotonic()))
+                else:
+                    self._reply(identity, msg, reply_op, value=staleness, with_params=with_params)
+                self._release_waiting(lambda req: run.ahead(req.task) <= run.staleness_bound)
+                return
             self._reply(identity, msg, reply_op, value=staleness, with_params=with_params)
             return
         if staleness != 0:
@@ -271,10 +368,14 @@ class ParameterServer:
             self._reply(identity, msg, reply_op, flags=Flag.DROPPED, value=staleness, with_params=with_params)
             return
         if run.accum is None:
-            run.accum = [g.clone() for g in msg.tensors]
+            run.accum = [g.clone() if isinstance(g, torch.Tensor) else [(r.clone(), v.clone()) for r, v in g]
+                         for g in grads]
         else:
-            for a, g in zip(run.accum, msg.tensors):
-                a.add_(g)
+            for i, g in enumerate(grads):
+                if isinstance(g, torch.Tensor):
+                    run.accum[i].add_(g)
+                else:
+                    run.accum[i].extend((r.clone(), v.clone()) for r, v in g)
         run.accum_count += 1
         run.contributors.append(msg.task)
         if with_params:
@@ -287,6 +388,35 @@ class ParameterServer:
             self._release_waiting()
         if not with_params:
             self._reply(identity, msg, Op.OK)
+
+    def _gradients(self, run: _RunState, msg: Message) -> list:
+        """Per variable of this ps (in its order): a dense gradient, or for a sparse variable a list of
+        one (row indices, row values) pair. A push holds each variable once, a sparse one as two
+        tensors in a row (rows, then values). Raises ProtocolError on anything that does not fit."""
+        position = {vid: i for i, vid in enumerate(run.ids)}
+        grads: list = [None] * len(run.ids)
+        k = 0
+        while k < len(msg.ids):
+            i = position.get(msg.ids[k])
+            if i is None or grads[i] is not None:
+                raise ProtocolError(f"push holds variables {msg.ids}: ps {self.index} has {run.ids}, each once")
+            param = run.params[i]
+            if not run.sparse[i]:
+                if msg.tensors[k].shape != param.shape:
+                    raise ProtocolError(f"gradients of variable {msg.ids[k]} have the wrong shape: "
+                                        "the worker's model differs from the chief's")
+                grads[i], k = msg.tensors[k], k + 1
+                continue
+            if k + 1 >= len(msg.ids) or msg.ids[k + 1] != msg.ids[k]:
+                raise ProtocolError(f"sparse variable {msg.ids[k]}: rows and values expected")
+            rows, values = _checked_rows(msg.tensors[k], param.shape[0], msg.ids[k]), msg.tensors[k + 1]
+            if values.shape != (len(rows), *param.shape[1:]):
+                raise ProtocolError(f"sparse gradient of variable {msg.ids[k]}: {tuple(values.shape)} values "
+                                    f"for {len(rows)} rows of shape {tuple(param.shape[1:])}")
+            grads[i], k = [(rows, values)], k + 2
+        if any(g is None for g in grads):
+            raise ProtocolError(f"push holds variables {msg.ids}: ps {self.index} has {run.ids}, each once")
+        return grads
 
     def _stats(self, identity, msg):
         run = self.run
@@ -316,31 +446,50 @@ class ParameterServer:
         self._stop.set()
 
     # --- updates -------------------------------------------------------------------
-    def _apply(self, run: _RunState, grads: list[torch.Tensor], count: int) -> None:
-        """One optimizer step with the mean of ``count`` summed gradients (tensors this ps owns)."""
-        if run.optimizer is not None:
-            for p, g in zip(run.params, grads):
+    def _apply(self, run: _RunState, grads: list, count: int) -> None:
+        """One optimizer step with the mean of ``count`` summed gradients (of the variables this ps owns;
+        sparse ones as lists of (rows, values) parts)."""
+        for p, g in zip(run.params, grads):
+            if isinstance(g, torch.Tensor):
                 p.grad = g.div_(count) if count > 1 else g
-            run.optimizer.step()
-            for p in run.params:
-                p.grad = None
+            else:
+                p.grad = _sparse_grad(p, g, count)
+        for optimizer in (run.optimizer, run.sparse_optimizer):
+            if optimizer is not None:
+                optimizer.step()
+        for p in run.params:
+            p.grad = None
         run.step += 1
         run.applied += 1
         if run.step >= run.steps:
             run.stopped = True
             self._report(now=True)
 
-    def _release_waiting(self) -> None:
+    def _release_waiting(self, ready=None) -> None:
+        """Answer the held requests (those that ``ready(request)`` accepts), with the current parameters."""
         run = self.run
         if run is None:
             return
-        waiting, run.waiting = run.waiting, []
+        held, run.waiting = run.waiting, []
         now = time.monotonic()
-        for identity, req, since in waiting:
-            self._reply(identity, req, Op.PARAMS, with_params=True, wait_us=int((now - since) * 1e6))
+        for identity, req, since in held:
+            if ready is None or run.stopped or ready(req):
+                self._reply(identity, req, Op.PARAMS, with_params=True, value=req.value,
+                            wait_us=int((now - since) * 1e6))
+            else:
+                run.waiting.append((identity, req, since))
 
-    _HANDLERS = {Op.HELLO: _hello, Op.INIT: _init, Op.PULL: _pull, Op.PUSH: _push,
+    _HANDLERS = {Op.HELLO: _hello, Op.INIT: _init, Op.PULL: _pull, Op.PULL_ROWS: _pull_rows, Op.PUSH: _push,
                  Op.PUSH_PULL: _push, Op.STATS: _stats, Op.STOP: _stop_run, Op.SHUTDOWN: _shutdown}
+
+
+def _checked_rows(rows: torch.Tensor, num_rows: int, vid: int) -> torch.Tensor:
+    """``rows`` as row indices of a variable of ``num_rows`` rows, or ProtocolError."""
+    if rows.dtype != torch.int64 or rows.dim() != 1:
+        raise ProtocolError(f"rows of variable {vid}: a 1-D int64 tensor expected")
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+        raise ProtocolError(f"rows of variable {vid} out of range 0..{num_rows - 1}")
+    return rows
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:

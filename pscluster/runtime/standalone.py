@@ -20,7 +20,6 @@ import threading
 
 from ..errors import ConfigError
 from ..spec import from_environment
-from .placement import round_robin
 from .plan import TrainPlan, describe_variables, optimizer_name
 from .ps import ParameterServer
 from .worker import build_model, run_worker
@@ -49,11 +48,10 @@ def train_from_environment(model_fn, dataset, loss_fn, *, optimizer="sgd", mode:
     if task.role != "worker":
         raise ConfigError(f"{task.name} is a ps task: serve it with `python -m pscluster.runtime`")
     model = build_model(model_fn, seed)
-    names = [n for n, _ in model.named_parameters()]
     plan = TrainPlan(run_id=run_id, mode=mode, steps=steps, batch_size=batch_size,
                      optimizer=optimizer_name(optimizer), optimizer_kwargs=optimizer_kwargs,
                      replicas_to_aggregate=replicas_to_aggregate or len(spec.workers),
                      num_workers=len(spec.workers),
-                     variables=describe_variables(model, round_robin(names, len(spec.ps))),
+                     variables=describe_variables(model, len(spec.ps)),
                      seed=seed, log_every=log_every, request_timeout=request_timeout)
     return run_worker(spec, task.index, plan, model_fn, dataset, loss_fn, log=log)

@@ -20,7 +20,7 @@ from ..spec import ClusterSpec, TaskSpec
 from .client import PSClient
 from .data import sharded_batches
 from .metrics import MetricsEmitter
-from .plan import TrainPlan
+from .plan import TrainPlan, VariableSpec
 from .protocol import Flag
 
 
@@ -60,37 +60,132 @@ def log_line(local_step: int, global_step: int, loss: float, accuracy: float | N
 
 
 class _Shards:
-    """The model's parameters grouped by home ps, in plan order."""
+    """The model's dense variables (whole parameters or row shards of them) grouped by home ps, in
+    plan order; sparse variables are left to ``_SparseRows``."""
 
     def __init__(self, model: torch.nn.Module, plan: TrainPlan, num_ps: int):
         params = dict(model.named_parameters())
-        expected = {v.name: v for v in plan.variables}
-        if set(params) != set(expected) or any(tuple(params[n].shape) != expected[n].shape for n in expected):
+        expected = {v.parameter: v for v in plan.variables}
+        if set(params) != set(expected) or any(params[v.parameter].shape[1:] != v.shape[1:] or
+                                                v.stop > (params[v.parameter].shape or [1])[0]
+                                                for v in plan.variables):
             raise ConfigError("the model built on this worker differs from the planned one: "
                               "make model_fn deterministic (same layers and shapes every call)")
-        self.ids = {i: [v.id for v in plan.variables_on(i)] for i in range(num_ps)}
-        self.params = {i: [params[v.name] for v in plan.variables_on(i)] for i in range(num_ps)}
-        self.by_id = {v.id: params[v.name] for v in plan.variables}
+        self.variables = plan.variables
+        self.params = params
+        self.dense = {i: [v for v in plan.variables_on(i) if not v.sparse] for i in range(num_ps)}
+        self.by_id = {v.id: v for v in plan.variables}
+
+    def view(self, v: VariableSpec, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """The part of ``tensor`` (default: the parameter) that variable ``v`` holds."""
+        t = self.params[v.parameter].detach() if tensor is None else tensor
+        return t[v.start:v.stop] if v.partitioned else t
 
     def values(self) -> dict:
-        return {i: (self.ids[i], [p.detach() for p in ps]) for i, ps in self.params.items()}
+        """Every variable's current value (sparse ones too), by ps: what the chief's INIT sends."""
+        return {i: ([v.id for v in vs], [self.view(v) for v in vs])
+                for i, vs in ((i, [v for v in self.variables if v.ps == i]) for i in self.dense)}
 
     def grads(self) -> dict:
-        return {i: (self.ids[i], [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps])
-                for i, ps in self.params.items()}
+        out = {}
+        for i, vs in self.dense.items():
+            grads = []
+            for v in vs:
+                g = self.params[v.parameter].grad
+                grads.append(self.view(v, g) if g is not None else torch.zeros(v.shape, dtype=getattr(torch, v.dtype)))
+            out[i] = ([v.id for v in vs], grads)
+        return out
 
     @torch.no_grad()
     def load(self, reply) -> None:
         for msg in reply.messages:
             for vid, t in zip(msg.ids, msg.tensors):
-                self.by_id[vid].copy_(t)
+                self.view(self.by_id[vid]).copy_(t)
+
+
+class _SparseRows:
+    """Sparse embeddings: before each forward of an ``nn.Embedding`` / ``nn.EmbeddingBag`` with
+    ``sparse=True``, pull the rows its input touches (each once) from the ps tasks that hold them; after
+    backward, the (rows, values) of its sparse gradient go with the push, split by shard."""
+
+    def __init__(self, model: torch.nn.Module, plan: TrainPlan, client: PSClient):
+        self.client = client
+        self.shards: dict[str, list[VariableSpec]] = {}
+        for v in plan.variables:
+            if v.sparse:
+                self.shards.setdefault(v.parameter, []).append(v)
+        self.params = dict(model.named_parameters())
+        self.step = 0
+        self.stopped = False
+        self._hooks = [module.register_forward_pre_hook(self._pull_hook(f"{prefix}.weight" if prefix else "weight"))
+                       for prefix, module in model.named_modules() if (f"{prefix}.weight" if prefix else "weight")
+                       in self.shards and isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
+
+    def __bool__(self) -> bool:
+        return bool(self.shards)
+
+    def _pull_hook(self, name: str):
+        def pull(module, args):
+            self.pull(name, args[0])
+        return pull
+
+    @torch.no_grad()
+    def pull(self, name: str, indices: torch.Tensor) -> None:
+        """Fetch the current values of the rows of parameter ``name`` in ``indices`` into it."""
+        rows = torch.unique(indices.detach().reshape(-1).cpu())
+        per_ps: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        wanted = []
+        for v in self.shards[name]:
+            mine = rows[(rows >= v.start) & (rows < v.stop)]
+            ids, tensors = per_ps.setdefault(v.ps, ([], []))
+            ids.append(v.id)
+            tensors.append(mine - v.start)
+            wanted.append(mine)
+        reply = self.client.pull_rows(per_ps)
+        self.step = reply.step
+        self.stopped = bool(reply.flags & Flag.STOPPED)
+        values = {vid: t for m in reply.messages for vid, t in zip(m.ids, m.tensors)}
+        weight = self.params[name]
+        for v, mine in zip(self.shards[name], wanted):
+            weight.index_copy_(0, mine.to(weight.device), values[v.id].to(weight.device))
+
+    def grads(self) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
+        """Per ps: (ids, tensors) of the sparse gradients, two entries per variable: rows, values."""
+        out: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        for name, shards in self.shards.items():
+            grad = self.params[name].grad
+            if grad is None:
+                rows, values = torch.empty(0, dtype=torch.int64), torch.empty((0, *shards[0].shape[1:]))
+            else:
+                grad = grad.coalesce()
+                rows, values = grad.indices()[0].cpu(), grad.values().cpu()
+            for v in shards:
+                keep = (rows >= v.start) & (rows < v.stop)
+                ids, tensors = out.setdefault(v.ps, ([], []))
+                ids += [v.id, v.id]
+                tensors += [rows[keep] - v.start, values[keep]]
+        return out
+
+
+def _merge(dense: dict, sparse: dict) -> dict:
+    """Per ps, the dense (ids, tensors) followed by the sparse ones, in the ps's variable order."""
+    merged = {}
+    for i in set(dense) | set(sparse):
+        ids, tensors = [], []
+        for part in (dense.get(i), sparse.get(i)):
+            if part:
+                ids += part[0]
+                tensors += part[1]
+        merged[i] = (ids, tensors)
+    return merged
 
 
 def _ps_config(plan: TrainPlan, ps: int) -> dict:
     return {"mode": plan.mode, "steps": plan.steps, "replicas_to_aggregate": plan.replicas_to_aggregate,
             "num_workers": plan.num_workers, "metrics_address": plan.metrics_address,
             "optimizer": plan.optimizer, "optimizer_kwargs": plan.optimizer_kwargs,
-            "names": [v.name for v in plan.variables_on(ps)]}
+            "staleness_bound": plan.staleness_bound,
+            "names": [v.name for v in plan.variables_on(ps)], "sparse": [v.sparse for v in plan.variables_on(ps)]}
 
 
 def _wait_for_chief(client: PSClient, timeout: float, emit):
@@ -127,6 +222,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         else:
             reply = _wait_for_chief(client, plan.request_timeout, emitter.emit)
         shards.load(reply)
+        sparse = _SparseRows(model, plan, client)
         emitter.emit("state", state="training")
 
         batches = sharded_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed)
@@ -136,6 +232,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         loss_value, accuracy = float("nan"), None
         while not (reply.flags & Flag.STOPPED) and reply.step < plan.steps:
             t0 = time.perf_counter()
+            sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
             x, y = next(batches)
             x, y = x.to(device), y.to(device)
             model.zero_grad(set_to_none=True)
@@ -144,8 +241,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             loss.backward()
             t1 = time.perf_counter()
             computed_on = reply.step
-            sent, received = client.bytes_sent, client.bytes_received
-            reply = client.push_pull(computed_on, shards.grads())
+            reply = client.push_pull(computed_on, _merge(shards.grads(), sparse.grads()) if sparse
+                                     else shards.grads())
             shards.load(reply)
             t2 = time.perf_counter()
 

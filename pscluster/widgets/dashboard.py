@@ -27,7 +27,6 @@ from ..metrics.store import RunStore
 from ..runtime.placement import optimizer_slots
 from . import figures
 
-OVERLAP_S = 3.0  # rows are re-read this far back: a task's batch can reach the store after a newer one
 MAX_FAILURES = 10  # consecutive failed refreshes before the thread gives up
 STATUS_COLORS = {"training": "#2a7", "finished": "#36c", "failed": "#c33", "stopped": "#c80"}
 MAX_BUSY_RATIO = 4  # the poller waits at least this many times as long as a refresh takes (on average)
@@ -74,6 +73,7 @@ class _RunData:
         self.run_id = run_id
         self.record: dict | None = None
         self.metrics = self.ps_metrics = self.placement = self.evaluations = self.events = None
+        self._cursors: dict[str, int] = {}  # per table: the last row read
 
     def read(self, store: RunStore) -> set[str]:
         """Read what is new; the names of the frames that changed.
@@ -83,15 +83,12 @@ class _RunData:
         self.record = store.run(self.run_id)
         changed = set()
         for name, query in (("metrics", store.metrics), ("ps_metrics", store.ps_metrics)):
+            new = query(self.run_id, after_row=self._cursors.get(name, 0))
             old = getattr(self, name)
-            if old is None or old.empty:
-                new = query(self.run_id)
-            else:  # only the rows of the last OVERLAP_S seconds are read again
-                since = old["time"].max() - OVERLAP_S
-                tail = query(self.run_id, since_time=since)
-                new = pd.concat([old[old["time"] <= since], tail], ignore_index=True) if len(tail) else old
-            if old is None or len(new) != len(old) or (len(new) and new["time"].iat[-1] != old["time"].iat[-1]):
-                setattr(self, name, new)
+            if old is None or len(new):
+                self._cursors[name] = int(new["row"].max()) if len(new) else 0
+                new = new.drop(columns="row")
+                setattr(self, name, new if old is None or old.empty else pd.concat([old, new], ignore_index=True))
                 changed.add(name)
         if self.placement is None or self.placement.empty:  # recorded once, when training starts
             self.placement = store.placement(self.run_id)
@@ -116,9 +113,9 @@ class Dashboard:
     nbconvert's output.
     """
 
-    def __init__(self, store_path, run_id: int, *, refresh_s: float = 0.4):
+    def __init__(self, store_path, run_id: int, *, refresh_s: float = 0.5):
         if refresh_s <= 0:
-            raise ConfigError(f"refresh_s={refresh_s}: give a positive number of seconds, e.g. 0.4")
+            raise ConfigError(f"refresh_s={refresh_s}: give a positive number of seconds, e.g. 0.5")
         self.store_path = store_path
         self.run_id = run_id
         self.refresh_s = refresh_s
@@ -133,7 +130,9 @@ class Dashboard:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handle = None  # the IPython display to update when the run ends (see show)
+        self._drawn: dict[str, go.Figure] = {}  # the figure each widget shows, as built (unvalidated)
         self.error: str | None = None
+        self.refreshes = 0  # completed refreshes
 
         self.header = widgets.HTML()
         self.roles = widgets.HTML()
@@ -179,6 +178,7 @@ class Dashboard:
         with self._lock:
             changed = self._data.read(store)
             self._draw(changed)
+            self.refreshes += 1
             return self._data.final
 
     def _poll(self) -> None:
@@ -246,15 +246,19 @@ class Dashboard:
         self._draw_header()
 
     def _set_figure(self, name: str, fig: go.Figure) -> None:
-        """Show ``fig`` in the widget ``name``: in place, in one message with only what changed, when the
-        traces keep their kinds and axes; else (the first data, a new worker...) in a new FigureWidget
-        that takes the old one's place."""
-        widget = self.figures[name]
-        if _shape(widget) == _shape(fig):
-            with widget.batch_update():
-                for trace, new in zip(widget.data, fig.data):
-                    trace.update(_changes(trace.to_plotly_json(), new.to_plotly_json()), overwrite=True)
-                widget.layout.update(_changes(_layout(widget), _layout(fig)), overwrite=True)
+        """Show ``fig`` in the widget ``name``: in place, in one message with only what changed since the
+        figure drawn last, when the traces keep their kinds and axes; else (the first data, a new
+        worker...) in a new FigureWidget that takes the old one's place."""
+        widget, drawn = self.figures[name], self._drawn.get(name)
+        self._drawn[name] = fig
+        if drawn is not None and _shape(drawn) == _shape(fig):
+            # restyle/relayout take the figure's own (valid) values as they are: validating them again
+            # would cost more than building the figure
+            for i, (old, new) in enumerate(zip(drawn._data, fig._data)):
+                if changes := _changes(old, new):
+                    widget.plotly_restyle({k: [v] for k, v in changes.items()}, trace_indexes=[i])
+            if changes := _changes(_layout(drawn), _layout(fig)):
+                widget.plotly_relayout(changes)
             return
         replacement = go.FigureWidget(fig)
         self.box.children = tuple(replacement if child is widget else child for child in self.box.children)
@@ -298,15 +302,14 @@ class Dashboard:
         return f"<pscluster Dashboard of run {self.run_id} ({'polling' if self.running else 'idle'})>"
 
 
-def _shape(fig) -> list[tuple]:
+def _shape(fig: go.Figure) -> list:
     """What must match for an in-place update: each trace's kind and axes, and the 'no data yet' note."""
-    return [(t.type, getattr(t, "xaxis", None), getattr(t, "yaxis", None)) for t in fig.data] + \
-        [len(fig.layout.annotations)]
+    return [(t.get("type"), t.get("xaxis"), t.get("yaxis")) for t in fig._data] + \
+        [len(fig._layout.get("annotations", ()))]
 
 
-def _layout(fig) -> dict:
-    # The layout's own properties without the template (to_plotly_json would deep-copy the template).
-    return {k: v for k, v in fig.layout._props.items() if k != "template"}
+def _layout(fig: go.Figure) -> dict:
+    return {k: v for k, v in fig._layout.items() if k != "template"}
 
 
 def _changes(old: dict, new: dict) -> dict:
@@ -330,7 +333,7 @@ def _yield_cpu_to_training() -> None:
         pass
 
 
-def show(store_path, run_id: int, *, refresh_s: float = 0.4) -> Dashboard:
+def show(store_path, run_id: int, *, refresh_s: float = 0.5) -> Dashboard:
     """Display a live dashboard of run ``run_id`` and start it; when the run ends, the display is updated
     once so that its static copy (what nbconvert keeps) holds the final figures. Returns the dashboard."""
     from IPython.display import display

@@ -14,7 +14,6 @@ import math
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-import plotly.io as pio
 from plotly.colors import qualitative
 
 HEIGHT = 300
@@ -31,13 +30,14 @@ ROLE_COLUMNS = ["role", "task", "host", "device", "state", "steps/s"]
 # The dashboard rebuilds its figures several times a second while a run trains: figures are built in
 # one constructor call from plain dicts and numpy arrays, with subplots laid out by hand (two rows
 # sharing one x axis, or two columns), and without plotly's validation, which costs 5-10x the rest.
-# The tests build every figure again with validation on.
+# The template goes by name: validation (a FigureWidget, static HTML) resolves it, and a template object
+# would be deep-copied into every figure. The tests build every figure again with validation on.
 def _figure(title: str, traces: list[dict], *, height: int = HEIGHT, **layout) -> go.Figure:
     """A figure in the dashboard's style: compact, ``plotly_white``, a small title at the top left."""
     traces = [{k: v.to_numpy() if isinstance(v, (pd.Series, pd.Index)) else v for k, v in t.items()}
               for t in traces]
     return go.Figure(data=traces, layout=dict(
-        template=pio.templates[TEMPLATE], height=height, title=dict(text=title, x=0.01, font=dict(size=14)),
+        template=TEMPLATE, height=height, title=dict(text=title, x=0.01, font=dict(size=14)),
         margin=dict(l=55, r=20, t=45, b=40), legend=dict(font=dict(size=10)), **layout), _validate=False)
 
 

@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from pscluster.cluster.reaper import alive
 
@@ -48,8 +49,11 @@ def test_cluster_dies_with_its_owner_process():
 
 
 def test_stop_leaves_no_process(start_cluster):
-    cluster = start_cluster(ps=1, workers=1)
+    cluster = start_cluster(ps=1, workers=1, threads=1)
     pids = cluster.pids
+    engine_ids = [t.engine_id for t in (*cluster.spec.ps, *cluster.spec.workers)]
+    # every task runs torch with the threads it was given (more would spin against the other tasks)
+    assert [cluster._engines.view(e).apply_sync(torch.get_num_threads) for e in engine_ids] == [1, 1]
     assert all(alive(p) for p in pids)
     cluster.stop()
     assert [p for p in pids if alive(p)] == []

@@ -135,6 +135,19 @@ def test_a_second_refresh_appends_in_place(store, dashboards):
     assert "25 / 100" in d.header.value
 
 
+def test_a_dashboard_opened_before_the_first_step_fills_in_as_rows_arrive(store, dashboards):
+    run = Writer(store)
+    d = dashboards(store.path, run.run_id)
+    d.refresh()  # no metric rows yet: empty frames, "no data yet" figures
+    assert [a.text for a in d.figures["convergence"].layout.annotations] == ["no data yet"]
+    for total in (3, 8):
+        run.write(total - run.steps)
+        d.refresh()
+        assert d.error is None and len(d.figures["convergence"].data[0].x) == total
+        assert d.figures["speed"].data[0].y.dtype.kind == "f"  # numbers, not objects, after appending
+    assert d.refreshes == 3
+
+
 def test_the_thread_stops_by_itself_when_the_run_is_over(store, dashboards):
     run = Writer(store)
     run.write(5)

@@ -64,7 +64,7 @@ def test_convergence_has_raw_and_smoothed_traces_per_worker_and_the_test_set():
     assert len(raw.x) == STEPS and list(raw.x) == sorted(raw.x)
     assert names(fig).count("test set") == 2
     assert [t.yaxis for t in fig.data if t.name == "test set"] == ["y", "y2"]
-    assert fig.layout.template.layout.paper_bgcolor == "white" and fig.layout.height >= 300
+    assert go.Figure(fig).layout.template.layout.paper_bgcolor == "white" and fig.layout.height >= 300
     assert "test set" not in names(figures.convergence_figure(metrics, evaluations.iloc[:0]))
 
 

@@ -54,13 +54,14 @@ def usage_error(shell, line, cell=None) -> str:
     ("start --ps 0", ["ps=0", "use an integer >= 1"]),
     ("start --workers -1", ["workers=-1", "use an integer >= 1"]),
     ("start --gpus 999", ["gpus=999", "use gpus <="]),
+    ("start --threads 0", ["threads=0", "use an integer >= 1"]),
     ("start --bogus 1", ["unrecognized arguments: --bogus 1", "see %pscluster start --help"]),
     ("start --ps one", ["invalid int value: 'one'", "see %pscluster start --help"]),
     ("start --name 'unclosed", ["cannot parse the arguments", "check the quotes"]),
     ("train --steps 10", ["train is a cell magic", "%%pscluster train"]),
     ("stop", ["no cluster to stop", "%pscluster start first"]),
-], ids=["empty", "unknown-command", "no-ps", "negative-workers", "too-many-gpus", "unknown-option", "not-a-number",
-        "quotes", "train-as-line-magic", "stop-before-start"])
+], ids=["empty", "unknown-command", "no-ps", "negative-workers", "too-many-gpus", "no-threads", "unknown-option",
+        "not-a-number", "quotes", "train-as-line-magic", "stop-before-start"])
 def test_bad_line_magics(shell, magics, line, fragments):
     message = usage_error(shell, line)
     for fragment in fragments:

@@ -5,7 +5,6 @@ import torch
 
 from pscluster.cluster.roles import EngineInfo, assign_roles, worker_devices
 from pscluster.errors import ConfigError
-from pscluster.runtime.placement import round_robin
 from pscluster.runtime.plan import (TrainPlan, VariableSpec, describe_variables, optimizer_name,
                                     resolve_optimizer)
 
@@ -34,29 +33,26 @@ def plan(**changes) -> TrainPlan:
 # --- placement -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_ps, expected", [
-    (1, [0, 0, 0, 0, 0]),
-    (2, [0, 1, 0, 1, 0]),
-    (3, [0, 1, 2, 0, 1]),
-    (7, [0, 1, 2, 3, 4]),
-])
-def test_round_robin(num_ps, expected):
-    names = ["a", "b", "c", "d", "e"]
-    assert round_robin(names, num_ps) == dict(zip(names, expected))
-
-
-def test_round_robin_needs_a_ps():
-    with pytest.raises(ValueError):
-        round_robin(["a"], 0)
-
-
 def test_describe_variables(model):
-    variables = describe_variables(model, round_robin([n for n, _ in model.named_parameters()], 2))
+    variables = describe_variables(model, 2)
     assert [(v.id, v.name, v.shape, v.dtype, v.ps) for v in variables] == [
         (0, "0.weight", (3, 4), "float32", 0), (1, "0.bias", (3,), "float32", 1),
         (2, "2.weight", (2, 3), "float32", 0), (3, "2.bias", (2,), "float32", 1)]
     assert variables[0].nbytes == 48 and variables[0].placement == "0.weight: /job:ps/task:0"
     assert VariableSpec(0, "e", (10, 4), "float16", 0).nbytes == 80
+
+
+def test_describe_variables_partitions_and_marks_sparse_embeddings():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"emb": torch.nn.EmbeddingBag(10, 4, sparse=True), "fc": torch.nn.Linear(4, 1)})
+    variables = describe_variables(model, 2, placement="greedy", partition={"emb": 3})
+    assert [(v.name, v.parameter, v.start, v.shape, v.sparse) for v in variables] == [
+        ("emb.weight/part_0", "emb.weight", 0, (4, 4), True), ("emb.weight/part_1", "emb.weight", 4, (3, 4), True),
+        ("emb.weight/part_2", "emb.weight", 7, (3, 4), True), ("fc.weight", "fc.weight", 0, (1, 4), False),
+        ("fc.bias", "fc.bias", 0, (1,), False)]
+    assert [v.ps for v in variables] == [0, 1, 1, 0, 0]  # greedy: 64 B, then 48 B to the other, ...
+    assert variables[1].placement == "emb.weight/part_1: /job:ps/task:1 (rows 4-6, 48 B)"
+    assert TrainPlan.from_json(plan(variables=variables).to_json()).variables == variables
 
 
 # --- roles and devices ---------------------------------------------------------------------
@@ -94,7 +90,7 @@ def test_assign_roles_with_too_few_engines(engines):
 
 
 def test_train_plan_json_round_trip(model):
-    p = plan(variables=describe_variables(model, round_robin([n for n, _ in model.named_parameters()], 2)),
+    p = plan(variables=describe_variables(model, 2),
              mode="async", optimizer="Adam", optimizer_kwargs={"lr": 0.01, "amsgrad": True},
              metrics_address="tcp://127.0.0.1:5555", seed=3, num_workers=2, replicas_to_aggregate=2)
     back = TrainPlan.from_json(p.to_json())
@@ -104,7 +100,8 @@ def test_train_plan_json_round_trip(model):
 
 
 @pytest.mark.parametrize("changes, problem", [
-    ({"mode": "ssp"}, "unknown mode 'ssp': use 'sync' or 'async'"),
+    ({"mode": "bsp"}, "unknown mode 'bsp': use 'sync', 'async' or 'ssp'"),
+    ({"mode": "ssp", "staleness_bound": -1}, "staleness_bound=-1: use an integer >= 0"),
     ({"steps": 0}, "steps=0: use a positive integer"),
     ({"steps": 2.5}, "steps=2.5: use a positive integer"),
     ({"batch_size": -1}, "batch_size=-1"),

@@ -105,7 +105,7 @@ def test_a_reply_op_sent_as_a_request_is_an_error(local_ps):
 
 def test_push_of_other_variables_is_an_error(start_run, values):
     client = start_run(values).client(task=0)
-    with pytest.raises(TrainingError, match=r"push holds variables \[1\], ps 0 has \[0, 1\]"):
+    with pytest.raises(TrainingError, match=r"push holds variables \[1\]: ps 0 has \[0, 1\], each once"):
         client.push(0, {0: ([1], [torch.zeros(4)])})
 
 

@@ -65,7 +65,11 @@ def test_batches_are_routed_to_their_tables(store):
     metrics = store.metrics(run)
     assert list(metrics["worker"]) == [0, 1] and list(metrics["global_step"]) == [1, 2]
     assert list(metrics["staleness"]) == [0, 1]
-    assert store.metrics(run, since_time=1.05)["worker"].tolist() == [1]
+    first = store.metrics(run, after_row=0)
+    assert first["worker"].tolist() == [0, 1] and "row" in first and "row" not in metrics
+    store.add_batch(run, [step(0, 2, 3, t=1.0)])  # stored later, though reported earlier than worker 1's
+    assert store.metrics(run, after_row=first["row"].max())["global_step"].tolist() == [3]
+    assert store.metrics(run, after_row=store.metrics(run, after_row=0)["row"].max()).empty
     ps = store.ps_metrics(run)
     assert ps.iloc[0]["ps"] == 1 and ps.iloc[0]["waiting_for"] == [0] and ps.iloc[0]["bytes_out"] == 200
     events = store.events(run)

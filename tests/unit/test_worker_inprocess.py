@@ -18,7 +18,6 @@ from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime.data import fetch_batch, sharded_batches
 from pscluster.runtime.metrics import MetricsEmitter
-from pscluster.runtime.placement import round_robin
 from pscluster.runtime.plan import TrainPlan, describe_variables, resolve_optimizer
 from pscluster.runtime.ps import wait_until
 from pscluster.runtime.worker import batch_accuracy, build_model, log_line, run_worker
@@ -54,11 +53,10 @@ OPTIMIZERS = [SGD, ("SGD", {"lr": 0.05, "momentum": 0.9}), ("adam", {"lr": 0.01}
 def make_plan(spec, *, steps, mode="sync", replicas=1, log_every=100, model_fn=mlp, metrics_address=None,
               optimizer=SGD):
     model = build_model(model_fn, SEED)
-    names = [n for n, _ in model.named_parameters()]
     return TrainPlan(run_id=RUN_ID, mode=mode, steps=steps, batch_size=BATCH, optimizer=optimizer[0],
                      optimizer_kwargs=optimizer[1], replicas_to_aggregate=replicas,
                      num_workers=len(spec.workers),
-                     variables=describe_variables(model, round_robin(names, len(spec.ps))),
+                     variables=describe_variables(model, len(spec.ps)),
                      seed=SEED, log_every=log_every, metrics_address=metrics_address, request_timeout=30.0)
 
 
