@@ -21,7 +21,7 @@ _INSTALLED = tuple(Path(p).resolve() for p in {sysconfig.get_paths()[k] for k in
 
 
 def _local_modules(objs) -> list:
-    modules = []
+    modules = {}  # by name: each once, however many of the objects come from it
     for obj in objs:
         for candidate in (obj, type(obj)):
             name = getattr(candidate, "__module__", None)
@@ -31,8 +31,8 @@ def _local_modules(objs) -> list:
                 continue
             path = Path(file).resolve()
             if not any(path.is_relative_to(root) for root in _INSTALLED):
-                modules.append(module)
-    return modules
+                modules[name] = module
+    return list(modules.values())
 
 
 def ship(*objs) -> bytes:
