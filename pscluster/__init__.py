@@ -5,14 +5,14 @@ The control-plane names (Cluster, Run) load on first use, so importing
 ipyparallel.
 """
 
-from . import datasets, environ
+from . import datasets, environ, placement  # placement is light: no torch, plotly or IPython
 from .errors import PSClusterError
 from .spec import ClusterSpec, TaskSpec
 
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "compare", "datasets", "environ",
-           "load_ipython_extension", "runs", "__version__"]
+           "load_ipython_extension", "placement", "runs", "__version__"]
 
 
 def __getattr__(name):

@@ -8,39 +8,24 @@ from __future__ import annotations
 
 import numbers
 
-import ipywidgets as widgets
 import pandas as pd
 import plotly.graph_objects as go
 
 from .errors import ConfigError
 from .metrics.store import RunStore, default_path
 from .widgets import figures
-from .widgets.dashboard import figures_html, plotlyjs_once, widget_bundle
+from .widgets.dashboard import FigureView
 
 
-class Comparison:
+class Comparison(FigureView):
     """The comparison of some runs: ``figure`` (a plotly Figure) and ``table`` (a DataFrame, one row a run)."""
 
     def __init__(self, figure: go.Figure, table: pd.DataFrame):
         self.figure = figure
         self.table = table
-        self._widget: go.FigureWidget | None = None
 
-    def _table_html(self) -> str:
+    def _tail_html(self) -> str:
         return figures.table_html(self.table, digits=2)
-
-    def static_html(self, include_plotlyjs: bool = True) -> str:
-        """The figure as static plotly HTML, then the table."""
-        return figures_html([self.figure], include_plotlyjs) + self._table_html()
-
-    def _repr_html_(self) -> str:
-        return self.static_html(plotlyjs_once(self))
-
-    def _repr_mimebundle_(self, **kwargs) -> dict:
-        if self._widget is None:
-            self._widget = go.FigureWidget(self.figure)
-            self._box = widgets.VBox([self._widget, widgets.HTML(self._table_html())])
-        return widget_bundle(self._box, [self._widget], self._repr_html_(), **kwargs)
 
 
 def _source(run, store) -> tuple[str, int]:

@@ -3,6 +3,9 @@
     %pscluster start --ps 1 --workers 2
     %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1 [--wait]
     model = ...; loss_fn = ...; dataset = ...; test_dataset = ... (optional)
+    %%pscluster train --mode ssp --staleness-bound 2 --placement greedy --partition embedding=2
+    ...
+    %pscluster placement        (which ps task holds each variable, or each shard, of the latest run)
     %pscluster status
     %pscluster stop
 
@@ -22,7 +25,9 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .cluster.cluster import Cluster
 from .errors import ConfigError, PSClusterError
 
-USAGE = "usage: %pscluster start|train|status|stop [options]  (%pscluster <command> --help for options)"
+USAGE = ("usage: %pscluster start|train|status|placement|stop [options]  "
+         "(%pscluster <command> --help for options)")
+PARTITION_FORM = "NAME=SHARDS, e.g. --partition embedding=2 (a variable name or prefix, a shard count >= 1)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,6 +44,18 @@ class _HelpShown(Exception):
     pass
 
 
+def _partition(text: str) -> tuple[str, int]:
+    """``embedding=2`` -> ``("embedding", 2)``: an argparse type, so a bad value is a one-line usage error."""
+    name, sep, shards = text.rpartition("=")
+    try:
+        count = int(shards)
+    except ValueError:
+        count = 0
+    if not sep or not name.strip() or count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use {PARTITION_FORM}")
+    return name.strip(), count
+
+
 def _parsers() -> dict[str, _Parser]:
     start = _Parser(prog="%pscluster start", add_help=True)
     start.add_argument("--ps", type=int, default=1, help="number of ps tasks (>= 1)")
@@ -49,7 +66,16 @@ def _parsers() -> dict[str, _Parser]:
                        help="torch threads per task (default: the cores shared out among the tasks)")
 
     train = _Parser(prog="%%pscluster train")
-    train.add_argument("--mode", choices=("sync", "async"), default="sync")
+    train.add_argument("--mode", choices=("sync", "async", "ssp"), default="sync",
+                       help="ssp: bounded staleness (see --staleness-bound)")
+    train.add_argument("--staleness-bound", type=int, default=2, metavar="N",
+                       help="ssp: how many steps a worker may run ahead of the slowest (default 2)")
+    train.add_argument("--placement", choices=("round_robin", "round-robin", "greedy"), default="round_robin",
+                       help="which ps task holds each variable: round-robin in model order, or greedy "
+                            "(largest first, to the least loaded ps)")
+    train.add_argument("--partition", type=_partition, action="append", default=[], metavar="NAME=SHARDS",
+                       help="split variable NAME (or every variable under a prefix) into SHARDS shards along "
+                            "dim 0, across ps tasks; repeatable")
     train.add_argument("--steps", type=int, default=1000, help="global step target")
     train.add_argument("--batch-size", type=int, default=64)
     train.add_argument("--optimizer", default="sgd", help="a torch.optim class name")
@@ -63,6 +89,8 @@ def _parsers() -> dict[str, _Parser]:
                        help="block until the run ends, with a progress bar and the workers' log lines")
 
     return {"start": start, "train": train, "status": _Parser(prog="%pscluster status"),
+            "placement": _Parser(prog="%pscluster placement",
+                                 description="one line per variable or shard of the latest run: its ps task"),
             "stop": _Parser(prog="%pscluster stop")}
 
 
@@ -90,7 +118,7 @@ class PSClusterMagics(Magics):
         wants_help = "-h" in rest or "--help" in rest
         if (cell is not None) != (command == "train") and not wants_help:
             raise UsageError("train is a cell magic (%%pscluster train ...); "
-                             "start, status and stop are line magics (%pscluster ...)")
+                             "start, status, placement and stop are line magics (%pscluster ...)")
         try:
             args = parsers[command].parse_args(rest)
             return getattr(self, f"_{command}")(args, cell)
@@ -114,6 +142,9 @@ class PSClusterMagics(Magics):
 
     def _train(self, args, cell):
         cluster = self._running("train on")
+        if args.staleness_bound < 0:
+            raise UsageError(f"--staleness-bound {args.staleness_bound}: use an integer >= 0 (steps a worker "
+                             "may run ahead of the slowest)")
         if "model" not in _defined_names(cell):
             raise UsageError("the %%pscluster train cell defines no `model`: assign a torch.nn.Module "
                              "(or a function that builds one) to `model` in the cell")
@@ -132,7 +163,8 @@ class PSClusterMagics(Magics):
                             steps=args.steps, batch_size=args.batch_size,
                             replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed,
                             log_every=args.log_every, name=args.name, code=cell,
-                            test_dataset=ns.get("test_dataset"), **kwargs)
+                            test_dataset=ns.get("test_dataset"), staleness_bound=args.staleness_bound,
+                            placement=args.placement, partition=dict(args.partition) or None, **kwargs)
         self.last_run = run
         run.dashboard()
         if args.wait:
@@ -148,6 +180,13 @@ class PSClusterMagics(Magics):
             print("no cluster running: %pscluster start --ps 1 --workers 2")
             return None
         return self.cluster
+
+    def _placement(self, args, cell):
+        lines = self.cluster.placement() if self.cluster is not None else []
+        if not lines:
+            raise UsageError("no run yet: train one with %%pscluster train, then %pscluster placement lists "
+                             "the ps task of each of its variables")
+        print("\n".join(lines))
 
     def _stop(self, args, cell):
         cluster = self._running("stop")

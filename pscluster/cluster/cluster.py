@@ -13,6 +13,7 @@ import inspect
 import os
 import secrets
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from .engines import EngineSet
 from .roles import assign_roles
 from .run import Run
 from .shipping import ship
+
+if TYPE_CHECKING:
+    from .plan_view import PlacementPlan
 
 
 def _count(name: str, value, minimum: int) -> int:
@@ -183,6 +187,26 @@ class Cluster:
                      for t in spec.workers])
         self.runs.append(run)
         return run
+
+    def plan(self, model_fn, *, placement="round_robin", partition: dict | None = None, optimizer="sgd",
+             seed: int = 0, **optimizer_kwargs) -> PlacementPlan:
+        """Where ``train`` would put the model's variables, without training (or starting the cluster: only
+        the number of ps tasks counts). ``placement`` and ``partition`` as in ``train``; ``optimizer`` and
+        its keyword arguments say how much optimizer state each ps keeps next to its variables.
+
+        The PlacementPlan has ``table`` (bytes per ps), ``lines`` (TF-style), ``figure``, and displays all
+        three; ``pscluster.placement.compare_placements({"round-robin": a, "greedy": b})`` compares plans.
+        """
+        from .plan_view import PlacementPlan, placement_label  # pandas and plotly: loaded on first use
+
+        if not isinstance(model_fn, torch.nn.Module) and not callable(model_fn):
+            raise ConfigError("model_fn must be a torch.nn.Module or a function that builds one")
+        model = build_model(model_fn, seed)
+        if not any(True for _ in model.parameters()):
+            raise ConfigError("the model has no parameters to place: check model_fn")
+        variables = describe_variables(model, self.num_ps, placement, partition)
+        return PlacementPlan(variables, self.num_ps, optimizer=optimizer_name(optimizer),
+                             optimizer_kwargs=optimizer_kwargs, label=placement_label(placement, partition))
 
     # --- views ------------------------------------------------------------------------------
     def roles(self) -> list[dict]:

@@ -92,12 +92,42 @@ MIGRATIONS = [
     );
     CREATE INDEX events_by_run ON events (run_id, time);
     """,
+    # 2: partitioned variables: the rows [start, stop) of the parameter a shard holds, its part number
+    # (NULL for a whole variable), and whether the parameter is sparse (moved by touched rows only).
+    """
+    ALTER TABLE placement ADD COLUMN start INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE placement ADD COLUMN stop INTEGER;
+    ALTER TABLE placement ADD COLUMN part INTEGER;
+    ALTER TABLE placement ADD COLUMN sparse INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 _METRIC_COLUMNS = ("worker", "time", "local_step", "global_step", "loss", "accuracy", "compute_s", "wait_s",
                    "comm_s", "bytes_sent", "bytes_received", "staleness", "dropped")
 _PS_COLUMNS = ("ps", "time", "step", "pushes", "pulls", "applied", "dropped_stale", "late", "bytes_in",
                "bytes_out", "waiting_for")
+PLACEMENT_COLUMNS = ("variable", "ps", "shape", "dtype", "bytes", "start", "stop", "part", "sparse")
+
+
+def _placement_row(v) -> tuple:
+    """A VariableSpec-like object as a placement row (``PLACEMENT_COLUMNS``, shape as a tuple). ``part`` is
+    the k of a shard named ``<parameter>/part_<k>``; objects without ``start``/``sparse`` are whole and dense."""
+    shape = tuple(v.shape)
+    start = getattr(v, "start", 0)
+    part = None
+    if getattr(v, "partitioned", False):
+        suffix = v.name.rpartition("/part_")[2]
+        part = int(suffix) if suffix.isdigit() else None
+    return (v.name, v.ps, shape, v.dtype, v.nbytes, start, start + (shape[0] if shape else 1), part,
+            int(bool(getattr(v, "sparse", False))))
+
+
+def placement_frame(variables) -> pd.DataFrame:
+    """The placement of VariableSpec-like objects as ``RunStore.placement`` returns it, without a store:
+    what ``Cluster.plan`` shows before any run."""
+    df = pd.DataFrame([_placement_row(v) for v in variables], columns=list(PLACEMENT_COLUMNS))
+    df["part"] = df["part"].astype("Int64")
+    return df
 
 
 def default_path() -> str:
@@ -172,9 +202,12 @@ class RunStore:
                              (status, ended, None if summary is None else json.dumps(summary), run_id))
 
     def record_placement(self, run_id: int, variables) -> None:
-        """One row per variable: name, ps task, shape, dtype, bytes (VariableSpec-like objects)."""
-        self._write("INSERT OR REPLACE INTO placement VALUES (?, ?, ?, ?, ?, ?)",
-                    [(run_id, v.name, v.ps, json.dumps(list(v.shape)), v.dtype, v.nbytes) for v in variables])
+        """One row per variable or shard: name, ps task, shape, dtype, bytes, rows, part, sparse
+        (VariableSpec-like objects)."""
+        rows = [(run_id, name, ps, json.dumps(list(shape)), *rest)
+                for name, ps, shape, *rest in map(_placement_row, variables)]
+        self._write(f"INSERT OR REPLACE INTO placement (run_id, {', '.join(PLACEMENT_COLUMNS)}) "
+                    f"VALUES (?, {', '.join('?' * len(PLACEMENT_COLUMNS))})", rows)
 
     def add_event(self, run_id: int, task: str, kind: str, detail: dict | None = None) -> None:
         self._write("INSERT INTO events VALUES (?, ?, ?, ?, ?)",
@@ -255,9 +288,18 @@ class RunStore:
         return df
 
     def placement(self, run_id: int) -> pd.DataFrame:
-        df = self._frame("SELECT variable, ps, shape, dtype, bytes FROM placement WHERE run_id = ? "
-                         "ORDER BY rowid", (run_id,))
+        """One row per variable or shard, in model order: ``PLACEMENT_COLUMNS``. ``start``/``stop``: the rows
+        of the parameter it holds (all of them for a whole variable); ``part``: NA for a whole variable;
+        ``sparse``: 1 for a parameter moved by touched rows only. A store of schema 1 (opened read-only,
+        not migrated) reads as whole dense variables."""
+        columns = PLACEMENT_COLUMNS if self.schema_version >= 2 else PLACEMENT_COLUMNS[:5]
+        df = self._frame(f"SELECT {', '.join(columns)} FROM placement WHERE run_id = ? ORDER BY rowid", (run_id,))
         df["shape"] = df["shape"].map(lambda s: tuple(json.loads(s)))
+        rows = df["shape"].map(lambda shape: shape[0] if shape else 1)
+        if "start" not in df:
+            df["start"], df["stop"], df["part"], df["sparse"] = 0, rows, None, 0
+        df["stop"] = df["stop"].fillna(df["start"] + rows).astype(int)
+        df["part"] = df["part"].astype("Int64")
         return df
 
     def evaluations(self, run_id: int) -> pd.DataFrame:

@@ -66,6 +66,34 @@ def widget_bundle(box: widgets.Widget, figs, static_html: str, **kwargs) -> dict
     return bundle
 
 
+class FigureView:
+    """Displays like the dashboard: ``figure`` (a plotly Figure) between two pieces of HTML (``_head_html``,
+    ``_tail_html``), as a FigureWidget in JupyterLab and as static HTML (plotly.js once per process) in
+    an nbconvert report. ``pscluster.compare`` and ``Cluster.plan`` show their results this way."""
+
+    figure: go.Figure
+
+    def _head_html(self) -> str:
+        return ""
+
+    def _tail_html(self) -> str:
+        return ""
+
+    def static_html(self, include_plotlyjs: bool = True) -> str:
+        """The HTML before the figure, the figure as static plotly HTML, the HTML after it."""
+        return self._head_html() + figures_html([self.figure], include_plotlyjs) + self._tail_html()
+
+    def _repr_html_(self) -> str:
+        return self.static_html(plotlyjs_once(self))
+
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        if getattr(self, "_widget", None) is None:
+            self._widget = go.FigureWidget(self.figure)
+            self._box = widgets.VBox([*(widgets.HTML(h) for h in [self._head_html()] if h), self._widget,
+                                      *(widgets.HTML(h) for h in [self._tail_html()] if h)])
+        return widget_bundle(self._box, [self._widget], self._repr_html_(), **kwargs)
+
+
 class _RunData:
     """What the dashboard knows of a run so far: the frames of the store, grown by each read."""
 
@@ -140,7 +168,7 @@ class Dashboard:
         progress = "waiting" if self.mode == "sync" else "staleness"
         self.figures: dict[str, go.FigureWidget] = {
             name: go.FigureWidget(figures.no_data_figure(name.replace("_", " ")))
-            for name in ("placement", "speed", "convergence", progress, "ps_load")}
+            for name in ("placement", "speed", "convergence", progress, "ps_load", "traffic")}
         self.roles.layout.margin = "0 3em 0 0"
         self.box = widgets.VBox([self.header, widgets.HBox([self.roles, self.lines]), *self.figures.values()])
         self._draw_header()
@@ -242,6 +270,9 @@ class Dashboard:
                 num_workers = len(d.record["spec"]["worker"])
                 self._set_figure("waiting", figures.waiting_figure(d.ps_metrics, num_workers, start=started))
             self._set_figure("ps_load", figures.ps_load_figure(d.ps_metrics, start=started))
+        if changed & {"placement", "ps_metrics"}:
+            self._set_figure("traffic", figures.traffic_share_figure(d.placement, d.ps_metrics,
+                                                                     num_ps=len(d.record["spec"]["ps"])))
         self.roles.value = figures.table_html(figures.roles_frame(d.record, d.metrics, d.events))
         self._draw_header()
 

@@ -16,6 +16,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from ..runtime.placement import placement_line
+
 HEIGHT = 300
 TEMPLATE = "plotly_white"
 COLORS = qualitative.Plotly
@@ -175,9 +177,70 @@ def placement_figure(placement: pd.DataFrame, optimizer_slots: int, *, num_ps: i
                    yaxis=dict(title_text="bytes", ticksuffix="B"))
 
 
+def _rows(v) -> tuple[int, int] | None:
+    """The rows ``(start, stop)`` of a placement row that is a shard (``part`` set), else None."""
+    part = getattr(v, "part", None)
+    return None if part is None or pd.isna(part) else (int(v.start), int(v.stop))
+
+
 def placement_lines(placement: pd.DataFrame) -> list[str]:
-    """One TF-style line per variable: ``fc1.weight: /job:ps/task:0``."""
-    return [f"{v.variable}: /job:ps/task:{v.ps}" for v in placement.itertuples(index=False)]
+    """One TF-style line per variable or shard: ``fc1.weight: /job:ps/task:0``, or for a shard of a
+    partitioned variable ``emb.weight/part_1: /job:ps/task:1 (rows 500-999, 125.0 KB)``. Frames without the
+    ``part``, ``start`` and ``stop`` columns (a store of schema 1) are whole variables."""
+    return [placement_line(v.variable, int(v.ps), _rows(v), int(v.bytes)) for v in placement.itertuples(index=False)]
+
+
+def _ps_bytes_so_far(ps_metrics: pd.DataFrame, num_ps: int) -> np.ndarray:
+    """Bytes in + out each ps task has moved so far: the sum of the rises of its cumulative counters (a
+    restarted ps counts from 0 again; what it moved before its first sample after the restart is lost)."""
+    ps, t = ps_metrics["ps"].to_numpy(dtype=int), ps_metrics["time"].to_numpy(dtype=float)
+    total = ps_metrics["bytes_in"].to_numpy(dtype=float) + ps_metrics["bytes_out"].to_numpy(dtype=float)
+    order = np.lexsort((t, ps))
+    ps, total = ps[order], total[order]
+    first = np.r_[True, ps[1:] != ps[:-1]]  # each ps task's first sample counts from 0
+    rise = np.where(first, total, np.clip(np.diff(total, prepend=0.0), 0, None))
+    return np.bincount(ps, weights=rise, minlength=num_ps)
+
+
+def traffic_share_figure(placement: pd.DataFrame, ps_metrics: pd.DataFrame | None = None, *,
+                         num_ps: int | None = None) -> go.Figure:
+    """Share of the traffic each ps task carries: predicted from the placement next to measured.
+
+    Predicted: the ps task's share of the dense variables' bytes (every step pulls and pushes all of a
+    dense variable, so traffic follows bytes). Sparse variables move only the rows a batch touches, which
+    placement cannot predict: they are left out of the prediction and named in the title. Measured: the
+    ps task's share of all bytes in + out so far (``ps_metrics``' cumulative counters), sparse included.
+    """
+    title = "share of traffic per ps: predicted (from placement) vs measured (bytes in+out so far)"
+    has_ps = ps_metrics is not None and not ps_metrics.empty
+    if placement.empty and not has_ps:
+        return no_data_figure(title)
+    counts = [num_ps or 0]
+    for frame in (placement, ps_metrics if has_ps else placement):
+        if not frame.empty:
+            counts.append(int(frame["ps"].max()) + 1)
+    num_ps = max(counts)
+    x = [f"ps:{i}" for i in range(num_ps)]
+    sparse = placement["sparse"].astype(bool).to_numpy() if "sparse" in placement else \
+        np.zeros(len(placement), bool)
+    dense = placement[~sparse]
+    predicted = np.bincount(dense["ps"].to_numpy(dtype=int), weights=dense["bytes"].to_numpy(dtype=float),
+                            minlength=num_ps)
+    measured = _ps_bytes_so_far(ps_metrics, num_ps) if has_ps else np.zeros(num_ps)
+    traces = []
+    for name, values, color, what in (("predicted (dense variable bytes)", predicted, "#b6bcfb", "bytes held"),
+                                      ("measured (bytes in + out so far)", measured, "#636efa", "bytes moved")):
+        total = values.sum()
+        share = values / total * 100 if total > 0 else np.full(num_ps, np.nan)
+        traces.append(dict(type="bar", x=x, y=share, name=name, marker_color=color,
+                           hovertext=[f"{what}: {v:,.0f}" for v in values], hoverinfo="text+y+name"))
+    if sparse.any():
+        names = list(dict.fromkeys(v.split("/part_")[0] for v in placement["variable"][sparse]))
+        title += f" · sparse, moved by touched rows only (not predicted): {', '.join(names[:3])}" + \
+            (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return _figure(title, traces, barmode="group",
+                   xaxis=dict(categoryorder="array", categoryarray=x),
+                   yaxis=dict(title_text="share of bytes (%)", rangemode="tozero", ticksuffix="%"))
 
 
 def staleness_figure(metrics: pd.DataFrame) -> go.Figure:

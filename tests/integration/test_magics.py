@@ -5,6 +5,7 @@ from IPython.core.error import UsageError
 from IPython.testing.globalipapp import start_ipython
 
 from pscluster.cluster.reaper import alive
+from pscluster.widgets import figures
 
 pytestmark = pytest.mark.integration
 
@@ -48,3 +49,22 @@ def test_magic_session(ip, capsys):
     assert [p for p in pids if alive(p)] == []
     with pytest.raises(UsageError, match="run %pscluster start first"):
         ip.run_cell_magic("pscluster", "train", TRAIN_CELL)
+
+
+def test_placement_magic_lists_shards(ip, capsys):
+    cluster = ip.run_line_magic("pscluster", "start --ps 2 --workers 1")
+    try:
+        run = ip.run_cell_magic("pscluster", "train --steps 4 --batch-size 16 --log-every 2 --placement greedy "
+                                "--partition 0.weight=2 --wait", TRAIN_CELL)
+        assert run.global_step == 4
+        capsys.readouterr()
+        ip.run_line_magic("pscluster", "placement")
+        lines = capsys.readouterr().out.splitlines()
+        assert lines == cluster.placement() and len(lines) == 5  # 0.weight in two shards, 0.bias, 2.*
+        assert [line.split(" (")[0] for line in lines[:2]] == ["0.weight/part_0: /job:ps/task:0",
+                                                               "0.weight/part_1: /job:ps/task:1"]
+        assert "(rows 0-15, 4.0 KB)" in lines[0] and "(rows 16-31, 4.0 KB)" in lines[1]
+        stored = cluster.store.placement(run.id)  # the run store keeps the shards' rows: the dashboard's lines
+        assert figures.placement_lines(stored) == lines and list(stored["part"].iloc[:2]) == [0, 1]
+    finally:
+        ip.run_line_magic("pscluster", "stop")

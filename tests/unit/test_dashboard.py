@@ -101,7 +101,7 @@ def test_refresh_fills_the_figure_widgets(store, dashboards):
     run.write(10)
     run.write(10)  # a second ps sample: the first rates
     d = dashboards(store.path, run.run_id)
-    assert set(d.figures) == {"placement", "speed", "convergence", "waiting", "ps_load"}
+    assert set(d.figures) == {"placement", "speed", "convergence", "waiting", "ps_load", "traffic"}
     assert all(isinstance(f, go.FigureWidget) for f in d.figures.values())
     assert d.refresh() is False  # still training
     speed, convergence = d.figures["speed"], d.figures["convergence"]
@@ -111,6 +111,9 @@ def test_refresh_fills_the_figure_widgets(store, dashboards):
     assert names(d.figures["placement"]) == ["fc1.weight", "fc1.bias", "fc2.weight"]
     assert d.figures["placement"].data[0].y[0] == 8192 * 3  # Adam: two slots per variable
     assert len(d.figures["ps_load"].data) == 4
+    predicted, measured = d.figures["traffic"].data  # both ps tasks moved as many bytes; ps 0 holds 98.7%
+    assert list(predicted.y) == pytest.approx([100 * 9472 / 9600, 100 * 128 / 9600])
+    assert list(measured.y) == pytest.approx([50, 50])
     assert "waits for worker 1" in d.figures["waiting"].layout.title.text
     assert "fc1.weight: /job:ps/task:0" in d.lines.value
     assert "chief" in d.roles.value and "training" in d.roles.value
@@ -184,7 +187,7 @@ def test_display_bundle_has_the_widget_and_static_html_with_plotlyjs_once(store,
     bundle = first._repr_mimebundle_()
     assert bundle[WIDGET]["model_id"] == first.box.model_id
     html = bundle["text/html"]
-    assert html.count("plotly.js v") == 1 and html.count("Plotly.newPlot") == 5
+    assert html.count("plotly.js v") == 1 and html.count("Plotly.newPlot") == 6
     assert "fc1.weight: /job:ps/task:0" in html and "chief" in html and "sync-run" in html
     assert "plotly.js v" in first._repr_mimebundle_()["text/html"]  # an update of its display keeps it
     other = second._repr_mimebundle_()

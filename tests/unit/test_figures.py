@@ -122,6 +122,54 @@ def test_placement_lines_are_tf_style():
         "fc2.bias: /job:ps/task:1"]
 
 
+SHARDED = pd.DataFrame({"variable": ["emb.weight/part_0", "emb.weight/part_1", "fc.weight", "fc.bias"],
+                        "ps": [0, 1, 1, 0], "shape": [(500, 16), (500, 16), (10, 16), (10,)],
+                        "dtype": ["float32"] * 4, "bytes": [32000, 32000, 640, 40], "start": [0, 500, 0, 0],
+                        "stop": [500, 1000, 10, 10], "part": pd.array([0, 1, None, None], dtype="Int64"),
+                        "sparse": [0, 0, 0, 0]})
+
+
+def test_placement_lines_show_rows_and_size_of_shards():
+    assert figures.placement_lines(SHARDED) == [
+        "emb.weight/part_0: /job:ps/task:0 (rows 0-499, 31.2 KB)",
+        "emb.weight/part_1: /job:ps/task:1 (rows 500-999, 31.2 KB)",
+        "fc.weight: /job:ps/task:1", "fc.bias: /job:ps/task:0"]
+
+
+def ps_totals(moved: dict[int, list[int]], t0=1000.0) -> pd.DataFrame:
+    """ps samples whose bytes_in + bytes_out are ``moved[ps]`` (bytes_out a quarter of it)."""
+    rows = [dict(ps=ps, time=t0 + 0.5 * k, step=k, pushes=k, pulls=k, applied=k, dropped_stale=0, late=0,
+                 bytes_in=total - total // 4, bytes_out=total // 4, waiting_for=[])
+            for ps, totals in moved.items() for k, total in enumerate(totals)]
+    return pd.DataFrame(rows).sort_values("time", ignore_index=True)
+
+
+def test_traffic_share_predicted_from_dense_bytes_next_to_measured():
+    fig = figures.traffic_share_figure(PLACEMENT, ps_totals({0: [0, 600, 1200], 1: [0, 200, 400]}), num_ps=3)
+    predicted, measured = fig.data
+    assert names(fig) == ["predicted (dense variable bytes)", "measured (bytes in + out so far)"]
+    assert list(predicted.x) == ["ps:0", "ps:1", "ps:2"] and fig.layout.barmode == "group"
+    dense = PLACEMENT["bytes"].sum()
+    np.testing.assert_allclose(predicted.y, [100 * 9472 / dense, 100 * 168 / dense, 0])
+    np.testing.assert_allclose(measured.y, [75, 25, 0])
+    assert "sparse" not in fig.layout.title.text
+
+
+def test_traffic_share_leaves_sparse_variables_out_of_the_prediction_and_names_them():
+    sparse = SHARDED.assign(sparse=[1, 1, 0, 0])
+    fig = figures.traffic_share_figure(sparse, None)
+    predicted, measured = fig.data
+    np.testing.assert_allclose(predicted.y, [100 * 40 / 680, 100 * 640 / 680])
+    assert np.isnan(measured.y).all()  # nothing measured yet
+    assert "not predicted): emb.weight" in fig.layout.title.text
+
+
+def test_traffic_share_counts_a_restarted_ps_from_zero():
+    # ps 1 restarts after 300 bytes: its counter goes down to 0, then rises to 100 again
+    fig = figures.traffic_share_figure(PLACEMENT, ps_totals({0: [0, 400], 1: [0, 300, 0, 100]}))
+    np.testing.assert_allclose(fig.data[1].y, [50, 50])
+
+
 def test_staleness_histogram_counts_applied_pushes_only():
     metrics = make_metrics()
     metrics.loc[metrics.index[:5], "staleness"] = np.nan  # pushes without a staleness
@@ -216,6 +264,7 @@ EMPTY_PS = make_ps_metrics().iloc[:0]
     lambda: figures.ps_load_figure(EMPTY_PS),
     lambda: figures.ps_load_figure(make_ps_metrics().iloc[:1]),  # one sample: no rate yet
     lambda: figures.placement_figure(PLACEMENT.iloc[:0], 2),
+    lambda: figures.traffic_share_figure(PLACEMENT.iloc[:0], EMPTY_PS),
     lambda: figures.compare_figure([]),
 ])
 def test_empty_inputs_give_a_no_data_figure(build):
@@ -236,6 +285,8 @@ def test_roles_frame_without_a_run_is_empty():
     lambda: figures.waiting_figure(make_ps_metrics(), 2),
     lambda: figures.ps_load_figure(make_ps_metrics()),
     lambda: figures.placement_figure(PLACEMENT, 1),
+    lambda: figures.placement_figure(SHARDED, 1),
+    lambda: figures.traffic_share_figure(SHARDED.assign(sparse=[1, 1, 0, 0]), make_ps_metrics(), num_ps=3),
     lambda: figures.compare_figure([("a", make_metrics())]),
     lambda: figures.no_data_figure("x"),
 ])

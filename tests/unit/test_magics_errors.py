@@ -50,7 +50,7 @@ def usage_error(shell, line, cell=None) -> str:
 
 @pytest.mark.parametrize("line, fragments", [
     ("", [USAGE]),
-    ("bogus", ["unknown command 'bogus'", "%pscluster start|train|status|stop"]),
+    ("bogus", ["unknown command 'bogus'", "%pscluster start|train|status|placement|stop"]),
     ("start --ps 0", ["ps=0", "use an integer >= 1"]),
     ("start --workers -1", ["workers=-1", "use an integer >= 1"]),
     ("start --gpus 999", ["gpus=999", "use gpus <="]),
@@ -60,8 +60,11 @@ def usage_error(shell, line, cell=None) -> str:
     ("start --name 'unclosed", ["cannot parse the arguments", "check the quotes"]),
     ("train --steps 10", ["train is a cell magic", "%%pscluster train"]),
     ("stop", ["no cluster to stop", "%pscluster start first"]),
+    ("placement", ["no run yet", "%%pscluster train"]),
+    ("placement --bogus", ["unrecognized arguments: --bogus", "see %pscluster placement --help"]),
 ], ids=["empty", "unknown-command", "no-ps", "negative-workers", "too-many-gpus", "no-threads", "unknown-option",
-        "not-a-number", "quotes", "train-as-line-magic", "stop-before-start"])
+        "not-a-number", "quotes", "train-as-line-magic", "stop-before-start", "placement-before-start",
+        "placement-bad-option"])
 def test_bad_line_magics(shell, magics, line, fragments):
     message = usage_error(shell, line)
     for fragment in fragments:
@@ -71,8 +74,9 @@ def test_bad_line_magics(shell, magics, line, fragments):
 
 @pytest.mark.parametrize("line, cell, fragments", [
     ("train --steps 10", "model = 1", ["no cluster to train on", "%pscluster start first"]),
-    ("start", "x = 1", ["start, status and stop are line magics"]),
-], ids=["train-before-start", "start-as-cell-magic"])
+    ("start", "x = 1", ["start, status, placement and stop are line magics"]),
+    ("placement", "x = 1", ["start, status, placement and stop are line magics"]),
+], ids=["train-before-start", "start-as-cell-magic", "placement-as-cell-magic"])
 def test_bad_cell_magics(shell, magics, line, cell, fragments):
     message = usage_error(shell, line, cell)
     for fragment in fragments:
@@ -80,13 +84,74 @@ def test_bad_cell_magics(shell, magics, line, cell, fragments):
 
 
 @pytest.mark.parametrize("line, fragment", [
-    ("train --mode ssp", "argument --mode: invalid choice: 'ssp'"),
+    ("train --mode bsp", "argument --mode: invalid choice: 'bsp'"),
     ("train --lr fast", "argument --lr: invalid float value: 'fast'"),
-])
+    ("train --staleness-bound two", "argument --staleness-bound: invalid int value: 'two'"),
+    ("train --placement best", "argument --placement: invalid choice: 'best'"),
+    ("train --partition embedding=x", "argument --partition: 'embedding=x': use NAME=SHARDS"),
+    ("train --partition embedding", "argument --partition: 'embedding': use NAME=SHARDS"),
+    ("train --partition embedding=0", "argument --partition: 'embedding=0': use NAME=SHARDS"),
+    ("train --partition =2", "argument --partition: '=2': use NAME=SHARDS"),
+], ids=["mode", "lr", "staleness-bound", "placement", "partition-not-a-number", "partition-no-count",
+        "partition-zero", "partition-no-name"])
 def test_bad_train_options(shell, magics, line, fragment):
     magics.cluster = RunningCluster()
     message = usage_error(shell, line, "model = 1")
-    assert fragment in message and "see %pscluster train --help" in message
+    assert fragment in message and "see %pscluster train --help" in message, message
+
+
+def test_negative_staleness_bound_is_refused_before_the_cell_runs(shell, magics):
+    magics.cluster = RunningCluster()
+    shell.user_ns.pop("refused", None)
+    message = usage_error(shell, "train --mode ssp --staleness-bound -1", "model = 1\nrefused = 1\n")
+    assert "--staleness-bound -1: use an integer >= 0" in message
+    assert "refused" not in shell.user_ns
+
+
+class TrainingCluster(RunningCluster):
+    """A stand-in that records what the magic passes to ``train`` and lists one run's placement."""
+
+    def __init__(self):
+        self.calls = []
+
+    def train(self, *args, **kwargs):
+        self.calls.append(kwargs)
+        return Recorded()
+
+    def placement(self):
+        return [f"0.weight/part_{k}: /job:ps/task:{k} (rows {4 * k}-{4 * k + 3}, 256 B)" for k in range(2)] \
+            if self.calls else []
+
+
+class Recorded:
+    name = "recorded"
+
+    def dashboard(self):
+        pass
+
+
+TRAIN_CELL = "model = 1\nloss_fn = 2\ndataset = 3\n"
+
+
+def test_train_options_reach_cluster_train(shell, magics):
+    cluster = magics.cluster = TrainingCluster()
+    shell.run_cell_magic("pscluster", "train --mode ssp --staleness-bound 3 --placement greedy "
+                         "--partition embedding=2 --partition fc.weight=3", TRAIN_CELL)
+    (kwargs,) = cluster.calls
+    assert kwargs["mode"] == "ssp" and kwargs["staleness_bound"] == 3 and kwargs["placement"] == "greedy"
+    assert kwargs["partition"] == {"embedding": 2, "fc.weight": 3}
+    shell.run_cell_magic("pscluster", "train", TRAIN_CELL)
+    assert cluster.calls[-1]["placement"] == "round_robin" and cluster.calls[-1]["partition"] is None
+    assert cluster.calls[-1]["mode"] == "sync" and cluster.calls[-1]["staleness_bound"] == 2
+
+
+def test_placement_lists_the_latest_run(shell, magics, capsys):
+    cluster = magics.cluster = TrainingCluster()
+    assert "no run yet" in usage_error(shell, "placement")
+    shell.run_cell_magic("pscluster", "train --partition 0.weight=2", TRAIN_CELL)
+    capsys.readouterr()
+    assert shell.run_line_magic("pscluster", "placement") is None
+    assert capsys.readouterr().out.splitlines() == cluster.placement()
 
 
 def test_train_cell_without_model(shell, magics):
@@ -110,7 +175,9 @@ def test_start_while_running(shell, magics):
     assert "stand-in is already running" in message and "%pscluster stop it first" in message
 
 
-@pytest.mark.parametrize("line, option", [("start --help", "--workers"), ("train --help", "--batch-size")])
+@pytest.mark.parametrize("line, option", [("start --help", "--workers"), ("train --help", "--batch-size"),
+                                          ("train --help", "--partition NAME=SHARDS"),
+                                          ("placement --help", "latest run")])
 def test_help_prints_and_is_not_an_error(shell, magics, capsys, line, option):
     assert shell.run_line_magic("pscluster", line) is None
     assert option in capsys.readouterr().out

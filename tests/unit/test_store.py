@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from pscluster.metrics.store import MIGRATIONS, RunStore, default_path
+from pscluster.metrics.store import MIGRATIONS, RunStore, default_path, placement_frame
 from pscluster.runtime.plan import VariableSpec
 
 
@@ -87,6 +87,57 @@ def test_placement_and_evaluations(store):
     store.add_evaluation(run, 10, 0.7, None)
     evals = store.evaluations(run)
     assert list(evals["global_step"]) == [10, 20] and evals.iloc[1]["accuracy"] == 0.9
+
+
+def test_placement_of_shards_keeps_rows_part_and_sparse(store):
+    run = new_run(store)
+    store.record_placement(run, [
+        VariableSpec(0, "emb.weight/part_0", (3, 4), "float32", 0, variable="emb.weight", start=0, sparse=True),
+        VariableSpec(1, "emb.weight/part_1", (2, 4), "float32", 1, variable="emb.weight", start=3, sparse=True),
+        VariableSpec(2, "fc.bias", (10,), "float32", 1)])
+    placement = store.placement(run)
+    assert list(placement.columns) == ["variable", "ps", "shape", "dtype", "bytes", "start", "stop", "part",
+                                       "sparse"]
+    assert list(placement["start"]) == [0, 3, 0] and list(placement["stop"]) == [3, 5, 10]
+    assert list(placement["part"].iloc[:2]) == [0, 1] and placement["part"].isna().tolist() == [False, False, True]
+    assert list(placement["sparse"]) == [1, 1, 0] and list(placement["bytes"]) == [48, 32, 40]
+    assert placement_frame([VariableSpec(2, "fc.bias", (10,), "float32", 1)]).iloc[0].tolist() \
+        == placement.iloc[2].tolist()
+
+
+def make_v1_store(path) -> None:
+    """A run store as schema 1 wrote it: one run, two placement rows."""
+    db = sqlite3.connect(path)
+    db.executescript(MIGRATIONS[0])
+    db.execute("PRAGMA user_version = 1")
+    db.execute("INSERT INTO runs (name, cluster, mode, status, started, config, spec) "
+               "VALUES ('old', 'c', 'sync', 'finished', 1.0, '{}', '{}')")
+    db.executemany("INSERT INTO placement VALUES (1, ?, ?, ?, 'float32', ?)",
+                   [("fc.weight", 0, "[10, 4]", 160), ("fc.bias", 1, "[10]", 40)])
+    db.commit()
+    db.close()
+
+
+def check_v1_rows(placement) -> None:
+    assert list(placement["variable"]) == ["fc.weight", "fc.bias"] and list(placement["bytes"]) == [160, 40]
+    assert list(placement["start"]) == [0, 0] and list(placement["stop"]) == [10, 10]
+    assert placement["part"].isna().all() and list(placement["sparse"]) == [0, 0]
+
+
+def test_a_schema_1_store_is_read_as_is_and_upgraded_keeping_its_rows(tmp_path):
+    path = tmp_path / "old.sqlite"
+    make_v1_store(path)
+    with RunStore(path, readonly=True) as reader:  # a reader does not migrate, and still reads
+        assert reader.schema_version == 1
+        check_v1_rows(reader.placement(1))
+    with RunStore(path) as upgraded:
+        assert upgraded.schema_version == len(MIGRATIONS) >= 2
+        assert upgraded.run(1)["name"] == "old"
+        check_v1_rows(upgraded.placement(1))
+        run = new_run(upgraded)
+        upgraded.record_placement(run, [VariableSpec(0, "w/part_1", (2, 3), "float32", 1, variable="w", start=2)])
+        row = upgraded.placement(run).iloc[0]
+        assert (row["start"], row["stop"], row["part"], row["sparse"]) == (2, 4, 1, 0)
 
 
 def test_readonly_reader_cannot_write_and_needs_the_file(store, tmp_path):
