@@ -3,8 +3,9 @@
 ``digits`` wraps scikit-learn's bundled 8x8 digits (no download) with a fixed
 train/test split. ``read_idx``/``write_idx`` handle the IDX format of MNIST
 and its relatives, and ``idx`` turns an images/labels file pair into a dataset.
+``ctr`` (from ``pscluster.ctr``) generates click-through rows of hashed ids lazily, from a seed.
 
-Every dataset yields ``(float32 features, int64 label)`` pairs, exposes the
+Every other dataset yields ``(float32 features, int64 label)`` pairs, exposes the
 whole split as ``tensors()``, and accepts a list or 1-D tensor of indices in
 ``__getitem__`` to return a whole batch at once.
 """
@@ -20,9 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from pscluster.ctr import CtrDataset, ctr
 from pscluster.errors import ConfigError
 
-__all__ = ["Digits", "IdxDataset", "digits", "idx", "read_idx", "write_idx"]
+__all__ = ["CtrDataset", "Digits", "IdxDataset", "ctr", "digits", "idx", "read_idx", "write_idx"]
 
 _SPLITS = ("train", "test")
 _TRAIN_FRACTION = 0.8
