@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -74,3 +75,18 @@ def test_sync_vs_async_shows_static_figures_per_worker(tmp_path):
             assert len(trace.get("x", [])) > 0 and len(trace.get("y", [])) > 0
     html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
     assert html.count("* plotly.js v") == 1  # the library is embedded once per report, so it renders offline
+
+
+def test_placement_and_embeddings_compares_placements_and_shows_shards(tmp_path):
+    nb = execute("03_placement_and_embeddings", tmp_path)
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    tasks = set(re.findall(r"embedding\.weight/part_\d: /job:ps/task:(\d) \(rows", text))
+    assert tasks == {"0", "1"}  # the sparse table, split across both ps tasks
+    assert "Warning" not in text
+    assert "median bytes moved per worker step" in text
+    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "test AUC" in html and "max / mean" in html
+    figures = plotly_figures(nb)
+    placement = [f for f in figures if any(t.get("type") == "bar" and "ps:1" in (t.get("x") or []) for t in f)]
+    assert placement, "no placement figure with both ps tasks"
+    assert html.count("* plotly.js v") == 1
