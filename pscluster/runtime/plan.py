@@ -17,6 +17,8 @@ from ..errors import ConfigError
 from .placement import Variable, placement_line, shard_map
 
 MODES = ("sync", "async", "ssp")
+# What the ps can apply sparse gradients with (Adam and AdamW as the lazy SparseAdam)
+SPARSE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam, torch.optim.AdamW)
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,10 @@ class TrainPlan:
             raise ConfigError("run_id must fit in 32 bits and be non-zero")
         if self.request_timeout <= 0:
             raise ConfigError("request_timeout must be positive (seconds)")
-        resolve_optimizer(self.optimizer)
+        optimizer = resolve_optimizer(self.optimizer)
+        if any(v.sparse for v in self.variables) and optimizer not in SPARSE_OPTIMIZERS:
+            raise ConfigError(f"{optimizer.__name__} cannot update sparse embeddings: use SGD, Adagrad or Adam, "
+                              "or build the embedding with sparse=False")
         try:
             json.dumps(self.optimizer_kwargs)
         except TypeError:

@@ -40,7 +40,7 @@ import zmq
 from ..errors import ProtocolError
 from . import protocol
 from .metrics import MetricsEmitter
-from .plan import resolve_optimizer
+from .plan import SPARSE_OPTIMIZERS, resolve_optimizer
 from .protocol import Flag, Message, Op
 
 # torch's sparse optimizers build sparse tensors without stating whether to check them; ours are checked
@@ -126,9 +126,6 @@ def _optimizers(params: list[torch.nn.Parameter], sparse: list[bool], name: str,
     if cls not in SPARSE_OPTIMIZERS:
         raise ValueError(f"{cls.__name__} cannot update sparse embeddings: use SGD, Adagrad or Adam")
     return dense, cls(sparse_params, **kwargs)
-
-
-SPARSE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam, torch.optim.AdamW)
 
 
 def _sparse_grad(param: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> torch.Tensor:

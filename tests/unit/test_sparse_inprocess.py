@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime.plan import TrainPlan, assemble, describe_variables
 from pscluster.runtime.worker import build_model, run_worker
@@ -166,3 +167,10 @@ def test_ssp_keeps_every_worker_within_the_bound_of_the_slowest(local_ps, bags):
         done = max((s for t, s in slow_steps if t <= e["time"] + 0.01), default=0)
         if done < results[1]["local_steps"]:
             assert e["local_step"] - done <= bound, (e, done)
+
+
+def test_an_optimizer_without_sparse_updates_is_refused_before_training():
+    model = build_model(BagModel, SEED)
+    with pytest.raises(ConfigError, match="RMSprop cannot update sparse embeddings: use SGD, Adagrad or Adam"):
+        TrainPlan(run_id=RUN_ID, mode="sync", steps=1, batch_size=1, optimizer="rmsprop",
+                  variables=describe_variables(model, 1))
