@@ -110,16 +110,12 @@ PLACEMENT_COLUMNS = ("variable", "ps", "shape", "dtype", "bytes", "start", "stop
 
 
 def _placement_row(v) -> tuple:
-    """A VariableSpec-like object as a placement row (``PLACEMENT_COLUMNS``, shape as a tuple). ``part`` is
-    the k of a shard named ``<parameter>/part_<k>``; objects without ``start``/``sparse`` are whole and dense."""
+    """A VariableSpec-like object as a placement row (``PLACEMENT_COLUMNS``, shape as a tuple); objects
+    without ``start``/``part``/``sparse`` are whole and dense."""
     shape = tuple(v.shape)
     start = getattr(v, "start", 0)
-    part = None
-    if getattr(v, "partitioned", False):
-        suffix = v.name.rpartition("/part_")[2]
-        part = int(suffix) if suffix.isdigit() else None
-    return (v.name, v.ps, shape, v.dtype, v.nbytes, start, start + (shape[0] if shape else 1), part,
-            int(bool(getattr(v, "sparse", False))))
+    return (v.name, v.ps, shape, v.dtype, v.nbytes, start, start + (shape[0] if shape else 1),
+            getattr(v, "part", None), int(bool(getattr(v, "sparse", False))))
 
 
 def placement_frame(variables) -> pd.DataFrame:

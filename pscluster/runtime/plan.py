@@ -45,6 +45,11 @@ class VariableSpec:
         return self.parameter != self.name
 
     @property
+    def part(self) -> int | None:
+        """k of a shard named ``<variable>/part_<k>``; None for a whole variable."""
+        return int(self.name.rpartition("/part_")[2]) if self.partitioned else None
+
+    @property
     def stop(self) -> int:
         return self.start + (self.shape[0] if self.shape else 1)
 
@@ -59,9 +64,9 @@ class VariableSpec:
                               self.nbytes)
 
 
-def sparse_parameters(model: torch.nn.Module) -> set[str]:
-    """Names of the weights of the model's ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``."""
-    return {f"{prefix}.weight" if prefix else "weight" for prefix, m in model.named_modules()
+def sparse_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``, by their weight's name."""
+    return {f"{prefix}.weight" if prefix else "weight": m for prefix, m in model.named_modules()
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
 
 
@@ -70,7 +75,7 @@ def describe_variables(model: torch.nn.Module, num_ps: int, placement="round_rob
     """The VariableSpecs of ``model``'s parameters (``named_parameters()`` order), split by ``partition``
     and placed by ``placement`` (see ``pscluster.runtime.placement.shard_map``)."""
     params = dict(model.named_parameters())
-    sparse = sparse_parameters(model)
+    sparse = sparse_modules(model)
     shards = shard_map([Variable(n, tuple(p.shape), p.element_size()) for n, p in params.items()], num_ps,
                        placement, partition)
     return tuple(VariableSpec(id=i, name=s.name, shape=s.shape, ps=s.ps,

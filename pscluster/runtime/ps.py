@@ -82,9 +82,11 @@ class _RunState:
     late: int = 0
     staleness: Counter = field(default_factory=Counter)
 
-    @property
-    def dense_ids(self) -> list[int]:
-        return [vid for vid, sparse in zip(self.ids, self.sparse) if not sparse]
+    def __post_init__(self):
+        # fixed for the run: looked up on every request
+        self.position = {vid: i for i, vid in enumerate(self.ids)}
+        self.dense_ids = [vid for vid, sparse in zip(self.ids, self.sparse) if not sparse]
+        self.dense_params = [p for p, sparse in zip(self.params, self.sparse) if not sparse]
 
     def waiting_for(self) -> list[int]:
         """Sync: the workers whose gradient for the current step has not arrived yet; SSP: the
@@ -106,8 +108,7 @@ class _RunState:
         """Copies of the current dense values, made once per step: replies are sent without a
         copy, so they must not alias tensors that the next update changes in place."""
         if self.snapshot is None or self.snapshot[0] != self.step:
-            self.snapshot = (self.step, [p.detach().clone() for p, sparse in zip(self.params, self.sparse)
-                                         if not sparse])
+            self.snapshot = (self.step, [p.detach().clone() for p in self.dense_params])
         return self.snapshot[1]
 
 
@@ -314,10 +315,9 @@ class ParameterServer:
         run = self._current(identity, msg)
         if run is None:
             return
-        position = {vid: i for i, vid in enumerate(run.ids)}
         rows = []
         for vid, index in zip(msg.ids, msg.tensors):
-            param = run.params[self._sparse_position(run, position, vid)]
+            param = run.params[self._sparse_position(run, vid)]
             rows.append(param.detach()[_checked_rows(index, param.shape[0], vid)])
         run.pulls += 1
         self._send(identity, Message(op=Op.PARAMS, flags=Flag.STOPPED if run.stopped else Flag.NONE,
@@ -325,8 +325,8 @@ class ParameterServer:
                                      ids=list(msg.ids), tensors=rows))
 
     @staticmethod
-    def _sparse_position(run: _RunState, position: dict, vid: int) -> int:
-        i = position.get(vid)
+    def _sparse_position(run: _RunState, vid: int) -> int:
+        i = run.position.get(vid)
         if i is None or not run.sparse[i]:
             raise ProtocolError(f"variable {vid} is not a sparse variable of this ps")
         return i
@@ -346,8 +346,7 @@ class ParameterServer:
         staleness = run.step - msg.step
         if run.mode != "sync":
             run.staleness[staleness] += 1
-            self._apply(run, [g.clone() if isinstance(g, torch.Tensor) else [(r.clone(), v.clone()) for r, v in g]
-                              for g in grads], 1)  # the frames are read-only views
+            self._apply(run, [_owned(g) for g in grads], 1)
             if run.mode == "ssp":
                 run.clocks[msg.task] += 1
                 if run.ahead(msg.task) > run.staleness_bound and not run.stopped:
@@ -365,14 +364,13 @@ class ParameterServer:
             self._reply(identity, msg, reply_op, flags=Flag.DROPPED, value=staleness, with_params=with_params)
             return
         if run.accum is None:
-            run.accum = [g.clone() if isinstance(g, torch.Tensor) else [(r.clone(), v.clone()) for r, v in g]
-                         for g in grads]
+            run.accum = [_owned(g) for g in grads]
         else:
-            for i, g in enumerate(grads):
+            for a, g in zip(run.accum, grads):
                 if isinstance(g, torch.Tensor):
-                    run.accum[i].add_(g)
+                    a.add_(g)
                 else:
-                    run.accum[i].extend((r.clone(), v.clone()) for r, v in g)
+                    a.extend(_owned(g))
         run.accum_count += 1
         run.contributors.append(msg.task)
         if with_params:
@@ -390,11 +388,10 @@ class ParameterServer:
         """Per variable of this ps (in its order): a dense gradient, or for a sparse variable a list of
         one (row indices, row values) pair. A push holds each variable once, a sparse one as two
         tensors in a row (rows, then values). Raises ProtocolError on anything that does not fit."""
-        position = {vid: i for i, vid in enumerate(run.ids)}
         grads: list = [None] * len(run.ids)
         k = 0
         while k < len(msg.ids):
-            i = position.get(msg.ids[k])
+            i = run.position.get(msg.ids[k])
             if i is None or grads[i] is not None:
                 raise ProtocolError(f"push holds variables {msg.ids}: ps {self.index} has {run.ids}, each once")
             param = run.params[i]
@@ -478,6 +475,14 @@ class ParameterServer:
 
     _HANDLERS = {Op.HELLO: _hello, Op.INIT: _init, Op.PULL: _pull, Op.PULL_ROWS: _pull_rows, Op.PUSH: _push,
                  Op.PUSH_PULL: _push, Op.STATS: _stats, Op.STOP: _stop_run, Op.SHUTDOWN: _shutdown}
+
+
+def _owned(grad):
+    """A copy of a received gradient (dense, or a list of (rows, values) parts): received tensors are
+    read-only views of frames that are released after the request."""
+    if isinstance(grad, torch.Tensor):
+        return grad.clone()
+    return [(rows.clone(), values.clone()) for rows, values in grad]
 
 
 def _checked_rows(rows: torch.Tensor, num_rows: int, vid: int) -> torch.Tensor:

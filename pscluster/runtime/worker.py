@@ -20,7 +20,7 @@ from ..spec import ClusterSpec, TaskSpec
 from .client import PSClient
 from .data import sharded_batches
 from .metrics import MetricsEmitter
-from .plan import TrainPlan, VariableSpec
+from .plan import TrainPlan, VariableSpec, sparse_modules
 from .protocol import Flag
 
 
@@ -71,9 +71,9 @@ class _Shards:
                                                 for v in plan.variables):
             raise ConfigError("the model built on this worker differs from the planned one: "
                               "make model_fn deterministic (same layers and shapes every call)")
-        self.variables = plan.variables
         self.params = params
-        self.dense = {i: [v for v in plan.variables_on(i) if not v.sparse] for i in range(num_ps)}
+        self.on_ps = {i: plan.variables_on(i) for i in range(num_ps)}
+        self.dense = {i: [v for v in vs if not v.sparse] for i, vs in self.on_ps.items()}
         self.by_id = {v.id: v for v in plan.variables}
 
     def view(self, v: VariableSpec, tensor: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,8 +83,7 @@ class _Shards:
 
     def values(self) -> dict:
         """Every variable's current value (sparse ones too), by ps: what the chief's INIT sends."""
-        return {i: ([v.id for v in vs], [self.view(v) for v in vs])
-                for i, vs in ((i, [v for v in self.variables if v.ps == i]) for i in self.dense)}
+        return {i: ([v.id for v in vs], [self.view(v) for v in vs]) for i, vs in self.on_ps.items()}
 
     def grads(self) -> dict:
         out = {}
@@ -115,14 +114,8 @@ class _SparseRows:
             if v.sparse:
                 self.shards.setdefault(v.parameter, []).append(v)
         self.params = dict(model.named_parameters())
-        self.step = 0
-        self.stopped = False
-        self._hooks = [module.register_forward_pre_hook(self._pull_hook(f"{prefix}.weight" if prefix else "weight"))
-                       for prefix, module in model.named_modules() if (f"{prefix}.weight" if prefix else "weight")
-                       in self.shards and isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))]
-
-    def __bool__(self) -> bool:
-        return bool(self.shards)
+        for name, module in sparse_modules(model).items():
+            module.register_forward_pre_hook(self._pull_hook(name))
 
     def _pull_hook(self, name: str):
         def pull(module, args):
@@ -142,8 +135,6 @@ class _SparseRows:
             tensors.append(mine - v.start)
             wanted.append(mine)
         reply = self.client.pull_rows(per_ps)
-        self.step = reply.step
-        self.stopped = bool(reply.flags & Flag.STOPPED)
         values = {vid: t for m in reply.messages for vid, t in zip(m.ids, m.tensors)}
         weight = self.params[name]
         for v, mine in zip(self.shards[name], wanted):
@@ -168,7 +159,7 @@ class _SparseRows:
 
 
 def _merge(dense: dict, sparse: dict) -> dict:
-    """Per ps, the dense (ids, tensors) followed by the sparse ones, in the ps's variable order."""
+    """Per ps, the dense (ids, tensors) followed by the sparse ones (a ps reads them by id)."""
     merged = {}
     for i in set(dense) | set(sparse):
         ids, tensors = [], []
@@ -241,8 +232,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             loss.backward()
             t1 = time.perf_counter()
             computed_on = reply.step
-            reply = client.push_pull(computed_on, _merge(shards.grads(), sparse.grads()) if sparse
-                                     else shards.grads())
+            reply = client.push_pull(computed_on, _merge(shards.grads(), sparse.grads()))
             shards.load(reply)
             t2 = time.perf_counter()
 

@@ -277,9 +277,9 @@ class Dashboard:
         self._draw_header()
 
     def _set_figure(self, name: str, fig: go.Figure) -> None:
-        """Show ``fig`` in the widget ``name``: in place, in one message with only what changed since the
-        figure drawn last, when the traces keep their kinds and axes; else (the first data, a new
-        worker...) in a new FigureWidget that takes the old one's place."""
+        """Show ``fig`` in the widget ``name``: in place, sending only what changed since the figure drawn
+        last (a message per changed trace, one for the layout), when the traces keep their kinds and axes;
+        else (the first data, a new worker...) in a new FigureWidget that takes the old one's place."""
         widget, drawn = self.figures[name], self._drawn.get(name)
         self._drawn[name] = fig
         if drawn is not None and _shape(drawn) == _shape(fig):

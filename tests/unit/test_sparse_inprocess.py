@@ -1,18 +1,17 @@
 """Partitioned and sparse variables, and bounded staleness, against in-process ps servers."""
 
-import itertools
 import threading
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
 from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime.plan import TrainPlan, assemble, describe_variables
 from pscluster.runtime.worker import build_model, run_worker
 
-from .test_worker_inprocess import RUN_ID, mlp
+from .test_worker_inprocess import RUN_ID, mlp, plain_batches
 
 SEED = 5
 BATCH = 16
@@ -59,20 +58,13 @@ def plain_training(dataset, steps, make_optimizers) -> dict[str, torch.Tensor]:
     """The same run in one process with plain torch (sparse gradients, torch's own optimizers)."""
     model = build_model(BagModel, SEED)
     optimizers = make_optimizers([model.out.weight, model.out.bias], [model.embedding.weight])
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
-    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
-    step = 0
-    for epoch in itertools.count():
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            if step == steps:
-                return {n: p.detach().clone() for n, p in model.named_parameters()}
-            for o in optimizers:
-                o.zero_grad()
-            torch.nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
-            for o in optimizers:
-                o.step()
-            step += 1
+    for x, y in plain_batches(dataset, steps, BATCH, SEED):
+        for o in optimizers:
+            o.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(model(x), y).backward()
+        for o in optimizers:
+            o.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def trained(local_ps, spec, plan) -> dict[str, torch.Tensor]:

@@ -60,24 +60,30 @@ def make_plan(spec, *, steps, mode="sync", replicas=1, log_every=100, model_fn=m
                      seed=SEED, log_every=log_every, metrics_address=metrics_address, request_timeout=30.0)
 
 
+def plain_batches(dataset, steps: int, batch_size: int = BATCH, seed: int = SEED):
+    """The first ``steps`` batches of a plain DataLoader over a one-replica DistributedSampler, epoch after
+    epoch: what a single worker trains on."""
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+    def endless():
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield from loader
+    return itertools.islice(endless(), steps)
+
+
 def local_training(dataset, steps: int, optimizer=SGD) -> torch.nn.Module:
     """The same training in one process: plain torch, DataLoader over a DistributedSampler."""
     torch.manual_seed(SEED)
     model = mlp()
     optimizer = resolve_optimizer(optimizer[0])(model.parameters(), **optimizer[1])
     loss_fn = torch.nn.CrossEntropyLoss()
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
-    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
-    step = 0
-    for epoch in itertools.count():
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            if step == steps:
-                return model
-            optimizer.zero_grad()
-            loss_fn(model(x), y).backward()
-            optimizer.step()
-            step += 1
+    for x, y in plain_batches(dataset, steps):
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+    return model
 
 
 def run_workers(spec, plan, dataset):
