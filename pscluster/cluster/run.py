@@ -22,6 +22,7 @@ from ..metrics.collector import Collector
 from ..metrics.store import RunStore
 from ..runtime.client import PSClient
 from ..runtime.plan import TrainPlan, assemble
+from ..runtime.ps import wait_until
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
 from .progress import StepProgress
@@ -56,6 +57,7 @@ class Run:
         self._done = threading.Event()
         self.started = time.time()
         self.finished: float | None = None
+        self._workers_done: set[str] = set()
         self.collector = Collector(self._on_batch)
 
     @property
@@ -68,6 +70,8 @@ class Run:
         for event in events:
             if event.get("kind") == "step":
                 self._latest_step = max(self._latest_step, event.get("global_step", 0))
+            elif event.get("kind") == "done":
+                self._workers_done.add(event.get("task"))
             elif event.get("kind") == "log":
                 line = f"[{event['task']}] {event['line']}"
                 self.logs.append(line)
@@ -201,6 +205,8 @@ class Run:
             except Exception as e:  # a RemoteError: keep its one-line form
                 errors.append(f"worker {i} failed: {_one_line(e)}")
         self.finished = time.time()
+        # a worker's last metrics batch may still be in flight when its result arrives
+        wait_until(lambda: len(self._workers_done) >= len(results), timeout=2.0)
         self.collector.close()
         self.ps_stats = self._read_ps_stats(timeout=10.0)
         if not errors:

@@ -29,6 +29,8 @@ def test_sync_global_step_is_local_steps_over_replicas(cluster_1ps_2w, digits_tr
     assert s["dropped_stale"] == 0
     assert len(run.logs) == 6 and run.logs[0].startswith("[worker:")
     assert "After 40 training steps (40 global steps), loss" in " ".join(run.logs)
+    last = run.metrics().groupby("worker")["local_step"].max()
+    assert list(last) == [120, 120]  # every worker's last metrics reached the store before the run ended
 
 
 def test_sync_with_fewer_replicas_drops_and_counts_stale_gradients(cluster_1ps_2w, digits_train):

@@ -13,6 +13,7 @@ import pytest
 from pscluster.compare import Comparison, compare
 from pscluster.errors import ConfigError
 from pscluster.metrics.store import RunStore
+from pscluster.runtime.ps import wait_until
 from pscluster.widgets import Dashboard, dashboard, show
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
@@ -89,13 +90,6 @@ def names(widget) -> list[str]:
     return [t.name for t in widget.data]
 
 
-def wait_for(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def test_refresh_fills_the_figure_widgets(store, dashboards):
     run = Writer(store)
     run.write(10)
@@ -155,11 +149,11 @@ def test_the_thread_stops_by_itself_when_the_run_is_over(store, dashboards):
     run = Writer(store)
     run.write(5)
     d = dashboards(store.path, run.run_id, refresh_s=0.05).start()
-    wait_for(lambda: "5 / 100" in d.header.value)
+    assert wait_until(lambda: "5 / 100" in d.header.value, 5)
     assert d.running
     run.write(5)
     store.set_status(run.run_id, "finished")
-    wait_for(lambda: not d.running)
+    assert wait_until(lambda: not d.running, 5)
     assert "finished" in d.header.value and "10 / 100" in d.header.value
     assert len(d.figures["convergence"].data[0].x) == 10  # the last refresh read everything
 
@@ -169,7 +163,7 @@ def test_errors_show_in_the_header_and_never_raise(store, dashboards, monkeypatc
     d = dashboards(store.path, run.run_id, refresh_s=0.02)
     monkeypatch.setattr(d._data, "read", lambda _: 1 / 0)
     d.start()
-    wait_for(lambda: not d.running)  # gave up after MAX_FAILURES tries
+    assert wait_until(lambda: not d.running, 5)  # gave up after MAX_FAILURES tries
     assert "ZeroDivisionError" in d.header.value and "stopped refreshing" in d.header.value
 
 
@@ -216,7 +210,7 @@ def test_a_writer_is_never_disturbed_by_a_polling_dashboard(store, dashboards):
     assert len(store.metrics(run.run_id)) == 2 * (1 + 5 * batches)
     assert d.running and d.error is None
     store.set_status(run.run_id, "finished")
-    wait_for(lambda: not d.running)
+    assert wait_until(lambda: not d.running, 5)
     assert d.figures["convergence"].data[0].x[-1] == 1 + 5 * batches  # it read every row in the end
 
 
@@ -231,7 +225,7 @@ def test_show_displays_and_updates_the_display_when_the_run_ends(store, monkeypa
         assert shown == [d] and d.running and len(d.figures["convergence"].data[0].x) == 3
         run.write(4)
         store.set_status(run.run_id, "finished")
-        wait_for(lambda: not d.running)
+        assert wait_until(lambda: not d.running, 5)
         assert len(updates) == 1 and "finished" in updates[0]["text/html"]
     finally:
         d.close()

@@ -9,6 +9,7 @@ from torch.utils.data import TensorDataset
 from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime.plan import TrainPlan, assemble, describe_variables
+from pscluster.runtime.ps import wait_until
 from pscluster.runtime.worker import build_model, run_worker
 
 from .test_worker_inprocess import RUN_ID, mlp, plain_batches
@@ -104,6 +105,7 @@ def test_a_sparse_step_moves_only_the_touched_rows(local_ps, bags):
     spec = local_ps.start(num_ps=2, num_workers=1)
     plan = make_plan(spec, Big, steps=10, partition={"embedding": 2}, metrics_address=collector.address)
     run_worker(spec, 0, plan, Big, bags, torch.nn.BCEWithLogitsLoss())
+    assert wait_until(lambda: len(events) >= 10, 5)  # the last batch may still be in flight
     collector.close()
     assert len(events) == 10
     for e in events:  # a step's bytes: the rows pulled in forward, then the push-pull
@@ -149,6 +151,7 @@ def test_ssp_keeps_every_worker_within_the_bound_of_the_slowest(local_ps, bags):
         t.start()
     for t in threads:
         t.join(60)
+    assert wait_until(lambda: len(events) >= sum(r["local_steps"] for r in results.values()), 5)
     collector.close()
     assert sum(r["local_steps"] for r in results.values()) >= steps
     assert results[0]["local_steps"] > results[1]["local_steps"]  # the fast one did run ahead...
