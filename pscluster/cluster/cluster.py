@@ -23,6 +23,7 @@ from ..runtime import engine as remote
 from ..runtime.plan import TrainPlan, describe_variables, optimizer_name
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
+from . import registry
 from .engines import EngineSet
 from .roles import assign_roles
 from .run import Run
@@ -64,6 +65,7 @@ class Cluster:
         self._store_path = store
         self._store: RunStore | None = None
         self._engines: EngineSet | None = None
+        self._registration: registry.Registration | None = None
 
     @property
     def store(self) -> RunStore:
@@ -94,12 +96,14 @@ class Cluster:
             engines.stop()
             raise
         self._engines = engines
+        self._registration = registry.Registration(self)  # listed in the side panel from now on
         return self
 
     def stop(self) -> None:
         """Stop training, the ps servers and every engine; leaves no process behind."""
         if self._engines is None:
             return
+        self._registration.update("stopping")
         active = self.active_run
         if active is not None:
             try:
@@ -109,6 +113,8 @@ class Cluster:
         self._engines.stop()
         self._engines = None
         self.spec = None
+        self._registration.close()
+        self._registration = None
 
     def __enter__(self) -> "Cluster":
         return self if self.running else self.start()

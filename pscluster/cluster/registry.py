@@ -1,0 +1,139 @@
+"""The cluster registry: one JSON file per running cluster under ``$PSCLUSTER_HOME/clusters``.
+
+A running cluster writes ``<name>.json`` when it starts, rewrites it when its state changes
+and removes it when it stops. Another process (the JupyterLab server extension, another
+notebook) lists the clusters with ``read_all()``. Every write goes to a temporary file first
+and is committed by a rename, so a reader never sees half a file.
+
+An entry names its owner process (the kernel that started the cluster): an entry whose owner
+is dead (the kernel died, and its reaper stopped the engines) is reported apart, never listed
+as running. Entries are readable by the owner's user only: they carry the control token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import TYPE_CHECKING
+
+from .. import environ
+from .control import ControlServer
+from .reaper import alive
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+
+DIRECTORY = "clusters"
+
+
+def directory(home: str | None = None) -> str:
+    """``$PSCLUSTER_HOME/clusters`` (or ``<home>/clusters``)."""
+    return os.path.join(home or environ.home(), DIRECTORY)
+
+
+def _path(name: str, home: str | None) -> str:
+    if not name or os.sep in name or name.startswith("."):
+        raise ValueError(f"cluster name {name!r} cannot name a registry file: use letters, digits, - and _")
+    return os.path.join(directory(home), f"{name}.json")
+
+
+def write(entry: dict, home: str | None = None) -> str:
+    """Write (or replace) the entry of cluster ``entry["name"]`` atomically; returns its path."""
+    path = _path(entry["name"], home)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w") as f:  # mkstemp: mode 0600
+            json.dump(entry, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def remove(name: str, home: str | None = None) -> None:
+    """Remove the entry of cluster ``name`` (nothing happens when there is none)."""
+    try:
+        os.unlink(_path(name, home))
+    except FileNotFoundError:
+        pass
+
+
+def read_all(home: str | None = None) -> tuple[list[dict], list[dict]]:
+    """``(live, skipped)``: the entries whose owner process is alive, by start time, each task with a
+    ``state`` of ``running`` or ``dead`` (its process, now); and ``{"name", "reason"}`` for every file
+    skipped: an owner that died, or a file that does not parse."""
+    live, skipped = [], []
+    try:
+        names = sorted(n for n in os.listdir(directory(home)) if n.endswith(".json") and not n.startswith("."))
+    except FileNotFoundError:
+        return [], []
+    for filename in names:
+        name = filename[:-len(".json")]
+        try:
+            with open(os.path.join(directory(home), filename)) as f:
+                entry = json.load(f)
+            owner = int(entry["owner_pid"])
+        except FileNotFoundError:  # removed since the listing: the cluster stopped
+            continue
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            skipped.append({"name": name, "reason": f"unreadable registry file ({type(e).__name__}): "
+                                                     f"delete {filename} from {directory(home)}"})
+            continue
+        if not alive(owner):
+            skipped.append({"name": name, "reason": f"its kernel (pid {owner}) is gone; the cluster was "
+                                                    "stopped with it"})
+            continue
+        for task in entry.get("tasks", []):
+            task["state"] = "running" if task.get("pid") and alive(task["pid"]) else "dead"
+        live.append(entry)
+    live.sort(key=lambda e: e.get("started", 0))
+    return live, skipped
+
+
+def find(name: str, home: str | None = None) -> dict | None:
+    """The live entry of cluster ``name``, or None."""
+    return next((e for e in read_all(home)[0] if e["name"] == name), None)
+
+
+def _kernel_id() -> str | None:
+    """The id of the Jupyter kernel this process is, or None outside a kernel."""
+    try:
+        from ipykernel.kernelapp import IPKernelApp
+    except ImportError:
+        return None
+    if not IPKernelApp.initialized():
+        return None
+    name = os.path.basename(IPKernelApp.instance().connection_file or "")
+    return name[len("kernel-"):-len(".json")] if name.startswith("kernel-") else None
+
+
+class Registration:
+    """A running cluster's registry entry and control socket, from its start to its stop.
+
+    ``update(state)`` rewrites the entry from the cluster's current roles: call it whenever the
+    cluster's state or its tasks change. ``close()`` removes the entry and stops serving requests.
+    """
+
+    def __init__(self, cluster: "Cluster"):
+        self.cluster = cluster
+        self.started = time.time()
+        self.control = ControlServer(cluster)
+        self.update("running")
+
+    def update(self, state: str) -> None:
+        c = self.cluster
+        tasks = c.roles() if c.running else []
+        write({"name": c.name, "owner_pid": os.getpid(), "owner_kernel": _kernel_id(), "started": self.started,
+               "state": state, "ps": c.num_ps, "workers": c.num_workers, "store": c.store.path,
+               "hosts": sorted({t["host"] for t in tasks}), "devices": sorted({t["device"] for t in tasks}),
+               "tasks": tasks, "control": {"address": self.control.address, "token": self.control.token}})
+
+    def close(self) -> None:
+        self.control.close()
+        remove(self.cluster.name)
