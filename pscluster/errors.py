@@ -27,3 +27,11 @@ class RuntimeTimeout(PSClusterError, TimeoutError):
 
 class TrainingError(PSClusterError, RuntimeError):
     """Training failed on a worker or ps task."""
+
+
+class CheckpointError(PSClusterError, RuntimeError):
+    """A checkpoint is missing, damaged, or does not fit the model."""
+
+
+class PeerLost(TrainingError):
+    """A ps task's connection dropped while a request waited on it."""

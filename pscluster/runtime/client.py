@@ -1,7 +1,9 @@
 """PSClient: a worker's (or the controller's) connection to every ps task.
 
 Requests to several ps tasks are all sent before any reply is awaited; each
-reply is matched by request id, and every wait has a timeout.
+reply is matched by request id, and every wait has a timeout. A ps whose connection
+drops (its process died, or ZeroMQ heartbeats went unanswered for ``HEARTBEAT_TIMEOUT_MS``)
+fails the requests waiting on it at once with PeerLost instead of at the timeout.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ from dataclasses import dataclass
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import ProtocolError, RuntimeTimeout, TrainingError
+from ..errors import PeerLost, ProtocolError, RuntimeTimeout, TrainingError
 from ..spec import ClusterSpec
 from . import protocol
 from .protocol import Flag, Message, Op
+
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
 
 
 @dataclass
@@ -43,15 +49,19 @@ class PSClient:
         self.bytes_received = 0
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
-        self._socks = []
+        self._socks, self._monitors = [], []
+        self._poller = zmq.Poller()
         for ps in spec.ps:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             s.connect(ps.address)
             self._socks.append(s)
-        self._poller = zmq.Poller()
-        for s in self._socks:
+            self._monitors.append(monitor)
             self._poller.register(s, zmq.POLLIN)
+            self._poller.register(monitor, zmq.POLLIN)
         try:
             self.hello()
         except BaseException:
@@ -59,9 +69,11 @@ class PSClient:
             raise
 
     def close(self) -> None:
-        for s in self._socks:
+        for s, monitor in zip(self._socks, self._monitors):
+            s.disable_monitor()
+            monitor.close(linger=0)
             s.close(linger=0)
-        self._socks = []
+        self._socks, self._monitors = [], []
 
     def __enter__(self):
         return self
@@ -72,11 +84,12 @@ class PSClient:
     # --- one round trip to a set of ps tasks ------------------------------------------
     def request(self, op: Op, per_ps: dict[int, tuple[list[int], list[torch.Tensor]]] | None = None, *,
                 step: int = 0, meta: dict | list | None = None, targets=None,
-                timeout: float | None = None) -> list[Message]:
+                timeout: float | None = None, until_stopped: bool = False) -> list[Message]:
         """Send ``op`` to ``targets`` (default: every ps), then collect one reply from each.
 
         ``per_ps`` maps a ps index to the (ids, tensors) it receives; ``meta`` is a dict sent
-        to all or a list with one dict per ps.
+        to all or a list with one dict per ps. ``until_stopped``: return the replies so far as soon
+        as one says the run is over (the others, a lost ps among them, no longer matter).
         """
         targets = range(len(self._socks)) if targets is None else targets
         pending = {}
@@ -99,6 +112,13 @@ class PSClient:
                                      f"{self.timeout if timeout is None else timeout:.0f}s: "
                                      "check that the ps tasks are alive")
             for sock, _ in self._poller.poll(int(left * 1000) + 1):
+                if sock in self._monitors:
+                    i = self._monitors.index(sock)
+                    recv_monitor_message(sock)
+                    if i in pending and i not in replies:
+                        raise PeerLost(f"ps {i} at {self.spec.ps[i].address} disconnected during {op.name}: "
+                                       "it was lost")
+                    continue
                 i = self._socks.index(sock)
                 frames = sock.recv_multipart(copy=False)
                 self.bytes_received += sum(len(f) for f in frames)
@@ -108,6 +128,11 @@ class PSClient:
                 if msg.op is Op.ERROR:
                     raise TrainingError(f"ps {i}: {(msg.meta or {}).get('error', 'error')}")
                 replies[i] = msg
+                if until_stopped and msg.flags & Flag.STOPPED:
+                    break
+            else:
+                continue
+            break
         return [replies[i] for i in sorted(replies)]
 
     @staticmethod
@@ -131,9 +156,9 @@ class PSClient:
         self.run_id = run_id
         self.request(Op.INIT, per_ps, meta=configs)
 
-    def pull(self) -> Reply | None:
-        """Current parameters, or None while the chief has not initialized the run."""
-        msgs = self.request(Op.PULL)
+    def pull(self, attempt: int | None = None) -> Reply | None:
+        """Current parameters, or None while the chief has not initialized the run (its ``attempt``)."""
+        msgs = self.request(Op.PULL, meta=None if attempt is None else {"attempt": attempt})
         if any(m.op is Op.NOT_READY for m in msgs):
             return None
         return self.merge(msgs)
@@ -150,17 +175,27 @@ class PSClient:
         return self.merge(self.request(Op.PULL_ROWS, per_ps, targets=sorted(per_ps)))
 
     def push(self, step: int, per_ps: dict) -> Reply:
-        return self.merge(self.request(Op.PUSH, per_ps, step=step))
+        return self.merge(self.request(Op.PUSH, per_ps, step=step, until_stopped=True))
 
     def push_pull(self, step: int, per_ps: dict) -> Reply:
-        """Push gradients computed on ``step`` and get the parameters after they were applied."""
-        return self.merge(self.request(Op.PUSH_PULL, per_ps, step=step))
+        """Push gradients computed on ``step`` and get the parameters after they were applied (from the
+        ps tasks that answered, when one says the run is over)."""
+        return self.merge(self.request(Op.PUSH_PULL, per_ps, step=step, until_stopped=True))
 
     def stats(self) -> list[dict]:
         return [m.meta or {} for m in self.request(Op.STATS)]
 
-    def stop(self) -> None:
-        self.request(Op.STOP)
+    def stop(self, at_step: int | None = None) -> None:
+        """End the run now, or once every ps has applied step ``at_step``."""
+        self.request(Op.STOP, meta=None if at_step is None else {"at_step": at_step})
+
+    def checkpoint(self, step: int | None = None) -> None:
+        """Every ps writes its shard of ``step`` when it gets there (None: now, at its current step)."""
+        self.request(Op.CHECKPOINT, meta={"step": step})
+
+    def lost_workers(self, workers: list[int]) -> None:
+        """Tell every ps that ``workers`` are lost: sync and SSP stop waiting for them."""
+        self.request(Op.MEMBERSHIP, meta={"lost": list(workers)})
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self.request(Op.SHUTDOWN, timeout=timeout)

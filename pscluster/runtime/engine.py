@@ -46,10 +46,11 @@ def stop_ps(index: int) -> None:
         server.shutdown()
 
 
-def train_worker(spec_json: str, index: int, plan_json: str, code: bytes) -> dict:
-    """Run worker ``index`` of a plan; ``code`` is cloudpickle of (model_fn, dataset, loss_fn)."""
+def train_worker(spec_json: str, index: int, plan_json: str, code: bytes, join: bool = False) -> dict:
+    """Run worker ``index`` of a plan; ``code`` is cloudpickle of (model_fn, dataset, loss_fn); ``join``:
+    replace a lost worker of a running run."""
     from .worker import run_worker
 
     model_fn, dataset, loss_fn = cloudpickle.loads(code)
     return run_worker(ClusterSpec.from_json(spec_json), index, TrainPlan.from_json(plan_json),
-                      model_fn, dataset, loss_fn)
+                      model_fn, dataset, loss_fn, join=join)

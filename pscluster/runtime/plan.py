@@ -153,6 +153,10 @@ class TrainPlan:
     metrics_address: str | None = None
     request_timeout: float = 120.0
     staleness_bound: int = 2  # ssp: how many steps a worker may run ahead of the slowest
+    checkpoint_dir: str | None = None  # where the ps tasks write their shards (None: no checkpoints)
+    checkpoint_every: int = 0  # global steps between checkpoints (0: only on demand and at the end)
+    restore: bool = False  # the chief starts from the latest checkpoint in checkpoint_dir, if there is one
+    attempt: int = 0  # restarts of this run after a lost ps
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -161,6 +165,10 @@ class TrainPlan:
                 or self.staleness_bound < 0:
             raise ConfigError(f"staleness_bound={self.staleness_bound!r}: use an integer >= 0 (steps a worker "
                               "may run ahead of the slowest)")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every={self.checkpoint_every!r}: use a number of global steps >= 1, "
+                              "or 0 for checkpoints on demand and at the end only")
         for name in ("steps", "batch_size", "replicas_to_aggregate", "num_workers", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

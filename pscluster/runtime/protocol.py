@@ -27,7 +27,7 @@ import torch
 
 from ..errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"PSCL"
 MAX_DIMS = 8
 NO_TASK = 0xFFFF  # the `task` of a message that comes from the controller, not a worker
@@ -50,6 +50,8 @@ class Op(IntEnum):
     STOP = 7
     SHUTDOWN = 8
     PULL_ROWS = 9  # rows of sparse variables: one int64 tensor of row indices per variable
+    CHECKPOINT = 10  # write this ps's shard at a step (meta {"step": S}, or now)
+    MEMBERSHIP = 11  # workers lost (meta {"lost": [i, ...]}): sync and SSP stop waiting for them
     # replies
     OK = 64
     PARAMS = 65

@@ -24,6 +24,14 @@ the lazy SparseAdam, which touches only the rows present).
 
 Once the step target is reached (or STOP arrives), replies carry Flag.STOPPED and
 later gradients are not applied.
+
+Checkpoints: when the run has a checkpoint directory, the ps writes its shard (variables and optimizer
+state, see ``checkpoint.py``) every ``checkpoint_every`` steps, at steps asked for by CHECKPOINT, and at
+the end; the controller commits a checkpoint once every ps has written its shard of one step. INIT can
+carry optimizer state and a starting step: a restore.
+
+Lost workers (MEMBERSHIP): sync aggregates the gradients of the live workers only, SSP measures the
+slowest among them; a worker counts as live again from its next request.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import torch
 import zmq
 
 from ..errors import ProtocolError
-from . import protocol
+from . import checkpoint, protocol
 from .metrics import MetricsEmitter
 from .plan import SPARSE_OPTIMIZERS, resolve_optimizer
 from .protocol import Flag, Message, Op
@@ -81,6 +89,13 @@ class _RunState:
     dropped_stale: int = 0
     late: int = 0
     staleness: Counter = field(default_factory=Counter)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    attempt: int = 0  # restarts of the run after a ps was lost
+    save_at: set = field(default_factory=set)  # steps to write a shard at (CHECKPOINT)
+    saved: set = field(default_factory=set)
+    checkpoint_errors: int = 0
+    lost: set = field(default_factory=set)  # workers lost and not back yet
 
     def __post_init__(self):
         # fixed for the run: looked up on every request
@@ -94,15 +109,30 @@ class _RunState:
         if self.stopped:
             return []
         if self.mode == "sync":
-            return sorted(set(range(self.num_workers)) - set(self.contributors))
+            return sorted(set(self.live()) - set(self.contributors))
         if self.mode == "ssp" and self.waiting:
-            slowest = min(self.clocks[w] for w in range(self.num_workers))
-            return [w for w in range(self.num_workers) if self.clocks[w] == slowest]
+            slowest = min(self.clocks[w] for w in self.live())
+            return [w for w in self.live() if self.clocks[w] == slowest]
         return []
 
+    def live(self) -> list[int]:
+        return [w for w in range(self.num_workers) if w not in self.lost] or [0]
+
+    def replicas_now(self) -> int:
+        """Sync: gradients to aggregate per step, at most one per live worker."""
+        if not self.lost:
+            return self.replicas
+        return max(1, min(self.replicas, self.num_workers - len(self.lost)))
+
     def ahead(self, worker: int) -> int:
-        """SSP: how many pushes ``worker`` is ahead of the slowest worker."""
-        return self.clocks[worker] - min(self.clocks[w] for w in range(self.num_workers))
+        """SSP: how many pushes ``worker`` is ahead of the slowest live worker."""
+        return self.clocks[worker] - min(self.clocks[w] for w in self.live())
+
+    def optimizer_state(self, param: torch.Tensor) -> dict:
+        for optimizer in (self.optimizer, self.sparse_optimizer):
+            if optimizer is not None and param in optimizer.state:
+                return optimizer.state[param]
+        return {}
 
     def params_snapshot(self) -> list[torch.Tensor]:
         """Copies of the current dense values, made once per step: replies are sent without a
@@ -262,6 +292,9 @@ class ParameterServer:
             else:
                 self._reply(identity, msg, Op.NOT_READY)
             return None
+        if msg.task in run.lost:  # a replacement of a lost worker: live again, level with the others
+            run.lost.discard(msg.task)
+            run.clocks[msg.task] = min((run.clocks[w] for w in run.live() if w != msg.task), default=0)
         return run
 
     # --- requests ------------------------------------------------------------------
@@ -269,38 +302,62 @@ class ParameterServer:
         self._reply(identity, msg, Op.OK, value=protocol.PROTOCOL_VERSION, meta={"ps": self.index})
 
     def _init(self, identity, msg):
-        if self.run is not None and self.run.run_id == msg.run_id:
+        cfg = msg.meta or {}
+        attempt = int(cfg.get("attempt", 0))
+        if self.run is not None and self.run.run_id == msg.run_id and self.run.attempt == attempt:
             self._reply(identity, msg, Op.OK)  # already initialized: the chief retried
             return
-        cfg = msg.meta or {}
         try:
-            params = [torch.nn.Parameter(t.clone()) for t in msg.tensors]
+            n = len(cfg["names"])
+            params = [torch.nn.Parameter(t.clone()) for t in msg.tensors[:n]]
             sparse = [bool(x) for x in cfg.get("sparse", [False] * len(params))]
-            if len(sparse) != len(params):
-                raise ValueError(f"{len(sparse)} sparse flags for {len(params)} variables")
+            if len(sparse) != len(params) or len(params) != n:
+                raise ValueError(f"{len(sparse)} sparse flags and {len(params)} values for {n} variables")
             optimizer, sparse_optimizer = _optimizers(params, sparse, cfg["optimizer"],
                                                       cfg.get("optimizer_kwargs", {}))
             run = _RunState(run_id=msg.run_id, mode=cfg["mode"], steps=int(cfg["steps"]),
-                            replicas=int(cfg["replicas_to_aggregate"]), ids=list(msg.ids),
+                            replicas=int(cfg["replicas_to_aggregate"]), ids=list(msg.ids[:n]),
                             names=list(cfg["names"]), params=params, optimizer=optimizer, sparse=sparse,
                             sparse_optimizer=sparse_optimizer, num_workers=int(cfg.get("num_workers", 1)),
-                            staleness_bound=int(cfg.get("staleness_bound", 0)))
+                            staleness_bound=int(cfg.get("staleness_bound", 0)), step=int(cfg.get("step", 0)),
+                            checkpoint_dir=cfg.get("checkpoint_dir"),
+                            checkpoint_every=int(cfg.get("checkpoint_every") or 0), attempt=attempt)
+            self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.get("state", []))
         except (KeyError, TypeError, ValueError) as e:
             self._error(identity, msg, f"bad INIT: {e}")
             return
         self._release_waiting()
         if self.run is not None:
-            self._past_runs.add(self.run.run_id)
+            if self.run.run_id != run.run_id:
+                self._past_runs.add(self.run.run_id)
             self._close_run()
         if cfg.get("metrics_address"):
             run.emitter = MetricsEmitter(cfg["metrics_address"], f"ps:{self.index}", context=self._ctx)
-        run.stopped = run.run_id in self._stop_requested
+        run.stopped = run.run_id in self._stop_requested or run.step >= run.steps
         self.run = run
         self._reply(identity, msg, Op.OK)
+
+    @staticmethod
+    def _restore_state(run: _RunState, ids, tensors, slots) -> None:
+        """Optimizer state sent with INIT (a restore): tensor k is slot ``slots[k]`` of variable ``ids[k]``."""
+        if len(slots) != len(tensors):
+            raise ValueError(f"{len(tensors)} optimizer state tensors for {len(slots)} slot names")
+        entries: dict[int, dict] = {}
+        for vid, t, slot in zip(ids, tensors, slots):
+            if vid not in run.position:
+                raise ValueError(f"optimizer state of variable {vid}, which this ps does not hold")
+            entries.setdefault(vid, {})[str(slot)] = t
+        for vid, e in entries.items():
+            param = run.params[run.position[vid]]
+            optimizer = run.sparse_optimizer if run.sparse[run.position[vid]] else run.optimizer
+            optimizer.state[param] = checkpoint.decode_state(e)
 
     def _pull(self, identity, msg):
         run = self._current(identity, msg)
         if run is None:
+            return
+        if (msg.meta or {}).get("attempt", run.attempt) != run.attempt:  # the run restarts: not INIT yet
+            self._reply(identity, msg, Op.NOT_READY)
             return
         run.pulls += 1
         if (msg.meta or {}).get("all"):  # every variable, sparse ones whole (the controller, at the end)
@@ -377,7 +434,7 @@ class ParameterServer:
             # The frames of `msg` are released after this call: keep only the header.
             run.waiting.append((identity, Message(op=msg.op, run_id=msg.run_id, request_id=msg.request_id),
                                 time.monotonic()))
-        if run.accum_count >= run.replicas:
+        if run.accum_count >= run.replicas_now():
             self._apply(run, run.accum, run.accum_count)
             run.accum, run.accum_count, run.contributors = None, 0, []
             self._release_waiting()
@@ -426,13 +483,51 @@ class ParameterServer:
         self._reply(identity, msg, Op.OK, meta=meta)
 
     def _stop_run(self, identity, msg):
+        """Stop now, or (meta {"at_step": S}) once step S is applied: every ps then ends on the same step."""
         run = self.run
+        at_step = (msg.meta or {}).get("at_step")
         if run is not None and run.run_id == msg.run_id:
-            run.stopped = True
-            self._release_waiting()
-            self._report(now=True)
+            if at_step is not None and int(at_step) > run.step and not run.stopped:
+                run.steps = min(run.steps, int(at_step))
+            elif not run.stopped:
+                run.stopped = True
+                self._save(run)
+                self._release_waiting()
+                self._report(now=True)
         else:
             self._stop_requested.add(msg.run_id)
+        self._reply(identity, msg, Op.OK, value=run.steps if run is not None else 0)
+
+    def _checkpoint(self, identity, msg):
+        """Write this ps's shard now (meta {"step": null} or the current step) or once step S is applied."""
+        run = self._current(identity, msg)
+        if run is None:
+            return
+        if not run.checkpoint_dir:
+            raise ProtocolError("this run has no checkpoint directory")
+        step = (msg.meta or {}).get("step")
+        step = run.step if step is None else int(step)
+        if step < run.step:
+            raise ProtocolError(f"step {step} has passed: ps {self.index} is at step {run.step}")
+        if step == run.step:
+            if not self._save(run):
+                raise ProtocolError(f"ps {self.index} could not write its shard of step {step}")
+        else:
+            run.save_at.add(step)
+        self._reply(identity, msg, Op.OK, value=step)
+
+    def _membership(self, identity, msg):
+        """Workers lost: stop waiting for them (sync aggregates fewer gradients, SSP ignores their clocks)."""
+        run = self._current(identity, msg)
+        if run is None:
+            return
+        run.lost.update(int(w) for w in (msg.meta or {}).get("lost", []) if 0 <= int(w) < run.num_workers)
+        if run.mode == "sync" and run.accum is not None and run.accum_count >= run.replicas_now():
+            self._apply(run, run.accum, run.accum_count)
+            run.accum, run.accum_count, run.contributors = None, 0, []
+            self._release_waiting()
+        elif run.mode == "ssp":
+            self._release_waiting(lambda req: run.ahead(req.task) <= run.staleness_bound)
         self._reply(identity, msg, Op.OK)
 
     def _shutdown(self, identity, msg):
@@ -457,7 +552,28 @@ class ParameterServer:
         run.applied += 1
         if run.step >= run.steps:
             run.stopped = True
+            self._save(run)  # the final checkpoint
             self._report(now=True)
+        elif run.step in run.save_at or (run.checkpoint_every and run.step % run.checkpoint_every == 0):
+            self._save(run)
+
+    def _save(self, run: _RunState) -> bool:
+        """Write this ps's shard of the current step (once); False when checkpointing is off or failed."""
+        if not run.checkpoint_dir:
+            return False
+        if run.step in run.saved:
+            return True
+        run.saved.add(run.step)
+        tensors = checkpoint.shard_tensors(run.names, run.params, [run.optimizer_state(p) for p in run.params])
+        try:
+            checkpoint.write_shard(run.checkpoint_dir, run.step, self.index, tensors, run_id=run.run_id,
+                                   attempt=run.attempt)
+        except OSError as e:
+            run.checkpoint_errors += 1
+            if run.emitter is not None:
+                run.emitter.emit("checkpoint_failed", step=run.step, error=f"{type(e).__name__}: {e}")
+            return False
+        return True
 
     def _release_waiting(self, ready=None) -> None:
         """Answer the held requests (those that ``ready(request)`` accepts), with the current parameters."""
@@ -474,7 +590,8 @@ class ParameterServer:
                 run.waiting.append((identity, req, since))
 
     _HANDLERS = {Op.HELLO: _hello, Op.INIT: _init, Op.PULL: _pull, Op.PULL_ROWS: _pull_rows, Op.PUSH: _push,
-                 Op.PUSH_PULL: _push, Op.STATS: _stats, Op.STOP: _stop_run, Op.SHUTDOWN: _shutdown}
+                 Op.PUSH_PULL: _push, Op.STATS: _stats, Op.STOP: _stop_run, Op.SHUTDOWN: _shutdown,
+                 Op.CHECKPOINT: _checkpoint, Op.MEMBERSHIP: _membership}
 
 
 def _owned(grad):

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import ConfigError, RuntimeTimeout
 from ..spec import ClusterSpec, TaskSpec
+from . import checkpoint
 from .client import PSClient
 from .data import sharded_batches
 from .metrics import MetricsEmitter
@@ -175,15 +176,40 @@ def _ps_config(plan: TrainPlan, ps: int) -> dict:
     return {"mode": plan.mode, "steps": plan.steps, "replicas_to_aggregate": plan.replicas_to_aggregate,
             "num_workers": plan.num_workers, "metrics_address": plan.metrics_address,
             "optimizer": plan.optimizer, "optimizer_kwargs": plan.optimizer_kwargs,
-            "staleness_bound": plan.staleness_bound,
+            "staleness_bound": plan.staleness_bound, "checkpoint_dir": plan.checkpoint_dir,
+            "checkpoint_every": plan.checkpoint_every, "attempt": plan.attempt,
             "names": [v.name for v in plan.variables_on(ps)], "sparse": [v.sparse for v in plan.variables_on(ps)]}
 
 
-def _wait_for_chief(client: PSClient, timeout: float, emit):
+def _initialize(client: PSClient, plan: TrainPlan, shards: "_Shards", emit) -> None:
+    """The chief's duty before anyone trains: INIT every ps with the model's initial values, or with the
+    latest checkpoint's values, optimizer state and step (re-cut to this run's placement) when the plan
+    says restore and one passes its checks. Refused checkpoints are reported and the previous is tried."""
+    values = shards.values()
+    configs = [_ps_config(plan, i) for i in range(len(values))]
+    ckpt = None
+    if plan.restore and plan.checkpoint_dir:
+        emit("state", state="restoring")
+        ckpt = checkpoint.latest(plan.checkpoint_dir,
+                                 on_refused=lambda error: emit("checkpoint_refused", error=error))
+    if ckpt is not None:
+        restored, states = checkpoint.reshard(ckpt, plan.variables)
+        for i, (ids, _) in values.items():
+            slots = [(vid, key, t) for vid in ids for key, t in checkpoint.encode_state(states[vid]).items()]
+            values[i] = (ids + [vid for vid, _, _ in slots], [restored[vid] for vid in ids] + [t for *_, t in slots])
+            configs[i].update(step=ckpt.step, state=[key for _, key, _ in slots])
+    else:
+        emit("state", state="initializing")
+    client.init(plan.run_id, values, configs)
+    if ckpt is not None:
+        emit("restored", step=ckpt.step, path=str(ckpt.path))
+
+
+def _wait_for_chief(client: PSClient, timeout: float, attempt: int, emit):
     emit("state", state="waiting for chief")
     deadline = time.monotonic() + timeout
     delay = 0.01
-    while (reply := client.pull()) is None:
+    while (reply := client.pull(attempt)) is None:
         if time.monotonic() > deadline:
             raise RuntimeTimeout(f"the chief did not initialize the variables within {timeout:.0f}s: "
                                  "see worker 0's error")
@@ -193,10 +219,12 @@ def _wait_for_chief(client: PSClient, timeout: float, emit):
 
 
 def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn,
-               *, log=None) -> dict:
+               *, log=None, join: bool = False) -> dict:
     """Train as worker ``index`` until the run reaches its step target or is stopped.
 
-    Returns a summary: local steps, last global step, dropped pushes, timings.
+    ``join``: this worker replaces a lost one in a running run: it starts from the current parameters
+    (a chief that joins does not initialize again). Returns a summary: local steps, last global step,
+    dropped pushes, timings.
     """
     task = spec.task("worker", index)
     device = local_device(task)
@@ -206,12 +234,11 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
     started = time.time()
     client = PSClient(spec, task=index, run_id=plan.run_id, timeout=plan.request_timeout)
     try:
-        if task.is_chief:
-            emitter.emit("state", state="initializing")
-            client.init(plan.run_id, shards.values(), [_ps_config(plan, i) for i in range(len(spec.ps))])
+        if task.is_chief and not join:
+            _initialize(client, plan, shards, emitter.emit)
             reply = client.pull()
         else:
-            reply = _wait_for_chief(client, plan.request_timeout, emitter.emit)
+            reply = _wait_for_chief(client, plan.request_timeout, plan.attempt, emitter.emit)
         shards.load(reply)
         sparse = _SparseRows(model, plan, client)
         emitter.emit("state", state="training")

@@ -1,0 +1,389 @@
+"""Sharded checkpoints: every ps writes its own shard, a manifest written last commits them.
+
+Layout of a checkpoint directory::
+
+    step-000000200/ps-0.tensors     ps 0's variables and their optimizer state at global step 200
+    step-000000200/ps-0.json        the shard's receipt: step, size and SHA-256 (written after the shard)
+    step-000000200.manifest.json    the commit: format version, step, placement, shapes, dtypes, checksums
+
+Every file is written to a temporary name, fsynced and renamed; the manifest's rename is the commit, so
+a process killed while writing leaves no manifest that restore accepts. Tensor files are a JSON header
+and raw bytes (no pickle): an 8-byte little-endian header length, the header ``{"tensors": [{"key",
+"dtype", "shape", "offset", "nbytes"}]}``, then the data. A shard holds, per variable, its value under
+the variable's name and each optimizer slot under ``name#slot`` (``name#slot:int`` / ``:float`` for the
+plain numbers some optimizers keep, such as SparseAdam's step count).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from .plan import VariableSpec
+
+FORMAT_VERSION = 1
+_LENGTH = struct.Struct("<Q")
+_MAX_HEADER = 64 << 20
+_MANIFEST = re.compile(r"^step-(\d{9})\.manifest\.json$")
+_CHUNK = 16 << 20
+
+
+def step_dir(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:09d}"
+
+
+def manifest_path(directory: Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:09d}.manifest.json"
+
+
+# --- files ---------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, chunks) -> tuple[int, str]:
+    """Write ``chunks`` (bytes-like) to ``path`` through a temporary file, fsync and rename;
+    returns (size, SHA-256 hex)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                digest.update(chunk)
+                size += memoryview(chunk).nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return size, digest.hexdigest()
+
+
+def _write_json(path: Path, obj) -> None:
+    _atomic_write(path, [json.dumps(obj, indent=1).encode()])
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """Write ``tensors`` to ``path`` (atomically); returns (size, SHA-256 hex)."""
+    entries, datas, offset = [], [], 0
+    for key, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        nbytes = t.numel() * t.element_size()
+        entries.append({"key": key, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                        "offset": offset, "nbytes": nbytes})
+        datas.append(data)
+        offset += nbytes
+    header = json.dumps({"tensors": entries}).encode()
+
+    def chunks():
+        yield _LENGTH.pack(len(header))
+        yield header
+        for data in datas:
+            view = memoryview(data)
+            for i in range(0, len(view), _CHUNK):
+                yield view[i:i + _CHUNK]
+    return _atomic_write(Path(path), chunks())
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a file written by ``write_tensors``; CheckpointError naming the file when it is
+    not one (truncated, or a header that does not fit the file)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    try:
+        (length,) = _LENGTH.unpack_from(raw)
+        if length > min(_MAX_HEADER, len(raw) - _LENGTH.size):
+            raise ValueError("header longer than the file")
+        header = json.loads(raw[_LENGTH.size:_LENGTH.size + length])
+        base = _LENGTH.size + length
+        out = {}
+        for e in header["tensors"]:
+            dtype = getattr(torch, e["dtype"])
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"not a dtype: {e['dtype']}")
+            shape = tuple(int(d) for d in e["shape"])
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            start = base + int(e["offset"])
+            if nbytes != e["nbytes"] or start < base or start + nbytes > len(raw):
+                raise ValueError(f"tensor {e['key']} outside the file")
+            data = bytearray(raw[start:start + nbytes])
+            out[e["key"]] = (torch.frombuffer(data, dtype=dtype).reshape(shape) if nbytes
+                             else torch.empty(shape, dtype=dtype))
+        return out
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+        raise CheckpointError(f"{path} is not a readable tensor file ({e}): it is damaged, "
+                              "restore from another checkpoint") from None
+
+
+# --- what a ps writes ----------------------------------------------------------------------------
+def encode_state(state: dict) -> dict[str, torch.Tensor]:
+    """A torch optimizer's per-parameter state as tensors by slot key (``slot``, or ``slot:int`` /
+    ``slot:float`` for a plain number), for a shard file or an INIT message."""
+    out = {}
+    for slot, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[slot] = value.detach()
+        elif isinstance(value, bool | int | float):
+            kind = "float" if isinstance(value, float) else "int"
+            out[f"{slot}:{kind}"] = torch.tensor(value, dtype=torch.float64 if kind == "float" else torch.int64)
+    return out
+
+
+def decode_state(entries: dict[str, torch.Tensor]) -> dict:
+    """The inverse of ``encode_state`` (tensors copied: they may be views of a received message)."""
+    state = {}
+    for key, t in entries.items():
+        slot, _, kind = key.partition(":")
+        state[slot] = t.clone() if not kind else (t.item() if kind == "float" else int(t.item()))
+    return state
+
+
+def shard_tensors(names: list[str], params: list[torch.Tensor], states: list[dict]) -> dict[str, torch.Tensor]:
+    """The tensors of one ps's shard: each variable's value under its name, and its optimizer state
+    (``states[i]``, the torch optimizer's per-parameter state) under ``name#slot``."""
+    out = {}
+    for name, param, state in zip(names, params, states):
+        out[name] = param.detach()
+        out.update({f"{name}#{key}": t for key, t in encode_state(state).items()})
+    return out
+
+
+def split_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """(values by variable name, optimizer state by variable name) of a shard's tensors."""
+    values, entries = {}, {}
+    for key, t in tensors.items():
+        name, sep, slot = key.partition("#")
+        if sep:
+            entries.setdefault(name, {})[slot] = t
+        else:
+            values[name] = t
+    return values, {name: decode_state(e) for name, e in entries.items()}
+
+
+def write_shard(directory, step: int, ps: int, tensors: dict[str, torch.Tensor], *, run_id: int,
+                attempt: int = 0) -> dict:
+    """Write ps ``ps``'s shard of step ``step`` and then its receipt; returns the receipt. ``attempt``
+    counts the restarts of the run (after a ps was lost): only receipts of one attempt form a checkpoint."""
+    folder = step_dir(directory, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    size, sha = write_tensors(folder / f"ps-{ps}.tensors", tensors)
+    receipt = {"ps": ps, "step": step, "run_id": run_id, "attempt": attempt, "file": f"{folder.name}/ps-{ps}.tensors",
+               "bytes": size, "sha256": sha}
+    _write_json(folder / f"ps-{ps}.json", receipt)
+    return receipt
+
+
+# --- the commit ----------------------------------------------------------------------------------
+def receipts(directory, step: int, num_ps: int, *, attempt: int = 0) -> list[dict] | None:
+    """The receipts of every ps for ``step`` written in ``attempt``, or None while some are missing."""
+    folder = step_dir(directory, step)
+    found = []
+    for ps in range(num_ps):
+        try:
+            receipt = json.loads((folder / f"ps-{ps}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if receipt.get("step") != step or receipt.get("attempt") != attempt:
+            return None
+        found.append(receipt)
+    return found
+
+
+def uncommitted_steps(directory) -> list[int]:
+    """Steps that have a shard folder but no manifest yet, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    steps = []
+    for entry in directory.iterdir():
+        m = re.fullmatch(r"step-(\d{9})", entry.name)
+        if m and entry.is_dir() and not manifest_path(directory, int(m.group(1))).exists():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def commit(directory, step: int, run_id: int, variables, optimizer: str, optimizer_kwargs: dict,
+           shard_receipts: list[dict], *, keep: int | None = None) -> Path:
+    """Write the manifest of ``step`` (the commit), then delete all but the newest ``keep`` checkpoints."""
+    directory = Path(directory)
+    manifest = {"format_version": FORMAT_VERSION, "run_id": run_id, "step": step, "time": time.time(),
+                "optimizer": optimizer, "optimizer_kwargs": optimizer_kwargs,
+                "variables": [{"id": v.id, "name": v.name, "variable": v.parameter, "shape": list(v.shape),
+                               "dtype": v.dtype, "ps": v.ps, "start": v.start, "sparse": v.sparse}
+                              for v in variables],
+                "shards": [{"ps": r["ps"], "file": r["file"], "bytes": r["bytes"], "sha256": r["sha256"]}
+                           for r in sorted(shard_receipts, key=lambda r: r["ps"])]}
+    path = manifest_path(directory, step)
+    _write_json(path, manifest)
+    if keep is not None:
+        prune(directory, keep)
+    return path
+
+
+def prune(directory, keep: int) -> None:
+    """Delete all but the newest ``keep`` committed checkpoints (manifest first: a half-deleted one is
+    never taken for a checkpoint), and the shard folders of older uncommitted steps."""
+    steps = committed_steps(directory)
+    for step in steps[:-keep] if keep > 0 else steps:
+        manifest_path(directory, step).unlink(missing_ok=True)
+        shutil.rmtree(step_dir(directory, step), ignore_errors=True)
+    if steps:
+        for step in uncommitted_steps(directory):
+            if step < steps[-1]:
+                shutil.rmtree(step_dir(directory, step), ignore_errors=True)
+
+
+def committed_steps(directory) -> list[int]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(m.group(1)) for m in map(_MANIFEST.match, os.listdir(directory)) if m)
+
+
+# --- restore -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint: its manifest, read and checked against its shard files."""
+
+    path: Path
+    step: int
+    run_id: int
+    variables: tuple[VariableSpec, ...]
+    shards: tuple[dict, ...]
+    optimizer: str
+    optimizer_kwargs: dict
+
+    @classmethod
+    def load(cls, path) -> "Checkpoint":
+        """The checkpoint of manifest ``path``; CheckpointError naming the file that is missing, of the
+        wrong size or with a bad checksum."""
+        path = Path(path)
+        try:
+            m = json.loads(path.read_text())
+            if m.get("format_version") != FORMAT_VERSION:
+                raise ValueError(f"format version {m.get('format_version')}, this pscluster reads {FORMAT_VERSION}")
+            variables = tuple(VariableSpec(id=v["id"], name=v["name"], shape=tuple(v["shape"]), dtype=v["dtype"],
+                                           ps=v["ps"], variable="" if v["variable"] == v["name"] else v["variable"],
+                                           start=v["start"], sparse=v["sparse"]) for v in m["variables"])
+            ckpt = cls(path=path, step=int(m["step"]), run_id=int(m["run_id"]), variables=variables,
+                       shards=tuple(m["shards"]), optimizer=m["optimizer"],
+                       optimizer_kwargs=m.get("optimizer_kwargs") or {})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path} is not a readable manifest ({e})") from None
+        for shard in ckpt.shards:
+            ckpt._verify(shard)
+        return ckpt
+
+    def _verify(self, shard: dict) -> None:
+        file = self.path.parent / shard["file"]
+        try:
+            size = file.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{file} is missing: checkpoint of step {self.step} is incomplete") from None
+        if size != shard["bytes"]:
+            raise CheckpointError(f"{file} has {size} bytes, its manifest says {shard['bytes']}: "
+                                  "the shard is truncated or damaged")
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+        if digest.hexdigest() != shard["sha256"]:
+            raise CheckpointError(f"{file} fails its SHA-256 checksum: the shard is damaged")
+
+    def tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """(whole parameters by parameter name, optimizer state by parameter name): the shards of a
+        partitioned parameter joined in row order, per-row optimizer slots likewise; other slots (step
+        counts) are those of the first shard."""
+        values, states = {}, {}
+        for shard in self.shards:
+            v, s = split_state(read_tensors(self.path.parent / shard["file"]))
+            values.update(v)
+            states.update(s)
+        params, slots = {}, {}
+        for parameter in dict.fromkeys(v.parameter for v in self.variables):
+            parts = sorted((v for v in self.variables if v.parameter == parameter), key=lambda v: v.start)
+            params[parameter] = _join([values[v.name] for v in parts])
+            per_slot: dict[str, list] = {}
+            for v in parts:
+                for slot, value in states.get(v.name, {}).items():
+                    per_slot.setdefault(slot, []).append(value)
+            slots[parameter] = {slot: _join(vs) if _per_row(vs, parts) else vs[0] for slot, vs in per_slot.items()}
+        return params, slots
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's parameters at this checkpoint, as ``model.state_dict()`` holds them."""
+        return self.tensors()[0]
+
+
+def _per_row(values: list, parts: list[VariableSpec]) -> bool:
+    """Whether an optimizer slot is kept per row of its variable (then it is split like the variable)."""
+    return all(isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(v.shape) for t, v in zip(values, parts))
+
+
+def _join(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+
+
+def latest(directory, *, on_refused=None) -> Checkpoint | None:
+    """The newest checkpoint in ``directory`` that passes its checks, or None. Each refused one is
+    reported to ``on_refused(error_message)`` and the previous one is tried."""
+    for step in reversed(committed_steps(directory)):
+        try:
+            return Checkpoint.load(manifest_path(directory, step))
+        except CheckpointError as e:
+            if on_refused is not None:
+                on_refused(str(e))
+    return None
+
+
+def reshard(ckpt: Checkpoint, variables) -> tuple[dict[int, torch.Tensor], dict[int, dict]]:
+    """The checkpoint's values and optimizer state cut to ``variables`` (any placement and number of ps):
+    (value by variable id, optimizer state by variable id). CheckpointError when the model differs."""
+    params, slots = ckpt.tensors()
+    wanted = {v.parameter: v for v in variables}
+    if set(wanted) != set(params):
+        missing, extra = sorted(set(wanted) - set(params)), sorted(set(params) - set(wanted))
+        raise CheckpointError(f"checkpoint {ckpt.path.name} does not fit this model (missing {missing}, "
+                              f"unexpected {extra}): train with another checkpoint_dir or restore=False")
+    values, states = {}, {}
+    for v in variables:
+        whole = params[v.parameter]
+        full_shape = (whole.shape[0], *v.shape[1:]) if v.partitioned else tuple(v.shape)
+        if tuple(whole.shape) != tuple(full_shape) or str(whole.dtype).removeprefix("torch.") != v.dtype:
+            raise CheckpointError(f"checkpoint {ckpt.path.name} holds {v.parameter} as {tuple(whole.shape)} "
+                                  f"{whole.dtype}, the model as {full_shape} {v.dtype}: train with another "
+                                  "checkpoint_dir or restore=False")
+        values[v.id] = whole[v.start:v.stop].clone() if v.partitioned else whole.clone()
+        states[v.id] = {slot: (t[v.start:v.stop].clone() if v.partitioned else t.clone())
+                        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == whole.shape[0] else
+                        (t.clone() if isinstance(t, torch.Tensor) else t)
+                        for slot, t in slots[v.parameter].items()}
+    return values, states
+
+
+def export_state_dict(ckpt: Checkpoint, path) -> Path:
+    """Write the checkpoint's parameters as a plain ``state_dict`` file that ``torch.load`` reads without
+    pscluster (a dict of tensors, ``weights_only`` safe)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(ckpt.state_dict(), path)
+    return path
