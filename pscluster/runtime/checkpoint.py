@@ -239,6 +239,19 @@ def commit(directory, step: int, run_id: int, variables, optimizer: str, optimiz
     return path
 
 
+def commit_ready(directory, *, num_ps: int, run_id: int, attempt: int, variables, optimizer: str,
+                 optimizer_kwargs: dict, keep: int | None = None) -> list[Path]:
+    """Commit every step whose shards all ``num_ps`` ps tasks have written in ``attempt`` of run
+    ``run_id``; the manifests written, oldest first."""
+    written = []
+    for step in uncommitted_steps(directory):
+        found = receipts(directory, step, num_ps, attempt=attempt)
+        if found is not None and all(r.get("run_id") == run_id for r in found):
+            written.append(commit(directory, step, run_id, variables, optimizer, optimizer_kwargs, found,
+                                  keep=keep))
+    return written
+
+
 def prune(directory, keep: int) -> None:
     """Delete all but the newest ``keep`` committed checkpoints (manifest first: a half-deleted one is
     never taken for a checkpoint), and the shard folders of older uncommitted steps."""

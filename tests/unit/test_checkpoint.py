@@ -1,0 +1,190 @@
+"""Sharded checkpoints: files, commit, refusal of damaged ones, restore onto another number of ps, export."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pscluster.errors import CheckpointError
+from pscluster.runtime import checkpoint
+from pscluster.runtime.plan import assemble
+from pscluster.runtime.worker import build_model, run_worker
+
+from .test_sparse_inprocess import BagModel, make_plan
+from .test_sparse_inprocess import bags as bags  # noqa: F401  (the fixture)
+from .test_worker_inprocess import RUN_ID
+
+ADAM = ("adam", {"lr": 0.01})
+
+
+def test_tensor_files_round_trip_every_dtype_and_shape(tmp_path):
+    tensors = {"w": torch.randn(3, 4), "ids": torch.arange(5), "half": torch.ones(2, dtype=torch.bfloat16),
+               "flag": torch.tensor([True, False]), "empty": torch.empty(0, 7), "scalar": torch.tensor(2.5)}
+    size, sha = checkpoint.write_tensors(tmp_path / "a.tensors", tensors)
+    assert size == (tmp_path / "a.tensors").stat().st_size and len(sha) == 64
+    back = checkpoint.read_tensors(tmp_path / "a.tensors")
+    assert list(back) == list(tensors)
+    for key, t in tensors.items():
+        assert back[key].dtype == t.dtype and torch.equal(back[key], t), key
+    assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed
+
+
+def test_a_truncated_tensor_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "a.tensors"
+    checkpoint.write_tensors(path, {"w": torch.randn(100)})
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match=f"{path} is not a readable tensor file"):
+        checkpoint.read_tensors(path)
+
+
+def test_optimizer_state_keeps_plain_numbers(tmp_path):
+    state = {"step": 7, "exp_avg": torch.randn(3), "lr": 0.5, "max": torch.tensor(1.0)}
+    back = checkpoint.decode_state(checkpoint.encode_state(state))
+    assert back["step"] == 7 and isinstance(back["step"], int)
+    assert back["lr"] == 0.5 and isinstance(back["lr"], float)
+    assert torch.equal(back["exp_avg"], state["exp_avg"]) and torch.equal(back["max"], state["max"])
+
+
+def train(local_ps, dataset, *, num_ps, partition, steps, directory, every=0, restore=False, attempt=0):
+    """One in-process run (one worker, sync) with checkpoints in ``directory``; the manifests it committed
+    and the plan."""
+    spec = local_ps.start(num_ps=num_ps, num_workers=1)
+    plan = make_plan(spec, BagModel, steps=steps, optimizer=ADAM, partition=partition)
+    plan = replace(plan, checkpoint_dir=str(directory), checkpoint_every=every, restore=restore, attempt=attempt)
+    run_worker(spec, 0, plan, BagModel, dataset, torch.nn.BCEWithLogitsLoss())
+    committed = checkpoint.commit_ready(directory, num_ps=num_ps, run_id=RUN_ID, attempt=attempt,
+                                        variables=plan.variables, optimizer="adam", optimizer_kwargs={"lr": 0.01},
+                                        keep=3)
+    params = local_ps.client(spec, run_id=RUN_ID).pull_all()
+    return committed, assemble(plan.variables, params.messages), plan
+
+
+def test_every_n_steps_and_at_the_end_keeping_the_last_k(local_ps, bags, tmp_path):
+    committed, final, plan = train(local_ps, bags, num_ps=2, partition={"embedding": 2}, steps=25,
+                                   directory=tmp_path, every=5)
+    assert [p.name for p in committed] == [f"step-{s:09d}.manifest.json" for s in (5, 10, 15, 20, 25)]
+    assert checkpoint.committed_steps(tmp_path) == [15, 20, 25]  # keep=3
+    assert sorted(p.name for p in tmp_path.glob("step-*") if p.is_dir()) == \
+        ["step-000000015", "step-000000020", "step-000000025"]
+    latest = checkpoint.latest(tmp_path)
+    assert latest.step == 25 and len(latest.shards) == 2
+    for name, value in latest.state_dict().items():  # the final checkpoint holds the final parameters
+        assert torch.equal(value, final[name]), name
+
+
+def test_restore_onto_three_ps_is_bit_identical_and_keeps_optimizer_state(local_ps, bags, tmp_path):
+    train(local_ps, bags, num_ps=2, partition={"embedding": 2}, steps=10, directory=tmp_path)
+    saved = checkpoint.latest(tmp_path)
+    restored = {}
+    for num_ps, partition in ((3, {"embedding": 3}), (2, {"embedding": 2})):
+        directory = tmp_path / f"on-{num_ps}"
+        directory.mkdir()
+        for f in tmp_path.glob("step-000000010*"):  # the same checkpoint, in a directory of its own
+            subprocess.run(["cp", "-r", str(f), str(directory)], check=True)
+        # a target of 10 steps: restored at step 10, nothing to train: the ps hold the checkpoint's values
+        _, now, plan = train(local_ps, bags, num_ps=num_ps, partition=partition, steps=10, directory=directory,
+                             restore=True, attempt=1)
+        assert len(plan.variables) == num_ps + 2  # the shards of the embedding, out.weight, out.bias
+        for name, value in saved.state_dict().items():
+            assert torch.equal(now[name], value), (num_ps, name)
+        slots = saved.tensors()[1]
+        for server in local_ps.servers[-num_ps:]:  # each ps holds its rows of the Adam moments
+            for v in (v for v in plan.variables if v.ps == server.index):
+                state = server.run.optimizer_state(server.run.params[server.run.position[v.id]])
+                assert state["step"] == slots[v.parameter]["step"] == 10
+                for slot in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(state[slot], slots[v.parameter][slot][v.start:v.stop]), (v.name, slot)
+        # ...and ten more steps from there move both alike: the Adam state came back too
+        _, restored[num_ps], _ = train(local_ps, bags, num_ps=num_ps, partition=partition, steps=20,
+                                       directory=directory, restore=True, attempt=2)
+    for name, value in restored[2].items():
+        assert torch.equal(restored[3][name], value), name
+    assert (restored[2]["embedding.weight"] - saved.state_dict()["embedding.weight"]).abs().max() > 0
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_is_used(local_ps, bags, tmp_path):
+    train(local_ps, bags, num_ps=2, partition=None, steps=20, directory=tmp_path, every=10)
+    assert checkpoint.committed_steps(tmp_path) == [10, 20]
+    shard = tmp_path / "step-000000020" / "ps-1.tensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit, same size
+    shard.write_bytes(bytes(data))
+    refused = []
+    assert checkpoint.latest(tmp_path, on_refused=refused.append).step == 10
+    assert refused == [f"{shard} fails its SHA-256 checksum: the shard is damaged"]
+    shard.write_bytes(bytes(data[:100]))  # truncated
+    refused.clear()
+    assert checkpoint.latest(tmp_path, on_refused=refused.append).step == 10
+    assert refused[0].startswith(f"{shard} has 100 bytes, its manifest says")
+    # the chief's restore takes the previous one, and says why
+    _, params, _ = train(local_ps, bags, num_ps=2, partition=None, steps=10, directory=tmp_path, restore=True,
+                         attempt=1)
+    for name, value in checkpoint.Checkpoint.load(checkpoint.manifest_path(tmp_path, 10)).state_dict().items():
+        assert torch.equal(params[name], value)
+
+
+def test_a_checkpoint_of_another_model_is_refused(local_ps, bags, tmp_path):
+    train(local_ps, bags, num_ps=1, partition=None, steps=5, directory=tmp_path)
+    spec = local_ps.start(num_ps=1, num_workers=1)
+    other = make_plan(spec, lambda: torch.nn.Linear(4, 1), steps=5)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        checkpoint.reshard(checkpoint.latest(tmp_path), other.variables)
+
+
+def test_the_export_loads_into_a_fresh_model_with_plain_torch(local_ps, bags, tmp_path):
+    train(local_ps, bags, num_ps=2, partition={"embedding": 2}, steps=10, directory=tmp_path)
+    ckpt = checkpoint.latest(tmp_path)
+    path = checkpoint.export_state_dict(ckpt, tmp_path / "export" / "model.pt")
+    expected = {k: v.clone() for k, v in ckpt.state_dict().items()}
+    torch.save(expected, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["pscluster"] = None  # importing pscluster now fails: the file must not need it
+        import torch
+        model = torch.nn.Module()
+        model.embedding = torch.nn.EmbeddingBag({BagModel().embedding.num_embeddings},
+                                                {BagModel().embedding.embedding_dim}, mode="sum")
+        model.out = torch.nn.Linear({BagModel().out.in_features}, 1)
+        model.load_state_dict(torch.load({str(path)!r}, weights_only=True))
+        expected = torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True)
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+        print("loaded", len(expected))
+    """)
+    out = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "loaded 3"
+    assert set(expected) == set(dict(build_model(BagModel, 0).named_parameters()))
+
+
+def test_a_process_killed_while_writing_leaves_no_checkpoint_that_restore_accepts(tmp_path):
+    writer = textwrap.dedent(f"""
+        import torch
+        from pscluster.runtime import checkpoint
+        from pscluster.runtime.plan import VariableSpec
+        variables = [VariableSpec(id=0, name="w", shape=(4_000_000,), dtype="float32", ps=0)]
+        step = 0
+        while True:
+            step += 1
+            r = checkpoint.write_shard({str(tmp_path)!r}, step, 0, {{"w": torch.full((4_000_000,), float(step))}},
+                                       run_id=1)
+            checkpoint.commit({str(tmp_path)!r}, step, 1, variables, "sgd", {{}}, [r], keep=2)
+            print(step, flush=True)
+    """)
+    for delay in (0.5, 0.8, 1.1):
+        proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()  # one checkpoint committed
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        ckpt = checkpoint.latest(tmp_path)  # whatever was left: a complete, checked checkpoint
+        assert ckpt is not None
+        assert torch.equal(ckpt.state_dict()["w"], torch.full((4_000_000,), float(ckpt.step)))
+        for leftover in tmp_path.rglob("*"):  # start the next round afresh
+            if leftover.is_file():
+                leftover.unlink()
