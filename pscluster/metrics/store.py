@@ -136,9 +136,10 @@ def _task_index(task: str) -> int:
 
 
 class RunStore:
-    """The run store. ``readonly=True`` opens a reader that never writes or blocks the writer."""
+    """The run store. ``readonly=True`` opens a reader that never writes or blocks the writer.
+    ``timeout``: how long a query waits for a lock another process holds before it fails."""
 
-    def __init__(self, path: str | os.PathLike | None = None, *, readonly: bool = False):
+    def __init__(self, path: str | os.PathLike | None = None, *, readonly: bool = False, timeout: float = 10.0):
         self.path = os.fspath(path or default_path())
         self.readonly = readonly
         self._lock = threading.Lock()
@@ -146,10 +147,10 @@ class RunStore:
             if not os.path.exists(self.path):
                 raise FileNotFoundError(f"no run store at {self.path}: train a run first, or set PSCLUSTER_HOME")
             self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False,
-                                       timeout=10)
+                                       timeout=timeout)
         else:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=timeout)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._migrate()

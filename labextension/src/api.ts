@@ -1,0 +1,115 @@
+/**
+ * The REST payloads of pscluster's server extension and the one function that asks for them.
+ * Every interface here mirrors a dataclass of pscluster/labserver/models.py, field for field
+ * (tests/labserver/test_models.py compares them).
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+export interface TaskInfo {
+  role: string;
+  task: number;
+  engine: number | null;
+  host: string;
+  pid: number | null;
+  device: string;
+  state: string;
+}
+
+export interface ClusterInfo {
+  name: string;
+  owner_pid: number;
+  owner_kernel: string | null;
+  started: number;
+  state: string;
+  ps: number;
+  workers: number;
+  hosts: string[];
+  devices: string[];
+  tasks: TaskInfo[];
+}
+
+export interface SkippedCluster {
+  name: string;
+  reason: string;
+}
+
+export interface ClusterList {
+  clusters: ClusterInfo[];
+  skipped: SkippedCluster[];
+}
+
+export interface RunInfo {
+  id: number;
+  name: string;
+  cluster: string;
+  mode: string;
+  status: string;
+  started: number;
+  ended: number | null;
+  steps: number | null;
+  global_step: number;
+  steps_per_s: number | null;
+  loss: number | null;
+  sparkline: number[];
+}
+
+export interface RunList {
+  runs: RunInfo[];
+  message: string | null;
+}
+
+export interface MetricRows {
+  run: RunInfo;
+  cursor: number;
+  more: boolean;
+  worker: number[];
+  time: number[];
+  local_step: number[];
+  global_step: number[];
+  loss: (number | null)[];
+}
+
+export interface ActionResult {
+  action: string;
+  target: string;
+  state: string;
+}
+
+export interface ErrorReply {
+  error: string;
+}
+
+/** An answer other than 200, with the server's one-line message. */
+export class ApiError extends Error {
+  constructor(
+    readonly status: number,
+    message: string
+  ) {
+    super(message);
+  }
+}
+
+/** GET (or POST with `method: 'POST'`) `/pscluster/api/<path>` and decode its JSON. */
+export async function requestAPI<T>(path: string, init: RequestInit = {}): Promise<T> {
+  const settings = ServerConnection.makeSettings();
+  const url = URLExt.join(settings.baseUrl, 'pscluster', 'api', path);
+  let response: Response;
+  try {
+    response = await ServerConnection.makeRequest(url, init, settings);
+  } catch (error) {
+    throw new ApiError(0, `the Jupyter server does not answer (${error}): is it still running?`);
+  }
+  const text = await response.text();
+  let data: unknown = null;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    throw new ApiError(response.status, `unexpected answer from the server (HTTP ${response.status})`);
+  }
+  if (!response.ok) {
+    const message = (data as ErrorReply | null)?.error ?? `HTTP ${response.status}`;
+    throw new ApiError(response.status, message);
+  }
+  return data as T;
+}

@@ -1,0 +1,46 @@
+/** pscluster's JupyterLab plugin: the side panel, and a main-area view per run opened from it. */
+import { ILabShell, ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { MainAreaWidget } from '@jupyterlab/apputils';
+import { LabIcon } from '@jupyterlab/ui-components';
+
+import { RunInfo } from './api';
+import { ClusterPanel } from './panel';
+import { RunView } from './runview';
+
+const icon = new LabIcon({
+  name: 'pscluster:icon',
+  svgstr:
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24"><g class="jp-icon3" fill="#616161">' +
+    '<rect x="9" y="2" width="6" height="6" rx="1"/><rect x="2" y="16" width="6" height="6" rx="1"/>' +
+    '<rect x="16" y="16" width="6" height="6" rx="1"/><path d="M11.5 8h1v4h6.5v4h-1v-3h-12v3h-1v-4h6.5z"/></g></svg>'
+});
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: 'pscluster:panel',
+  description: 'Clusters and runs of pscluster in the left side panel',
+  autoStart: true,
+  requires: [ILabShell],
+  optional: [ILayoutRestorer],
+  activate: (app: JupyterFrontEnd, shell: ILabShell, restorer: ILayoutRestorer | null) => {
+    const views = new Map<number, MainAreaWidget<RunView>>();
+    const openRun = (run: RunInfo) => {
+      let view = views.get(run.id);
+      if (!view || view.isDisposed) {
+        view = new MainAreaWidget({ content: new RunView(run.id) });
+        view.id = `pscluster-run-${run.id}`;
+        view.title.label = run.name;
+        view.title.icon = icon;
+        view.title.closable = true;
+        views.set(run.id, view);
+        shell.add(view, 'main');
+      }
+      shell.activateById(view.id);
+    };
+    const panel = new ClusterPanel(openRun);
+    panel.title.icon = icon;
+    shell.add(panel, 'left', { rank: 600 });
+    restorer?.add(panel, panel.id);
+  }
+};
+
+export default plugin;

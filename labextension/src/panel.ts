@@ -1,0 +1,230 @@
+/**
+ * The left side panel: running clusters with their tasks, and every run of the store with its
+ * status, global step, speed and a loss sparkline. It refreshes while it is visible only.
+ */
+import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
+import { Poll } from '@lumino/polling';
+import { Widget } from '@lumino/widgets';
+
+import { ActionResult, ApiError, ClusterInfo, ClusterList, RunInfo, RunList, requestAPI } from './api';
+import { sparkline } from './charts';
+
+/** How often the panel asks the server while it is visible (ms). */
+export const REFRESH_MS = 1500;
+
+const LIVE = new Set(['starting', 'training']);
+
+function el<K extends keyof HTMLElementTagNameMap>(tag: K, className = '', text = ''): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  node.className = className;
+  node.textContent = text;
+  return node;
+}
+
+/** `value` with `digits` decimals, or an en dash when there is none. */
+export function fmt(value: number | null, digits = 1): string {
+  return value === null || !Number.isFinite(value) ? '–' : value.toFixed(digits);
+}
+
+/** Ask for confirmation, then POST `path`; errors are shown, never thrown. */
+export async function confirmAndPost(title: string, body: string, path: string): Promise<ActionResult | null> {
+  const answer = await showDialog({
+    title,
+    body,
+    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Stop' })]
+  });
+  if (!answer.button.accept) {
+    return null;
+  }
+  try {
+    return await requestAPI<ActionResult>(path, { method: 'POST' });
+  } catch (error) {
+    await showErrorMessage(title, (error as Error).message);
+    return null;
+  }
+}
+
+export class ClusterPanel extends Widget {
+  constructor(private readonly openRun: (run: RunInfo) => void) {
+    super();
+    this.id = 'pscluster-panel';
+    this.addClass('jp-pscluster-panel');
+    this.title.caption = 'pscluster: clusters and runs';
+    this.node.append(
+      el('h2', 'jp-pscluster-heading', 'Clusters'),
+      this.clustersNode,
+      el('h2', 'jp-pscluster-heading', 'Runs'),
+      this.runsMessage,
+      this.runsTable
+    );
+    this.runsTable.createTHead().append(this.headerRow());
+    this.runsTable.append(this.runsBody);
+    this.poll = new Poll({
+      factory: () => this.refresh(),
+      frequency: { interval: REFRESH_MS, backoff: false },
+      standby: () => !this.isVisible || 'when-hidden'
+    });
+  }
+
+  dispose(): void {
+    this.poll.dispose();
+    super.dispose();
+  }
+
+  protected onAfterShow(): void {
+    void this.poll.refresh();
+  }
+
+  /** Ask the server for the clusters and the runs and show them (or why not). */
+  async refresh(): Promise<void> {
+    const [clusters, runs] = await Promise.allSettled([
+      requestAPI<ClusterList>('clusters'),
+      requestAPI<RunList>('runs')
+    ]);
+    if (clusters.status === 'fulfilled') {
+      this.showClusters(clusters.value);
+    } else {
+      this.clustersNode.replaceChildren(el('div', 'jp-pscluster-error', (clusters.reason as ApiError).message));
+    }
+    if (runs.status === 'fulfilled') {
+      this.showRuns(runs.value);
+    } else {
+      this.showMessage((runs.reason as ApiError).message, true);
+    }
+  }
+
+  private showMessage(text: string, error = false): void {
+    this.runsMessage.textContent = text;
+    this.runsMessage.className = error ? 'jp-pscluster-error' : 'jp-pscluster-message';
+    this.runsMessage.hidden = !text;
+  }
+
+  private showClusters(list: ClusterList): void {
+    const signature = JSON.stringify(list);
+    if (signature === this.clustersSignature) {
+      return;
+    }
+    this.clustersSignature = signature;
+    const nodes: HTMLElement[] = list.clusters.map(c => this.clusterNode(c));
+    if (!list.clusters.length) {
+      nodes.push(
+        el('div', 'jp-pscluster-message', 'No cluster running. Start one with %pscluster start in a notebook.')
+      );
+    }
+    for (const skipped of list.skipped) {
+      nodes.push(el('div', 'jp-pscluster-note', `${skipped.name}: ${skipped.reason}`));
+    }
+    this.clustersNode.replaceChildren(...nodes);
+  }
+
+  private clusterNode(cluster: ClusterInfo): HTMLElement {
+    const node = el('div', 'jp-pscluster-cluster');
+    node.dataset.name = cluster.name;
+    const head = el('div', 'jp-pscluster-cluster-head');
+    head.append(
+      el('span', 'jp-pscluster-cluster-name', cluster.name),
+      el('span', `jp-pscluster-state jp-pscluster-state-${cluster.state}`, cluster.state)
+    );
+    if (cluster.state === 'running') {
+      const stop = el('button', 'jp-Button jp-mod-styled jp-mod-warn jp-pscluster-stop', 'Stop');
+      stop.title = `Stop cluster ${cluster.name} and its engines`;
+      stop.onclick = async () => {
+        const body = `Stops every engine of ${cluster.name} (and its run, if one is training).`;
+        if (await confirmAndPost(`Stop cluster ${cluster.name}?`, body, `clusters/${cluster.name}/stop`)) {
+          void this.poll.refresh();
+        }
+      };
+      head.append(stop);
+    }
+    const table = el('table', 'jp-pscluster-tasks');
+    const header = table.createTHead().insertRow();
+    for (const name of ['role', 'task', 'host', 'device', 'state']) {
+      header.append(el('th', '', name));
+    }
+    const body = table.createTBody();
+    for (const t of cluster.tasks) {
+      const row = body.insertRow();
+      row.className = `jp-pscluster-task jp-pscluster-role-${t.role}`;
+      for (const value of [t.role, String(t.task), t.host, t.device, t.state]) {
+        row.append(el('td', '', value));
+      }
+    }
+    node.append(head, table);
+    return node;
+  }
+
+  private headerRow(): HTMLTableRowElement {
+    const row = document.createElement('tr');
+    for (const name of ['run', 'status', 'step', 'steps/s', 'loss', '']) {
+      row.append(el('th', '', name));
+    }
+    return row;
+  }
+
+  private showRuns(list: RunList): void {
+    this.showMessage(list.message ?? (list.runs.length ? '' : 'No runs yet: train one on a cluster.'));
+    const seen = new Set<number>();
+    for (const run of list.runs) {
+      seen.add(run.id);
+      let row = this.runRows.get(run.id);
+      if (!row) {
+        row = this.runRow(run.id);
+        this.runRows.set(run.id, row);
+      }
+      this.updateRun(row, run);
+      this.runsBody.append(row); // keeps the server's order: newest first
+    }
+    for (const [id, row] of this.runRows) {
+      if (!seen.has(id)) {
+        row.remove();
+        this.runRows.delete(id);
+      }
+    }
+  }
+
+  private runRow(id: number): HTMLTableRowElement {
+    const row = document.createElement('tr');
+    row.className = 'jp-pscluster-run';
+    row.dataset.runId = String(id);
+    for (const cell of ['name', 'status', 'step', 'speed', 'loss', 'actions']) {
+      row.append(el('td', `jp-pscluster-run-${cell}`));
+    }
+    return row;
+  }
+
+  private updateRun(row: HTMLTableRowElement, run: RunInfo): void {
+    const [name, status, step, speed, loss, actions] = Array.from(row.cells);
+    name.textContent = run.name;
+    name.title = `${run.name} on ${run.cluster} (${run.mode}): open its plots`;
+    status.textContent = run.status;
+    status.className = `jp-pscluster-run-status jp-pscluster-status-${run.status}`;
+    step.textContent = run.steps ? `${run.global_step}/${run.steps}` : String(run.global_step);
+    speed.textContent = fmt(run.steps_per_s);
+    loss.replaceChildren(sparkline(run.sparkline));
+    loss.title = `latest loss ${fmt(run.loss, 4)}`;
+    row.onclick = () => this.openRun(run);
+    const live = LIVE.has(run.status);
+    if (live && !actions.firstChild) {
+      const stop = el('button', 'jp-Button jp-mod-styled jp-mod-warn jp-pscluster-stop-run', 'Stop');
+      stop.title = `Stop ${run.name} at the next step of every worker`;
+      stop.onclick = async event => {
+        event.stopPropagation();
+        const body = `Ends ${run.name} at the next step; what it trained stays on its cluster.`;
+        if (await confirmAndPost(`Stop run ${run.name}?`, body, `runs/${run.id}/stop`)) {
+          void this.poll.refresh();
+        }
+      };
+      actions.append(stop);
+    } else if (!live) {
+      actions.replaceChildren();
+    }
+  }
+
+  private readonly clustersNode = el('div', 'jp-pscluster-clusters');
+  private readonly runsMessage = el('div', 'jp-pscluster-message');
+  private readonly runsTable = el('table', 'jp-pscluster-runs');
+  private readonly runsBody = document.createElement('tbody');
+  private readonly runRows = new Map<number, HTMLTableRowElement>();
+  private clustersSignature = '';
+  private readonly poll: Poll;
+}
