@@ -93,6 +93,13 @@ class ClusterSpec:
         """A copy whose ps tasks listen on ``ports``."""
         return replace(self, ps=tuple(replace(t, port=p) for t, p in zip(self.ps, ports, strict=True)))
 
+    def with_task(self, task: TaskSpec) -> "ClusterSpec":
+        """A copy in which ``task`` takes the place of the task of its role and index (a replacement)."""
+        self.task(task.role, task.index)
+        field_name = "ps" if task.role == "ps" else "workers"
+        tasks = tuple(task if t.index == task.index else t for t in getattr(self, field_name))
+        return replace(self, **{field_name: tasks})
+
     def to_dict(self) -> dict:
         return {"name": self.name, "secret": self.secret,
                 "ps": [asdict(t) for t in self.ps], "worker": [asdict(t) for t in self.workers]}

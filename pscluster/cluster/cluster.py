@@ -12,7 +12,9 @@ import html
 import inspect
 import os
 import secrets
+import signal
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +26,7 @@ from ..runtime.plan import TrainPlan, describe_variables, optimizer_name
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
 from . import registry
+from .checkpoints import CheckpointCoordinator
 from .engines import EngineSet
 from .roles import assign_roles
 from .run import Run
@@ -142,6 +145,8 @@ class Cluster:
               log_every: int = 100, request_timeout: float = 120.0, name: str | None = None,
               code: str | None = None, test_dataset=None, eval_every: int | None = None,
               placement="round_robin", partition: dict | None = None, staleness_bound: int = 2,
+              checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
+              checkpoint_secs: float | None = 600.0, keep_checkpoints: int = 5, restore: bool = True,
               **optimizer_kwargs) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
@@ -157,6 +162,13 @@ class Cluster:
         ``"greedy"``, a ``{variable: ps}`` dict or a strategy from ``pscluster.placement``;
         ``partition``: ``{variable name or prefix: shard count or partitioner}`` splits variables
         along dim 0 across ps tasks (see ``plan()`` to compare placements before training).
+
+        Checkpoints (every ps writes its shard, a manifest commits them) go to ``checkpoint_dir`` (default:
+        ``checkpoints/run-<id>`` next to the run store) every ``checkpoint_every`` global steps and every
+        ``checkpoint_secs`` seconds (either 0 / None: off), on ``run.checkpoint()`` and at the end; the
+        newest ``keep_checkpoints`` are kept. With ``restore``, the chief starts from the latest checkpoint
+        in ``checkpoint_dir`` when there is one. Lost workers and ps tasks are replaced during the run: a
+        lost ps rolls every ps back to the latest checkpoint.
         """
         spec = self._require_running("train")
         if self.active_run is not None:
@@ -175,24 +187,56 @@ class Cluster:
             raise ConfigError("the model has no parameters to train: check model_fn")
         variables = describe_variables(model, self.num_ps, placement, partition)
         payload = ship(model_fn, dataset, loss_fn)
+        checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
         run_plan = TrainPlan(run_id=1, mode=mode, steps=steps,
                              batch_size=batch_size, optimizer=optimizer_name(optimizer),
                              optimizer_kwargs=optimizer_kwargs, replicas_to_aggregate=replicas,
                              num_workers=self.num_workers, variables=variables, staleness_bound=staleness_bound,
-                             seed=seed, log_every=log_every, request_timeout=request_timeout)
+                             seed=seed, log_every=log_every, request_timeout=request_timeout,
+                             checkpoint_every=checkpoint_every, restore=restore)
         config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables")}
         run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=config,
                                        spec=spec.public_dict(), code=code or _source(model_fn))
-        run_plan = replace(run_plan, run_id=run_id)
+        directory = checkpoint_dir or Path(self.store.path).parent / "checkpoints" / f"run-{run_id}"
+        run_plan = replace(run_plan, run_id=run_id, checkpoint_dir=str(directory))
         self.store.record_placement(run_id, run_plan.variables)
-        run = Run(spec, run_plan, model_fn, loss_fn, self.store, test_dataset=test_dataset, eval_every=eval_every)
-        run.plan = run_plan = replace(run_plan, metrics_address=run.collector.address)
-        plan_json, spec_json = run_plan.to_json(), spec.to_json()
-        run._attach([self._engines.view(t.engine_id).apply_async(remote.train_worker, spec_json, t.index,
-                                                                 plan_json, payload)
-                     for t in spec.workers])
+        run = Run(spec, run_plan, model_fn, loss_fn, self.store, test_dataset=test_dataset, eval_every=eval_every,
+                  tasks=self, checkpoints=checkpoints, payload=payload)
+        run.plan = replace(run_plan, metrics_address=run.collector.address)
+        run._attach([self.launch_worker(spec, t.index, run) for t in spec.workers])
         self.runs.append(run)
         return run
+
+    # --- tasks: kill, replace ----------------------------------------------------------------
+    def launch_worker(self, spec: ClusterSpec, index: int, run: Run, *, join: bool = False):
+        """Start worker ``index`` of ``run`` on its engine (``join``: in place of a lost one)."""
+        task = spec.task("worker", index)
+        return self._engines.view(task.engine_id).apply_async(remote.train_worker, spec.to_json(), index,
+                                                              run.plan.to_json(), run.payload, join)
+
+    def replace_task(self, role: str, index: int) -> ClusterSpec:
+        """Give task ``role:index`` a new engine (its old one was lost); the cluster's new spec."""
+        spec = self._require_running("replace a task")
+        old = spec.task(role, index)
+        engine = self._engines.add_engine()
+        view = self._engines.view(engine.engine_id)
+        view.apply_sync(remote.configure_task, old.device, self.threads)
+        new = replace(old, engine_id=engine.engine_id, pid=engine.pid, host=old.host)
+        if role == "ps":
+            new = replace(new, port=view.apply_sync(remote.start_ps, spec.secret, index, old.host))
+        self.spec = spec.with_task(new)
+        return self.spec
+
+    def kill(self, task: str) -> int:
+        """SIGKILL the process of ``task`` (``"worker:1"``, ``"ps:0"``), to try a failure on purpose;
+        a run in progress recovers from it. Returns the pid killed."""
+        spec = self._require_running("kill a task")
+        role, _, index = task.partition(":")
+        if role not in ("ps", "worker") or not index.isdigit():
+            raise ConfigError(f"task {task!r}: name it role:index, e.g. worker:1 or ps:0")
+        pid = spec.task(role, int(index)).pid
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
     def plan(self, model_fn, *, placement="round_robin", partition: dict | None = None, optimizer="sgd",
              seed: int = 0, **optimizer_kwargs) -> PlacementPlan:

@@ -48,12 +48,35 @@ class EngineSet:
             self.stop()
             raise
         self.pids = _with_descendants([e.pid for e in engines] + [self._ipp.controller.pid])
+        self._watch()
+        return engines
+
+    def _watch(self) -> None:
+        """(Re)start the reaper on the current process list."""
+        if self._reaper is not None:
+            self._reaper.kill()
+            self._reaper.wait(5)
         self._reaper = subprocess.Popen(
             [sys.executable, "-m", "pscluster.cluster.reaper", str(os.getpid()), *map(str, self.pids),
              "--remove", self._ipp.cluster_file],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
-        return engines
+
+    def add_engine(self) -> EngineInfo:
+        """Start one more engine (to replace a lost one) and wait for it to register."""
+        known = set(self.client.ids)
+        self._ipp.start_engines_sync(n=1)
+        deadline = time.monotonic() + self.timeout
+        while not (new := set(self.client.ids) - known):
+            if time.monotonic() > deadline:
+                raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
+                                        "check the machine's load")
+            time.sleep(0.05)
+        engine_id = min(new)
+        info = self.client[engine_id].apply_sync(_describe)
+        self.pids = list(dict.fromkeys(self.pids + _with_descendants([info["pid"]])))
+        self._watch()
+        return EngineInfo(engine_id=engine_id, host=info["host"], pid=info["pid"])
 
     def view(self, engine_id: int):
         return self.client[engine_id]

@@ -20,11 +20,14 @@ from ..errors import RuntimeTimeout, TrainingError
 from ..evaluate import evaluate
 from ..metrics.collector import Collector
 from ..metrics.store import RunStore
+from ..runtime import checkpoint
 from ..runtime.client import PSClient
 from ..runtime.plan import TrainPlan, assemble
 from ..runtime.ps import wait_until
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
+from . import recovery
+from .checkpoints import CheckpointCoordinator
 from .progress import StepProgress
 
 
@@ -32,11 +35,14 @@ class Run:
     """A training run on a cluster. ``cluster.train(...)`` returns one; it trains in the background.
 
     A monitor thread follows the workers, evaluates the model on ``test_dataset`` every
-    ``eval_every`` global steps (into the run store), and finalizes the run when they end.
+    ``eval_every`` global steps (into the run store), commits the checkpoints the ps tasks write,
+    replaces lost tasks (with ``tasks``, the cluster; see ``recovery``), and finalizes the run when
+    the workers end.
     """
 
     def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore, *,
-                 test_dataset=None, eval_every: int | None = None):
+                 test_dataset=None, eval_every: int | None = None, tasks: recovery.Tasks | None = None,
+                 checkpoints: CheckpointCoordinator | None = None, payload: bytes = b""):
         self.spec = spec
         self.plan = plan
         self.store = store
@@ -49,7 +55,7 @@ class Run:
         self._loss_fn = loss_fn
         self._state_dict: dict[str, torch.Tensor] | None = None
         self._pending_logs: queue.Queue = queue.Queue()
-        self._results = []
+        self.worker_results = []
         self._stop_requested = False
         self._test_dataset = test_dataset
         self.eval_every = eval_every or max(1, plan.steps // 10)
@@ -58,6 +64,9 @@ class Run:
         self.started = time.time()
         self.finished: float | None = None
         self._workers_done: set[str] = set()
+        self.tasks = tasks
+        self.payload = payload  # the shipped (model_fn, dataset, loss_fn), for replacement workers
+        self.checkpoints = checkpoints or CheckpointCoordinator(store)
         self.collector = Collector(self._on_batch)
 
     @property
@@ -78,17 +87,29 @@ class Run:
                 self._pending_logs.put(line)
 
     def _attach(self, async_results) -> None:
-        self._results = list(async_results)
+        self.worker_results = list(async_results)
         self.store.set_status(self.id, "training")
-        self.store.add_event(self.id, "controller", "start", {"workers": len(self._results)})
+        self.store.add_event(self.id, "controller", "start", {"workers": len(self.worker_results)})
         threading.Thread(target=self._monitor, name=f"pscluster-{self.name}", daemon=True).start()
 
     def _monitor(self) -> None:
-        next_eval = self.eval_every
+        next_eval, next_check = self.eval_every, 0.0
         try:
-            while not all(ar.ready() for ar in self._results):
-                if any(ar.ready() and not ar.successful() for ar in self._results):
+            while True:
+                failed, ended = self._any_failed(), all(ar.ready() for ar in self.worker_results)
+                if self.tasks is not None and (failed or ended or time.monotonic() >= next_check):
+                    # a failure may be a lost engine (seen by ipyparallel, or by workers of a lost ps)
+                    # a moment before its process is seen gone: give that a second
+                    if wait_until(self._recover, 1.0 if failed else 0):
+                        continue
+                    next_check = time.monotonic() + recovery.HEALTH_S
+                if ended:
+                    break
+                if failed:
                     self._signal_stop()  # other workers must not wait on the failed one
+                self.commit_checkpoints()
+                if self.checkpoints.due() and self.plan.checkpoint_dir:
+                    self._request_checkpoint()
                 if self._test_dataset is not None and self._latest_step >= next_eval:
                     self._evaluate_live()
                     next_eval = self._latest_step + self.eval_every
@@ -100,6 +121,49 @@ class Run:
             self.store.set_status(self.id, "failed")
         finally:
             self._done.set()
+
+    def _any_failed(self) -> bool:
+        return any(ar.ready() and not ar.successful() for ar in self.worker_results)
+
+    def _recover(self) -> bool:
+        return not self._stop_requested and recovery.recover(self, self.tasks)
+
+    def _request_checkpoint(self) -> int | None:
+        try:
+            return self.checkpoints.request(self.spec, self.plan)
+        except Exception as e:  # the next one is due in checkpoint_secs; say why this one is missing
+            self.note("checkpoint_failed", "controller", {"error": _one_line(e)})
+            return None
+
+    def _latest_checkpoint_path(self):
+        step = self.latest_checkpoint_step()
+        if step is None:
+            raise TrainingError(f"{self.name} has no checkpoint yet: run.checkpoint() writes one")
+        return checkpoint.manifest_path(self.plan.checkpoint_dir, step)
+
+    def export(self, path):
+        """Write the parameters of the run's latest checkpoint as a plain ``state_dict`` file, which
+        ``torch.load`` reads without pscluster; returns its path."""
+        return checkpoint.export_state_dict(checkpoint.Checkpoint.load(self._latest_checkpoint_path()), path)
+
+    # --- used by recovery ------------------------------------------------------------------
+    def note(self, kind: str, task: str, detail: dict | None = None) -> None:
+        """Record an event of this run (lost, replaced, restarting...) and show it with the logs."""
+        self.store.add_event(self.id, task, kind, detail)
+        line = f"[{task}] {kind.replace('_', ' ')}" + "".join(f", {k} {v}" for k, v in (detail or {}).items())
+        self.logs.append(line)
+        self._pending_logs.put(line)
+
+    def commit_checkpoints(self) -> list:
+        return self.checkpoints.commit(self.plan, len(self.spec.ps))
+
+    def latest_checkpoint_step(self) -> int | None:
+        return self.checkpoints.latest_step(self.plan)
+
+    def restart(self, async_results) -> None:
+        """Follow the workers of a new attempt instead of those of the last one."""
+        self.worker_results = list(async_results)
+        self._workers_done.clear()
 
     def _evaluate_live(self) -> None:
         try:
@@ -164,20 +228,35 @@ class Run:
             raise TrainingError(self.error)
         return self
 
-    def stop(self) -> "Run":
-        """End training at the next step of every worker and wait for it."""
+    def stop(self, timeout: float = 30.0) -> "Run":
+        """End training cleanly at the next global step (every ps on the same step, which the final
+        checkpoint holds) and wait for it; stops at once if that takes longer than ``timeout`` s."""
         if not self.done:
             self._stop_requested = True
-            self._signal_stop()
-            self.wait(timeout=self.plan.request_timeout, verbose=False)
+            stats = self._read_ps_stats(timeout=10.0)
+            self._signal_stop(max(s.get("step", 0) for s in stats) + 1 if stats else None)
+            try:
+                self.wait(timeout=timeout, verbose=False)
+            except RuntimeTimeout:
+                self._signal_stop()
+                self.wait(timeout=self.plan.request_timeout, verbose=False)
         return self
 
-    def _signal_stop(self) -> None:
+    def _signal_stop(self, at_step: int | None = None) -> None:
         try:
             with PSClient(self.spec, run_id=self.id, timeout=10.0) as client:
-                client.stop()
+                client.stop(at_step)
         except Exception:  # the ps tasks may be gone already; wait() reports the real error
             pass
+
+    def checkpoint(self, timeout: float = 60.0):
+        """Write a checkpoint now (at the next global step; the last one once the run is over) and
+        return its manifest's path."""
+        if self.done:
+            self.commit_checkpoints()
+            return self._latest_checkpoint_path()
+        step = self.checkpoints.request(self.spec, self.plan)
+        return self.checkpoints.wait_for(self.plan, step, timeout, lambda: self.done)
 
     def _print_pending(self, verbose: bool, bar=None) -> None:
         while True:
@@ -199,12 +278,13 @@ class Run:
 
     def _finish(self) -> None:
         errors, results = [], []
-        for i, ar in enumerate(self._results):
+        for i, ar in enumerate(self.worker_results):
             try:
                 results.append(ar.get(0))
             except Exception as e:  # a RemoteError: keep its one-line form
                 errors.append(f"worker {i} failed: {_one_line(e)}")
         self.finished = time.time()
+        self.commit_checkpoints()  # the final one
         # a worker's last metrics batch may still be in flight when its result arrives
         wait_until(lambda: len(self._workers_done) >= len(results), timeout=2.0)
         self.collector.close()

@@ -40,7 +40,8 @@ class PSClient:
     """Request/reply to all ps tasks of ``spec`` over one DEALER socket per ps."""
 
     def __init__(self, spec: ClusterSpec, *, task: int = protocol.NO_TASK, run_id: int = 0,
-                 timeout: float = 120.0, context: zmq.Context | None = None):
+                 timeout: float = 120.0, context: zmq.Context | None = None, only: list[int] | None = None):
+        """``only``: connect to these ps tasks alone (the survivors, when one was lost)."""
         self.spec = spec
         self.task = task
         self.timeout = timeout
@@ -49,17 +50,17 @@ class PSClient:
         self.bytes_received = 0
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
-        self._socks, self._monitors = [], []
+        self._socks, self._monitors = {}, {}
         self._poller = zmq.Poller()
-        for ps in spec.ps:
+        for ps in spec.ps if only is None else [spec.ps[i] for i in only]:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             s.connect(ps.address)
-            self._socks.append(s)
-            self._monitors.append(monitor)
+            self._socks[ps.index] = s
+            self._monitors[monitor] = ps.index
             self._poller.register(s, zmq.POLLIN)
             self._poller.register(monitor, zmq.POLLIN)
         try:
@@ -69,11 +70,11 @@ class PSClient:
             raise
 
     def close(self) -> None:
-        for s, monitor in zip(self._socks, self._monitors):
+        for s, monitor in zip(self._socks.values(), self._monitors):
             s.disable_monitor()
             monitor.close(linger=0)
             s.close(linger=0)
-        self._socks, self._monitors = [], []
+        self._socks, self._monitors = {}, {}
 
     def __enter__(self):
         return self
@@ -91,7 +92,7 @@ class PSClient:
         to all or a list with one dict per ps. ``until_stopped``: return the replies so far as soon
         as one says the run is over (the others, a lost ps among them, no longer matter).
         """
-        targets = range(len(self._socks)) if targets is None else targets
+        targets = list(self._socks) if targets is None else targets
         pending = {}
         for i in targets:
             rid = next(self._ids) & 0xFFFFFFFF
@@ -113,13 +114,13 @@ class PSClient:
                                      "check that the ps tasks are alive")
             for sock, _ in self._poller.poll(int(left * 1000) + 1):
                 if sock in self._monitors:
-                    i = self._monitors.index(sock)
+                    i = self._monitors[sock]
                     recv_monitor_message(sock)
                     if i in pending and i not in replies:
                         raise PeerLost(f"ps {i} at {self.spec.ps[i].address} disconnected during {op.name}: "
                                        "it was lost")
                     continue
-                i = self._socks.index(sock)
+                i = next(k for k, v in self._socks.items() if v is sock)
                 frames = sock.recv_multipart(copy=False)
                 self.bytes_received += sum(len(f) for f in frames)
                 msg = protocol.decode(frames, self.spec.key)

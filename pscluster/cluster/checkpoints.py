@@ -1,0 +1,75 @@
+"""The controller's side of checkpoints: commit what the ps tasks wrote, ask for more on time or on demand.
+
+The ps tasks write their shards themselves (every ``checkpoint_every`` steps, at a step asked for, at the
+end); the coordinator commits a step once every ps has written its shard of it, records it in the run
+store, and keeps the newest ``keep``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..errors import ConfigError, RuntimeTimeout
+from ..metrics.store import RunStore
+from ..runtime import checkpoint
+from ..runtime.client import PSClient
+from ..runtime.plan import TrainPlan
+from ..runtime.ps import wait_until
+from ..spec import ClusterSpec
+
+
+class CheckpointCoordinator:
+    """Commits the checkpoints of one run (see the module docstring); every ``every_s`` seconds asks the
+    ps tasks for one more."""
+
+    def __init__(self, store: RunStore, *, every_s: float | None = None, keep: int = 5):
+        if every_s is not None and every_s <= 0:
+            raise ConfigError(f"checkpoint_secs={every_s}: give a positive number of seconds, or None")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"keep_checkpoints={keep!r}: keep at least 1")
+        self.store = store
+        self.every_s = every_s
+        self.keep = keep
+        self._last_request = time.monotonic()
+
+    def commit(self, plan: TrainPlan, num_ps: int) -> list[Path]:
+        """Commit every complete step of the current attempt; each is recorded as a 'checkpoint' event."""
+        if not plan.checkpoint_dir:
+            return []
+        written = checkpoint.commit_ready(plan.checkpoint_dir, num_ps=num_ps, run_id=plan.run_id,
+                                          attempt=plan.attempt, variables=plan.variables,
+                                          optimizer=plan.optimizer, optimizer_kwargs=plan.optimizer_kwargs,
+                                          keep=self.keep)
+        for path in written:
+            self.store.add_event(plan.run_id, "controller", "checkpoint",
+                                 {"step": int(path.name.split("-")[1].split(".")[0]), "path": str(path)})
+        return written
+
+    def latest_step(self, plan: TrainPlan) -> int | None:
+        steps = checkpoint.committed_steps(plan.checkpoint_dir) if plan.checkpoint_dir else []
+        return steps[-1] if steps else None
+
+    def due(self) -> bool:
+        return self.every_s is not None and time.monotonic() - self._last_request >= self.every_s
+
+    def request(self, spec: ClusterSpec, plan: TrainPlan, *, timeout: float = 10.0) -> int:
+        """Ask every ps to write its shard of the next global step (or of the last one, at the step
+        target); returns that step."""
+        if not plan.checkpoint_dir:
+            raise ConfigError("this run has no checkpoint directory: train with checkpoint_dir=...")
+        self._last_request = time.monotonic()
+        with PSClient(spec, run_id=plan.run_id, timeout=timeout) as client:
+            steps = [s.get("step", 0) for s in client.stats()]
+            step = min(max(steps) + 1, plan.steps)
+            if step > max(steps):
+                client.checkpoint(step)
+        return step
+
+    def wait_for(self, plan: TrainPlan, step: int, timeout: float, done) -> Path:
+        """The manifest of ``step`` once committed (``done()``: the run ended, stop waiting)."""
+        path = checkpoint.manifest_path(plan.checkpoint_dir, step)
+        if not wait_until(lambda: path.exists() or done(), timeout) or not path.exists():
+            raise RuntimeTimeout(f"no checkpoint of step {step} within {timeout:.0f}s: "
+                                 "see the run's events (run.events())")
+        return path

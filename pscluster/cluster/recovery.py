@@ -1,0 +1,103 @@
+"""Recovery of tasks lost during a run, without the user doing anything.
+
+Detection: a task whose engine process is gone (checked every ``HEALTH_S`` seconds by the run's monitor;
+the workers notice a lost ps at once, by its dropped connection). Then:
+
+- a lost worker: every ps stops waiting for it (sync aggregates the gradients of the live workers, SSP
+  measures the slowest live one), a new engine takes its place and joins with the current parameters;
+- a lost ps: the other ps tasks stop the run, the workers end, a new engine takes the lost ps's place,
+  and the run starts again as a new attempt whose chief restores the latest checkpoint onto every ps:
+  all ps roll back together, to the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
+
+from ..runtime.client import PSClient
+from ..runtime.ps import wait_until
+from ..spec import ClusterSpec, TaskSpec
+from . import reaper
+
+if TYPE_CHECKING:
+    from .run import Run
+
+HEALTH_S = 0.25
+WORKERS_END_S = 30.0  # how long the workers of a failed attempt get to end before they are killed
+
+
+class Tasks(Protocol):
+    """What recovery needs of the cluster: new engines for lost tasks, and workers started on them."""
+
+    def replace_task(self, role: str, index: int) -> ClusterSpec: ...
+
+    def launch_worker(self, spec: ClusterSpec, index: int, run: "Run", *, join: bool = False): ...
+
+
+def lost_tasks(spec: ClusterSpec) -> list[TaskSpec]:
+    """The tasks whose engine process is gone."""
+    return [t for t in (*spec.ps, *spec.workers) if t.pid is not None and not reaper.alive(t.pid)]
+
+
+def recover(run: "Run", tasks: Tasks) -> bool:
+    """Replace what ``run`` lost since the last check; False when nothing was lost."""
+    lost = lost_tasks(run.spec)
+    if not lost:
+        return False
+    for t in lost:
+        run.note("lost", f"{t.role}:{t.index}", {"pid": t.pid, "engine": t.engine_id})
+    lost_ps = [t for t in lost if t.role == "ps"]
+    lost_workers = [t for t in lost if t.role == "worker"]
+    if lost_ps:
+        _restart_from_checkpoint(run, tasks, lost_ps, lost_workers)
+    else:
+        _replace_workers(run, tasks, lost_workers)
+    return True
+
+
+def _replace_workers(run: "Run", tasks: Tasks, lost: list[TaskSpec]) -> None:
+    try:
+        with PSClient(run.spec, run_id=run.id, timeout=10.0) as client:
+            client.lost_workers([t.index for t in lost])
+    except Exception as e:  # the ps tasks answer again at the next check, or are lost themselves
+        run.note("recovery_failed", "controller", {"error": f"{type(e).__name__}: {e}"})
+    for t in lost:
+        result = run.worker_results[t.index]
+        if result.ready() and result.successful():
+            continue  # it had finished its part
+        run.spec = tasks.replace_task("worker", t.index)
+        run.worker_results[t.index] = tasks.launch_worker(run.spec, t.index, run, join=True)
+        new = run.spec.task("worker", t.index)
+        run.note("replaced", f"worker:{t.index}", {"pid": new.pid, "engine": new.engine_id})
+
+
+def _restart_from_checkpoint(run: "Run", tasks: Tasks, lost_ps: list[TaskSpec],
+                             lost_workers: list[TaskSpec]) -> None:
+    survivors = [t.index for t in run.spec.ps if t not in lost_ps]
+    if survivors:
+        try:
+            with PSClient(run.spec, run_id=run.id, timeout=10.0, only=survivors) as client:
+                client.stop()
+        except Exception:
+            pass  # the workers still end, on their lost ps connection
+    ended = wait_until(lambda: all(r.ready() for r in run.worker_results), WORKERS_END_S)
+    if not ended:  # a worker that does not end is killed and replaced too
+        for i, r in enumerate(run.worker_results):
+            if not r.ready():
+                task = run.spec.task("worker", i)
+                try:
+                    os.kill(task.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                lost_workers.append(task)
+    run.commit_checkpoints()  # shards of the failed attempt that all ps had written
+    for t in [*lost_ps, *lost_workers]:
+        run.spec = tasks.replace_task(t.role, t.index)
+        new = run.spec.task(t.role, t.index)
+        run.note("replaced", f"{t.role}:{t.index}", {"pid": new.pid, "engine": new.engine_id})
+    run.plan = replace(run.plan, attempt=run.plan.attempt + 1, restore=True)
+    run.note("restarting", "controller", {"attempt": run.plan.attempt, "from_step": run.latest_checkpoint_step()})
+    run.restart([tasks.launch_worker(run.spec, i, run) for i in range(len(run.spec.workers))])

@@ -1,0 +1,102 @@
+"""Fault tolerance on real engines: SIGKILL a worker or a ps mid-run; the run recovers by itself and ends
+exactly on its step target, and no process of the cluster outlives it."""
+
+import time
+
+import pytest
+import torch
+
+import pscluster
+from pscluster.cluster.reaper import alive
+from pscluster.runtime import checkpoint
+
+from .conftest import mlp
+
+LOSS = torch.nn.CrossEntropyLoss()
+
+
+@pytest.fixture
+def cluster(request):
+    """A cluster of its own for each test (it loses engines); stopped and checked dead afterwards."""
+    made = []
+
+    def start(**kwargs):
+        made.append(pscluster.Cluster(**kwargs).start())
+        return made[-1]
+
+    yield start
+    for c in made:
+        pids = c.pids  # the replacement engines too
+        c.stop()
+        assert pids and not [p for p in pids if alive(p)], "cluster processes left running after stop()"
+
+
+def wait_for_step(run, step, timeout=120):
+    deadline = time.monotonic() + timeout
+    while run.global_step < step:
+        assert not run.done, f"the run ended at {run.global_step} before step {step}: {run.error}"
+        assert time.monotonic() < deadline, f"global step {run.global_step} after {timeout}s"
+        time.sleep(0.05)
+
+
+def events(run, kind):
+    e = run.store.events(run.id)
+    return e[e["kind"] == kind]
+
+
+@pytest.mark.parametrize("mode, victim", [("sync", "worker:1"), ("async", "worker:0")])
+def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(cluster, digits_train, mode, victim):
+    c = cluster(ps=1, workers=2)
+    run = c.train(mlp, digits_train, LOSS, lr=0.1, mode=mode, steps=600, batch_size=32, checkpoint_secs=None)
+    wait_for_step(run, 100)
+    old_pid = c.kill(victim)
+    run.wait(timeout=180, verbose=False)
+    assert run.status == "finished" and run.error is None
+    assert run.global_step == 600  # exactly the target
+    lost, replaced = events(run, "lost"), events(run, "replaced")
+    assert list(lost["task"]) == [victim] and list(replaced["task"]) == [victim]
+    role, index = victim.split(":")
+    assert c.spec.task(role, int(index)).pid != old_pid
+    assert not alive(old_pid)
+
+
+def test_a_lost_ps_rolls_back_to_the_last_checkpoint_and_the_run_goes_on(cluster, digits_train):
+    c = cluster(ps=2, workers=2)
+    run = c.train(mlp, digits_train, LOSS, lr=0.1, mode="sync", steps=500, batch_size=32, checkpoint_every=50,
+                  checkpoint_secs=None)
+    wait_for_step(run, 160)
+    c.kill("ps:1")
+    run.wait(timeout=240, verbose=False)
+    assert run.status == "finished" and run.error is None
+    assert run.global_step == 500
+    restart = events(run, "restarting")
+    assert len(restart) == 1
+    from_step = restart["detail"].iloc[0]["from_step"]
+    assert from_step >= 150 and from_step % 50 == 0
+    # from the store: after the restart, the global step went on from the checkpoint's step, not from 0 and
+    # not from where the lost ps had got to
+    metrics = run.metrics()
+    after = metrics[metrics["time"] > restart["time"].iloc[0]]
+    assert after["global_step"].min() == from_step + 1
+    # the final checkpoint holds every ps's shard of the last step, and loads
+    final = checkpoint.latest(run.plan.checkpoint_dir)
+    assert final.step == 500 and len(final.shards) == 2
+    for name, value in final.state_dict().items():
+        assert torch.equal(value, run.state_dict()[name]), name
+
+
+def test_stop_ends_on_one_step_with_a_final_checkpoint_and_export(cluster, digits_train, tmp_path):
+    c = cluster(ps=2, workers=1)
+    run = c.train(mlp, digits_train, LOSS, lr=0.1, mode="async", steps=10**6, batch_size=32, checkpoint_secs=None)
+    wait_for_step(run, 30)
+    mid = run.checkpoint()
+    assert mid.exists() and checkpoint.Checkpoint.load(mid).step >= 30
+    run.stop()
+    assert run.status == "stopped"
+    final = checkpoint.latest(run.plan.checkpoint_dir)
+    assert final.step == run.global_step  # both ps ended on the same step, and it was saved
+    exported = run.export(tmp_path / "model.pt")
+    model = mlp()
+    model.load_state_dict(torch.load(exported, weights_only=True))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, run.state_dict()[name]), name
