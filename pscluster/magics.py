@@ -25,7 +25,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .cluster.cluster import Cluster
 from .errors import ConfigError, PSClusterError
 
-USAGE = ("usage: %pscluster start|train|status|placement|stop [options]  "
+USAGE = ("usage: %pscluster start|train|status|placement|checkpoint|kill|stop [options]  "
          "(%pscluster <command> --help for options)")
 PARTITION_FORM = "NAME=SHARDS, e.g. --partition embedding=2 (a variable name or prefix, a shard count >= 1)"
 
@@ -87,11 +87,21 @@ def _parsers() -> dict[str, _Parser]:
     train.add_argument("--name", default=None, help="run name")
     train.add_argument("--wait", action="store_true",
                        help="block until the run ends, with a progress bar and the workers' log lines")
+    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                       help="write a sharded checkpoint every N global steps (also on demand and at the end)")
+    train.add_argument("--checkpoint-dir", default=None,
+                       help="where checkpoints go; the run starts from the latest one there (default: "
+                            "checkpoints/run-<id> next to the run store)")
+
+    kill = _Parser(prog="%pscluster kill", description="SIGKILL one task, to try a failure: the run recovers")
+    kill.add_argument("task", help="role:index, e.g. worker:1 or ps:0")
 
     return {"start": start, "train": train, "status": _Parser(prog="%pscluster status"),
             "placement": _Parser(prog="%pscluster placement",
                                  description="one line per variable or shard of the latest run: its ps task"),
-            "stop": _Parser(prog="%pscluster stop")}
+            "stop": _Parser(prog="%pscluster stop"), "kill": kill,
+            "checkpoint": _Parser(prog="%pscluster checkpoint",
+                                  description="write a checkpoint of the latest run now; prints its manifest")}
 
 
 @magics_class
@@ -118,7 +128,7 @@ class PSClusterMagics(Magics):
         wants_help = "-h" in rest or "--help" in rest
         if (cell is not None) != (command == "train") and not wants_help:
             raise UsageError("train is a cell magic (%%pscluster train ...); "
-                             "start, status, placement and stop are line magics (%pscluster ...)")
+                             "the other commands are line magics (%pscluster ...)")
         try:
             args = parsers[command].parse_args(rest)
             return getattr(self, f"_{command}")(args, cell)
@@ -164,7 +174,8 @@ class PSClusterMagics(Magics):
                             replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed,
                             log_every=args.log_every, name=args.name, code=cell,
                             test_dataset=ns.get("test_dataset"), staleness_bound=args.staleness_bound,
-                            placement=args.placement, partition=dict(args.partition) or None, **kwargs)
+                            placement=args.placement, partition=dict(args.partition) or None,
+                            checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, **kwargs)
         self.last_run = run
         run.dashboard()
         if args.wait:
@@ -187,6 +198,17 @@ class PSClusterMagics(Magics):
             raise UsageError("no run yet: train one with %%pscluster train, then %pscluster placement lists "
                              "the ps task of each of its variables")
         print("\n".join(lines))
+
+    def _kill(self, args, cell):
+        pid = self._running("kill a task of").kill(args.task)
+        print(f"killed {args.task} (pid {pid})")
+
+    def _checkpoint(self, args, cell):
+        if self.last_run is None:
+            raise UsageError("no run yet: train one with %%pscluster train, then %pscluster checkpoint")
+        path = self.last_run.checkpoint()
+        print(f"checkpoint written: {path}")
+        return None
 
     def _stop(self, args, cell):
         cluster = self._running("stop")

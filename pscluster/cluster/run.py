@@ -339,6 +339,11 @@ class Run:
         (worker, time, local_step, global_step, loss, accuracy, compute_s, wait_s, comm_s, bytes, staleness)."""
         return self.store.metrics(self.id)
 
+    def events(self) -> pd.DataFrame:
+        """The run's events from the run store (time, task, kind, detail): start, lost, replaced,
+        restarting, restored, checkpoint, end..."""
+        return self.store.events(self.id)
+
     def staleness(self) -> dict[int, int]:
         """Histogram of push staleness, counted by ps 0 (async runs)."""
         stats = self.ps_stats or self._read_ps_stats(5.0) or [{}]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pscluster
+from pscluster.errors import ConfigError
 from pscluster.cluster.reaper import alive
 from pscluster.runtime import checkpoint
 
@@ -49,6 +50,10 @@ def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(cluster, digit
     c = cluster(ps=1, workers=2)
     run = c.train(mlp, digits_train, LOSS, lr=0.1, mode=mode, steps=600, batch_size=32, checkpoint_secs=None)
     wait_for_step(run, 100)
+    with pytest.raises(ConfigError, match="task 'worker': name it role:index, e.g. worker:1 or ps:0"):
+        c.kill("worker")
+    with pytest.raises(ConfigError, match="no worker task 9: this cluster has 2"):
+        c.kill("worker:9")
     old_pid = c.kill(victim)
     run.wait(timeout=180, verbose=False)
     assert run.status == "finished" and run.error is None

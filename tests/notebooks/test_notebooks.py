@@ -90,3 +90,17 @@ def test_placement_and_embeddings_compares_placements_and_shows_shards(tmp_path)
     placement = [f for f in figures if any(t.get("type") == "bar" and "ps:1" in (t.get("x") or []) for t in f)]
     assert placement, "no placement figure with both ps tasks"
     assert html.count("* plotly.js v") == 1
+
+
+def test_fault_tolerance_recovers_from_a_lost_worker_and_a_lost_ps(tmp_path):
+    execute("04_fault_tolerance", tmp_path)
+    report = json.loads((tmp_path / "04_fault_tolerance.json").read_text())
+    assert report["status"] == "finished" and report["global_step"] == report["steps"]
+    assert report["lost"] == ["worker:1", "ps:1"]
+    assert report["replaced"] == ["worker:1", "ps:1"]
+    # every ps rolled back to one committed checkpoint, and the global step went on from there
+    assert 0 < report["rolled_back_to"] <= report["lost_at"]
+    assert report["resumed_at"] == report["rolled_back_to"] + 1
+    assert report["restored_step"] == report["steps"] and report["restored_ps"] == 3
+    assert report["restored_global_step"] > report["steps"]
+    assert report["export_accuracy"] > 0.8

@@ -50,7 +50,7 @@ def usage_error(shell, line, cell=None) -> str:
 
 @pytest.mark.parametrize("line, fragments", [
     ("", [USAGE]),
-    ("bogus", ["unknown command 'bogus'", "%pscluster start|train|status|placement|stop"]),
+    ("bogus", ["unknown command 'bogus'", "%pscluster start|train|status|placement|checkpoint|kill|stop"]),
     ("start --ps 0", ["ps=0", "use an integer >= 1"]),
     ("start --workers -1", ["workers=-1", "use an integer >= 1"]),
     ("start --gpus 999", ["gpus=999", "use gpus <="]),
@@ -62,9 +62,12 @@ def usage_error(shell, line, cell=None) -> str:
     ("stop", ["no cluster to stop", "%pscluster start first"]),
     ("placement", ["no run yet", "%%pscluster train"]),
     ("placement --bogus", ["unrecognized arguments: --bogus", "see %pscluster placement --help"]),
+    ("kill worker:1", ["no cluster to kill a task of", "%pscluster start first"]),
+    ("kill", ["the following arguments are required: task", "see %pscluster kill --help"]),
+    ("checkpoint", ["no run yet", "%pscluster checkpoint"]),
 ], ids=["empty", "unknown-command", "no-ps", "negative-workers", "too-many-gpus", "no-threads", "unknown-option",
         "not-a-number", "quotes", "train-as-line-magic", "stop-before-start", "placement-before-start",
-        "placement-bad-option"])
+        "placement-bad-option", "kill-before-start", "kill-no-task", "checkpoint-before-train"])
 def test_bad_line_magics(shell, magics, line, fragments):
     message = usage_error(shell, line)
     for fragment in fragments:
@@ -74,8 +77,8 @@ def test_bad_line_magics(shell, magics, line, fragments):
 
 @pytest.mark.parametrize("line, cell, fragments", [
     ("train --steps 10", "model = 1", ["no cluster to train on", "%pscluster start first"]),
-    ("start", "x = 1", ["start, status, placement and stop are line magics"]),
-    ("placement", "x = 1", ["start, status, placement and stop are line magics"]),
+    ("start", "x = 1", ["the other commands are line magics"]),
+    ("placement", "x = 1", ["the other commands are line magics"]),
 ], ids=["train-before-start", "start-as-cell-magic", "placement-as-cell-magic"])
 def test_bad_cell_magics(shell, magics, line, cell, fragments):
     message = usage_error(shell, line, cell)
@@ -92,8 +95,9 @@ def test_bad_cell_magics(shell, magics, line, cell, fragments):
     ("train --partition embedding", "argument --partition: 'embedding': use NAME=SHARDS"),
     ("train --partition embedding=0", "argument --partition: 'embedding=0': use NAME=SHARDS"),
     ("train --partition =2", "argument --partition: '=2': use NAME=SHARDS"),
+    ("train --checkpoint-every often", "argument --checkpoint-every: invalid int value: 'often'"),
 ], ids=["mode", "lr", "staleness-bound", "placement", "partition-not-a-number", "partition-no-count",
-        "partition-zero", "partition-no-name"])
+        "partition-zero", "partition-no-name", "checkpoint-every"])
 def test_bad_train_options(shell, magics, line, fragment):
     magics.cluster = RunningCluster()
     message = usage_error(shell, line, "model = 1")
