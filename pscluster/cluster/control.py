@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from ..errors import ClusterStateError
+from .reaper import alive
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -120,10 +121,9 @@ def _task(cluster: "Cluster", role: str, index: int) -> dict:
 
 def _kill_task(cluster: "Cluster", role: str, index: int) -> dict:
     task = _task(cluster, role, index)
-    try:
-        os.kill(task["pid"], signal.SIGKILL)
-    except ProcessLookupError:
-        raise ControlError("conflict", f"{role} task {index} (pid {task['pid']}) is already dead") from None
+    if not alive(task["pid"]):
+        raise ControlError("conflict", f"{role} task {index} (pid {task['pid']}) is already dead")
+    os.kill(task["pid"], signal.SIGKILL)
     return {"killed": task["pid"]}
 
 

@@ -102,15 +102,16 @@ def find(name: str, home: str | None = None) -> dict | None:
 
 
 def _kernel_id() -> str | None:
-    """The id of the Jupyter kernel this process is, or None outside a kernel."""
+    """The id of the Jupyter kernel this process is (from its connection file), or None outside a kernel."""
     try:
-        from ipykernel.kernelapp import IPKernelApp
+        from IPython import get_ipython
     except ImportError:
         return None
-    if not IPKernelApp.initialized():
+    shell = get_ipython()
+    if shell is None or getattr(shell, "kernel", None) is None:
         return None
-    name = os.path.basename(IPKernelApp.instance().connection_file or "")
-    return name[len("kernel-"):-len(".json")] if name.startswith("kernel-") else None
+    name = os.path.basename(shell.config.get("IPKernelApp", {}).get("connection_file", ""))
+    return name[len("kernel-"):-len(".json")] if name.startswith("kernel-") and name.endswith(".json") else None
 
 
 class Registration:
@@ -123,13 +124,14 @@ class Registration:
     def __init__(self, cluster: "Cluster"):
         self.cluster = cluster
         self.started = time.time()
+        self.kernel = _kernel_id()
         self.control = ControlServer(cluster)
         self.update("running")
 
     def update(self, state: str) -> None:
         c = self.cluster
         tasks = c.roles() if c.running else []
-        write({"name": c.name, "owner_pid": os.getpid(), "owner_kernel": _kernel_id(), "started": self.started,
+        write({"name": c.name, "owner_pid": os.getpid(), "owner_kernel": self.kernel, "started": self.started,
                "state": state, "ps": c.num_ps, "workers": c.num_workers, "store": c.store.path,
                "hosts": sorted({t["host"] for t in tasks}), "devices": sorted({t["device"] for t in tasks}),
                "tasks": tasks, "control": {"address": self.control.address, "token": self.control.token}})

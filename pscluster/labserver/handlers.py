@@ -16,7 +16,7 @@ from tornado.ioloop import IOLoop
 from .models import ErrorReply, to_json
 from .service import ApiError, LabService
 
-TASK = r"(?P<name>[^/]+)/tasks/(?P<role>ps|chief|worker)/(?P<index>\d+)"
+TASK = r"clusters/(?P<name>[^/]+)/tasks/(?P<role>ps|chief|worker)/(?P<index>\d+)"
 
 
 class _Handler(APIHandler):

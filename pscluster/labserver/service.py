@@ -57,13 +57,9 @@ class LabService:
             return RunList(runs=[self._run_info(store, row, live) for row in store.runs().itertuples()])
 
     def metrics(self, run_id: int, after: int) -> MetricRows:
-        path = default_path()
-        try:
-            store = self._open(path)
-        except FileNotFoundError:
-            raise ApiError(404, f"no run {run_id}: there is no run store yet ({path})") from None
+        store = self._store_with(run_id)
         live = {e["name"] for e in registry.read_all()[0]}
-        with store, _readable(path):
+        with store, _readable(store.path):
             row = _run_row(store, run_id)
             df = store.metrics(run_id, after_row=after).sort_values("row").head(MAX_ROWS)
             info = self._run_info(store, row, live)
@@ -75,6 +71,14 @@ class LabService:
     def _open(self, path: str) -> RunStore:
         with _readable(path):
             return RunStore(path, readonly=True, timeout=LOCK_WAIT_S)
+
+    def _store_with(self, run_id: int) -> RunStore:
+        """The store, which should hold run ``run_id``: 404 when there is none yet."""
+        path = default_path()
+        try:
+            return self._open(path)
+        except FileNotFoundError:
+            raise ApiError(404, f"no run {run_id}: there is no run store yet ({path})") from None
 
     def _run_info(self, store: RunStore, row, live: set[str]) -> RunInfo:
         key = (store.path, int(row.id))
@@ -102,12 +106,8 @@ class LabService:
         return ActionResult("stop_cluster", name, _ask(entry, "stop_cluster")["state"])
 
     def stop_run(self, run_id: int) -> ActionResult:
-        path = default_path()
-        try:
-            store = self._open(path)
-        except FileNotFoundError:
-            raise ApiError(404, f"no run {run_id}: there is no run store yet ({path})") from None
-        with store, _readable(path):
+        store = self._store_with(run_id)
+        with store, _readable(store.path):
             row = _run_row(store, run_id)
         if row.status in ENDED:
             raise ApiError(409, f"run {run_id} already ended ({row.status})")
@@ -131,7 +131,19 @@ class LabService:
         gone = next((s for s in skipped if s["name"] == name), None)
         if gone is not None:
             raise ApiError(409, f"cluster {name} is stopped: {gone['reason']}")
+        if name in self._trained_on():
+            raise ApiError(409, f"cluster {name} is stopped: start a new one with %pscluster start")
         raise ApiError(404, f"no running cluster {name}: see GET /pscluster/api/clusters for the running ones")
+
+    def _trained_on(self) -> set[str]:
+        """The names of the clusters that have runs in the store."""
+        path = default_path()
+        try:
+            store = self._open(path)
+        except FileNotFoundError:
+            return set()
+        with store, _readable(path):
+            return set(store.runs()["cluster"])
 
 
 class _readable:
@@ -144,6 +156,8 @@ class _readable:
         return self
 
     def __exit__(self, kind, error, tb):
+        if isinstance(error, pd.errors.DatabaseError):  # pandas wraps the sqlite3 error
+            error = error.__cause__
         if isinstance(error, sqlite3.OperationalError) and "locked" in str(error):
             raise ApiError(503, f"the run store {self.path} is locked by another process: "
                                 "retrying; release the lock if it persists") from None

@@ -1,0 +1,51 @@
+"""Handler tests: a real jupyter server in this process (pytest-jupyter), with the pscluster
+extension, over a real run store and registry in a fresh PSCLUSTER_HOME."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"pscluster.labserver": True}}}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh PSCLUSTER_HOME for one test."""
+    monkeypatch.setenv("PSCLUSTER_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def api(jp_fetch):
+    """``await api("GET", "runs")`` -> (status, decoded JSON body or text), errors included."""
+
+    async def call(method: str, *path: str, headers=None, **params):
+        kwargs = {"method": method, "params": params, "headers": headers}
+        if method == "POST":
+            kwargs["body"] = b""
+        try:
+            response = await jp_fetch("pscluster", "api", *path, **kwargs)
+        except HTTPClientError as e:
+            response = e.response
+        try:
+            return response.code, json.loads(response.body)
+        except ValueError:  # refused before our handler: tornado's own page
+            return response.code, response.body.decode()
+
+    return call
+
+
+@pytest.fixture
+def dead_pid():
+    """The pid of a process that has exited."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
