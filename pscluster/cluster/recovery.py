@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .run import Run
 
 HEALTH_S = 0.25
-WORKERS_END_S = 30.0  # how long the workers of a failed attempt get to end before they are killed
+WORKERS_END_S = 10.0  # how long the workers of a failed attempt get to end before they are killed
 
 
 class Tasks(Protocol):
@@ -83,9 +83,10 @@ def _restart_from_checkpoint(run: "Run", tasks: Tasks, lost_ps: list[TaskSpec],
                 client.stop()
         except Exception:
             pass  # the workers still end, on their lost ps connection
-    ended = wait_until(lambda: all(r.ready() for r in run.worker_results), WORKERS_END_S)
-    if not ended:  # a worker that does not end is killed and replaced too
-        for i, r in enumerate(run.worker_results):
+    gone = {t.index for t in lost_workers}
+    live = [(i, r) for i, r in enumerate(run.worker_results) if i not in gone]
+    if not wait_until(lambda: all(r.ready() for _, r in live), WORKERS_END_S):
+        for i, r in live:  # a worker that does not end is killed and replaced too
             if not r.ready():
                 task = run.spec.task("worker", i)
                 try:

@@ -97,7 +97,7 @@ class Run:
         try:
             while True:
                 failed, ended = self._any_failed(), all(ar.ready() for ar in self.worker_results)
-                if self.tasks is not None and (failed or ended or time.monotonic() >= next_check):
+                if self.tasks is not None and (failed or (not ended and time.monotonic() >= next_check)):
                     # a failure may be a lost engine (seen by ipyparallel, or by workers of a lost ps)
                     # a moment before its process is seen gone: give that a second
                     if wait_until(self._recover, 1.0 if failed else 0):

@@ -97,7 +97,8 @@ def test_fault_tolerance_recovers_from_a_lost_worker_and_a_lost_ps(tmp_path):
     report = json.loads((tmp_path / "04_fault_tolerance.json").read_text())
     assert report["status"] == "finished" and report["global_step"] == report["steps"]
     assert report["lost"] == ["worker:1", "ps:1"]
-    assert report["replaced"] == ["worker:1", "ps:1"]
+    # each lost task got a new engine (and so did a worker that had not ended when the ps restart began)
+    assert report["replaced"][:2] == ["worker:1", "ps:1"] and set(report["replaced"]) == {"worker:1", "ps:1"}
     # every ps rolled back to one committed checkpoint, and the global step went on from there
     assert 0 < report["rolled_back_to"] <= report["lost_at"]
     assert report["resumed_at"] == report["rolled_back_to"] + 1
