@@ -8,7 +8,9 @@ import sys
 import pytest
 from tornado.httpclient import HTTPClientError
 
-pytest_plugins = ["pytest_jupyter.jupyter_server"]
+# pytest-jupyter's fixtures and hooks for this folder only (its autouse fixtures would touch every test)
+from pytest_jupyter.jupyter_core import *  # noqa: E402, F403
+from pytest_jupyter.jupyter_server import *  # noqa: E402, F403
 
 
 @pytest.fixture
