@@ -5,7 +5,7 @@ TORCH_SPEC  ?= torch==2.13.0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
 
-.PHONY: demo embeddings bench test install clean
+.PHONY: demo embeddings bench test install labextension chromium clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,19 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The side panel's labextension, rebuilt when its sources change, then reinstalled into the venv (an install
+# from a clean tree builds it through hatch-jupyter-builder). jlpm ships in jupyter-builder.
+LABEXT_BUILT := pscluster/labextension/static/style.js
+$(LABEXT_BUILT): $(wildcard labextension/src/*.ts labextension/style/*) labextension/package.json | $(STAMP)
+	cd labextension && PATH=$(CURDIR)/$(BIN):$$PATH jlpm install && PATH=$(CURDIR)/$(BIN):$$PATH jlpm build:prod
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+
+labextension: $(LABEXT_BUILT)
+
+# Browser tests drive Debian's chromium (never a browser downloaded by playwright).
+chromium:
+	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
 # A notebook executed headless at full size: reports/<name>.html (and whatever JSON it writes there).
 NBCONVERT := PSCLUSTER_REPORT_DIR=$(CURDIR)/reports IPP_NONINTERACTIVE=1 $(BIN)/jupyter nbconvert --to html \
@@ -38,8 +51,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/dashboard_overhead.py
 	$(BIN)/python benchmarks/dataplane.py
 
-test: $(STAMP)
+test: $(STAMP) $(LABEXT_BUILT) chromium
 	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) reports .pytest_cache
+	rm -rf $(VENV) reports .pytest_cache pscluster/labextension labextension/lib labextension/node_modules
