@@ -225,6 +225,7 @@ class Cluster:
         if role == "ps":
             new = replace(new, port=view.apply_sync(remote.start_ps, spec.secret, index, old.host))
         self.spec = spec.with_task(new)
+        self._registration.update("running")  # the side panel lists the new engine
         return self.spec
 
     def kill(self, task: str) -> int:
