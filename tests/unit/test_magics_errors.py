@@ -30,11 +30,11 @@ def shell():
 
 @pytest.fixture
 def magics(shell):
-    """The extension's magics object, reset to "no cluster" after each test."""
+    """The extension's magics object, reset to "no cluster, no run" around each test."""
     obj = next(m for m in shell.magics_manager.registry.values() if isinstance(m, PSClusterMagics))
-    obj.cluster = None
+    obj.cluster = obj.last_run = None
     yield obj
-    obj.cluster = None
+    obj.cluster = obj.last_run = None
 
 
 def usage_error(shell, line, cell=None) -> str:
