@@ -3,15 +3,12 @@
  * status, global step, speed and a loss sparkline. It refreshes while it is visible only.
  */
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
-import { Poll } from '@lumino/polling';
-import { Widget } from '@lumino/widgets';
 
 import { ActionResult, ApiError, ClusterInfo, ClusterList, RunInfo, RunList, requestAPI } from './api';
 import { sparkline } from './charts';
+import { PollingWidget } from './polling';
 
 /** How often the panel asks the server while it is visible (ms). */
-export const REFRESH_MS = 1500;
-
 const LIVE = new Set(['starting', 'training']);
 
 function el<K extends keyof HTMLElementTagNameMap>(tag: K, className = '', text = ''): HTMLElementTagNameMap[K] {
@@ -44,7 +41,7 @@ export async function confirmAndPost(title: string, body: string, path: string):
   }
 }
 
-export class ClusterPanel extends Widget {
+export class ClusterPanel extends PollingWidget {
   constructor(private readonly openRun: (run: RunInfo) => void) {
     super();
     this.id = 'pscluster-panel';
@@ -59,20 +56,6 @@ export class ClusterPanel extends Widget {
     );
     this.runsTable.createTHead().append(this.headerRow());
     this.runsTable.append(this.runsBody);
-    this.poll = new Poll({
-      factory: () => this.refresh(),
-      frequency: { interval: REFRESH_MS, backoff: false },
-      standby: () => !this.isVisible || 'when-hidden'
-    });
-  }
-
-  dispose(): void {
-    this.poll.dispose();
-    super.dispose();
-  }
-
-  protected onAfterShow(): void {
-    void this.poll.refresh();
   }
 
   /** Ask the server for the clusters and the runs and show them (or why not). */
@@ -226,5 +209,4 @@ export class ClusterPanel extends Widget {
   private readonly runsBody = document.createElement('tbody');
   private readonly runRows = new Map<number, HTMLTableRowElement>();
   private clustersSignature = '';
-  private readonly poll: Poll;
 }

@@ -2,12 +2,11 @@
  * A run in the main area: its convergence (loss by global step) and each worker's speed
  * (local steps per second), fed from the metrics endpoint by cursor while the run trains.
  */
-import { Poll } from '@lumino/polling';
-import { Widget } from '@lumino/widgets';
 
 import { ApiError, MetricRows, RunInfo, requestAPI } from './api';
 import { Series, lineChart } from './charts';
-import { REFRESH_MS, fmt } from './panel';
+import { fmt } from './panel';
+import { PollingWidget } from './polling';
 
 const ENDED = new Set(['finished', 'failed', 'stopped', 'lost']);
 const MAX_POINTS = 2000; // per series drawn: longer series are thinned
@@ -25,25 +24,11 @@ function thin(values: number[]): number[] {
   return stride <= 1 ? values : values.filter((_, i) => i % stride === 0);
 }
 
-export class RunView extends Widget {
+export class RunView extends PollingWidget {
   constructor(readonly runId: number) {
     super();
     this.addClass('jp-pscluster-runview');
     this.node.append(this.header, this.charts);
-    this.poll = new Poll({
-      factory: () => this.refresh(),
-      frequency: { interval: REFRESH_MS, backoff: false },
-      standby: () => !this.isVisible || 'when-hidden'
-    });
-  }
-
-  dispose(): void {
-    this.poll.dispose();
-    super.dispose();
-  }
-
-  protected onAfterShow(): void {
-    void this.poll.refresh();
   }
 
   /** Fetch the rows stored since the last cursor and redraw; stops polling once the run ended. */
@@ -115,5 +100,4 @@ export class RunView extends Widget {
   private readonly charts = document.createElement('div');
   private readonly workers = new Map<number, WorkerRows>();
   private cursor = 0;
-  private readonly poll: Poll;
 }

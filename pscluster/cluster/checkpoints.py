@@ -41,10 +41,9 @@ class CheckpointCoordinator:
                                           attempt=plan.attempt, variables=plan.variables,
                                           optimizer=plan.optimizer, optimizer_kwargs=plan.optimizer_kwargs,
                                           keep=self.keep)
-        for path in written:
-            self.store.add_event(plan.run_id, "controller", "checkpoint",
-                                 {"step": int(path.name.split("-")[1].split(".")[0]), "path": str(path)})
-        return written
+        for step, path in written.items():
+            self.store.add_event(plan.run_id, "controller", "checkpoint", {"step": step, "path": str(path)})
+        return list(written.values())
 
     def latest_step(self, plan: TrainPlan) -> int | None:
         steps = checkpoint.committed_steps(plan.checkpoint_dir) if plan.checkpoint_dir else []

@@ -229,12 +229,14 @@ class Run:
         return self
 
     def stop(self, timeout: float = 30.0) -> "Run":
-        """End training cleanly at the next global step (every ps on the same step, which the final
+        """End training cleanly within the next two global steps (every ps on the same step, which the final
         checkpoint holds) and wait for it; stops at once if that takes longer than ``timeout`` s."""
         if not self.done:
             self._stop_requested = True
             stats = self._read_ps_stats(timeout=10.0)
-            self._signal_stop(max(s.get("step", 0) for s in stats) + 1 if stats else None)
+            # two steps ahead: a ps that moved past the stop step before the STOP reached it stops where
+            # it is, apart from the others (async ps tasks can differ by the pushes in flight)
+            self._signal_stop(max(s.get("step", 0) for s in stats) + 2 if stats else None)
             try:
                 self.wait(timeout=timeout, verbose=False)
             except RuntimeTimeout:

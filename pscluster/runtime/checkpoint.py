@@ -240,15 +240,14 @@ def commit(directory, step: int, run_id: int, variables, optimizer: str, optimiz
 
 
 def commit_ready(directory, *, num_ps: int, run_id: int, attempt: int, variables, optimizer: str,
-                 optimizer_kwargs: dict, keep: int | None = None) -> list[Path]:
+                 optimizer_kwargs: dict, keep: int | None = None) -> dict[int, Path]:
     """Commit every step whose shards all ``num_ps`` ps tasks have written in ``attempt`` of run
-    ``run_id``; the manifests written, oldest first."""
-    written = []
+    ``run_id``; the manifests written by step, oldest first."""
+    written = {}
     for step in uncommitted_steps(directory):
         found = receipts(directory, step, num_ps, attempt=attempt)
         if found is not None and all(r.get("run_id") == run_id for r in found):
-            written.append(commit(directory, step, run_id, variables, optimizer, optimizer_kwargs, found,
-                                  keep=keep))
+            written[step] = commit(directory, step, run_id, variables, optimizer, optimizer_kwargs, found, keep=keep)
     return written
 
 
@@ -339,7 +338,8 @@ class Checkpoint:
             for v in parts:
                 for slot, value in states.get(v.name, {}).items():
                     per_slot.setdefault(slot, []).append(value)
-            slots[parameter] = {slot: _join(vs) if _per_row(vs, parts) else vs[0] for slot, vs in per_slot.items()}
+            slots[parameter] = {slot: _join(vs) if all(_per_row(t, v.shape) for t, v in zip(vs, parts)) else vs[0]
+                                for slot, vs in per_slot.items()}
         return params, slots
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -347,9 +347,10 @@ class Checkpoint:
         return self.tensors()[0]
 
 
-def _per_row(values: list, parts: list[VariableSpec]) -> bool:
-    """Whether an optimizer slot is kept per row of its variable (then it is split like the variable)."""
-    return all(isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(v.shape) for t, v in zip(values, parts))
+def _per_row(slot, shape) -> bool:
+    """Whether an optimizer slot is kept per row of its variable of ``shape`` (then it is split and joined
+    like the variable; other slots, such as step counts, are the same on every shard)."""
+    return isinstance(slot, torch.Tensor) and tuple(slot.shape) == tuple(shape)
 
 
 def _join(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -386,9 +387,8 @@ def reshard(ckpt: Checkpoint, variables) -> tuple[dict[int, torch.Tensor], dict[
                                   f"{whole.dtype}, the model as {full_shape} {v.dtype}: train with another "
                                   "checkpoint_dir or restore=False")
         values[v.id] = whole[v.start:v.stop].clone() if v.partitioned else whole.clone()
-        states[v.id] = {slot: (t[v.start:v.stop].clone() if v.partitioned else t.clone())
-                        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == whole.shape[0] else
-                        (t.clone() if isinstance(t, torch.Tensor) else t)
+        states[v.id] = {slot: t[v.start:v.stop].clone() if _per_row(t, whole.shape) and v.partitioned else
+                        t.clone() if isinstance(t, torch.Tensor) else t
                         for slot, t in slots[v.parameter].items()}
     return values, states
 

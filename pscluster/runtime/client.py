@@ -50,7 +50,7 @@ class PSClient:
         self.bytes_received = 0
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
-        self._socks, self._monitors = {}, {}
+        self._socks, self._monitors, self._index = {}, {}, {}  # ps index -> socket, socket -> ps index
         self._poller = zmq.Poller()
         for ps in spec.ps if only is None else [spec.ps[i] for i in only]:
             s = self._ctx.socket(zmq.DEALER)
@@ -60,6 +60,7 @@ class PSClient:
             monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             s.connect(ps.address)
             self._socks[ps.index] = s
+            self._index[s] = ps.index
             self._monitors[monitor] = ps.index
             self._poller.register(s, zmq.POLLIN)
             self._poller.register(monitor, zmq.POLLIN)
@@ -74,7 +75,7 @@ class PSClient:
             s.disable_monitor()
             monitor.close(linger=0)
             s.close(linger=0)
-        self._socks, self._monitors = {}, {}
+        self._socks, self._monitors, self._index = {}, {}, {}
 
     def __enter__(self):
         return self
@@ -85,12 +86,11 @@ class PSClient:
     # --- one round trip to a set of ps tasks ------------------------------------------
     def request(self, op: Op, per_ps: dict[int, tuple[list[int], list[torch.Tensor]]] | None = None, *,
                 step: int = 0, meta: dict | list | None = None, targets=None,
-                timeout: float | None = None, until_stopped: bool = False) -> list[Message]:
+                timeout: float | None = None) -> list[Message]:
         """Send ``op`` to ``targets`` (default: every ps), then collect one reply from each.
 
         ``per_ps`` maps a ps index to the (ids, tensors) it receives; ``meta`` is a dict sent
-        to all or a list with one dict per ps. ``until_stopped``: return the replies so far as soon
-        as one says the run is over (the others, a lost ps among them, no longer matter).
+        to all or a list with one dict per ps.
         """
         targets = list(self._socks) if targets is None else targets
         pending = {}
@@ -120,7 +120,7 @@ class PSClient:
                         raise PeerLost(f"ps {i} at {self.spec.ps[i].address} disconnected during {op.name}: "
                                        "it was lost")
                     continue
-                i = next(k for k, v in self._socks.items() if v is sock)
+                i = self._index[sock]
                 frames = sock.recv_multipart(copy=False)
                 self.bytes_received += sum(len(f) for f in frames)
                 msg = protocol.decode(frames, self.spec.key)
@@ -129,11 +129,6 @@ class PSClient:
                 if msg.op is Op.ERROR:
                     raise TrainingError(f"ps {i}: {(msg.meta or {}).get('error', 'error')}")
                 replies[i] = msg
-                if until_stopped and msg.flags & Flag.STOPPED:
-                    break
-            else:
-                continue
-            break
         return [replies[i] for i in sorted(replies)]
 
     @staticmethod
@@ -176,12 +171,11 @@ class PSClient:
         return self.merge(self.request(Op.PULL_ROWS, per_ps, targets=sorted(per_ps)))
 
     def push(self, step: int, per_ps: dict) -> Reply:
-        return self.merge(self.request(Op.PUSH, per_ps, step=step, until_stopped=True))
+        return self.merge(self.request(Op.PUSH, per_ps, step=step))
 
     def push_pull(self, step: int, per_ps: dict) -> Reply:
-        """Push gradients computed on ``step`` and get the parameters after they were applied (from the
-        ps tasks that answered, when one says the run is over)."""
-        return self.merge(self.request(Op.PUSH_PULL, per_ps, step=step, until_stopped=True))
+        """Push gradients computed on ``step`` and get the parameters after they were applied."""
+        return self.merge(self.request(Op.PUSH_PULL, per_ps, step=step))
 
     def stats(self) -> list[dict]:
         return [m.meta or {} for m in self.request(Op.STATS)]

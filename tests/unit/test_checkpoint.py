@@ -68,7 +68,8 @@ def train(local_ps, dataset, *, num_ps, partition, steps, directory, every=0, re
 def test_every_n_steps_and_at_the_end_keeping_the_last_k(local_ps, bags, tmp_path):
     committed, final, plan = train(local_ps, bags, num_ps=2, partition={"embedding": 2}, steps=25,
                                    directory=tmp_path, every=5)
-    assert [p.name for p in committed] == [f"step-{s:09d}.manifest.json" for s in (5, 10, 15, 20, 25)]
+    assert list(committed) == [5, 10, 15, 20, 25]
+    assert [p.name for p in committed.values()] == [f"step-{s:09d}.manifest.json" for s in committed]
     assert checkpoint.committed_steps(tmp_path) == [15, 20, 25]  # keep=3
     assert sorted(p.name for p in tmp_path.glob("step-*") if p.is_dir()) == \
         ["step-000000015", "step-000000020", "step-000000025"]
