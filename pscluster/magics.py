@@ -25,7 +25,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .cluster.cluster import Cluster
 from .errors import ConfigError, PSClusterError
 
-USAGE = ("usage: %pscluster start|train|status|placement|checkpoint|kill|stop [options]  "
+USAGE = ("usage: %pscluster start|train|status|placement|checkpoint|kill|scale|stop [options]  "
          "(%pscluster <command> --help for options)")
 PARTITION_FORM = "NAME=SHARDS, e.g. --partition embedding=2 (a variable name or prefix, a shard count >= 1)"
 
@@ -96,7 +96,10 @@ def _parsers() -> dict[str, _Parser]:
     kill = _Parser(prog="%pscluster kill", description="SIGKILL one task, to try a failure: the run recovers")
     kill.add_argument("task", help="role:index, e.g. worker:1 or ps:0")
 
-    return {"start": start, "train": train, "status": _Parser(prog="%pscluster status"),
+    scale = _Parser(prog="%pscluster scale", description="add or remove workers, during a run too")
+    scale.add_argument("--workers", type=int, required=True, help="the number of workers from now on (>= 1)")
+
+    return {"start": start, "train": train, "status": _Parser(prog="%pscluster status"), "scale": scale,
             "placement": _Parser(prog="%pscluster placement",
                                  description="one line per variable or shard of the latest run: its ps task"),
             "stop": _Parser(prog="%pscluster stop"), "kill": kill,
@@ -202,6 +205,13 @@ class PSClusterMagics(Magics):
     def _kill(self, args, cell):
         pid = self._running("kill a task of").kill(args.task)
         print(f"killed {args.task} (pid {pid})")
+
+    def _scale(self, args, cell):
+        cluster = self._running("scale")
+        before = cluster.num_workers
+        cluster.scale(args.workers)
+        run = cluster.active_run
+        print(f"workers: {before} -> {cluster.num_workers}" + (f" ({run.name} goes on with them)" if run else ""))
 
     def _checkpoint(self, args, cell):
         if self.last_run is None:

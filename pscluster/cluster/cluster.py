@@ -24,11 +24,11 @@ from ..metrics.store import RunStore
 from ..runtime import engine as remote
 from ..runtime.plan import TrainPlan, describe_variables, optimizer_name
 from ..runtime.worker import build_model
-from ..spec import ClusterSpec
-from . import registry
+from ..spec import ClusterSpec, TaskSpec
+from . import registry, scaling
 from .checkpoints import CheckpointCoordinator
 from .engines import EngineSet
-from .roles import assign_roles
+from .roles import assign_roles, worker_devices
 from .run import Run
 from .shipping import ship
 
@@ -153,8 +153,9 @@ class Cluster:
         ``model_fn``: a torch.nn.Module or a zero-argument callable that builds one.
         ``optimizer``: a ``torch.optim`` class or its name; extra keyword arguments go to it.
         ``steps``: the global step target. ``replicas_to_aggregate`` (sync): gradients
-        averaged per global step, default the number of workers. ``code``: the source of the
-        model cell, kept in the run store (default: the source of ``model_fn`` when it has one).
+        averaged per global step, default the number of workers; fewer make the others backup workers (the
+        first gradients of a step are applied, those of the slowest workers dropped as stale). ``code``: the
+        source of the model cell, kept in the run store (default: the source of ``model_fn`` when it has one).
         ``test_dataset``: evaluated in this process every ``eval_every`` global steps (default:
         a tenth of ``steps``) and at the end; results go to the run store and the dashboard.
         ``mode``: ``sync``, ``async`` or ``ssp`` (bounded staleness: no worker runs more than
@@ -182,6 +183,9 @@ class Cluster:
             raise ConfigError("dataset must be a map-style dataset (len() and indexing), "
                               "e.g. pscluster.datasets.digits('train')")
         replicas = self.num_workers if replicas_to_aggregate is None else replicas_to_aggregate
+        if mode == "sync" and isinstance(replicas, int) and replicas > self.num_workers:
+            raise ConfigError(f"replicas_to_aggregate={replicas} but the cluster has {self.num_workers} workers: "
+                              "use at most that many (fewer: the others are backup workers)")
         model = build_model(model_fn, seed)
         if not any(True for _ in model.parameters()):
             raise ConfigError("the model has no parameters to train: check model_fn")
@@ -214,18 +218,44 @@ class Cluster:
         return self._engines.view(task.engine_id).apply_async(remote.train_worker, spec.to_json(), index,
                                                               run.plan.to_json(), run.payload, join)
 
+    def _new_engine(self, task: TaskSpec) -> TaskSpec:
+        """``task`` on a new engine, configured for its device (a ps serving on a new port)."""
+        engine = self._engines.add_engine()
+        view = self._engines.view(engine.engine_id)
+        view.apply_sync(remote.configure_task, task.device, self.threads)
+        task = replace(task, engine_id=engine.engine_id, pid=engine.pid)
+        if task.role == "ps":
+            task = replace(task, port=view.apply_sync(remote.start_ps, self.spec.secret, task.index, task.host))
+        return task
+
     def replace_task(self, role: str, index: int) -> ClusterSpec:
         """Give task ``role:index`` a new engine (its old one was lost); the cluster's new spec."""
         spec = self._require_running("replace a task")
-        old = spec.task(role, index)
-        engine = self._engines.add_engine()
-        view = self._engines.view(engine.engine_id)
-        view.apply_sync(remote.configure_task, old.device, self.threads)
-        new = replace(old, engine_id=engine.engine_id, pid=engine.pid, host=old.host)
-        if role == "ps":
-            new = replace(new, port=view.apply_sync(remote.start_ps, spec.secret, index, old.host))
-        self.spec = spec.with_task(new)
+        self.spec = spec.with_task(self._new_engine(spec.task(role, index)))
         self._registration.update("running")  # the side panel lists the new engine
+        return self.spec
+
+    def scale(self, workers: int) -> ClusterSpec:
+        """Add or remove workers, during a run too: added ones join it with the current parameters, removed
+        ones (the highest-numbered, never the chief) end at their next step. Sync runs keep their number of
+        backup workers (see ``scaling``). Returns the cluster's new spec."""
+        spec = self._require_running("scale")
+        n = _count("workers", workers, 1)
+        run = self.active_run
+        if n > len(spec.workers):
+            devices = worker_devices(n, self.gpus)
+            added = [self._new_engine(TaskSpec("worker", i, host=spec.chief.host, device=devices[i]))
+                     for i in range(len(spec.workers), n)]
+            self.spec = replace(spec, workers=spec.workers + tuple(added))
+            if run is not None:
+                scaling.grow(run, self, self.spec)
+        elif n < len(spec.workers):
+            if run is not None:
+                scaling.shrink(run, n)
+            self.spec = replace(spec, workers=spec.workers[:n])
+            self._engines.remove_engines([(t.engine_id, t.pid) for t in spec.workers[n:]])
+        self.num_workers = n
+        self._registration.update("running")
         return self.spec
 
     def kill(self, task: str) -> int:

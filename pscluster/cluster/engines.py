@@ -29,6 +29,7 @@ class EngineSet:
         self._ipp: ipp.Cluster | None = None
         self.client: ipp.Client | None = None
         self.pids: list[int] = []
+        self.engines: dict[int, int] = {}  # engine id -> pid, of the engines in use
         self._reaper: subprocess.Popen | None = None
 
     def start(self) -> list[EngineInfo]:
@@ -48,6 +49,7 @@ class EngineSet:
             self.stop()
             raise
         self.pids = _with_descendants([e.pid for e in engines] + [self._ipp.controller.pid])
+        self.engines = {e.engine_id: e.pid for e in engines}
         self._watch()
         return engines
 
@@ -75,8 +77,28 @@ class EngineSet:
         engine_id = min(new)
         info = self.client[engine_id].apply_sync(_describe)
         self.pids = list(dict.fromkeys(self.pids + _with_descendants([info["pid"]])))
+        self.engines[engine_id] = info["pid"]
         self._watch()
         return EngineInfo(engine_id=engine_id, host=info["host"], pid=info["pid"])
+
+    def remove_engines(self, engines: list[tuple[int, int]]) -> None:
+        """Stop these (engine id, pid) engines for good: the cluster has fewer tasks now."""
+        gone = _with_descendants([pid for _, pid in engines])
+        self._shutdown([engine_id for engine_id, _ in engines])
+        reaper.kill_all(gone, grace=5.0)
+        self.pids = [p for p in self.pids if p not in gone]
+        for engine_id, _ in engines:
+            self.engines.pop(engine_id, None)
+        self._watch()
+
+    def _shutdown(self, engine_ids: list[int]) -> None:
+        """Ask these engines to exit, without waiting for answers (an engine that died never answers)."""
+        live = [e for e in engine_ids if e in self.engines and reaper.alive(self.engines[e])]
+        try:
+            if live:
+                self.client.shutdown(targets=live, block=False)
+        except Exception:  # an engine already gone: the kill that follows makes sure
+            pass
 
     def view(self, engine_id: int):
         return self.client[engine_id]
@@ -87,10 +109,10 @@ class EngineSet:
     def stop(self) -> None:
         """Shut engines down through the client (quietly), stop the cluster, kill survivors."""
         if self.client is not None:
-            try:
-                self.client.shutdown(targets="all", block=True)
-            except Exception:  # engines already gone: the kill below makes sure
-                pass
+            self._shutdown(list(self.engines))
+            deadline = time.monotonic() + 5
+            while any(reaper.alive(p) for p in self.engines.values()) and time.monotonic() < deadline:
+                time.sleep(0.05)
             self.client.close()
             self.client = None
         if self._ipp is not None:

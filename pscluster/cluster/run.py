@@ -55,7 +55,9 @@ class Run:
         self._loss_fn = loss_fn
         self._state_dict: dict[str, torch.Tensor] | None = None
         self._pending_logs: queue.Queue = queue.Queue()
-        self.worker_results = []
+        self.worker_results = []  # one per worker of the spec, by index
+        self.retired_results = []  # of workers removed by scaling
+        self.membership = threading.Lock()  # held while workers are replaced, added or removed
         self._stop_requested = False
         self._test_dataset = test_dataset
         self.eval_every = eval_every or max(1, plan.steps // 10)
@@ -126,7 +128,10 @@ class Run:
         return any(ar.ready() and not ar.successful() for ar in self.worker_results)
 
     def _recover(self) -> bool:
-        return not self._stop_requested and recovery.recover(self, self.tasks)
+        if self._stop_requested:
+            return False
+        with self.membership:
+            return recovery.recover(self, self.tasks)
 
     def _request_checkpoint(self) -> int | None:
         try:
@@ -285,6 +290,7 @@ class Run:
                 results.append(ar.get(0))
             except Exception as e:  # a RemoteError: keep its one-line form
                 errors.append(f"worker {i} failed: {_one_line(e)}")
+        results += [r.get(0) for r in self.retired_results if r.ready() and r.successful()]
         self.finished = time.time()
         self.commit_checkpoints()  # the final one
         # a worker's last metrics batch may still be in flight when its result arrives

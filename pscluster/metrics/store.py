@@ -126,6 +126,19 @@ def placement_frame(variables) -> pd.DataFrame:
     return df
 
 
+_POLLED = {"metrics": _METRIC_COLUMNS, "ps_metrics": _PS_COLUMNS,
+           "evaluations": ("global_step", "time", "loss", "accuracy"), "events": ("time", "task", "kind", "detail")}
+
+
+def _since(run_id: int, after_row: int | None) -> tuple[str, tuple]:
+    """The WHERE clause (and its parameters) of a run's rows stored after the cursor ``after_row``. After a
+    cursor, ``+run_id`` keeps SQLite off the run_id index, which would walk every row of the run: the rowid
+    range finds the new rows at once."""
+    if not after_row:
+        return "run_id = ?", (int(run_id),)
+    return "rowid > ? AND +run_id = ?", (int(after_row), int(run_id))
+
+
 def default_path() -> str:
     """``$PSCLUSTER_HOME/runs.sqlite`` (default home: the user's data directory)."""
     return os.path.join(environ.home(), STORE_FILE)
@@ -190,6 +203,11 @@ class RunStore:
             run_id = cur.lastrowid
             self._db.execute("UPDATE runs SET name = ? WHERE id = ?", (name or f"run-{run_id}", run_id))
         return run_id
+
+    def set_spec(self, run_id: int, spec: dict) -> None:
+        """The run's cluster now (tasks replaced, workers added or removed), without its secret."""
+        with self._lock, self._db:
+            self._db.execute("UPDATE runs SET spec = ? WHERE id = ?", (json.dumps(spec), run_id))
 
     def set_status(self, run_id: int, status: str, summary: dict | None = None) -> None:
         ended = time.time() if status in ("finished", "failed", "stopped") else None
@@ -267,8 +285,19 @@ class RunStore:
 
     def _table_rows(self, table: str, columns, order: str, run_id: int, after_row: int | None) -> pd.DataFrame:
         cursor = "" if after_row is None else "rowid AS row, "
-        return self._frame(f"SELECT {cursor}{', '.join(columns)} FROM {table} WHERE run_id = ? AND rowid > ? "
-                           f"ORDER BY {order}", (int(run_id), int(after_row or 0)))
+        where, params = _since(run_id, after_row)
+        return self._frame(f"SELECT {cursor}{', '.join(columns)} FROM {table} WHERE {where} ORDER BY {order}", params)
+
+    def new_rows(self, table: str, run_id: int, after_row: int = 0) -> tuple[list[str], list[tuple]]:
+        """What a poller reads: the rows of ``table`` (metrics, ps_metrics, evaluations or events) of run
+        ``run_id`` stored after the cursor ``after_row`` (0 to start), in the order they were stored, as SQLite
+        holds them (JSON not decoded, no DataFrame). Returns the column names, ``row`` (the cursor) first, and
+        the rows as tuples."""
+        where, params = _since(run_id, after_row)
+        with self._lock:
+            cur = self._db.execute(f"SELECT rowid AS row, {', '.join(_POLLED[table])} FROM {table} WHERE {where} "
+                                   "ORDER BY rowid", params)
+            return [d[0] for d in cur.description], cur.fetchall()
 
     def metrics(self, run_id: int, after_row: int | None = None) -> pd.DataFrame:
         """Per-step worker metrics (one row per reported step per worker), oldest first.

@@ -192,5 +192,10 @@ class PSClient:
         """Tell every ps that ``workers`` are lost: sync and SSP stop waiting for them."""
         self.request(Op.MEMBERSHIP, meta={"lost": list(workers)})
 
+    def resize(self, workers: int, replicas: int) -> None:
+        """Tell every ps that the run has ``workers`` workers now (added ones count from their first request,
+        removed ones are told to stop), and that sync aggregates ``replicas`` gradients per step."""
+        self.request(Op.MEMBERSHIP, meta={"workers": workers, "replicas": replicas})
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self.request(Op.SHUTDOWN, timeout=timeout)

@@ -30,8 +30,10 @@ state, see ``checkpoint.py``) every ``checkpoint_every`` steps, at steps asked f
 the end; the controller commits a checkpoint once every ps has written its shard of one step. INIT can
 carry optimizer state and a starting step: a restore.
 
-Lost workers (MEMBERSHIP): sync aggregates the gradients of the live workers only, SSP measures the
-slowest among them; a worker counts as live again from its next request.
+Membership (MEMBERSHIP): lost workers are left out (sync aggregates the gradients of the live workers
+only, SSP measures the slowest among them) and count as live again from their next request. The worker
+count can change during a run (scaling): added workers count from their first request; a removed worker's
+next push or pull is answered STOPPED, so it ends.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class _RunState:
     save_at: set = field(default_factory=set)  # steps to write a shard at (CHECKPOINT)
     saved: set = field(default_factory=set)
     checkpoint_errors: int = 0
-    lost: set = field(default_factory=set)  # workers lost and not back yet
+    lost: set = field(default_factory=set)  # workers lost (or added by scaling) and not heard from yet
 
     def __post_init__(self):
         # fixed for the run: looked up on every request
@@ -291,6 +293,10 @@ class ParameterServer:
                 self._error(identity, msg, f"run {msg.run_id} is over: ps {self.index} serves run {run.run_id}")
             else:
                 self._reply(identity, msg, Op.NOT_READY)
+            return None
+        if msg.task != protocol.NO_TASK and msg.task >= run.num_workers and msg.op in _WORKER_OPS:
+            # removed by scaling: this answer ends it
+            self._reply(identity, msg, Op.OK if msg.op is Op.PUSH else Op.PARAMS, flags=Flag.STOPPED | Flag.DROPPED)
             return None
         if msg.task in run.lost:  # a replacement of a lost worker: live again, level with the others
             run.lost.discard(msg.task)
@@ -517,11 +523,23 @@ class ParameterServer:
         self._reply(identity, msg, Op.OK, value=step)
 
     def _membership(self, identity, msg):
-        """Workers lost: stop waiting for them (sync aggregates fewer gradients, SSP ignores their clocks)."""
+        """Workers lost (meta {"lost": [...]}): stop waiting for them (sync aggregates fewer gradients, SSP
+        ignores their clocks). Scaling (meta {"workers": n, "replicas": r}): the run has ``n`` workers now, of
+        which sync aggregates ``r`` per step; added ones count from their first request."""
         run = self._current(identity, msg)
         if run is None:
             return
-        run.lost.update(int(w) for w in (msg.meta or {}).get("lost", []) if 0 <= int(w) < run.num_workers)
+        meta = msg.meta or {}
+        if "workers" in meta:
+            n = int(meta["workers"])
+            if n < 1:
+                raise ProtocolError(f"a run needs at least one worker, not {n}")
+            run.lost = {w for w in run.lost if w < n} | set(range(run.num_workers, n))
+            for w in range(n, run.num_workers):
+                run.clocks.pop(w, None)
+            run.num_workers = n
+            run.replicas = max(1, int(meta.get("replicas", run.replicas)))
+        run.lost.update(int(w) for w in meta.get("lost", []) if 0 <= int(w) < run.num_workers)
         if run.mode == "sync" and run.accum is not None and run.accum_count >= run.replicas_now():
             self._apply(run, run.accum, run.accum_count)
             run.accum, run.accum_count, run.contributors = None, 0, []
@@ -592,6 +610,9 @@ class ParameterServer:
     _HANDLERS = {Op.HELLO: _hello, Op.INIT: _init, Op.PULL: _pull, Op.PULL_ROWS: _pull_rows, Op.PUSH: _push,
                  Op.PUSH_PULL: _push, Op.STATS: _stats, Op.STOP: _stop_run, Op.SHUTDOWN: _shutdown,
                  Op.CHECKPOINT: _checkpoint, Op.MEMBERSHIP: _membership}
+
+
+_WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 
 
 def _owned(grad):

@@ -1,5 +1,7 @@
 """Integration tests run real ipyparallel engines; every cluster started here is stopped here."""
 
+import time
+
 import pytest
 import torch
 
@@ -36,3 +38,32 @@ def cluster_1ps_2w(start_cluster):
 @pytest.fixture(scope="session")
 def digits_train():
     return pscluster.datasets.digits("train")
+
+
+@pytest.fixture
+def own_cluster():
+    """A cluster of its own for each test (it loses engines); stopped and checked dead afterwards."""
+    made = []
+
+    def start(**kwargs):
+        made.append(pscluster.Cluster(**kwargs).start())
+        return made[-1]
+
+    yield start
+    for c in made:
+        pids = c.pids  # the replacement engines too
+        c.stop()
+        assert pids and not [p for p in pids if alive(p)], "cluster processes left running after stop()"
+
+
+def wait_for_step(run, step, timeout=120):
+    deadline = time.monotonic() + timeout
+    while run.global_step < step:
+        assert not run.done, f"the run ended at {run.global_step} before step {step}: {run.error}"
+        assert time.monotonic() < deadline, f"global step {run.global_step} after {timeout}s"
+        time.sleep(0.05)
+
+
+def events(run, kind):
+    e = run.store.events(run.id)
+    return e[e["kind"] == kind]

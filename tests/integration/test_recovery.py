@@ -1,53 +1,21 @@
 """Fault tolerance on real engines: SIGKILL a worker or a ps mid-run; the run recovers by itself and ends
 exactly on its step target, and no process of the cluster outlives it."""
 
-import time
-
 import pytest
 import torch
 
-import pscluster
 from pscluster.errors import ConfigError
 from pscluster.cluster.reaper import alive
 from pscluster.runtime import checkpoint
 
-from .conftest import mlp
+from .conftest import events, mlp, wait_for_step
 
 LOSS = torch.nn.CrossEntropyLoss()
 
 
-@pytest.fixture
-def cluster(request):
-    """A cluster of its own for each test (it loses engines); stopped and checked dead afterwards."""
-    made = []
-
-    def start(**kwargs):
-        made.append(pscluster.Cluster(**kwargs).start())
-        return made[-1]
-
-    yield start
-    for c in made:
-        pids = c.pids  # the replacement engines too
-        c.stop()
-        assert pids and not [p for p in pids if alive(p)], "cluster processes left running after stop()"
-
-
-def wait_for_step(run, step, timeout=120):
-    deadline = time.monotonic() + timeout
-    while run.global_step < step:
-        assert not run.done, f"the run ended at {run.global_step} before step {step}: {run.error}"
-        assert time.monotonic() < deadline, f"global step {run.global_step} after {timeout}s"
-        time.sleep(0.05)
-
-
-def events(run, kind):
-    e = run.store.events(run.id)
-    return e[e["kind"] == kind]
-
-
 @pytest.mark.parametrize("mode, victim", [("sync", "worker:1"), ("async", "worker:0")])
-def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(cluster, digits_train, mode, victim):
-    c = cluster(ps=1, workers=2)
+def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(own_cluster, digits_train, mode, victim):
+    c = own_cluster(ps=1, workers=2)
     run = c.train(mlp, digits_train, LOSS, lr=0.1, mode=mode, steps=600, batch_size=32, checkpoint_secs=None)
     wait_for_step(run, 100)
     with pytest.raises(ConfigError, match="task 'worker': name it role:index, e.g. worker:1 or ps:0"):
@@ -65,8 +33,8 @@ def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(cluster, digit
     assert not alive(old_pid)
 
 
-def test_a_lost_ps_rolls_back_to_the_last_checkpoint_and_the_run_goes_on(cluster, digits_train):
-    c = cluster(ps=2, workers=2)
+def test_a_lost_ps_rolls_back_to_the_last_checkpoint_and_the_run_goes_on(own_cluster, digits_train):
+    c = own_cluster(ps=2, workers=2)
     run = c.train(mlp, digits_train, LOSS, lr=0.1, mode="sync", steps=500, batch_size=32, checkpoint_every=50,
                   checkpoint_secs=None)
     wait_for_step(run, 160)
@@ -90,8 +58,8 @@ def test_a_lost_ps_rolls_back_to_the_last_checkpoint_and_the_run_goes_on(cluster
         assert torch.equal(value, run.state_dict()[name]), name
 
 
-def test_stop_ends_on_one_step_with_a_final_checkpoint_and_export(cluster, digits_train, tmp_path):
-    c = cluster(ps=2, workers=1)
+def test_stop_ends_on_one_step_with_a_final_checkpoint_and_export(own_cluster, digits_train, tmp_path):
+    c = own_cluster(ps=2, workers=1)
     run = c.train(mlp, digits_train, LOSS, lr=0.1, mode="async", steps=10**6, batch_size=32, checkpoint_secs=None)
     wait_for_step(run, 30)
     mid = run.checkpoint()

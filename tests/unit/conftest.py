@@ -54,10 +54,10 @@ class LocalPS:
         assert not any(s.running for s in self.servers), "a ps server did not stop"
 
 
-def ps_config(names, *, mode="sync", steps=100, replicas=1, optimizer="sgd", **optimizer_kwargs) -> dict:
+def ps_config(names, *, mode="sync", steps=100, replicas=1, optimizer="sgd", workers=1, **optimizer_kwargs) -> dict:
     """The INIT configuration of one ps task, as the chief sends it."""
     return {"mode": mode, "steps": steps, "replicas_to_aggregate": replicas, "optimizer": optimizer,
-            "optimizer_kwargs": optimizer_kwargs or {"lr": 0.1}, "names": list(names)}
+            "num_workers": workers, "optimizer_kwargs": optimizer_kwargs or {"lr": 0.1}, "names": list(names)}
 
 
 @dataclass
@@ -103,7 +103,8 @@ def start_run(local_ps):
         run = PSRun(spec, local_ps.servers[-num_ps:], list(values), [v.clone() for v in values.values()],
                     local_ps)
         per_ps = run.split(run.initial)
-        configs = [ps_config([run.names[i] for i in per_ps[p][0]], **config) for p in range(num_ps)]
+        configs = [ps_config([run.names[i] for i in per_ps[p][0]], workers=num_workers, **config)
+                   for p in range(num_ps)]
         local_ps.client(spec).init(RUN_ID, per_ps, configs)
         return run
 

@@ -50,7 +50,7 @@ def usage_error(shell, line, cell=None) -> str:
 
 @pytest.mark.parametrize("line, fragments", [
     ("", [USAGE]),
-    ("bogus", ["unknown command 'bogus'", "%pscluster start|train|status|placement|checkpoint|kill|stop"]),
+    ("bogus", ["unknown command 'bogus'", "%pscluster start|train|status|placement|checkpoint|kill|scale|stop"]),
     ("start --ps 0", ["ps=0", "use an integer >= 1"]),
     ("start --workers -1", ["workers=-1", "use an integer >= 1"]),
     ("start --gpus 999", ["gpus=999", "use gpus <="]),
@@ -65,9 +65,12 @@ def usage_error(shell, line, cell=None) -> str:
     ("kill worker:1", ["no cluster to kill a task of", "%pscluster start first"]),
     ("kill", ["the following arguments are required: task", "see %pscluster kill --help"]),
     ("checkpoint", ["no run yet", "%pscluster checkpoint"]),
+    ("scale --workers 3", ["no cluster to scale", "%pscluster start first"]),
+    ("scale", ["the following arguments are required: --workers", "see %pscluster scale --help"]),
 ], ids=["empty", "unknown-command", "no-ps", "negative-workers", "too-many-gpus", "no-threads", "unknown-option",
         "not-a-number", "quotes", "train-as-line-magic", "stop-before-start", "placement-before-start",
-        "placement-bad-option", "kill-before-start", "kill-no-task", "checkpoint-before-train"])
+        "placement-bad-option", "kill-before-start", "kill-no-task", "checkpoint-before-train",
+        "scale-before-start", "scale-without-count"])
 def test_bad_line_magics(shell, magics, line, fragments):
     message = usage_error(shell, line)
     for fragment in fragments:

@@ -162,6 +162,28 @@ def test_single_replica_sync_makes_progress_alone(start_run, values):
         assert chief.push_pull(step, run.split(grads(step, run.initial))).step == step + 1
 
 
+def test_workers_added_count_from_their_first_request_and_removed_ones_are_stopped(start_run, values):
+    run = start_run(values, mode="sync", replicas=2)
+    w0, w1, w2, controller = run.client(task=0), run.client(task=1), run.client(task=2), run.client()
+    controller.resize(workers=3, replicas=3)
+    w0.push(0, run.split(grads(0, run.initial)))
+    w1.push(0, run.split(grads(1, run.initial)))
+    assert controller.stats()[0]["step"] == 1  # worker 2 has not joined: two gradients make the step
+    assert w2.pull().step == 1  # joined
+    w0.push(1, run.split(grads(2, run.initial)))
+    w1.push(1, run.split(grads(3, run.initial)))
+    assert controller.stats()[0]["step"] == 1 and controller.stats()[0]["waiting_on"] == [0, 1]
+    w2.push(1, run.split(grads(4, run.initial)))
+    assert controller.stats()[0]["step"] == 2
+
+    controller.resize(workers=1, replicas=1)
+    removed = w2.push_pull(2, run.split(grads(5, run.initial)))
+    assert removed.flags & Flag.STOPPED and removed.flags & Flag.DROPPED and not removed.messages[0].tensors
+    assert w1.pull().flags & Flag.STOPPED
+    assert w0.push_pull(2, run.split(grads(6, run.initial))).step == 3  # the chief alone makes the steps
+    assert controller.stats()[0]["applied"] == 3
+
+
 # --- async mode ------------------------------------------------------------------------------
 
 
