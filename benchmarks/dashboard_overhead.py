@@ -1,18 +1,24 @@
 """Training throughput with the live dashboard attached and refreshing, against without.
 
-    .venv/bin/python benchmarks/dashboard_overhead.py [--pairs 12] [--window 3]
+    PSCLUSTER_HOME=/tmp/bench .venv/bin/python benchmarks/dashboard_overhead.py [--pairs 30] [--window 2]
 
-One long sync run (1 ps + 2 workers, digits MLP). While it trains, a Dashboard in this process (the
-controller, as in a notebook) is switched off and on every ``--window`` seconds: the two kinds of
-window alternate, side by side in one run, so a slower or faster phase of the machine weighs on both
-alike. The speed of a window is its global steps per second (from the run store's per-step rows, the
-first half second of the window left out), times the samples of a global step. Prints each pair, the
-ratio of the medians (with / without; goal >= 0.97) and the spread of the per-pair ratios.
+One long sync run (1 ps + 2 workers, digits MLP, batch 64). While it trains, a Dashboard in this process
+(the controller, as in a notebook) is switched on and off: ``--pairs`` pairs of ``--window``-second
+windows, one of each kind, in an order that alternates from pair to pair (without then with, with then
+without...), so that a machine getting slower or faster during the run weighs on both kinds alike. The
+speed of a window is its global steps per second (from the run store's per-step rows, the first half
+second of the window left out: the switch itself), times the samples of a global step.
+
+Prints each pair; the median of the per-pair ratios (with / without; goal >= 0.97) with its quartiles
+and a 90% bootstrap interval; the ratio of the medians of each kind; the dashboard's refreshes per second
+and CPU time per refresh; and the machine, with its load before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import tempfile
 import time
@@ -39,13 +45,34 @@ def window_speed(metrics, begin: float, end: float, samples_per_step: int) -> fl
     return steps * samples_per_step / (rows["time"].max() - rows["time"].min())
 
 
+def bootstrap_interval(values: np.ndarray, *, draws: int = 5000, seed: int = 0) -> tuple[float, float]:
+    """The 5th and 95th percentiles of the median of ``values`` resampled with replacement."""
+    medians = np.median(np.random.default_rng(seed).choice(values, (draws, len(values))), axis=1)
+    return tuple(np.percentile(medians, [5, 95]))
+
+
+def machine() -> str:
+    """Cores, CPU model, memory and accelerator of this machine, in one line."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        memory = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        model, memory = platform.processor() or platform.machine(), "? GiB"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
+    return f"{os.cpu_count()} cores ({model}), {memory}, {gpu}, {platform.system()} {platform.release()}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=12, help="windows of each kind")
-    parser.add_argument("--window", type=float, default=3.0, help="seconds per window")
+    parser.add_argument("--pairs", type=int, default=30, help="pairs of windows, one of each kind (at least 5)")
+    parser.add_argument("--window", type=float, default=2.0, help="seconds per window")
     args = parser.parse_args()
+    if args.pairs < 5 or args.window <= 2 * SETTLE_S:
+        parser.error(f"give --pairs >= 5 and --window > {2 * SETTLE_S} s")
     store = tempfile.mkdtemp(prefix="pscluster-bench-") + "/runs.sqlite"
     dataset = pscluster.datasets.digits("train")
+    load_before = os.getloadavg()
     with pscluster.Cluster(ps=1, workers=2, store=store) as cluster:
         cluster.train(model_fn, dataset, torch.nn.CrossEntropyLoss(), lr=0.1, steps=600,
                       name="warm-up").wait(verbose=False)  # first runs on fresh engines are slower
@@ -54,33 +81,42 @@ def main() -> None:
         while run.global_step < 200:  # past start-up
             time.sleep(0.1)
         dashboard = Dashboard(store, run.id)
-        windows = []  # (kind, begin, end)
-        for i in range(2 * args.pairs):
-            kind = "with" if i % 2 else "without"
-            if kind == "with":
-                dashboard.start()
-            begin = time.time()
-            time.sleep(args.window)
-            if kind == "with":
-                dashboard.stop()
-            windows.append((kind, begin, time.time()))
-        refreshes = dashboard.refreshes
+        dashboard.refresh()  # attached: its widgets hold the run so far
+        first_refreshes, first_cpu = dashboard.refreshes, dashboard.cpu_s
+        windows = []  # (pair, kind, begin, end)
+        for pair in range(args.pairs):
+            for kind in ("without", "with") if pair % 2 == 0 else ("with", "without"):
+                if kind == "with":
+                    dashboard.start()
+                begin = time.time()
+                time.sleep(args.window)
+                if kind == "with":
+                    dashboard.stop()
+                windows.append((pair, kind, begin, time.time()))
+        refreshes, cpu_s = dashboard.refreshes - first_refreshes, dashboard.cpu_s - first_cpu
         run.stop().wait(verbose=False)
         metrics = run.metrics()
         per_step = run.plan.batch_size * run.plan.replicas_to_aggregate
-    speeds = {"without": [], "with": []}
-    for kind, begin, end in windows:
-        speeds[kind].append(window_speed(metrics, begin, end, per_step))
-    pairs = np.array(speeds["with"]) / np.array(speeds["without"])
-    for k, ratio in enumerate(pairs):
-        print(f"pair {k:2d}: without {speeds['without'][k]:8.0f}  with {speeds['with'][k]:8.0f} samples/s"
-              f"  ratio {ratio:.3f}")
-    ratio = statistics.median(speeds["with"]) / statistics.median(speeds["without"])
-    q1, q3 = np.nanpercentile(pairs, [25, 75])
-    print(f"{refreshes} dashboard refreshes in {args.pairs} windows of {args.window:.0f} s "
-          f"({refreshes / (args.pairs * args.window):.1f} per second)")
-    print(f"median with / without: {ratio:.3f} (goal >= 0.97); per-pair ratios: median "
-          f"{np.nanmedian(pairs):.3f}, quartiles {q1:.3f}-{q3:.3f}")
+    load_after = os.getloadavg()
+    speeds = {"without": np.full(args.pairs, np.nan), "with": np.full(args.pairs, np.nan)}
+    for pair, kind, begin, end in windows:
+        speeds[kind][pair] = window_speed(metrics, begin, end, per_step)
+    ratios = speeds["with"] / speeds["without"]
+    for pair, ratio in enumerate(ratios):
+        print(f"pair {pair:2d}: without {speeds['without'][pair]:8.0f}  with {speeds['with'][pair]:8.0f} "
+              f"samples/s  ratio {ratio:.3f}")
+    ratios = ratios[np.isfinite(ratios)]
+    q1, q3 = np.percentile(ratios, [25, 75])
+    low, high = bootstrap_interval(ratios)
+    of_medians = statistics.median(speeds["with"][np.isfinite(speeds["with"])]) / \
+        statistics.median(speeds["without"][np.isfinite(speeds["without"])])
+    print(f"dashboard: {refreshes} refreshes in {args.pairs} windows of {args.window:g} s "
+          f"({refreshes / (args.pairs * args.window):.1f} per second), "
+          f"{1000 * cpu_s / max(refreshes, 1):.1f} ms CPU per refresh")
+    print(f"with / without, median of {len(ratios)} per-pair ratios: {np.median(ratios):.3f} (goal >= 0.97); "
+          f"quartiles {q1:.3f}-{q3:.3f}; 90% bootstrap interval {low:.3f}-{high:.3f}")
+    print(f"ratio of the medians: {of_medians:.3f}")
+    print(f"machine: {machine()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
 
 
 if __name__ == "__main__":

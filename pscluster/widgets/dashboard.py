@@ -1,9 +1,10 @@
 """The live dashboard of one run: ipywidgets + plotly FigureWidgets fed from the run store.
 
-A daemon thread polls the store through its own read-only connection, reads only the rows that are
-new since the last poll, rebuilds the figures (``figures.py``) and pushes them into the widgets, one
-``batch_update`` message per figure. It only reads, so it never blocks training, and it stops by
-itself once the run is over. Displayed, the dashboard gives JupyterLab the live widget and gives
+A daemon thread polls the store through its own read-only connection and reads only the rows that are
+new since the last poll (``reader``). The panels (``panels``, ``ps_panels``) take them and give their
+figures as plain data (``specs``); a widget is sent only what changed since it was drawn last, in one
+message, and nothing when nothing did. The poller only reads, so it never blocks training, and it stops
+by itself once the run is over. Displayed, the dashboard gives JupyterLab the live widget and gives
 nbconvert a static HTML copy of the figures that renders offline (plotly.js included once per
 process); ``show`` updates that copy when the run ends.
 """
@@ -18,15 +19,17 @@ from copy import deepcopy
 
 import ipywidgets as widgets
 import numpy as np
-import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
 
 from ..errors import ConfigError
 from ..metrics.store import RunStore
 from ..runtime.placement import optimizer_slots
-from . import figures
+from . import figures, panels, ps_panels, specs
+from .reader import RunReader
+from .roles import FINAL, roles_frame, task_states
 
+REFRESH_S = 0.4  # 2.5 refreshes per second
 MAX_FAILURES = 10  # consecutive failed refreshes before the thread gives up
 STATUS_COLORS = {"training": "#2a7", "finished": "#36c", "failed": "#c33", "stopped": "#c80"}
 MAX_BUSY_RATIO = 4  # the poller waits at least this many times as long as a refresh takes (on average)
@@ -94,45 +97,6 @@ class FigureView:
         return widget_bundle(self._box, [self._widget], self._repr_html_(), **kwargs)
 
 
-class _RunData:
-    """What the dashboard knows of a run so far: the frames of the store, grown by each read."""
-
-    def __init__(self, run_id: int):
-        self.run_id = run_id
-        self.record: dict | None = None
-        self.metrics = self.ps_metrics = self.placement = self.evaluations = self.events = None
-        self._cursors: dict[str, int] = {}  # per table: the last row read
-
-    def read(self, store: RunStore) -> set[str]:
-        """Read what is new; the names of the frames that changed.
-
-        The record is read first: once it says the run is over, the rows read after it are complete.
-        """
-        self.record = store.run(self.run_id)
-        changed = set()
-        for name, query in (("metrics", store.metrics), ("ps_metrics", store.ps_metrics)):
-            new = query(self.run_id, after_row=self._cursors.get(name, 0))
-            old = getattr(self, name)
-            if old is None or len(new):
-                self._cursors[name] = int(new["row"].max()) if len(new) else 0
-                new = new.drop(columns="row")
-                setattr(self, name, new if old is None or old.empty else pd.concat([old, new], ignore_index=True))
-                changed.add(name)
-        if self.placement is None or self.placement.empty:  # recorded once, when training starts
-            self.placement = store.placement(self.run_id)
-            changed.add("placement")
-        for name, query in (("evaluations", store.evaluations), ("events", store.events)):
-            old, new = getattr(self, name), query(self.run_id)
-            if old is None or len(new) != len(old):
-                setattr(self, name, new)
-                changed.add(name)
-        return changed
-
-    @property
-    def final(self) -> bool:
-        return self.record is not None and self.record["status"] in figures.FINAL
-
-
 class Dashboard:
     """Live view of run ``run_id`` of the run store at ``store_path``, refreshed every ``refresh_s`` s.
 
@@ -141,37 +105,55 @@ class Dashboard:
     nbconvert's output.
     """
 
-    def __init__(self, store_path, run_id: int, *, refresh_s: float = 0.5):
+    def __init__(self, store_path, run_id: int, *, refresh_s: float = REFRESH_S):
         if refresh_s <= 0:
-            raise ConfigError(f"refresh_s={refresh_s}: give a positive number of seconds, e.g. 0.5")
+            raise ConfigError(f"refresh_s={refresh_s}: give a positive number of seconds, e.g. {REFRESH_S}")
         self.store_path = store_path
         self.run_id = run_id
         self.refresh_s = refresh_s
         self._store = RunStore(store_path, readonly=True)  # the caller's thread's; the poller opens its own
-        self._data = _RunData(run_id)
-        self._data.record = self._store.run(run_id)
-        if self._data.record is None:
+        self.record = self._store.run(run_id)
+        if self.record is None:
             self._store.close()
             raise ConfigError(f"no run {run_id} in the run store {self._store.path}: see pscluster.runs()")
-        self.mode = self._data.record["mode"]
+        self.mode = self.record["mode"]
+        self._reader = RunReader(run_id)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handle = None  # the IPython display to update when the run ends (see show)
-        self._drawn: dict[str, go.Figure] = {}  # the figure each widget shows, as built (unvalidated)
         self.error: str | None = None
         self.refreshes = 0  # completed refreshes
+        self.cpu_s = 0.0  # CPU time the refreshes took, in seconds
+        self._placement = None  # recorded once, when training starts
+        self._states: dict[str, str] = {}  # each task's latest state
+        self._steps = {"metrics": 0, "ps_metrics": 0}  # the latest global step each table has reported
 
+        started = self.record["started"]
+        self.panels = {"speed": panels.Speed(start=started), "convergence": panels.Convergence()}
+        if self.mode == "sync":
+            self.panels["waiting"] = ps_panels.Waiting(self._num_workers(), start=started)
+        else:
+            self.panels["staleness"] = panels.Staleness()
+        self.panels["ps_load"] = ps_panels.PsLoad(start=started)
+        self.panels["traffic"] = ps_panels.Traffic(num_ps=len(self.record["spec"]["ps"]))
+        shown = {"placement": specs.no_data("placement"), **{name: panel.spec() for name, panel in self.panels.items()}}
+        self.figures: dict[str, go.FigureWidget] = {name: go.FigureWidget(specs.figure(s)) for name, s in shown.items()}
+        self._shown = {name: _flat(s) for name, s in shown.items()}  # what each widget shows
         self.header = widgets.HTML()
         self.roles = widgets.HTML()
         self.lines = widgets.HTML()
-        progress = "waiting" if self.mode == "sync" else "staleness"
-        self.figures: dict[str, go.FigureWidget] = {
-            name: go.FigureWidget(figures.no_data_figure(name.replace("_", " ")))
-            for name in ("placement", "speed", "convergence", progress, "ps_load", "traffic")}
         self.roles.layout.margin = "0 3em 0 0"
         self.box = widgets.VBox([self.header, widgets.HBox([self.roles, self.lines]), *self.figures.values()])
         self._draw_header()
+
+    def _num_workers(self) -> int:
+        return len(self.record["spec"]["worker"])
+
+    @property
+    def final(self) -> bool:
+        """Whether the run is over (and the dashboard has read all of it)."""
+        return self.record is not None and self.record["status"] in FINAL
 
     # --- polling ----------------------------------------------------------------------------
     def start(self) -> Dashboard:
@@ -199,15 +181,23 @@ class Dashboard:
         return self._thread is not None and self._thread.is_alive()
 
     def refresh(self) -> bool:
-        """Read what is new in the store and redraw; True once the run is over."""
+        """Read what is new in the store and redraw what it changes; True once the run is over."""
         return self._refresh(self._store)
 
     def _refresh(self, store: RunStore) -> bool:
+        began = time.thread_time()
         with self._lock:
-            changed = self._data.read(store)
-            self._draw(changed)
+            # The record first: once it says the run is over, the rows read after it are complete.
+            record, self.record = self.record, store.run(self.run_id)
+            new = self._reader.read(store)
+            if self._placement is None and self.record is not None:
+                placement = store.placement(self.run_id)
+                if len(placement):
+                    self._placement, new["placement"] = placement, specs.rows(placement)
+            self._draw(new, record_changed=record != self.record)
             self.refreshes += 1
-            return self._data.final
+            self.cpu_s += time.thread_time() - began
+            return self.final
 
     def _poll(self) -> None:
         failures, final, cost = 0, False, 0.0
@@ -249,62 +239,62 @@ class Dashboard:
             pass
 
     # --- drawing ----------------------------------------------------------------------------
-    def _draw(self, changed: set[str]) -> None:
-        d = self._data
-        started = d.record["started"]
-        if "placement" in changed:
-            config = d.record["config"] or {}
+    def _draw(self, new: dict, *, record_changed: bool) -> None:
+        """Feed the new rows to the panels and send each widget what changed (nothing when nothing did)."""
+        if self.record is None:  # the run's row is gone
+            self._draw_header()
+            return
+        if "placement" in new:
+            config = self.record["config"] or {}
             slots = optimizer_slots(config.get("optimizer", "sgd"), config.get("optimizer_kwargs") or {})
-            self._set_figure("placement", figures.placement_figure(d.placement, slots,
-                                                                   num_ps=len(d.record["spec"]["ps"])))
+            self._show("placement", figures.placement_spec(self._placement, slots,
+                                                           num_ps=len(self.record["spec"]["ps"])))
             self.lines.value = "<pre style='font-size: 12px'>{}</pre>".format(
-                html.escape("\n".join(figures.placement_lines(d.placement))))
-        if "metrics" in changed:
-            self._set_figure("speed", figures.speed_figure(d.metrics, start=started))
-        if changed & {"metrics", "evaluations"}:
-            self._set_figure("convergence", figures.convergence_figure(d.metrics, d.evaluations))
-        if "metrics" in changed and "staleness" in self.figures:
-            self._set_figure("staleness", figures.staleness_figure(d.metrics))
-        if "ps_metrics" in changed:
-            if "waiting" in self.figures:
-                num_workers = len(d.record["spec"]["worker"])
-                self._set_figure("waiting", figures.waiting_figure(d.ps_metrics, num_workers, start=started))
-            self._set_figure("ps_load", figures.ps_load_figure(d.ps_metrics, start=started))
-        if changed & {"placement", "ps_metrics"}:
-            self._set_figure("traffic", figures.traffic_share_figure(d.placement, d.ps_metrics,
-                                                                     num_ps=len(d.record["spec"]["ps"])))
-        self.roles.value = figures.table_html(figures.roles_frame(d.record, d.metrics, d.events))
+                html.escape("\n".join(figures.placement_lines(self._placement))))
+        if "waiting" in self.panels:
+            self.panels["waiting"].num_workers = self._num_workers()  # workers come and go with scaling
+        for name, panel in self.panels.items():
+            if panel.feed(new):
+                self._show(name, panel.spec())
+        if "events" in new:
+            self._states.update(task_states(new["events"]))
+        for table, column in (("metrics", "global_step"), ("ps_metrics", "step")):
+            if table in new:
+                self._steps[table] = int(np.max(new[table][column]))
+        if new or record_changed:
+            rates = self.panels["speed"].rates.recent()
+            self.roles.value = figures.table_html(roles_frame(self.record, rates, self._states))
         self._draw_header()
 
-    def _set_figure(self, name: str, fig: go.Figure) -> None:
-        """Show ``fig`` in the widget ``name``: in place, sending only what changed since the figure drawn
-        last (a message per changed trace, one for the layout), when the traces keep their kinds and axes;
-        else (the first data, a new worker...) in a new FigureWidget that takes the old one's place."""
-        widget, drawn = self.figures[name], self._drawn.get(name)
-        self._drawn[name] = fig
-        if drawn is not None and _shape(drawn) == _shape(fig):
-            # restyle/relayout take the figure's own (valid) values as they are: validating them again
-            # would cost more than building the figure
-            for i, (old, new) in enumerate(zip(drawn._data, fig._data)):
-                if changes := _changes(old, new):
-                    widget.plotly_restyle({k: [v] for k, v in changes.items()}, trace_indexes=[i])
-            if changes := _changes(_layout(drawn), _layout(fig)):
-                widget.plotly_relayout(changes)
+    def _show(self, name: str, spec: specs.Spec) -> None:
+        """Show ``spec`` in the widget ``name``: in place, in one message holding only what changed since
+        the spec shown last, when the traces keep their kinds, axes and properties; else (the first data,
+        a new worker...) in a new FigureWidget that takes the old one's place."""
+        widget, shown, new = self.figures[name], self._shown[name], _flat(spec)
+        self._shown[name] = new
+        if _shape(shown) == _shape(new):
+            changes = {i: c for i, (old, trace) in enumerate(zip(shown.traces, new.traces))
+                       if (c := _changes(old, trace))}
+            keys = {k for c in changes.values() for k in c}
+            layout = _changes(shown.layout, new.layout)
+            if changes or layout:
+                # plotly_update takes the spec's own (valid) values as they are: validating them again
+                # would cost more than building the spec
+                widget.plotly_update(restyle_data={k: [new.traces[i][k] for i in changes] for k in keys},
+                                     relayout_data=layout, trace_indexes=list(changes))
             return
-        replacement = go.FigureWidget(fig)
+        replacement = go.FigureWidget(specs.figure(spec))
         self.box.children = tuple(replacement if child is widget else child for child in self.box.children)
         self.figures[name] = replacement
         widget.close()
 
     def _draw_header(self) -> None:
-        record, d = self._data.record, self._data
+        record = self.record
         error = f"<div style='color: #c33'>dashboard error: {html.escape(self.error)}</div>" if self.error else ""
         if record is None:  # the run's row is gone
             self.header.value = f"<b>run {self.run_id}</b>{error}"
             return
-        steps = [int(frame[column].max()) for frame, column in ((d.metrics, "global_step"), (d.ps_metrics, "step"))
-                 if frame is not None and len(frame)]
-        step, target = max(steps, default=0), (record["config"] or {}).get("steps", 0)
+        step, target = max(self._steps.values()), (record["config"] or {}).get("steps", 0)
         elapsed = (record["ended"] or time.time()) - record["started"]
         spec = record["spec"] or {}
         parts = [f"<b>{html.escape(record['name'])}</b>", html.escape(record["mode"]),
@@ -333,26 +323,35 @@ class Dashboard:
         return f"<pscluster Dashboard of run {self.run_id} ({'polling' if self.running else 'idle'})>"
 
 
-def _shape(fig: go.Figure) -> list:
-    """What must match for an in-place update: each trace's kind and axes, and the 'no data yet' note."""
-    return [(t.get("type"), t.get("xaxis"), t.get("yaxis")) for t in fig._data] + \
-        [len(fig._layout.get("annotations", ()))]
+def _flat(spec: specs.Spec) -> specs.Spec:
+    """``spec`` with nested properties spelled as plotly key paths: ``{"line": {"width": 2}}`` becomes
+    ``{"line.width": 2}``, what ``plotly_update`` sets one by one."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[prefix + k] = v
+        return out
+    return specs.Spec([flat(t) for t in spec.traces], flat(spec.layout))
 
 
-def _layout(fig: go.Figure) -> dict:
-    return {k: v for k, v in fig._layout.items() if k != "template"}
+def _shape(spec: specs.Spec) -> list:
+    """What must match for an in-place update: the properties each trace and the layout have."""
+    return [tuple(t) for t in spec.traces] + [tuple(spec.layout), [t["type"] for t in spec.traces]]
 
 
 def _changes(old: dict, new: dict) -> dict:
     """The properties of ``new`` that differ from ``old`` (arrays compared by value)."""
     def same(a, b):
         if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            return np.shape(a) == np.shape(b) and np.array_equal(a, b)
+            return np.shape(a) == np.shape(b) and np.array_equal(a, b, equal_nan=True)
         try:
             return bool(a == b)
         except ValueError:  # containers holding arrays: send again
             return False
-    return {k: v for k, v in new.items() if k not in ("type", "uid") and not same(old.get(k), v)}
+    return {k: v for k, v in new.items() if not same(old.get(k), v)}
 
 
 def _yield_cpu_to_training() -> None:
@@ -364,7 +363,7 @@ def _yield_cpu_to_training() -> None:
         pass
 
 
-def show(store_path, run_id: int, *, refresh_s: float = 0.5) -> Dashboard:
+def show(store_path, run_id: int, *, refresh_s: float = REFRESH_S) -> Dashboard:
     """Display a live dashboard of run ``run_id`` and start it; when the run ends, the display is updated
     once so that its static copy (what nbconvert keeps) holds the final figures. Returns the dashboard."""
     from IPython.display import display

@@ -7,6 +7,7 @@ dashboard a test makes is closed at teardown, which stops its thread.
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import plotly.graph_objects as go
 import pytest
 
@@ -14,7 +15,7 @@ from pscluster.compare import Comparison, compare
 from pscluster.errors import ConfigError
 from pscluster.metrics.store import RunStore
 from pscluster.runtime.ps import wait_until
-from pscluster.widgets import Dashboard, dashboard, show
+from pscluster.widgets import Dashboard, dashboard, figures, show, specs
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 SPEC = {"name": "c", "ps": [{"role": "ps", "index": i, "host": "127.0.0.1", "port": 5000 + i, "device": "cpu"}
@@ -145,6 +146,99 @@ def test_a_dashboard_opened_before_the_first_step_fills_in_as_rows_arrive(store,
     assert d.refreshes == 3
 
 
+def edits(d) -> dict[str, tuple]:
+    """Each figure widget and the count of update messages it was sent."""
+    return {name: (w, w._last_trace_edit_id, w._last_layout_edit_id) for name, w in d.figures.items()}
+
+
+def test_a_refresh_without_new_rows_sends_no_widget_update(store, dashboards):
+    run = Writer(store)
+    run.write(10)
+    run.write(10)
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    before, roles, lines = edits(d), d.roles.value, d.lines.value
+    d.refresh()
+    assert edits(d) == before and d.roles.value == roles and d.lines.value == lines
+    time.sleep(0.01)
+    run.write(5)
+    d.refresh()
+    after = edits(d)
+    assert after["placement"] == before["placement"]  # drawn once
+    for name in ("convergence", "speed", "ps_load"):  # the same widget, one message more
+        widget, traces, layouts = before[name]
+        assert after[name] == (widget, traces + 1, layouts + 1)
+
+
+def same_traces(widget, fig) -> None:
+    assert widget.layout.title.text == fig.layout.title.text
+    assert len(widget.data) == len(fig.data)
+    for live, static in zip(widget.data, fig.data):
+        assert live.name == static.name
+        for axis in ("x", "y", "z"):
+            np.testing.assert_equal(np.asarray(getattr(live, axis, None)), np.asarray(getattr(static, axis, None)))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_live_figures_are_those_of_all_the_rows_at_once(store, dashboards, mode):
+    run = Writer(store, mode=mode)
+    d = dashboards(store.path, run.run_id)
+    for _ in range(6):  # 1200 steps of each worker: thinned, more than MAX_POINTS points each
+        run.write(200)
+        d.refresh()
+        time.sleep(0.2)  # the writer's steps are 1 ms apart: the next ones come after these
+    metrics, ps_metrics = store.metrics(run.run_id), store.ps_metrics(run.run_id)
+    started = store.run(run.run_id)["started"]
+    same_traces(d.figures["convergence"], figures.convergence_figure(metrics))
+    same_traces(d.figures["speed"], figures.speed_figure(metrics, start=started))
+    same_traces(d.figures["ps_load"], figures.ps_load_figure(ps_metrics, start=started))
+    same_traces(d.figures["traffic"], figures.traffic_share_figure(store.placement(run.run_id), ps_metrics,
+                                                                    num_ps=2))
+    if mode == "sync":
+        same_traces(d.figures["waiting"], figures.waiting_figure(ps_metrics, 2, start=started))
+    else:
+        same_traces(d.figures["staleness"], figures.staleness_figure(metrics))
+    assert len(d.figures["convergence"].data[0].x) <= specs.MAX_POINTS + 1
+
+
+def test_marks_of_new_events_are_sent_once(store, dashboards, monkeypatch):
+    run = Writer(store)
+    run.write(10)
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    sent = []
+    update = go.FigureWidget.plotly_update
+    monkeypatch.setattr(go.FigureWidget, "plotly_update", lambda self, restyle_data, relayout_data, **kw: (
+        sent.append((self, set(relayout_data))), update(self, restyle_data, relayout_data, **kw)))
+    time.sleep(0.02)  # after the rows written so far
+    store.add_event(run.run_id, "worker:1", "lost")
+    store.add_event(run.run_id, "controller", "checkpoint", {"step": 5})
+    time.sleep(0.01)
+    run.write(5)
+    d.refresh()
+    shapes = go.Figure(d.figures["convergence"]).layout.shapes  # as the frontend and static copies have them
+    assert [(s.x0, s.name) for s in shapes] == [(10, "task lost"), (5, "checkpoint")]
+    assert shapes[0].label.text == "worker:1 lost"
+    assert [keys for w, keys in sent if w is d.figures["convergence"]] == [{"shapes"}]
+    sent.clear()
+    run.write(5)
+    d.refresh()  # new rows, no new event: the marks are not sent again
+    assert [keys for w, keys in sent if w is d.figures["convergence"]] == [set()]
+    assert "worker:1 lost" in d.static_html(include_plotlyjs=False)
+
+
+def test_each_dashboard_reads_the_rows_of_its_own_run(store, dashboards):
+    a, b = Writer(store), Writer(store, mode="async")
+    da, db = dashboards(store.path, a.run_id), dashboards(store.path, b.run_id)
+    for steps in (3, 4):
+        a.write(steps)
+        b.write(2 * steps)
+        da.refresh()
+        db.refresh()
+    assert list(da.figures["convergence"].data[0].x) == list(range(1, 8))
+    assert list(db.figures["convergence"].data[0].x) == list(range(1, 15))
+
+
 def test_the_thread_stops_by_itself_when_the_run_is_over(store, dashboards):
     run = Writer(store)
     run.write(5)
@@ -161,7 +255,7 @@ def test_the_thread_stops_by_itself_when_the_run_is_over(store, dashboards):
 def test_errors_show_in_the_header_and_never_raise(store, dashboards, monkeypatch):
     run = Writer(store)
     d = dashboards(store.path, run.run_id, refresh_s=0.02)
-    monkeypatch.setattr(d._data, "read", lambda _: 1 / 0)
+    monkeypatch.setattr(d._reader, "read", lambda _: 1 / 0)
     d.start()
     assert wait_until(lambda: not d.running, 5)  # gave up after MAX_FAILURES tries
     assert "ZeroDivisionError" in d.header.value and "stopped refreshing" in d.header.value

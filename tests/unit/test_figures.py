@@ -7,8 +7,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
+from pscluster.metrics.store import RunStore
 from pscluster.runtime.placement import optimizer_slots
-from pscluster.widgets import figures
+from pscluster.widgets import figures, panels, roles, specs
+from pscluster.widgets.series import Decimated, Ewm
 
 RATES = {0: 20.0, 1: 10.0, 2: 16.0}  # steps/s of each worker: worker 1 is the slowest
 STEPS = 30
@@ -76,9 +78,66 @@ def test_convergence_smooths_with_a_moving_average():
 
 
 def test_long_runs_are_thinned_but_keep_their_last_point():
-    fig = figures.convergence_figure(make_metrics({0: 100.0}, steps=5 * figures.MAX_POINTS))
+    fig = figures.convergence_figure(make_metrics({0: 100.0}, steps=5 * specs.MAX_POINTS))
     x = fig.data[0].x
-    assert len(x) <= figures.MAX_POINTS + 1 and x[-1] == 5 * figures.MAX_POINTS
+    assert len(x) <= specs.MAX_POINTS + 1 and x[-1] == 5 * specs.MAX_POINTS
+
+
+def test_thinned_series_keep_the_same_points_however_they_come():
+    whole = Decimated("i", "twice", cap=100)
+    whole.extend(i=np.arange(1000), twice=2 * np.arange(1000))
+    parts = Decimated("i", "twice", cap=100)
+    for chunk in np.array_split(np.arange(1000), 37):
+        parts.extend(i=chunk, twice=2 * chunk)
+    np.testing.assert_array_equal(whole["i"], parts["i"])
+    np.testing.assert_array_equal(whole["twice"], 2 * whole["i"])
+    assert len(whole) <= 101 and whole["i"][-1] == 999  # the newest point is always there
+    assert set(np.diff(whole["i"][:-1])) == {whole.stride}  # evenly spaced
+
+
+def test_moving_average_goes_on_from_chunk_to_chunk_like_pandas():
+    values = np.random.default_rng(0).normal(size=500)
+    values[[0, 1, 57, 58, 300]] = np.nan
+    ewm = Ewm(figures.SMOOTH_SPAN)
+    chunked = np.concatenate([ewm.update(chunk) for chunk in np.array_split(values, 9)])
+    expected = pd.Series(values).ewm(span=figures.SMOOTH_SPAN, min_periods=1).mean().to_numpy()
+    np.testing.assert_allclose(chunked, expected, equal_nan=True)
+
+
+def test_convergence_marks_run_events_at_their_global_steps(tmp_path):
+    with RunStore(tmp_path / "runs.sqlite") as store:
+        run = store.create_run(name="r", cluster="c", mode="sync", config={}, spec={})
+        t0 = 1000.0  # worker w reports local step i at t0 + i + 0.1 w, global step 2 i + w
+        store.add_batch(run, [{"kind": "step", "task": f"worker:{w}", "time": t0 + i + 0.1 * w, "local_step": i,
+                               "global_step": 2 * i + w, "loss": 1.0 / i, "accuracy": 0.5}
+                              for i in range(1, 21) for w in (0, 1)])
+        for task, kind, t, detail in [
+                ("worker:0", "state", t0, {"state": "training"}),  # not marked
+                ("controller", "checkpoint", t0 + 5.5, {"step": 10, "path": "ckpt/10"}),
+                ("worker:1", "lost", t0 + 7.5, {"pid": 1}),  # the last row before: worker 1's step 7
+                ("worker:1", "replaced", t0 + 9.05, {"pid": 2}),  # worker 0's step 9
+                ("worker:0", "restored", t0 + 12.0, {"step": 10, "path": "ckpt/10"}),
+                ("controller", "checkpoint", t0 + 15.5, {"step": 20, "path": "ckpt/20"})]:
+            store.add_batch(run, [{"kind": kind, "task": task, "time": t, **detail}])
+        fig = figures.convergence_figure(store.metrics(run), store.evaluations(run), store.events(run))
+    marks = [(m.x0, m.x1, m.name, m.label.text, m.showlegend) for m in fig.layout.shapes]
+    assert marks == [(10, 10, "checkpoint", "", True), (15, 15, "task lost", "worker:1 lost", True),
+                     (18, 18, "task replaced", "worker:1 replaced", True),
+                     (10, 10, "restored from a checkpoint", "restored step 10", True),
+                     (20, 20, "checkpoint", "", False)]
+    assert all((m.xref, m.yref, m.y0, m.y1) == ("x", "paper", 0, 1) for m in fig.layout.shapes)
+    assert fig.layout.shapes[1].line.dash == "dash" and fig.layout.shapes[0].line.dash == "dot"
+    go.Figure(fig.to_dict())  # valid
+
+
+def test_a_mark_moves_to_its_step_once_the_rows_after_its_event_are_in():
+    convergence, metrics = panels.Convergence(), make_metrics({0: 10.0})  # step i at 1000 + i / 10
+    lost = pd.DataFrame({"time": [1001.55], "task": ["worker:0"], "kind": ["lost"], "detail": [{}]})
+    convergence.feed({"metrics": specs.rows(metrics.iloc[:10])})
+    convergence.feed({"events": specs.rows(lost)})
+    assert convergence.spec().layout["shapes"][0]["x0"] == 10  # the latest step so far
+    convergence.feed({"metrics": specs.rows(metrics.iloc[10:])})
+    assert convergence.spec().layout["shapes"][0]["x0"] == 15
 
 
 def test_speed_highlights_the_slowest_worker():
@@ -220,17 +279,26 @@ def test_roles_frame_lists_ps_chief_and_workers_with_their_state():
                          ("worker:0", "state", {"state": "initializing"}), ("worker:0", "state", {"state": "training"}),
                          ("worker:2", "lost", {}))
     record = {"status": "training", "spec": SPEC}
-    roles = figures.roles_frame(record, make_metrics(), events)
-    assert list(roles.columns) == figures.ROLE_COLUMNS
-    assert list(roles["role"]) == ["ps", "ps", "chief", "worker", "worker"]
-    assert list(roles["task"]) == ["ps:0", "ps:1", "worker:0", "worker:1", "worker:2"]
-    assert list(roles["state"]) == ["serving", "serving", "training", "waiting for chief", "lost"]
-    assert list(roles["device"][2:]) == ["cuda:0", "cuda:1", "cuda:2"]
-    assert roles["steps/s"][:2].isna().all()
-    np.testing.assert_allclose(roles["steps/s"][2:], list(RATES.values()))
+    rates, states = figures.steps_per_second(make_metrics(), recent_s=5.0), roles.task_states(events)
+    frame = roles.roles_frame(record, rates, states)
+    assert list(frame.columns) == roles.ROLE_COLUMNS
+    assert list(frame["role"]) == ["ps", "ps", "chief", "worker", "worker"]
+    assert list(frame["task"]) == ["ps:0", "ps:1", "worker:0", "worker:1", "worker:2"]
+    assert list(frame["state"]) == ["serving", "serving", "training", "waiting for chief", "lost"]
+    assert list(frame["device"][2:]) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert frame["steps/s"][:2].isna().all()
+    np.testing.assert_allclose(frame["steps/s"][2:], list(RATES.values()))
 
-    finished = figures.roles_frame({"status": "finished", "spec": SPEC}, make_metrics(), events)
+    finished = roles.roles_frame({"status": "finished", "spec": SPEC}, rates, states)
     assert list(finished["state"]) == ["finished"] * 4 + ["lost"]
+
+
+def test_task_states_of_chunks_of_events_are_those_of_all_of_them():
+    events = make_events(("worker:0", "state", {"state": "initializing"}), ("worker:1", "lost", {}),
+                         ("worker:0", "state", {"state": "training"}), ("worker:1", "state", {"state": "training"}))
+    states = roles.task_states(events.iloc[:2])
+    states.update(roles.task_states(events.iloc[2:]))
+    assert states == roles.task_states(events) == {"worker:0": "training", "worker:1": "training"}
 
 
 def test_table_html_escapes_and_blanks_nan():
@@ -273,13 +341,14 @@ def test_empty_inputs_give_a_no_data_figure(build):
 
 
 def test_roles_frame_without_a_run_is_empty():
-    assert list(figures.roles_frame(None, EMPTY_METRICS, make_events()).columns) == figures.ROLE_COLUMNS
-    roles = figures.roles_frame({"status": "starting", "spec": SPEC}, EMPTY_METRICS, make_events())
-    assert list(roles["state"]) == ["starting"] * 5 and roles["steps/s"].isna().all()
+    assert list(roles.roles_frame(None, {}, {}).columns) == roles.ROLE_COLUMNS
+    frame = roles.roles_frame({"status": "starting", "spec": SPEC}, figures.steps_per_second(EMPTY_METRICS), {})
+    assert list(frame["state"]) == ["starting"] * 5 and frame["steps/s"].isna().all()
 
 
 @pytest.mark.parametrize("build", [
     lambda: figures.convergence_figure(make_metrics(), None),
+    lambda: figures.convergence_figure(make_metrics(), None, make_events(("controller", "checkpoint", {"step": 3}))),
     lambda: figures.speed_figure(make_metrics()),
     lambda: figures.staleness_figure(make_metrics()),
     lambda: figures.waiting_figure(make_ps_metrics(), 2),

@@ -1,0 +1,230 @@
+"""The dashboard's worker panels, kept up to date from the rows new since the last refresh.
+
+A panel is fed new rows of the run store (``feed``: a table's new rows as numpy columns by name,
+``specs.Rows``), keeps what its figure needs at a bounded size (``series``) and gives its figure as
+plain data (``spec``). The live dashboard feeds a panel a few hundred rows per refresh; ``figures``
+feeds a new one all the rows at once, for the same figure. A worker's rows are expected in the order it
+reported them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+
+from .marks import Marks
+from .series import Decimated, Ewm
+from .specs import HEIGHT, Rows, Spec, color, no_data, size, spec
+
+Tables = Mapping[str, Rows]  # new rows by table name: metrics, ps_metrics, evaluations, events, placement
+
+SMOOTH_SPAN = 20  # steps of the exponential moving average
+RECENT_S = 5.0  # the roles table's steps/s: over this many seconds
+
+
+def groups(r: Rows, key: str):
+    """(value, row mask) for each value of column ``key`` of ``r``, lowest first."""
+    if size(r):
+        column = r[key]
+        for value in np.unique(column):
+            yield int(value), column == value
+
+
+def _rate(t_min: float, t_max: float, step_min: float, step_max: float) -> float:
+    return (step_max - step_min) / (t_max - t_min) if t_max > t_min else math.nan
+
+
+class WorkerRates:
+    """Local steps per second of each worker (the increase of its ``local_step`` over the time span of its
+    rows): over all its rows, and over its rows in the last ``recent_s`` seconds of the run (NaN for a
+    worker with fewer than two rows there: a stalled or lost one)."""
+
+    def __init__(self, recent_s: float = RECENT_S):
+        self.recent_s = recent_s
+        self._extent: dict[int, list[float]] = {}  # worker: first and last time, lowest and highest step
+        self._recent: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # worker: its times and steps lately
+        self._latest = -math.inf
+
+    def add(self, metrics: Rows) -> None:
+        """Take new metric rows (columns ``worker``, ``time``, ``local_step``)."""
+        if size(metrics):
+            self._latest = max(self._latest, float(metrics["time"].max()))
+        for w, rows in groups(metrics, "worker"):
+            t, steps = metrics["time"][rows], metrics["local_step"][rows]
+            extent = self._extent.setdefault(w, [math.inf, -math.inf, math.inf, -math.inf])
+            extent[:] = [min(extent[0], t.min()), max(extent[1], t.max()), min(extent[2], steps.min()),
+                         max(extent[3], steps.max())]
+            old_t, old_steps = self._recent.get(w, (t[:0], steps[:0]))
+            t, steps = np.concatenate([old_t, t]), np.concatenate([old_steps, steps])
+            keep = t >= self._latest - self.recent_s
+            self._recent[w] = t[keep], steps[keep]
+
+    def overall(self) -> dict[int, float]:
+        """Steps/s of each worker over all its rows, by worker index."""
+        return {w: _rate(*extent) for w, extent in sorted(self._extent.items())}
+
+    def recent(self) -> dict[int, float]:
+        """Steps/s of each worker over the last ``recent_s`` seconds of the run, by worker index."""
+        rates = {}
+        for w, (t, steps) in sorted(self._recent.items()):
+            keep = t >= self._latest - self.recent_s
+            t, steps = t[keep], steps[keep]
+            rates[w] = _rate(t.min(), t.max(), steps.min(), steps.max()) if len(t) else math.nan
+        return rates
+
+
+class Convergence:
+    """Loss (top) and accuracy (bottom) against the global step.
+
+    Per worker: the raw values (thin, translucent, named ``worker i``) and their moving average
+    (``worker i (smoothed)``); the periodic test-set evaluation as markers (``test set``); the run's
+    events (lost and replaced tasks, restores, checkpoints) as vertical marks (``marks``)."""
+
+    TITLE = "convergence: loss and accuracy against global step"
+
+    def __init__(self):
+        self._workers: dict[int, tuple[Decimated, Ewm, Ewm]] = {}
+        self._evaluations = {"global_step": np.empty(0), "loss": np.empty(0), "accuracy": np.empty(0)}
+        self.marks = Marks()
+
+    def feed(self, new: Tables) -> bool:
+        """Take the new rows of the run's metrics, evaluations and events; whether any came."""
+        if "events" in new:  # first: events not yet followed by metric rows are marked where those go on
+            self.marks.add_events(new["events"])
+        if "metrics" in new:
+            self._add(new["metrics"])
+        if "evaluations" in new:
+            for name in self._evaluations:
+                self._evaluations[name] = np.append(self._evaluations[name], new["evaluations"][name])
+        return bool(new.keys() & {"events", "metrics", "evaluations"})
+
+    def _add(self, metrics: Rows) -> None:
+        for w, rows in groups(metrics, "worker"):
+            if w not in self._workers:
+                self._workers[w] = Decimated("x", "loss", "loss_s", "acc", "acc_s"), Ewm(SMOOTH_SPAN), Ewm(SMOOTH_SPAN)
+            points, loss_ewm, acc_ewm = self._workers[w]
+            loss, acc = metrics["loss"][rows], metrics["accuracy"][rows]
+            points.extend(x=metrics["global_step"][rows], loss=loss, loss_s=loss_ewm.update(loss), acc=acc,
+                          acc_s=acc_ewm.update(acc))
+        self.marks.add_metrics(metrics)
+
+    def spec(self) -> Spec:
+        """The figure of the rows so far, as plain data."""
+        if not self._workers:
+            return no_data(self.TITLE)
+        traces = []
+        for w, (points, _, _) in sorted(self._workers.items()):
+            x = points["x"]
+            for axis, column in (("y", "loss"), ("y2", "acc")):
+                common = dict(type="scatter", mode="lines", x=x, yaxis=axis, legendgroup=f"worker {w}",
+                              showlegend=axis == "y")
+                traces.append(dict(common, y=points[column], name=f"worker {w}", opacity=0.3,
+                                   line=dict(color=color(w), width=1)))
+                traces.append(dict(common, y=points[column + "_s"], name=f"worker {w} (smoothed)",
+                                   line=dict(color=color(w), width=2)))
+        evaluations = self._evaluations
+        if len(evaluations["global_step"]):
+            for axis, column in (("y", "loss"), ("y2", "accuracy")):
+                traces.append(dict(type="scatter", mode="markers", yaxis=axis, x=evaluations["global_step"],
+                                   y=evaluations[column], name="test set", legendgroup="test set",
+                                   showlegend=axis == "y", marker=dict(color="black", symbol="diamond", size=8)))
+        return spec(self.TITLE, traces, height=HEIGHT + 60, xaxis=dict(anchor="y2", title_text="global step"),
+                    yaxis=dict(domain=[0.54, 1], title_text="loss"),
+                    yaxis2=dict(domain=[0, 0.46], title_text="accuracy"),
+                    shapes=self.marks.shapes())
+
+
+class Speed:
+    """Local steps/s of each worker over time: its rate over its last ``window`` steps (fewer at its start).
+
+    The slowest worker (lowest steps/s over the whole run) is drawn thicker and named ``worker i
+    (slowest)``. Time is in seconds since ``start`` (default: the first row). ``rates`` has each worker's
+    steps/s over the run and lately."""
+
+    TITLE = "speed: local steps/s per worker"
+
+    def __init__(self, *, window: int = 10, start: float | None = None):
+        self.window, self.start = window, start
+        self.rates = WorkerRates()
+        self._workers: dict[int, tuple[Decimated, np.ndarray, np.ndarray, int]] = {}  # points, last rows, count
+
+    def feed(self, new: Tables) -> bool:
+        """Take the new rows of the run's metrics; whether any came."""
+        if "metrics" in new:
+            self._add(new["metrics"])
+        return "metrics" in new
+
+    def _add(self, metrics: Rows) -> None:
+        if self.start is None and size(metrics):
+            self.start = float(metrics["time"].min())
+        self.rates.add(metrics)
+        for w, rows in groups(metrics, "worker"):
+            points, last_t, last_steps, seen = self._workers.get(w) or (Decimated("t", "rate"), np.empty(0),
+                                                                       np.empty(0), 0)
+            t = np.concatenate([last_t, metrics["time"][rows]])
+            steps = np.concatenate([last_steps, metrics["local_step"][rows].astype(float)])
+            new = np.arange(len(last_t), len(t))
+            back = np.minimum(self.window, seen + new - len(last_t))  # how far back each new row's rate looks
+            new, back = new[back > 0], back[back > 0]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rate = (steps[new] - steps[new - back]) / (t[new] - t[new - back])
+            ok = np.isfinite(rate)
+            points.extend(t=t[new][ok], rate=rate[ok])
+            self._workers[w] = points, t[-self.window:], steps[-self.window:], seen + len(t) - len(last_t)
+
+    def slowest(self) -> tuple[int, float] | None:
+        """The slowest worker and its steps/s over the run, when there are several with a rate."""
+        rates = {w: r for w, r in self.rates.overall().items() if not math.isnan(r)}
+        if len(rates) < 2:
+            return None
+        w = min(rates, key=rates.get)
+        return w, rates[w]
+
+    def spec(self) -> Spec:
+        """The figure of the rows so far, as plain data."""
+        if not self._workers:
+            return no_data(self.TITLE)
+        title, slowest = self.TITLE, None
+        if found := self.slowest():
+            slowest, rate = found
+            title += f" · slowest: worker {slowest} ({rate:.1f} steps/s)"
+        traces = [dict(type="scatter", mode="lines", x=points["t"] - self.start, y=points["rate"],
+                       name=f"worker {w}" + (" (slowest)" if w == slowest else ""),
+                       line=dict(color=color(w), width=4 if w == slowest else 1.5))
+                  for w, (points, *_) in sorted(self._workers.items())]
+        return spec(title, traces, xaxis=dict(title_text="time (s)"),
+                    yaxis=dict(title_text="steps/s", rangemode="tozero"))
+
+
+class Staleness:
+    """Histogram of the staleness of applied pushes (dropped pushes have none), for async training."""
+
+    TITLE = "staleness of applied pushes"
+
+    def __init__(self):
+        self._counts: dict[int, int] = {}
+
+    def feed(self, new: Tables) -> bool:
+        """Take the new rows of the run's metrics; whether any came."""
+        if "metrics" not in new:
+            return False
+        metrics = new["metrics"]
+        staleness, dropped = metrics["staleness"].astype(float), metrics["dropped"].astype(float)
+        applied = staleness[~np.isnan(staleness) & (np.nan_to_num(dropped) == 0)].astype(int)
+        for value, count in zip(*np.unique(applied, return_counts=True)):
+            self._counts[int(value)] = self._counts.get(int(value), 0) + int(count)
+        return True
+
+    def spec(self) -> Spec:
+        """The figure of the rows so far, as plain data."""
+        if not self._counts:
+            return no_data(self.TITLE)
+        values = np.array(sorted(self._counts), dtype=float)
+        counts = np.array([self._counts[v] for v in sorted(self._counts)], dtype=float)
+        mean = float((values * counts).sum() / counts.sum())
+        return spec(f"{self.TITLE} (mean {mean:.2f}, max {int(values[-1])})",
+                    [dict(type="bar", x=values, y=counts, name="applied pushes", marker_color=color(0))],
+                    xaxis=dict(title_text="staleness (global steps)", dtick=1 if values[-1] <= 20 else None),
+                    yaxis=dict(title_text="pushes"))
