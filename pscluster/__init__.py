@@ -11,8 +11,8 @@ from .spec import ClusterSpec, TaskSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "compare", "datasets", "environ",
-           "load_ipython_extension", "placement", "runs", "__version__"]
+__all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "clusters", "compare", "datasets",
+           "environ", "load_ipython_extension", "placement", "runs", "__version__"]
 
 
 def __getattr__(name):
@@ -38,6 +38,15 @@ def runs(store=None):
 
     with RunStore(store) as s:
         return s.runs()
+
+
+def clusters() -> list[dict]:
+    """The clusters running on this machine (from the cluster registry under ``$PSCLUSTER_HOME``): name,
+    state (``running``, or ``detached`` while no process owns it: ``Cluster.attach(name)``), ps, workers,
+    owner pid."""
+    from .cluster import registry
+
+    return [{k: e.get(k) for k in ("name", "state", "ps", "workers", "owner_pid")} for e in registry.read_all()[0]]
 
 
 def load_ipython_extension(ipython):

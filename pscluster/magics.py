@@ -25,7 +25,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .cluster.cluster import Cluster
 from .errors import ConfigError, PSClusterError
 
-USAGE = ("usage: %pscluster start|train|status|placement|checkpoint|kill|scale|stop [options]  "
+USAGE = ("usage: %pscluster start|attach|train|status|placement|checkpoint|kill|scale|stop [options]  "
          "(%pscluster <command> --help for options)")
 PARTITION_FORM = "NAME=SHARDS, e.g. --partition embedding=2 (a variable name or prefix, a shard count >= 1)"
 
@@ -62,6 +62,9 @@ def _parsers() -> dict[str, _Parser]:
     start.add_argument("--workers", type=int, default=2, help="number of worker tasks (>= 1)")
     start.add_argument("--gpus", type=int, default=None, help="GPUs for the workers (default: all visible)")
     start.add_argument("--name", default=None, help="cluster name")
+    start.add_argument("--detached", action="store_true",
+                       help="outlive this kernel (and go on training); a later kernel takes it over with "
+                            "%%pscluster attach NAME")
     start.add_argument("--threads", type=int, default=None,
                        help="torch threads per task (default: the cores shared out among the tasks)")
 
@@ -96,10 +99,14 @@ def _parsers() -> dict[str, _Parser]:
     kill = _Parser(prog="%pscluster kill", description="SIGKILL one task, to try a failure: the run recovers")
     kill.add_argument("task", help="role:index, e.g. worker:1 or ps:0")
 
+    attach = _Parser(prog="%pscluster attach", description="take over a detached cluster and its run")
+    attach.add_argument("name", help="the cluster's name (pscluster.clusters() lists them)")
+
     scale = _Parser(prog="%pscluster scale", description="add or remove workers, during a run too")
     scale.add_argument("--workers", type=int, required=True, help="the number of workers from now on (>= 1)")
 
     return {"start": start, "train": train, "status": _Parser(prog="%pscluster status"), "scale": scale,
+            "attach": attach,
             "placement": _Parser(prog="%pscluster placement",
                                  description="one line per variable or shard of the latest run: its ps task"),
             "stop": _Parser(prog="%pscluster stop"), "kill": kill,
@@ -143,9 +150,20 @@ class PSClusterMagics(Magics):
     def _start(self, args, cell):
         if self.cluster is not None and self.cluster.running:
             raise UsageError(f"cluster {self.cluster.name} is already running: %pscluster stop it first")
-        cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads)
+        cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads,
+                          detached=args.detached)
         print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on local engines...", flush=True)
         self.cluster = cluster.start()
+        return self.cluster
+
+    def _attach(self, args, cell):
+        if self.cluster is not None and self.cluster.running:
+            raise UsageError(f"cluster {self.cluster.name} is running in this kernel: %pscluster stop it first")
+        self.cluster = Cluster.attach(args.name)
+        self.last_run = self.cluster.runs[-1] if self.cluster.runs else None
+        print(f"attached to {self.cluster.name}" + (f"; following {self.last_run.name}" if self.last_run else ""))
+        if self.last_run is not None:
+            self.last_run.dashboard()
         return self.cluster
 
     def _running(self, what: str) -> Cluster:

@@ -25,7 +25,7 @@ from ..runtime import engine as remote
 from ..runtime.plan import TrainPlan, describe_variables, optimizer_name
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec, TaskSpec
-from . import registry, scaling
+from . import reaper, registry, scaling
 from .checkpoints import CheckpointCoordinator
 from .engines import EngineSet
 from .roles import assign_roles, worker_devices
@@ -50,10 +50,14 @@ class Cluster:
     file (default ``$PSCLUSTER_HOME/runs.sqlite``). ``threads``: torch intra-op threads of each task;
     default: this machine's cores shared out among the tasks (at least 1), as every engine runs here —
     more threads than cores make the tasks spin against each other.
+
+    ``detached``: the cluster (and a run in progress) outlives the process that started it, until
+    ``stop()``; a later process takes it over with ``Cluster.attach(name)``. Otherwise every process of
+    the cluster dies with the process that started it.
     """
 
     def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None,
-                 store: str | os.PathLike | None = None, threads: int | None = None):
+                 store: str | os.PathLike | None = None, threads: int | None = None, detached: bool = False):
         self.num_ps = _count("ps", ps, 1)
         self.num_workers = _count("workers", workers, 1)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -63,6 +67,7 @@ class Cluster:
             raise ConfigError(f"gpus={gpus} but this machine has {available}: use gpus <= {available}")
         self.gpus = available if gpus is None else gpus
         self.name = name or f"pscluster-{os.getpid()}-{secrets.token_hex(2)}"
+        self.detached = detached
         self.spec: ClusterSpec | None = None
         self.runs: list[Run] = []
         self._store_path = store
@@ -86,7 +91,10 @@ class Cluster:
         """Start the engines, assign roles, start the ps servers. Returns self."""
         if self.running:
             raise ClusterStateError(f"cluster {self.name} is already running: stop() it first")
-        engines = EngineSet(self.num_ps + self.num_workers, self.name)
+        if self.detached and registry.find(self.name) is not None:
+            raise ClusterStateError(f"a cluster named {self.name} is running: attach to it "
+                                    f"(Cluster.attach({self.name!r})) or pick another name")
+        engines = EngineSet(self.num_ps + self.num_workers, self.name, detached=self.detached)
         infos = engines.start()
         try:
             spec = assign_roles(infos, self.num_ps, self.num_workers, gpus=self.gpus, name=self.name)
@@ -118,6 +126,54 @@ class Cluster:
         self.spec = None
         self._registration.close()
         self._registration = None
+        for run in self.runs:
+            registry.remove_payload(self.name, run.id)
+
+    @classmethod
+    def attach(cls, name: str) -> "Cluster":
+        """Take over the detached cluster ``name``, started by a process that has ended: its engines, and
+        the run it was training (followed from here on: ``cluster.runs[-1]``, its metrics recorded again)."""
+        entry = registry.read(name)
+        if entry is None or not entry.get("detached"):
+            raise ClusterStateError(f"no detached cluster named {name!r}: see pscluster.clusters() for the "
+                                    "running ones, or start it with Cluster(..., detached=True)")
+        if reaper.alive(entry["owner_pid"]) and entry["owner_pid"] != os.getpid():
+            raise ClusterStateError(f"cluster {name} is still owned by process {entry['owner_pid']}: "
+                                    "stop it there, or end that process first")
+        state = entry["detached"]
+        if not reaper.alive(state["controller_pid"]):
+            registry.remove(name)
+            raise ClusterStateError(f"cluster {name} is gone (its controller, pid {state['controller_pid']}, "
+                                    "ended): start a new one")
+        cluster = cls(ps=entry["ps"], workers=entry["workers"], gpus=state["gpus"], name=name,
+                      store=entry["store"], threads=state["threads"], detached=True)
+        cluster._engines = EngineSet.attach(state["cluster_file"], {int(k): v for k, v in state["engines"].items()},
+                                            state["pids"])
+        cluster.spec = ClusterSpec.from_dict(state["spec"])
+        cluster._registration = registry.Registration(cluster)
+        if state.get("run"):
+            cluster._adopt(state["run"])
+        return cluster
+
+    def _adopt(self, state: dict) -> None:
+        """Follow the run a detached cluster's previous owner was training, unless it was finalized."""
+        plan = TrainPlan.from_json(state["plan"])
+        if (self.store.run(plan.run_id) or {}).get("status") not in ("starting", "training"):
+            return
+        results = [self._engines.client.get_result(msg_id, block=False) for (msg_id,) in state["msg_ids"]]
+        run = Run.adopt(self.spec, plan, self.store, results, tasks=self,
+                        payload=registry.read_payload(self.name, plan.run_id))
+        self.runs.append(run)
+        self.record()
+
+    def detached_state(self) -> dict:
+        """What a later process needs to attach to this (detached, running) cluster: the registry keeps it."""
+        run = self.active_run
+        return {"controller_pid": self._engines.controller_pid, "cluster_file": self._engines.cluster_file,
+                "spec": self.spec.to_dict(), "engines": {str(k): v for k, v in self._engines.engines.items()},
+                "pids": self.pids, "gpus": self.gpus, "threads": self.threads,
+                "run": None if run is None else {"plan": run.plan.to_json(),
+                                                 "msg_ids": [ar.msg_ids for ar in run.worker_results]}}
 
     def __enter__(self) -> "Cluster":
         return self if self.running else self.start()
@@ -207,8 +263,11 @@ class Cluster:
         run = Run(spec, run_plan, model_fn, loss_fn, self.store, test_dataset=test_dataset, eval_every=eval_every,
                   tasks=self, checkpoints=checkpoints, payload=payload)
         run.plan = replace(run_plan, metrics_address=run.collector.address)
+        if self.detached:
+            registry.write_payload(self.name, run_id, payload)  # for replacement workers after an attach
         run._attach([self.launch_worker(spec, t.index, run) for t in spec.workers])
         self.runs.append(run)
+        self.record()
         return run
 
     # --- tasks: kill, replace ----------------------------------------------------------------
@@ -217,6 +276,11 @@ class Cluster:
         task = spec.task("worker", index)
         return self._engines.view(task.engine_id).apply_async(remote.train_worker, spec.to_json(), index,
                                                               run.plan.to_json(), run.payload, join)
+
+    def record(self) -> None:
+        """Rewrite this cluster's registry entry (its tasks or its run's workers changed)."""
+        if self._registration is not None:
+            self._registration.update("running")
 
     def _new_engine(self, task: TaskSpec) -> TaskSpec:
         """``task`` on a new engine, configured for its device (a ps serving on a new port)."""
@@ -232,7 +296,7 @@ class Cluster:
         """Give task ``role:index`` a new engine (its old one was lost); the cluster's new spec."""
         spec = self._require_running("replace a task")
         self.spec = spec.with_task(self._new_engine(spec.task(role, index)))
-        self._registration.update("running")  # the side panel lists the new engine
+        self.record()  # the side panel lists the new engine
         return self.spec
 
     def scale(self, workers: int) -> ClusterSpec:
@@ -255,7 +319,7 @@ class Cluster:
             self.spec = replace(spec, workers=spec.workers[:n])
             self._engines.remove_engines([(t.engine_id, t.pid) for t in spec.workers[n:]])
         self.num_workers = n
-        self._registration.update("running")
+        self.record()
         return self.spec
 
     def kill(self, task: str) -> int:

@@ -19,13 +19,14 @@ os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no progress bars from ipypar
 
 
 class EngineSet:
-    """An ipyparallel controller with ``n`` local engines, and a reaper that kills them
-    all if this process dies without stopping them."""
+    """An ipyparallel controller with ``n`` local engines, and a reaper that kills them all if this process
+    dies without stopping them (``detached``: if the controller dies; this process may end first)."""
 
-    def __init__(self, n: int, cluster_id: str, *, timeout: float = 90.0):
+    def __init__(self, n: int, cluster_id: str, *, timeout: float = 90.0, detached: bool = False):
         self.n = n
         self.cluster_id = cluster_id
         self.timeout = timeout
+        self.detached = detached
         self._ipp: ipp.Cluster | None = None
         self.client: ipp.Client | None = None
         self.pids: list[int] = []
@@ -34,7 +35,7 @@ class EngineSet:
 
     def start(self) -> list[EngineInfo]:
         self._ipp = ipp.Cluster(n=self.n, cluster_id=self.cluster_id, log_level=logging.ERROR,
-                                shutdown_atexit=True)
+                                shutdown_atexit=not self.detached)
         try:
             self.client = self._ipp.start_and_connect_sync(activate=False)
             self.client.wait_for_engines(self.n, timeout=self.timeout, interactive=False)
@@ -53,13 +54,37 @@ class EngineSet:
         self._watch()
         return engines
 
+    @classmethod
+    def attach(cls, cluster_file: str, engines: dict[int, int], pids: list[int]) -> "EngineSet":
+        """The engines of a detached cluster that another process started: ``engines`` maps engine ids to
+        pids, ``pids`` lists every process of the cluster."""
+        self = cls(len(engines), os.path.basename(cluster_file), detached=True)
+        try:
+            self._ipp = ipp.Cluster.from_file(cluster_file, shutdown_atexit=False)
+            self.client = self._ipp.connect_client_sync()
+        except (OSError, ValueError) as e:
+            raise ClusterStateError(f"cannot reach the cluster's controller ({e}): it is gone; start a new "
+                                    "cluster") from None
+        self.engines, self.pids = dict(engines), list(pids)
+        self._watch()
+        return self
+
+    @property
+    def controller_pid(self) -> int:
+        return self._ipp.controller.pid
+
+    @property
+    def cluster_file(self) -> str:
+        return self._ipp.cluster_file
+
     def _watch(self) -> None:
         """(Re)start the reaper on the current process list."""
         if self._reaper is not None:
             self._reaper.kill()
             self._reaper.wait(5)
+        owner = self.controller_pid if self.detached else os.getpid()
         self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "pscluster.cluster.reaper", str(os.getpid()), *map(str, self.pids),
+            [sys.executable, "-m", "pscluster.cluster.reaper", str(owner), *map(str, self.pids),
              "--remove", self._ipp.cluster_file],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)

@@ -36,6 +36,8 @@ class Tasks(Protocol):
 
     def launch_worker(self, spec: ClusterSpec, index: int, run: "Run", *, join: bool = False): ...
 
+    def record(self) -> None: ...
+
 
 def lost_tasks(spec: ClusterSpec) -> list[TaskSpec]:
     """The tasks whose engine process is gone."""

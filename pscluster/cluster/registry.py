@@ -7,7 +7,10 @@ and is committed by a rename, so a reader never sees half a file.
 
 An entry names its owner process (the kernel that started the cluster): an entry whose owner
 is dead (the kernel died, and its reaper stopped the engines) is reported apart, never listed
-as running. Entries are readable by the owner's user only: they carry the control token.
+as running. A detached cluster outlives its owner: its entry stays listed (state ``detached``)
+while its controller lives, and holds what a later process needs to attach to it (see
+``Cluster.attach``). Entries are readable by the owner's user only: they carry the control token
+and, for detached clusters, the data-plane secret.
 """
 
 from __future__ import annotations
@@ -56,6 +59,41 @@ def write(entry: dict, home: str | None = None) -> str:
     return path
 
 
+def read(name: str, home: str | None = None) -> dict | None:
+    """The entry of cluster ``name`` as written, whether its owner lives or not; None if there is none."""
+    try:
+        with open(_path(name, home)) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _payload_path(name: str, run_id: int, home: str | None) -> str:
+    return _path(name, home)[:-len(".json")] + f".run-{int(run_id)}.payload"
+
+
+def write_payload(name: str, run_id: int, payload: bytes, home: str | None = None) -> None:
+    """Keep a detached cluster's shipped run code (model, dataset, loss), for workers started after an
+    attach. Readable by the owner's user only; the attaching process passes it on without loading it."""
+    path = _payload_path(name, run_id, home)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(payload)
+
+
+def read_payload(name: str, run_id: int, home: str | None = None) -> bytes:
+    with open(_payload_path(name, run_id, home), "rb") as f:
+        return f.read()
+
+
+def remove_payload(name: str, run_id: int, home: str | None = None) -> None:
+    try:
+        os.unlink(_payload_path(name, run_id, home))
+    except FileNotFoundError:
+        pass
+
+
 def remove(name: str, home: str | None = None) -> None:
     """Remove the entry of cluster ``name`` (nothing happens when there is none)."""
     try:
@@ -86,14 +124,22 @@ def read_all(home: str | None = None) -> tuple[list[dict], list[dict]]:
                                                      f"delete {filename} from {directory(home)}"})
             continue
         if not alive(owner):
-            skipped.append({"name": name, "reason": f"its kernel (pid {owner}) is gone; the cluster was "
-                                                    "stopped with it"})
-            continue
+            if not _detached_alive(entry):
+                skipped.append({"name": name, "reason": f"its kernel (pid {owner}) is gone; the cluster was "
+                                                        "stopped with it"})
+                continue
+            entry["state"] = "detached"
         for task in entry.get("tasks", []):
             task["state"] = "running" if task.get("pid") and alive(task["pid"]) else "dead"
         live.append(entry)
     live.sort(key=lambda e: e.get("started", 0))
     return live, skipped
+
+
+def _detached_alive(entry: dict) -> bool:
+    detached = entry.get("detached")
+    pid = int(detached.get("controller_pid") or 0) if isinstance(detached, dict) else 0
+    return pid > 0 and alive(pid)
 
 
 def find(name: str, home: str | None = None) -> dict | None:
@@ -131,8 +177,9 @@ class Registration:
     def update(self, state: str) -> None:
         c = self.cluster
         tasks = c.roles() if c.running else []
-        write({"name": c.name, "owner_pid": os.getpid(), "owner_kernel": self.kernel, "started": self.started,
-               "state": state, "ps": c.num_ps, "workers": c.num_workers, "store": c.store.path,
+        write({"detached": c.detached_state() if c.detached and c.running else None,
+               "name": c.name, "owner_pid": os.getpid(), "owner_kernel": self.kernel, "started": self.started,
+               "state": state, "ps": c.num_ps, "workers": c.num_workers, "store": os.path.abspath(c.store.path),
                "hosts": sorted({t["host"] for t in tasks}), "devices": sorted({t["device"] for t in tasks}),
                "tasks": tasks, "control": {"address": self.control.address, "token": self.control.token}})
 

@@ -8,6 +8,7 @@ parameters, so nothing trained is lost when the cluster stops afterwards.
 from __future__ import annotations
 
 import html
+import os
 import queue
 import sys
 import threading
@@ -42,7 +43,7 @@ class Run:
 
     def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore, *,
                  test_dataset=None, eval_every: int | None = None, tasks: recovery.Tasks | None = None,
-                 checkpoints: CheckpointCoordinator | None = None, payload: bytes = b""):
+                 checkpoints: CheckpointCoordinator | None = None, payload: bytes = b"", metrics_port: int = 0):
         self.spec = spec
         self.plan = plan
         self.store = store
@@ -69,7 +70,20 @@ class Run:
         self.tasks = tasks
         self.payload = payload  # the shipped (model_fn, dataset, loss_fn), for replacement workers
         self.checkpoints = checkpoints or CheckpointCoordinator(store)
-        self.collector = Collector(self._on_batch)
+        self.collector = Collector(self._on_batch, port=metrics_port)
+
+    @classmethod
+    def adopt(cls, spec: ClusterSpec, plan: TrainPlan, store: RunStore, worker_results, *, tasks: recovery.Tasks,
+              payload: bytes) -> "Run":
+        """Follow a run that another process started (on a detached cluster) and trains still: its metrics are
+        received again at the address its tasks send to, and it is finalized here. Its model and loss
+        functions stay on the engines (``state_dict()`` works, ``model()`` does not)."""
+        port = int(plan.metrics_address.rsplit(":", 1)[1]) if plan.metrics_address else 0
+        run = cls(spec, plan, None, None, store, tasks=tasks, payload=payload, metrics_port=port)
+        run.started = store.run(plan.run_id)["started"]
+        run.note("adopted", "controller", {"pid": os.getpid()})
+        run._attach(worker_results, adopted=True)
+        return run
 
     @property
     def id(self) -> int:
@@ -88,10 +102,11 @@ class Run:
                 self.logs.append(line)
                 self._pending_logs.put(line)
 
-    def _attach(self, async_results) -> None:
+    def _attach(self, async_results, *, adopted: bool = False) -> None:
         self.worker_results = list(async_results)
-        self.store.set_status(self.id, "training")
-        self.store.add_event(self.id, "controller", "start", {"workers": len(self.worker_results)})
+        if not adopted:
+            self.store.set_status(self.id, "training")
+            self.store.add_event(self.id, "controller", "start", {"workers": len(self.worker_results)})
         threading.Thread(target=self._monitor, name=f"pscluster-{self.name}", daemon=True).start()
 
     def _monitor(self) -> None:
@@ -131,7 +146,10 @@ class Run:
         if self._stop_requested:
             return False
         with self.membership:
-            return recovery.recover(self, self.tasks)
+            recovered = recovery.recover(self, self.tasks)
+        if recovered:
+            self.tasks.record()  # the registry names the new workers' tasks, for a later attach
+        return recovered
 
     def _request_checkpoint(self) -> int | None:
         try:
@@ -325,6 +343,9 @@ class Run:
 
     def model(self) -> torch.nn.Module:
         """A model built by ``model_fn`` in this process, holding the trained parameters."""
+        if self._model_fn is None:
+            raise TrainingError(f"{self.name} was started by another process, whose model_fn this one does not "
+                                "have: build the model and load run.state_dict() into it")
         model = build_model(self._model_fn, self.plan.seed)
         model.load_state_dict(self.state_dict(), strict=False)
         return model

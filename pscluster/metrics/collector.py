@@ -16,11 +16,16 @@ import zmq
 class Collector:
     """Receives event batches on ``address`` and calls ``on_batch(events)`` for each."""
 
-    def __init__(self, on_batch, host: str = "127.0.0.1", context: zmq.Context | None = None):
+    def __init__(self, on_batch, host: str = "127.0.0.1", context: zmq.Context | None = None, port: int = 0):
+        """``port``: listen there (the address the emitters of a run adopted from another kernel send to);
+        0: a free port."""
         self._on_batch = on_batch
         self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.bad_batches = 0
         self._stop = threading.Event()

@@ -1,4 +1,5 @@
-"""Lifecycle: stop() leaves nothing behind; a cluster dies with the process that owns it."""
+"""Lifecycle: stop() leaves nothing behind; a cluster dies with the process that owns it, unless detached: then
+a later process attaches to it and takes over its run."""
 
 import json
 import os
@@ -11,7 +12,12 @@ import time
 import pytest
 import torch
 
+import pscluster
+from pscluster import Cluster
 from pscluster.cluster.reaper import alive
+from pscluster.errors import ClusterStateError, TrainingError
+
+from .conftest import mlp
 
 pytestmark = pytest.mark.integration
 
@@ -19,6 +25,20 @@ OWNER = textwrap.dedent("""
     import json, os, sys, time, pscluster
     cluster = pscluster.Cluster(ps=1, workers=1).start()
     print(json.dumps([cluster.pids, cluster._engines._ipp.cluster_file]), flush=True)
+    time.sleep(300)
+""")
+
+
+DETACHED_OWNER = textwrap.dedent("""
+    import json, os, sys, time, torch, pscluster
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    cluster = pscluster.Cluster(ps=1, workers=2, name=sys.argv[1], detached=True).start()
+    run = cluster.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1,
+                        steps=int(sys.argv[2]), batch_size=32, checkpoint_secs=None)
+    while run.global_step < 50:
+        time.sleep(0.05)
+    print(json.dumps([cluster.pids, run.id]), flush=True)
     time.sleep(300)
 """)
 
@@ -58,3 +78,43 @@ def test_stop_leaves_no_process(start_cluster):
     cluster.stop()
     assert [p for p in pids if alive(p)] == []
     cluster.stop()  # stopping twice is harmless
+
+
+def test_a_detached_cluster_outlives_its_owner_and_a_later_process_takes_over_its_run():
+    name, steps = f"detached-{os.getpid()}", 4000
+    owner = subprocess.Popen([sys.executable, "-c", DETACHED_OWNER, name, str(steps)], stdout=subprocess.PIPE,
+                             text=True)
+    cluster = None
+    try:
+        pids, run_id = json.loads(owner.stdout.readline())
+        os.kill(owner.pid, signal.SIGKILL)  # the kernel goes away; the cluster and its run go on
+        owner.wait(10)
+        time.sleep(2)
+        assert all(alive(p) for p in pids)
+        assert {"name": name, "state": "detached"}.items() <= next(
+            c for c in pscluster.clusters() if c["name"] == name).items()
+        with pytest.raises(ClusterStateError, match="no detached cluster named 'nope'"):
+            Cluster.attach("nope")
+        attached_at = time.time()
+        cluster = Cluster.attach(name)
+        run = cluster.runs[-1]
+        assert run.id == run_id and cluster.spec.chief.pid in pids
+        run.wait(timeout=240, verbose=False)
+        assert run.status == "finished" and run.global_step == steps
+        metrics = run.metrics()
+        assert (metrics["time"] > attached_at).any()  # its metrics are recorded again
+        assert "adopted" in set(run.events()["kind"])
+        assert set(run.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        with pytest.raises(TrainingError, match="load run.state_dict"):
+            run.model()
+        assert cluster.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1,
+                             steps=20, checkpoint_secs=None).wait(timeout=120, verbose=False).global_step == 20
+    finally:
+        owner.kill()
+        owner.wait(10)
+        if cluster is not None:
+            every = cluster.pids
+            cluster.stop()
+            assert wait_dead(every, timeout=10) == []
+        assert wait_dead(pids, timeout=10) == []
+    assert name not in [c["name"] for c in pscluster.clusters()]

@@ -50,7 +50,7 @@ def usage_error(shell, line, cell=None) -> str:
 
 @pytest.mark.parametrize("line, fragments", [
     ("", [USAGE]),
-    ("bogus", ["unknown command 'bogus'", "%pscluster start|train|status|placement|checkpoint|kill|scale|stop"]),
+    ("bogus", ["unknown command 'bogus'", "%pscluster start|attach|train|status|placement|checkpoint|kill|scale|stop"]),
     ("start --ps 0", ["ps=0", "use an integer >= 1"]),
     ("start --workers -1", ["workers=-1", "use an integer >= 1"]),
     ("start --gpus 999", ["gpus=999", "use gpus <="]),
@@ -67,10 +67,11 @@ def usage_error(shell, line, cell=None) -> str:
     ("checkpoint", ["no run yet", "%pscluster checkpoint"]),
     ("scale --workers 3", ["no cluster to scale", "%pscluster start first"]),
     ("scale", ["the following arguments are required: --workers", "see %pscluster scale --help"]),
+    ("attach no-such-cluster", ["no detached cluster named 'no-such-cluster'", "detached=True"]),
 ], ids=["empty", "unknown-command", "no-ps", "negative-workers", "too-many-gpus", "no-threads", "unknown-option",
         "not-a-number", "quotes", "train-as-line-magic", "stop-before-start", "placement-before-start",
         "placement-bad-option", "kill-before-start", "kill-no-task", "checkpoint-before-train",
-        "scale-before-start", "scale-without-count"])
+        "scale-before-start", "scale-without-count", "attach-unknown"])
 def test_bad_line_magics(shell, magics, line, fragments):
     message = usage_error(shell, line)
     for fragment in fragments:
