@@ -252,14 +252,15 @@ class Run:
         return self
 
     def stop(self, timeout: float = 30.0) -> "Run":
-        """End training cleanly within the next two global steps (every ps on the same step, which the final
-        checkpoint holds) and wait for it; stops at once if that takes longer than ``timeout`` s."""
+        """End training cleanly at the next global step (every ps on the same step, which the final checkpoint
+        holds) and wait for it; stops at once if that takes longer than ``timeout`` s."""
         if not self.done:
             self._stop_requested = True
-            stats = self._read_ps_stats(timeout=10.0)
-            # two steps ahead: a ps that moved past the stop step before the STOP reached it stops where
-            # it is, apart from the others (async ps tasks can differ by the pushes in flight)
-            self._signal_stop(max(s.get("step", 0) for s in stats) + 2 if stats else None)
+            try:  # every ps parks where it is, then the ones behind catch up with the pushes in flight
+                with PSClient(self.spec, run_id=self.id, timeout=10.0) as client:
+                    client.stop(client.park())
+            except Exception:  # a ps is gone: the wait below ends the others
+                pass
             try:
                 self.wait(timeout=timeout, verbose=False)
             except RuntimeTimeout:
@@ -267,10 +268,10 @@ class Run:
                 self.wait(timeout=self.plan.request_timeout, verbose=False)
         return self
 
-    def _signal_stop(self, at_step: int | None = None) -> None:
+    def _signal_stop(self) -> None:
         try:
             with PSClient(self.spec, run_id=self.id, timeout=10.0) as client:
-                client.stop(at_step)
+                client.stop()
         except Exception:  # the ps tasks may be gone already; wait() reports the real error
             pass
 

@@ -180,9 +180,15 @@ class PSClient:
     def stats(self) -> list[dict]:
         return [m.meta or {} for m in self.request(Op.STATS)]
 
-    def stop(self, at_step: int | None = None) -> None:
-        """End the run now, or once every ps has applied step ``at_step``."""
-        self.request(Op.STOP, meta=None if at_step is None else {"at_step": at_step})
+    def stop(self, at_step: int | None = None) -> int:
+        """End the run now, or once every ps has applied step ``at_step``; returns the (highest) step a ps
+        ends on."""
+        return max(m.value for m in self.request(Op.STOP, meta=None if at_step is None else {"at_step": at_step}))
+
+    def park(self) -> int:
+        """Every ps holds pushes from its current step on (the first half of a clean stop); returns the
+        highest step a ps parked at: ``stop(at_step=that)`` ends every ps on it."""
+        return max(m.value for m in self.request(Op.STOP, meta={"hold": True}))
 
     def checkpoint(self, step: int | None = None) -> None:
         """Every ps writes its shard of ``step`` when it gets there (None: now, at its current step)."""

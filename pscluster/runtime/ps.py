@@ -23,7 +23,11 @@ pairs; the ps applies them with a sparse-aware optimizer (SGD, Adagrad, or Adam 
 the lazy SparseAdam, which touches only the rows present).
 
 Once the step target is reached (or STOP arrives), replies carry Flag.STOPPED and
-later gradients are not applied.
+later gradients are not applied. A clean stop of several ps tasks takes two STOPs: the first (meta
+{"hold": true}) parks each ps at its current step, holding the pushes that arrive; its replies say where
+each parked. The second (meta {"at_step": T}, T the highest of those) lets a ps behind apply held and
+arriving pushes up to T: every ps ends on step T, which the final checkpoint holds. A ps parked for
+``PARK_S`` without the second STOP stops where it is.
 
 Checkpoints: when the run has a checkpoint directory, the ps writes its shard (variables and optimizer
 state, see ``checkpoint.py``) every ``checkpoint_every`` steps, at steps asked for by CHECKPOINT, and at
@@ -58,6 +62,7 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 
 POLL_MS = 100
 REPORT_S = 0.5  # how often a ps sends its counters to the collector
+PARK_S = 30.0  # how long a ps parked by a first STOP waits for the second
 
 
 @dataclass
@@ -98,6 +103,9 @@ class _RunState:
     saved: set = field(default_factory=set)
     checkpoint_errors: int = 0
     lost: set = field(default_factory=set)  # workers lost (or added by scaling) and not heard from yet
+    park_at: int | None = None  # a stop in two phases: hold pushes from this step on
+    parked: list = field(default_factory=list)  # (identity, push) held while parked
+    parked_since: float = 0.0
 
     def __post_init__(self):
         # fixed for the run: looked up on every request
@@ -214,6 +222,7 @@ class ParameterServer:
                 if time.monotonic() - last_report >= REPORT_S:
                     last_report = time.monotonic()
                     self._report()
+                    self._check_park()
         finally:
             self._close_run()
             self._sock.close(linger=0)
@@ -253,6 +262,9 @@ class ParameterServer:
         except ProtocolError:
             self.bad_messages += 1
             return
+        self._serve(identity, msg)
+
+    def _serve(self, identity: bytes, msg: Message) -> None:
         handler = self._HANDLERS.get(msg.op)
         if handler is None:
             self._error(identity, msg, f"op {msg.op.name} is not a request")
@@ -398,6 +410,9 @@ class ParameterServer:
         run = self._current(identity, msg)
         if run is None:
             return
+        if run.park_at is not None and run.step >= run.park_at and not run.stopped:
+            run.parked.append((identity, _held(msg)))  # answered by the second STOP
+            return
         grads = self._gradients(run, msg)
         run.pushes += 1
         with_params = msg.op is Op.PUSH_PULL
@@ -489,20 +504,40 @@ class ParameterServer:
         self._reply(identity, msg, Op.OK, meta=meta)
 
     def _stop_run(self, identity, msg):
-        """Stop now, or (meta {"at_step": S}) once step S is applied: every ps then ends on the same step."""
+        """Stop now, or (meta {"at_step": S}) once step S is applied; meta {"hold": true}: park at the current
+        step, and answer it (the first of two STOPs that end every ps on the same step)."""
         run = self.run
-        at_step = (msg.meta or {}).get("at_step")
-        if run is not None and run.run_id == msg.run_id:
-            if at_step is not None and int(at_step) > run.step and not run.stopped:
-                run.steps = min(run.steps, int(at_step))
-            elif not run.stopped:
-                run.stopped = True
-                self._save(run)
-                self._release_waiting()
-                self._report(now=True)
-        else:
+        meta = msg.meta or {}
+        if run is None or run.run_id != msg.run_id:
             self._stop_requested.add(msg.run_id)
-        self._reply(identity, msg, Op.OK, value=run.steps if run is not None else 0)
+            self._reply(identity, msg, Op.OK)
+            return
+        if meta.get("hold") and not run.stopped:
+            if run.park_at is None:
+                run.park_at, run.parked_since = run.step, time.monotonic()
+            self._reply(identity, msg, Op.OK, value=run.park_at)
+            return
+        self._end_at(run, meta.get("at_step"))
+        self._reply(identity, msg, Op.OK, value=run.step if run.stopped else run.steps)  # where it ends
+
+    def _end_at(self, run: _RunState, at_step) -> None:
+        """The run ends once step ``at_step`` is applied (now if it has been, or is None); held pushes go
+        through again, applied while the run is short of that step."""
+        if at_step is not None and int(at_step) > run.step and not run.stopped:
+            run.steps = min(run.steps, int(at_step))
+        elif not run.stopped:
+            run.stopped = True
+            self._save(run)
+            self._release_waiting()
+            self._report(now=True)
+        held, run.parked, run.park_at = run.parked, [], None
+        for identity, push in held:
+            self._serve(identity, push)
+
+    def _check_park(self) -> None:
+        run = self.run
+        if run is not None and run.park_at is not None and time.monotonic() - run.parked_since > PARK_S:
+            self._end_at(run, None)  # the second STOP never came: stop where this ps is
 
     def _checkpoint(self, identity, msg):
         """Write this ps's shard now (meta {"step": null} or the current step) or once step S is applied."""
@@ -613,6 +648,12 @@ class ParameterServer:
 
 
 _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
+
+
+def _held(msg: Message) -> Message:
+    """A copy of a request that outlives its frames (released once the request is handled)."""
+    return Message(op=msg.op, task=msg.task, run_id=msg.run_id, request_id=msg.request_id, step=msg.step,
+                   ids=list(msg.ids), tensors=[t.clone() for t in msg.tensors], meta=msg.meta)
 
 
 def _owned(grad):

@@ -251,6 +251,26 @@ def test_stop_op_stops_the_run_and_releases_waiting_workers(start_run, values):
     assert controller.stats()[0]["applied"] == 0
 
 
+def test_a_stop_in_two_phases_ends_every_ps_on_the_same_step(start_run, values):
+    run = start_run(values, mode="async", num_ps=2)
+    worker, controller = run.client(task=0), run.client()
+    push = run.split(grads(0, run.initial))
+    worker.request(Op.PUSH, push, step=0, targets=[0])  # it reached ps 0 and is still on its way to ps 1
+    assert controller.park() == 1  # ps 0 parked at step 1, ps 1 at step 0
+    arrived = {}
+    thread = threading.Thread(target=lambda: arrived.update(
+        reply=worker.request(Op.PUSH, push, step=0, targets=[1])[0]))
+    thread.start()
+    try:
+        assert wait_until(lambda: len(run.servers[1].run.parked) == 1, 5)  # held while parked, not applied
+        assert [s["step"] for s in controller.stats()] == [1, 0]
+        assert controller.stop(at_step=1) == 1
+    finally:
+        thread.join(10)
+    assert not arrived["reply"].flags & Flag.DROPPED  # applied: ps 1 needed it to reach step 1
+    assert [(s["step"], s["stopped"]) for s in controller.stats()] == [(1, True), (1, True)]
+
+
 def test_shutdown_op_stops_the_server(local_ps):
     spec = local_ps.start()
     local_ps.client(spec).shutdown()
