@@ -23,6 +23,7 @@ from .protocol import Flag, Message, Op
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
+CONNECT_RETRIES = 20  # refused connection attempts (100 ms apart) before a ps counts as lost
 
 
 @dataclass
@@ -51,13 +52,14 @@ class PSClient:
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
         self._socks, self._monitors, self._index = {}, {}, {}  # ps index -> socket, socket -> ps index
+        self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
         self._poller = zmq.Poller()
         for ps in spec.ps if only is None else [spec.ps[i] for i in only]:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
             s.connect(ps.address)
             self._socks[ps.index] = s
             self._index[s] = ps.index
@@ -115,9 +117,14 @@ class PSClient:
             for sock, _ in self._poller.poll(int(left * 1000) + 1):
                 if sock in self._monitors:
                     i = self._monitors[sock]
-                    recv_monitor_message(sock)
+                    event = recv_monitor_message(sock)["event"]
+                    if event == zmq.EVENT_CONNECT_RETRIED:  # a ps that died before we connected
+                        self._refused[i] = self._refused.get(i, 0) + 1
+                        if self._refused[i] < CONNECT_RETRIES:
+                            continue
                     if i in pending and i not in replies:
-                        raise PeerLost(f"ps {i} at {self.spec.ps[i].address} disconnected during {op.name}: "
+                        what = "refuses connections" if event == zmq.EVENT_CONNECT_RETRIED else "disconnected"
+                        raise PeerLost(f"ps {i} at {self.spec.ps[i].address} {what} during {op.name}: "
                                        "it was lost")
                     continue
                 i = self._index[sock]

@@ -1,17 +1,19 @@
 """The ps server in this process, driven through PSClient over 127.0.0.1."""
 
 import gc
+import socket
 import threading
 
 import pytest
 import torch
 import zmq
 
-from pscluster.errors import RuntimeTimeout, TrainingError
+from pscluster.errors import PeerLost, RuntimeTimeout, TrainingError
 from pscluster.runtime import protocol
 from pscluster.runtime.client import PSClient
 from pscluster.runtime.protocol import Flag, Op
 from pscluster.runtime.ps import wait_until
+from pscluster.spec import ClusterSpec, TaskSpec
 
 from .conftest import ps_config
 
@@ -37,6 +39,15 @@ def assert_values(actual, expected, tol=1e-6):
 
 
 # --- connection and initialization -----------------------------------------------------------
+
+
+def test_a_ps_that_refuses_connections_is_lost_before_the_timeout():
+    with socket.socket() as s:  # a port that nothing listens on: a ps that died before we connected
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=port),), workers=(TaskSpec("worker", 0),))
+    with pytest.raises(PeerLost, match=f"ps 0 at tcp://127.0.0.1:{port} refuses connections during HELLO"):
+        PSClient(spec, timeout=60)  # RuntimeTimeout after 30 s if the refusals went unnoticed
 
 
 def test_hello_and_pull_before_init(local_ps):
