@@ -105,3 +105,6 @@ def test_fault_tolerance_recovers_from_a_lost_worker_and_a_lost_ps(tmp_path):
     assert report["restored_step"] == report["steps"] and report["restored_ps"] == 3
     assert report["restored_global_step"] > report["steps"]
     assert report["export_accuracy"] > 0.8
+    # scaled from 1 to 3 workers during a run, then stopped: every ps on one step, and checkpointed there
+    assert report["scaled_workers"] == 3 and report["scaled_status"] == "stopped"
+    assert report["scaled_checkpoint_step"] == report["scaled_stop_step"] > 100
