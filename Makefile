@@ -5,7 +5,7 @@ TORCH_SPEC  ?= torch==2.13.0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
 
-.PHONY: demo embeddings bench test install labextension chromium clean
+.PHONY: demo embeddings bench test install labextension chromium multihost-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ labextension: $(LABEXT_BUILT)
 chromium:
 	@test -x /usr/bin/chromium || (apt-get update && apt-get install -y chromium)
 
+# Multi-host tests: network namespaces (iproute2) as hosts, each running sshd for ipyparallel's SSH launcher;
+# the MPI launcher test runs Open MPI's mpiexec.
+multihost-deps:
+	@test -x /usr/sbin/sshd -a -x /usr/bin/ssh -a -x /usr/sbin/ip -a -x /usr/bin/mpiexec || \
+		(apt-get update && apt-get install -y openssh-server openssh-client iproute2 openmpi-bin)
+
 # A notebook executed headless at full size: reports/<name>.html (and whatever JSON it writes there).
 NBCONVERT := PSCLUSTER_REPORT_DIR=$(CURDIR)/reports IPP_NONINTERACTIVE=1 $(BIN)/jupyter nbconvert --to html \
 	--execute --ExecutePreprocessor.timeout=1800 --ExecutePreprocessor.store_widget_state=False --output-dir reports
@@ -51,7 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/dashboard_overhead.py
 	$(BIN)/python benchmarks/dataplane.py
 
-test: $(STAMP) $(LABEXT_BUILT) chromium
+test: $(STAMP) $(LABEXT_BUILT) chromium multihost-deps
 	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest
 
 clean:
