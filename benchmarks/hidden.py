@@ -1,0 +1,29 @@
+"""Communication hidden behind compute: 1 ps + 1 worker of the real runtime (ps and worker each its own
+process) against a plain single-process loop, on the MLP of ``workload.py``; samples/s ratio."""
+
+from __future__ import annotations
+
+from . import procs
+from .common import REPETITIONS, Result, Target, alternate, compare
+
+
+def pscluster_speed(steps: int) -> float:
+    with procs.PSProcesses(1, workers=1) as cluster:
+        (out,) = procs.outputs([procs.spawn("workload", "pscluster", "sync", steps, **cluster.worker_env(0))])
+    return out["samples_per_s"]
+
+
+def plain_speed(steps: int) -> float:
+    return procs.outputs([procs.spawn("workload", "plain", steps)])[0]["samples_per_s"]
+
+
+def run(tiny: bool) -> Result:
+    steps = 60 if tiny else 1000
+    speeds = alternate({"pscluster": lambda: pscluster_speed(steps), "plain": lambda: plain_speed(steps)},
+                       REPETITIONS)
+    result = Result("hidden", "Communication hidden behind compute (1 ps + 1 worker vs a plain loop)", tiny)
+    result.rows.append(compare("784-256-10 MLP, batch 128, SGD", "1 ps + 1 worker", speeds["pscluster"],
+                               "plain loop", speeds["plain"], "samples/s", Target(0.85)))
+    result.notes.append(f"{steps} steps per repetition; each process (ps, worker, plain loop) has 1 torch thread; "
+                        "the ps and the worker are separate processes on the same host.")
+    return result

@@ -1,0 +1,110 @@
+"""The training workload every peer benchmark runs: a 784-256-10 MLP, batch 128 per worker, SGD, on a
+fixed synthetic data set, and how a worker's speed is measured (steady-state samples/s, the first
+``WARMUP`` steps left out).
+
+    python -m benchmarks.workload plain STEPS           a plain single-process loop
+    python -m benchmarks.workload pscluster MODE STEPS   a pscluster worker (PSCLUSTER_CONFIG set), STEPS of its own
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from pscluster.runtime.data import sharded_batches
+
+BATCH = 128
+LR = 0.01
+WARMUP = 20  # steps left out of every speed: connections, first allocations
+SAMPLES = 8192
+
+
+class Synthetic(torch.utils.data.Dataset):
+    """Fixed random inputs of 784 features and labels of 10 classes, indexed a batch at a time."""
+
+    supports_batch_index = True
+
+    def __init__(self, n: int = SAMPLES, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 784, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def model_fn() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def batches(rank: int = 0, world: int = 1):
+    """This worker's endless batches (the order pscluster's own workers read them in)."""
+    return sharded_batches(Synthetic(), rank, world, BATCH, seed=0)
+
+
+class Clock:
+    """Steady-state speed: samples/s between the ``WARMUP``-th tick and the last."""
+
+    def __init__(self):
+        self.ticks = 0
+        self.first = self.last = 0.0
+        self.first_tick = 0
+
+    def tick(self, steps: int = 1) -> None:
+        self.ticks += steps
+        now = time.perf_counter()
+        if self.ticks >= WARMUP and not self.first:
+            self.first, self.first_tick = now, self.ticks
+        self.last = now
+
+    def result(self, **extra) -> dict:
+        seconds = self.last - self.first
+        rate = (self.ticks - self.first_tick) * BATCH / seconds if seconds > 0 else float("nan")
+        return {"samples_per_s": rate, "steps": self.ticks, **extra}
+
+    def report(self, **extra) -> None:
+        """Print the JSON line the parent reads."""
+        print(json.dumps(self.result(**extra)), flush=True)
+
+
+def plain_loop(steps: int) -> None:
+    """The reference: one process, forward, backward, optimizer step."""
+    torch.manual_seed(0)
+    model = model_fn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    clock, data = Clock(), batches()
+    for _ in range(steps):
+        x, y = next(data)
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        clock.tick()
+    clock.report()
+
+
+def pscluster_worker(mode: str, local_steps: int) -> None:
+    """A worker of the real runtime (``train_from_environment``) for about ``local_steps`` steps: its progress
+    lines, one every ``WARMUP`` steps, are its clock."""
+    from pscluster.runtime.standalone import train_from_environment
+    from pscluster.spec import from_environment
+    world = len(from_environment()[0].workers)
+    clock = Clock()
+    summary = train_from_environment(model_fn, Synthetic(), torch.nn.CrossEntropyLoss(), optimizer="sgd", lr=LR,
+                                     mode=mode, steps=local_steps * (1 if mode == "sync" else world), batch_size=BATCH, log_every=WARMUP,
+                                     log=lambda line: clock.tick(WARMUP))
+    clock.report(dropped=summary["dropped"], compute_s=summary["compute_s"], comm_s=summary["comm_s"],
+                 wait_s=summary["wait_s"])
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "plain":
+        plain_loop(int(sys.argv[2]))
+    else:
+        pscluster_worker(sys.argv[2], int(sys.argv[3]))
