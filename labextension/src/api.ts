@@ -41,6 +41,7 @@ export interface ClusterList {
 
 export interface RunInfo {
   id: number;
+  store: string;
   name: string;
   cluster: string;
   mode: string;
@@ -88,6 +89,16 @@ export class ApiError extends Error {
   ) {
     super(message);
   }
+}
+
+/** The API path of `action` on `run`: its id, and its store as the query argument `store`. */
+export function runPath(run: RunInfo, action: string, params: Record<string, string> = {}): string {
+  return `runs/${run.id}/${action}?${new URLSearchParams({ store: run.store, ...params })}`;
+}
+
+/** A key that names `run` among the runs of every store. */
+export function runKey(run: RunInfo): string {
+  return `${run.store}\n${run.id}`;
 }
 
 /** GET (or POST with `method: 'POST'`) `/pscluster/api/<path>` and decode its JSON. */

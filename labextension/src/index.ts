@@ -3,7 +3,7 @@ import { ILabShell, ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } fr
 import { MainAreaWidget } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
 
-import { RunInfo } from './api';
+import { RunInfo, runKey } from './api';
 import { ClusterPanel } from './panel';
 import { RunView } from './runview';
 
@@ -22,16 +22,17 @@ const plugin: JupyterFrontEndPlugin<void> = {
   requires: [ILabShell],
   optional: [ILayoutRestorer],
   activate: (app: JupyterFrontEnd, shell: ILabShell, restorer: ILayoutRestorer | null) => {
-    const views = new Map<number, MainAreaWidget<RunView>>();
+    const views = new Map<string, MainAreaWidget<RunView>>();
+    let opened = 0;
     const openRun = (run: RunInfo) => {
-      let view = views.get(run.id);
+      let view = views.get(runKey(run));
       if (!view || view.isDisposed) {
-        view = new MainAreaWidget({ content: new RunView(run.id) });
-        view.id = `pscluster-run-${run.id}`;
+        view = new MainAreaWidget({ content: new RunView(run) });
+        view.id = `pscluster-run-${++opened}`;
         view.title.label = run.name;
         view.title.icon = icon;
         view.title.closable = true;
-        views.set(run.id, view);
+        views.set(runKey(run), view);
         shell.add(view, 'main');
       }
       shell.activateById(view.id);

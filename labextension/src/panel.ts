@@ -4,11 +4,21 @@
  */
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 
-import { ActionResult, ApiError, ClusterInfo, ClusterList, RunInfo, RunList, requestAPI } from './api';
+import {
+  ActionResult,
+  ApiError,
+  ClusterInfo,
+  ClusterList,
+  RunInfo,
+  RunList,
+  requestAPI,
+  runKey,
+  runPath
+} from './api';
 import { sparkline } from './charts';
 import { PollingWidget } from './polling';
 
-/** How often the panel asks the server while it is visible (ms). */
+/** The statuses of a run that can still be stopped. */
 const LIVE = new Set(['starting', 'training']);
 
 function el<K extends keyof HTMLElementTagNameMap>(tag: K, className = '', text = ''): HTMLElementTagNameMap[K] {
@@ -23,12 +33,17 @@ export function fmt(value: number | null, digits = 1): string {
   return value === null || !Number.isFinite(value) ? '–' : value.toFixed(digits);
 }
 
-/** Ask for confirmation, then POST `path`; errors are shown, never thrown. */
-export async function confirmAndPost(title: string, body: string, path: string): Promise<ActionResult | null> {
+/** Ask for confirmation (the accept button says `label`), then POST `path`; errors are shown, never thrown. */
+export async function confirmAndPost(
+  title: string,
+  body: string,
+  path: string,
+  label = 'Stop'
+): Promise<ActionResult | null> {
   const answer = await showDialog({
     title,
     body,
-    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Stop' })]
+    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label })]
   });
   if (!answer.button.accept) {
     return null;
@@ -67,6 +82,7 @@ export class ClusterPanel extends PollingWidget {
     if (clusters.status === 'fulfilled') {
       this.showClusters(clusters.value);
     } else {
+      this.clustersSignature = ''; // redraw the list once the server answers again
       this.clustersNode.replaceChildren(el('div', 'jp-pscluster-error', (clusters.reason as ApiError).message));
     }
     if (runs.status === 'fulfilled') {
@@ -108,20 +124,21 @@ export class ClusterPanel extends PollingWidget {
       el('span', 'jp-pscluster-cluster-name', cluster.name),
       el('span', `jp-pscluster-state jp-pscluster-state-${cluster.state}`, cluster.state)
     );
-    if (cluster.state === 'running') {
-      const stop = el('button', 'jp-Button jp-mod-styled jp-mod-warn jp-pscluster-stop', 'Stop');
-      stop.title = `Stop cluster ${cluster.name} and its engines`;
-      stop.onclick = async () => {
-        const body = `Stops every engine of ${cluster.name} (and its run, if one is training).`;
-        if (await confirmAndPost(`Stop cluster ${cluster.name}?`, body, `clusters/${cluster.name}/stop`)) {
-          void this.poll.refresh();
-        }
-      };
-      head.append(stop);
+    const running = cluster.state === 'running';
+    if (running) {
+      head.append(
+        this.actionButton('Stop', 'jp-pscluster-stop', `Stop cluster ${cluster.name} and its engines`, () =>
+          confirmAndPost(
+            `Stop cluster ${cluster.name}?`,
+            `Stops every engine of ${cluster.name} (and its run, if one is training).`,
+            `clusters/${cluster.name}/stop`
+          )
+        )
+      );
     }
     const table = el('table', 'jp-pscluster-tasks');
     const header = table.createTHead().insertRow();
-    for (const name of ['role', 'task', 'host', 'device', 'state']) {
+    for (const name of ['role', 'task', 'host', 'device', 'state', '']) {
       header.append(el('th', '', name));
     }
     const body = table.createTBody();
@@ -130,6 +147,23 @@ export class ClusterPanel extends PollingWidget {
       row.className = `jp-pscluster-task jp-pscluster-role-${t.role}`;
       for (const value of [t.role, String(t.task), t.host, t.device, t.state]) {
         row.append(el('td', '', value));
+      }
+      const actions = row.insertCell();
+      actions.className = 'jp-pscluster-task-actions';
+      if (running) {
+        const task = `${t.role} ${t.task}`;
+        actions.append(
+          this.actionButton('Restart', 'jp-pscluster-restart', `Restart ${task} on a new engine`, () =>
+            confirmAndPost(
+              `Restart ${task} of ${cluster.name}?`,
+              `Kills the engine of ${task} (pid ${t.pid}) and starts a new one. During a run, the run ` +
+                'recovers it as a lost task: a worker rejoins, a ps rolls back to the latest checkpoint.',
+              `clusters/${cluster.name}/tasks/${t.role}/${t.task}/restart`,
+              'Restart'
+            ),
+            'jp-mod-reject'
+          )
+        );
       }
     }
     node.append(head, table);
@@ -146,29 +180,31 @@ export class ClusterPanel extends PollingWidget {
 
   private showRuns(list: RunList): void {
     this.showMessage(list.message ?? (list.runs.length ? '' : 'No runs yet: train one on a cluster.'));
-    const seen = new Set<number>();
+    const seen = new Set<string>();
     for (const run of list.runs) {
-      seen.add(run.id);
-      let row = this.runRows.get(run.id);
+      const key = runKey(run);
+      seen.add(key);
+      let row = this.runRows.get(key);
       if (!row) {
-        row = this.runRow(run.id);
-        this.runRows.set(run.id, row);
+        row = this.runRow(run);
+        this.runRows.set(key, row);
       }
       this.updateRun(row, run);
       this.runsBody.append(row); // keeps the server's order: newest first
     }
-    for (const [id, row] of this.runRows) {
-      if (!seen.has(id)) {
+    for (const [key, row] of this.runRows) {
+      if (!seen.has(key)) {
         row.remove();
-        this.runRows.delete(id);
+        this.runRows.delete(key);
       }
     }
   }
 
-  private runRow(id: number): HTMLTableRowElement {
+  private runRow(run: RunInfo): HTMLTableRowElement {
     const row = document.createElement('tr');
     row.className = 'jp-pscluster-run';
-    row.dataset.runId = String(id);
+    row.dataset.runId = String(run.id);
+    row.dataset.store = run.store;
     for (const cell of ['name', 'status', 'step', 'speed', 'loss', 'actions']) {
       row.append(el('td', `jp-pscluster-run-${cell}`));
     }
@@ -188,25 +224,44 @@ export class ClusterPanel extends PollingWidget {
     row.onclick = () => this.openRun(run);
     const live = LIVE.has(run.status);
     if (live && !actions.firstChild) {
-      const stop = el('button', 'jp-Button jp-mod-styled jp-mod-warn jp-pscluster-stop-run', 'Stop');
-      stop.title = `Stop ${run.name} at the next step of every worker`;
-      stop.onclick = async event => {
-        event.stopPropagation();
-        const body = `Ends ${run.name} at the next step; what it trained stays on its cluster.`;
-        if (await confirmAndPost(`Stop run ${run.name}?`, body, `runs/${run.id}/stop`)) {
-          void this.poll.refresh();
-        }
-      };
-      actions.append(stop);
+      const title = `Stop ${run.name} at the next step of every worker`;
+      actions.append(
+        this.actionButton('Stop', 'jp-pscluster-stop-run', title, () =>
+          confirmAndPost(
+            `Stop run ${run.name}?`,
+            `Ends ${run.name} at the next step; what it trained stays on its cluster.`,
+            runPath(run, 'stop')
+          )
+        )
+      );
     } else if (!live) {
       actions.replaceChildren();
     }
+  }
+
+  /** A button that runs `action` (a confirmed request) and refreshes the panel after it; `mod` is its style. */
+  private actionButton(
+    label: string,
+    className: string,
+    title: string,
+    action: () => Promise<ActionResult | null>,
+    mod = 'jp-mod-warn'
+  ): HTMLButtonElement {
+    const button = el('button', `jp-Button jp-mod-styled ${mod} ${className}`, label);
+    button.title = title;
+    button.onclick = async event => {
+      event.stopPropagation(); // a run row opens its view on click
+      if (await action()) {
+        void this.poll.refresh();
+      }
+    };
+    return button;
   }
 
   private readonly clustersNode = el('div', 'jp-pscluster-clusters');
   private readonly runsMessage = el('div', 'jp-pscluster-message');
   private readonly runsTable = el('table', 'jp-pscluster-runs');
   private readonly runsBody = document.createElement('tbody');
-  private readonly runRows = new Map<number, HTMLTableRowElement>();
+  private readonly runRows = new Map<string, HTMLTableRowElement>();
   private clustersSignature = '';
 }

@@ -3,7 +3,7 @@
  * (local steps per second), fed from the metrics endpoint by cursor while the run trains.
  */
 
-import { ApiError, MetricRows, RunInfo, requestAPI } from './api';
+import { ApiError, MetricRows, RunInfo, requestAPI, runPath } from './api';
 import { Series, lineChart } from './charts';
 import { fmt } from './panel';
 import { PollingWidget } from './polling';
@@ -25,9 +25,11 @@ function thin(values: number[]): number[] {
 }
 
 export class RunView extends PollingWidget {
-  constructor(readonly runId: number) {
+  constructor(readonly run: RunInfo) {
     super();
     this.addClass('jp-pscluster-runview');
+    this.node.dataset.runId = String(run.id);
+    this.node.dataset.store = run.store;
     this.node.append(this.header, this.charts);
   }
 
@@ -36,7 +38,7 @@ export class RunView extends PollingWidget {
     let page: MetricRows;
     try {
       do {
-        page = await requestAPI<MetricRows>(`runs/${this.runId}/metrics?after=${this.cursor}`);
+        page = await requestAPI<MetricRows>(runPath(this.run, 'metrics', { after: String(this.cursor) }));
         this.add(page);
       } while (page.more);
     } catch (error) {

@@ -2,8 +2,8 @@
 
 The owner serves a ZeroMQ REP socket on 127.0.0.1 (its address and a token are in the
 cluster's registry entry, readable by the same user only). Another process, such as the
-JupyterLab server extension, asks it to stop the cluster, stop a run or kill one task with
-``request(entry, action, **args)``. The owner carries the request out on its own Cluster
+JupyterLab server extension, asks it to stop the cluster, stop a run, or kill or restart one
+task with ``request(entry, action, **args)``. The owner carries the request out on its own Cluster
 object, so the notebook, the Python API and the side panel all see the same state.
 
 Every action is checked at once and answered; the slow part (stopping engines, waiting for the
@@ -20,18 +20,21 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from ..errors import ClusterStateError
+from ..errors import ClusterStateError, PSClusterError
+from ..runtime.ps import wait_until
 from .reaper import alive
 
 if TYPE_CHECKING:
     from .cluster import Cluster
 
 POLL_MS = 200
+RESTART_S = 120.0  # how long a restart during a run waits for the run's recovery to replace the task
+_replacing = threading.Lock()  # one restart at a time: a cluster adds one engine at a time
 
 
 class ControlError(Exception):
     """A request that could not be carried out; ``kind`` is ``not_found``, ``conflict``,
-    ``unsupported``, ``unavailable`` or ``invalid``."""
+    ``unavailable`` or ``invalid``."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -124,13 +127,36 @@ def _kill_task(cluster: "Cluster", role: str, index: int) -> dict:
     if not alive(task["pid"]):
         raise ControlError("conflict", f"{role} task {index} (pid {task['pid']}) is already dead")
     os.kill(task["pid"], signal.SIGKILL)
-    return {"killed": task["pid"]}
+    return {"state": "killed", "pid": task["pid"]}
 
 
 def _restart_task(cluster: "Cluster", role: str, index: int) -> dict:
-    _task(cluster, role, index)
-    raise ControlError("unsupported", "this cluster cannot restart a single engine yet: "
-                                      "stop the cluster and start it again")
+    """Kill the task's engine (if it still runs) and give the task a new one, in the background."""
+    pid = _task(cluster, role, index)["pid"]
+    role = "worker" if role == "chief" else role
+    _background(lambda: _restart(cluster, role, int(index), pid), f"pscluster-restart-{role}-{index}")
+    return {"state": "restarting", "pid": pid}
+
+
+def _restart(cluster: "Cluster", role: str, index: int, pid: int) -> None:
+    """During a run, the run's recovery replaces the killed task as any lost one (a worker rejoins with
+    the current parameters, a ps rolls every ps back to the latest checkpoint); without a run, or when
+    the run ended before it did, the cluster replaces it here."""
+
+    def replaced() -> bool:
+        return not cluster.running or cluster.spec.task(role, index).pid != pid
+
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    run = cluster.active_run
+    if run is not None:
+        wait_until(lambda: run.done or replaced(), RESTART_S, interval=0.1)
+    with _replacing:
+        try:
+            if not replaced():
+                cluster.replace_task(role, index)
+        except PSClusterError:  # the cluster stopped meanwhile: nothing to restart
+            pass
 
 
 ACTIONS = {"stop_cluster": _stop_cluster, "stop_run": _stop_run, "kill_task": _kill_task,

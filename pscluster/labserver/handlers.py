@@ -1,5 +1,8 @@
 """Thin tornado handlers under ``<base_url>/pscluster/api/``: parse, call LabService, answer JSON.
 
+A run is named by its id and, as the query argument ``store``, the path of its run store (the
+``store`` of its RunInfo; default: the default store).
+
 Every verb is authenticated like any Jupyter API handler. Store and control calls may wait
 (a lock, a busy kernel), so they run in a thread and never block the server.
 """
@@ -66,13 +69,13 @@ class MetricsHandler(_Handler):
         after = self.get_query_argument("after", "0")
         if not after.isdigit():
             raise web.HTTPError(400, reason=f"after={after!r}: give the cursor of the previous answer (0 to start)")
-        await self.answer(self.service.metrics, int(run_id), int(after))
+        await self.answer(self.service.metrics, int(run_id), int(after), self.get_query_argument("store", None))
 
 
 class StopRunHandler(_Handler):
     @web.authenticated
     async def post(self, run_id: str):
-        await self.answer(self.service.stop_run, int(run_id))
+        await self.answer(self.service.stop_run, int(run_id), self.get_query_argument("store", None))
 
 
 def routes(base_url: str, service: LabService) -> list:

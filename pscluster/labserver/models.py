@@ -54,10 +54,12 @@ class ClusterList:
 
 @dataclass
 class RunInfo:
-    """A run of the store: ``global_step`` of ``steps``, ``steps_per_s`` over the last seconds (over the
-    whole run once it ended), ``loss`` the latest, ``sparkline`` the loss over the run (at most 40 points)."""
+    """A run of the run store at path ``store`` (ids are unique within one store): ``global_step`` of
+    ``steps``, ``steps_per_s`` over the last seconds (over the whole run once it ended), ``loss`` the latest,
+    ``sparkline`` the loss over the run (at most 40 points)."""
 
     id: int
+    store: str
     name: str
     cluster: str
     mode: str
@@ -73,7 +75,8 @@ class RunInfo:
 
 @dataclass
 class RunList:
-    """Every run, newest first; ``message`` says why there are none when there is no store yet."""
+    """Every run of the default store and of the stores of running clusters, newest first; ``message`` says
+    why there are none when there is no store yet."""
 
     runs: list[RunInfo]
     message: str | None = None

@@ -7,6 +7,7 @@ one-line message; the handlers only translate. Actions go to the kernel that own
 
 from __future__ import annotations
 
+import os
 import sqlite3
 
 import pandas as pd
@@ -20,8 +21,7 @@ LOCK_WAIT_S = 1.0      # a query waits this long for another process's lock befo
 SPEED_WINDOW_S = 5.0   # steps/s of a live run: over its last seconds
 SPARK_POINTS = 40
 MAX_ROWS = 20_000      # metric rows per answer; the rest come with the next cursor
-CONTROL_STATUS = {"not_found": 404, "conflict": 409, "invalid": 400, "unsupported": 501, "unavailable": 504,
-                  "forbidden": 502}
+CONTROL_STATUS = {"not_found": 404, "conflict": 409, "invalid": 400, "unavailable": 504, "forbidden": 502}
 
 
 class ApiError(Exception):
@@ -47,19 +47,24 @@ class LabService:
                            skipped=[SkippedCluster(**s) for s in skipped])
 
     def runs(self) -> RunList:
-        path = default_path()
-        try:
-            store = self._open(path)
-        except FileNotFoundError:
-            return RunList(runs=[], message=f"No run store yet ({path}): runs appear here once a cluster trains.")
-        live = {e["name"] for e in registry.read_all()[0]}
-        with store, _readable(path):
-            return RunList(runs=[self._run_info(store, row, live) for row in store.runs().itertuples()])
+        """The runs of every store: the default one and those of the running clusters, newest first."""
+        live = registry.read_all()[0]
+        names, stores, runs = {e["name"] for e in live}, _stores(live), []
+        for path in stores:
+            try:
+                store = self._open(path)
+            except FileNotFoundError:
+                continue
+            with store, _readable(path):
+                runs += [self._run_info(store, row, names) for row in store.runs().itertuples()]
+        if not runs and not any(os.path.exists(p) for p in stores):
+            return RunList(runs=[], message=f"No run store yet ({default_path()}): runs appear here once a "
+                                            "cluster trains.")
+        return RunList(runs=sorted(runs, key=lambda r: (r.started, r.id), reverse=True))
 
-    def metrics(self, run_id: int, after: int) -> MetricRows:
-        store = self._store_with(run_id)
+    def metrics(self, run_id: int, after: int, store_path: str | None = None) -> MetricRows:
         live = {e["name"] for e in registry.read_all()[0]}
-        with store, _readable(store.path):
+        with self._store_with(run_id, store_path) as store, _readable(store.path):
             row = _run_row(store, run_id)
             df = store.metrics(run_id, after_row=after).sort_values("row").head(MAX_ROWS)
             info = self._run_info(store, row, live)
@@ -72,9 +77,14 @@ class LabService:
         with _readable(path):
             return RunStore(path, readonly=True, timeout=LOCK_WAIT_S)
 
-    def _store_with(self, run_id: int) -> RunStore:
-        """The store, which should hold run ``run_id``: 404 when there is none yet."""
-        path = default_path()
+    def _store_with(self, run_id: int, path: str | None) -> RunStore:
+        """Store ``path`` (default: the default store), which should hold run ``run_id``: 404 when it is not
+        a store the panel lists or does not exist yet."""
+        if path is None:
+            path = default_path()
+        elif os.path.realpath(path) not in map(os.path.realpath, _stores(registry.read_all()[0])):
+            raise ApiError(404, f"no run {run_id}: {path} is neither the default run store nor the store of a "
+                                "running cluster")
         try:
             return self._open(path)
         except FileNotFoundError:
@@ -89,8 +99,9 @@ class LabService:
         status = row.status
         if status not in ENDED and row.cluster not in live:
             status = "lost"  # its kernel is gone: nobody will finish it
-        info = RunInfo(id=int(row.id), name=row.name, cluster=row.cluster, mode=row.mode, status=status,
-                       started=float(row.started), ended=None if pd.isna(row.ended) else float(row.ended),
+        info = RunInfo(id=int(row.id), store=store.path, name=row.name, cluster=row.cluster, mode=row.mode,
+                       status=status, started=float(row.started),
+                       ended=None if pd.isna(row.ended) else float(row.ended),
                        steps=config.get("steps"), global_step=int(m["global_step"].max()) if len(m) else 0,
                        steps_per_s=_speed(m, ended=status in ENDED), loss=_last(m["loss"]),
                        sparkline=_sparkline(m))
@@ -105,9 +116,8 @@ class LabService:
             raise ApiError(409, f"cluster {name} is already stopping")
         return ActionResult("stop_cluster", name, _ask(entry, "stop_cluster")["state"])
 
-    def stop_run(self, run_id: int) -> ActionResult:
-        store = self._store_with(run_id)
-        with store, _readable(store.path):
+    def stop_run(self, run_id: int, store_path: str | None = None) -> ActionResult:
+        with self._store_with(run_id, store_path) as store, _readable(store.path):
             row = _run_row(store, run_id)
         if row.status in ENDED:
             raise ApiError(409, f"run {run_id} already ended ({row.status})")
@@ -118,10 +128,11 @@ class LabService:
         return ActionResult("stop_run", str(run_id), _ask(entry, "stop_run", run_id=run_id)["status"])
 
     def task_action(self, name: str, role: str, index: int, action: str) -> ActionResult:
-        """``action`` is ``kill`` or ``restart`` task ``role`` ``index`` of cluster ``name``."""
+        """``action`` is ``kill`` or ``restart`` task ``role`` ``index`` of cluster ``name``: the state is
+        ``killed``, or ``restarting`` (its new engine is listed once it runs)."""
         entry = self._running_cluster(name)
-        _ask(entry, f"{action}_task", role=role, index=index)
-        return ActionResult(f"{action}_task", f"{name}/{role}/{index}", "killed" if action == "kill" else action)
+        state = _ask(entry, f"{action}_task", role=role, index=index)["state"]
+        return ActionResult(f"{action}_task", f"{name}/{role}/{index}", state)
 
     def _running_cluster(self, name: str) -> dict:
         live, skipped = registry.read_all()
@@ -165,6 +176,14 @@ class _readable:
             raise ApiError(503, f"the run store {self.path} cannot be read ({error}): move it away to start "
                                 "a new one") from None
         return False
+
+
+def _stores(live: list[dict]) -> list[str]:
+    """The default store, then the stores of the running clusters of ``live``, each once (by real path)."""
+    paths = {}
+    for path in (default_path(), *(e["store"] for e in live if e.get("store"))):
+        paths.setdefault(os.path.realpath(path), path)
+    return list(paths.values())
 
 
 def _run_row(store: RunStore, run_id: int):

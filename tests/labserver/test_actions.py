@@ -1,12 +1,15 @@
 """Actions on a real cluster of ipyparallel engines, started in this process before the server:
 the server finds it in the registry and asks its owner (this process) through the control socket."""
 
+import asyncio
+import inspect
 import time
 
 import pytest
 import torch
 
 import pscluster
+from pscluster.cluster.reaper import alive
 from pscluster.metrics.store import RunStore
 
 pytestmark = pytest.mark.integration
@@ -27,15 +30,41 @@ def cluster(tmp_path_factory):
             cluster.stop()
 
 
+def digits_run(cluster, steps: int):
+    return cluster.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), steps=steps,
+                         lr=0.1, log_every=100_000)
+
+
 async def eventually(check, timeout: float = 30.0):
-    """Call the coroutine ``check`` until it returns something true; returns that."""
+    """Call ``check`` (a function or a coroutine function) until it returns something true; returns that."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        result = await check()
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
         if result:
             return result
-        await pytest.importorskip("asyncio").sleep(0.2)
+        await asyncio.sleep(0.2)
     raise AssertionError(f"still false after {timeout:.0f}s")
+
+
+async def listed_task(api, role: str, index: int) -> dict:
+    """Task ``role`` ``index`` of the only cluster, as GET clusters lists it."""
+    status, body = await api("GET", "clusters")
+    return next(t for t in body["clusters"][0]["tasks"] if (t["role"], t["task"]) == (role, index))
+
+
+async def restart(api, cluster, role: str, index: int) -> dict:
+    """Restart a task through the API; returns it as listed once it runs on a new engine."""
+    old = (await listed_task(api, role, index))["pid"]
+    assert await api("POST", "clusters", cluster.name, "tasks", role, str(index), "restart") == (
+        200, {"action": "restart_task", "target": f"{cluster.name}/{role}/{index}", "state": "restarting"})
+
+    async def on_a_new_engine():
+        task = await listed_task(api, role, index)
+        return task["pid"] != old and task["state"] == "running" and task
+
+    return await eventually(on_a_new_engine, 90)
 
 
 async def test_a_server_started_after_the_cluster_lists_it_with_its_roles(api, cluster):
@@ -50,8 +79,7 @@ async def test_a_server_started_after_the_cluster_lists_it_with_its_roles(api, c
 
 
 async def test_stop_a_run_from_the_server(api, cluster):
-    run = cluster.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), steps=100_000,
-                        lr=0.1, log_every=10_000)
+    run = digits_run(cluster, 100_000)
 
     async def training():
         status, body = await api("GET", "runs", str(run.id), "metrics")
@@ -72,11 +100,29 @@ async def test_stop_a_run_from_the_server(api, cluster):
     assert status == 409 and "already ended (stopped)" in body["error"]
 
 
+async def test_restart_a_worker_during_a_run_replaces_it_through_the_runs_recovery(api, cluster):
+    run = digits_run(cluster, 100_000)
+    await eventually(lambda: run.global_step > 5)
+    new = await restart(api, cluster, "worker", 1)
+    assert cluster.roles()[2]["pid"] == new["pid"]
+    events = run.events()
+    assert set(events[events["task"] == "worker:1"]["kind"]) >= {"lost", "replaced"}
+    replaced_at = events[events["kind"] == "replaced"]["time"].max()
+
+    def rejoined():  # the new engine trains: worker 1 reports steps again
+        m = run.metrics()
+        return ((m["worker"] == 1) & (m["time"] > replaced_at)).sum() >= 3
+
+    await eventually(rejoined, 60)
+    run.stop()
+    assert run.status == "stopped"
+
+
 async def test_task_actions_and_their_errors(api, cluster):
     status, body = await api("POST", "clusters", cluster.name, "tasks", "worker", "7", "kill")
     assert status == 404 and "worker 1" in body["error"]
-    status, body = await api("POST", "clusters", cluster.name, "tasks", "worker", "1", "restart")
-    assert status == 501 and "stop the cluster" in body["error"]
+    status, body = await api("POST", "clusters", cluster.name, "tasks", "worker", "7", "restart")
+    assert status == 404 and "worker 1" in body["error"]
     status, body = await api("POST", "clusters", cluster.name, "tasks", "worker", "1", "kill")
     assert status == 200 and body["state"] == "killed"
 
@@ -87,6 +133,17 @@ async def test_task_actions_and_their_errors(api, cluster):
     await eventually(dead)
     status, body = await api("POST", "clusters", cluster.name, "tasks", "worker", "1", "kill")
     assert status == 409 and "already dead" in body["error"]
+
+
+async def test_restart_without_a_run_gives_new_engines_that_train(api, cluster):
+    assert cluster.active_run is None
+    dead_worker, live_ps = cluster.spec.task("worker", 1).pid, cluster.spec.task("ps", 0).pid
+    worker, ps = await restart(api, cluster, "worker", 1), await restart(api, cluster, "ps", 0)
+    assert [r["pid"] for r in cluster.roles()] == [ps["pid"], cluster.spec.task("worker", 0).pid, worker["pid"]]
+    await eventually(lambda: not alive(live_ps))  # the old ps engine was killed
+    assert dead_worker not in (ps["pid"], worker["pid"])
+    run = digits_run(cluster, 30).wait(120, verbose=False)
+    assert run.status == "finished" and run.global_step == 30 and min(run.local_steps) > 0
 
 
 async def test_stop_the_cluster_from_the_server(api, cluster):

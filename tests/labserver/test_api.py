@@ -1,6 +1,7 @@
 """The read endpoints over a real SQLite run store, and what they answer when it is missing,
 locked or broken; authentication of every route."""
 
+import os
 import sqlite3
 
 import pytest
@@ -89,6 +90,28 @@ async def test_metrics_from_a_cursor(api, home):
     assert body["run"]["id"] == run and body["cursor"] > cursor
     status, same = await api("GET", "runs", str(run), "metrics", after=str(body["cursor"]))
     assert same["worker"] == [] and same["cursor"] == body["cursor"]
+
+
+async def test_runs_of_the_stores_of_running_clusters_too_each_store_once(api, home):
+    default, own = home / "runs.sqlite", home / "elsewhere" / "own.sqlite"
+    with RunStore() as store:
+        new_run(store, cluster="a")
+    with RunStore(own) as store:
+        store.add_batch(new_run(store, cluster="b"), steps(0, 1, 3))
+    (home / "link").symlink_to(home / "elsewhere")
+    for name, path in (("a", default), ("b", own), ("b2", home / "link" / "own.sqlite")):
+        registry.write({"name": name, "owner_pid": os.getpid(), "store": str(path), "tasks": []})
+    status, body = await api("GET", "runs")
+    assert status == 200
+    assert [(r["id"], r["store"], r["cluster"]) for r in body["runs"]] == [(1, str(own), "b"), (1, str(default), "a")]
+    status, body = await api("GET", "runs", "1", "metrics", store=str(own))
+    assert status == 200 and body["run"]["cluster"] == "b" and body["local_step"] == [1, 2, 3]
+    status, body = await api("GET", "runs", "1", "metrics")  # no store: the default one
+    assert status == 200 and body["run"]["cluster"] == "a" and body["local_step"] == []
+    status, body = await api("GET", "runs", "1", "metrics", store=str(home / "other.sqlite"))
+    assert status == 404 and "neither the default run store nor the store of a running cluster" in body["error"]
+    status, body = await api("POST", "runs", "1", "stop", store=str(home / "other.sqlite"))
+    assert status == 404
 
 
 async def test_unknown_run_and_bad_cursor(api, home):
