@@ -9,12 +9,14 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from pscluster.errors import PeerLost
 from pscluster.runtime.client import PSClient
 from pscluster.spec import ClusterSpec, TaskSpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).absolute().parent.parent
 
 
 def child_env(threads: int = 1, **extra: str) -> dict:
@@ -70,10 +72,21 @@ class PSProcesses:
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
                       for i in range(num_ps)]
         try:
-            PSClient(self.spec, timeout=60).close()  # every ps answers HELLO: they serve
+            self._wait_ready(60.0)
         except BaseException:
             self.close()
             raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Until every ps answers HELLO (a ps still importing torch refuses connections for a while)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                PSClient(self.spec, timeout=timeout).close()
+                return
+            except PeerLost:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                    raise
 
     @property
     def pids(self) -> list[int]:

@@ -3,7 +3,7 @@ fixed synthetic data set, and how a worker's speed is measured (steady-state sam
 ``WARMUP`` steps left out).
 
     python -m benchmarks.workload plain STEPS           a plain single-process loop
-    python -m benchmarks.workload pscluster MODE STEPS   a pscluster worker (PSCLUSTER_CONFIG set), STEPS of its own
+    python -m benchmarks.workload pscluster MODE STEPS   a pscluster worker (PSCLUSTER_CONFIG set)
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def pscluster_worker(mode: str, local_steps: int) -> None:
     world = len(from_environment()[0].workers)
     clock = Clock()
     summary = train_from_environment(model_fn, Synthetic(), torch.nn.CrossEntropyLoss(), optimizer="sgd", lr=LR,
-                                     mode=mode, steps=local_steps * (1 if mode == "sync" else world), batch_size=BATCH, log_every=WARMUP,
+                                     mode=mode, steps=local_steps * (1 if mode == "sync" else world),
+                                     batch_size=BATCH, log_every=WARMUP,
                                      log=lambda line: clock.tick(WARMUP))
     clock.report(dropped=summary["dropped"], compute_s=summary["compute_s"], comm_s=summary["comm_s"],
                  wait_s=summary["wait_s"])

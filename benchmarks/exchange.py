@@ -1,0 +1,164 @@
+"""Exchange bandwidth: a pscluster push+pull (one fused PUSH_PULL round trip to every ps, with an SGD update
+applied) of 1-256 MB of float32 parameters split over 1, 2 and 4 ps processes, against raw pyzmq
+request/reply of the same bytes to as many server processes (each request sent before any reply is awaited);
+and, when Ray is installed, a 100 MB model step (pull, then push-and-apply) against a Ray actor ps on the
+same host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import zmq
+
+from pscluster.runtime.client import PSClient
+
+from . import procs
+from .common import REPETITIONS, Result, Target, alternate, compare, timed
+
+LR = 1e-6
+MB = 2**20
+
+
+class RawServers:
+    """``n`` raw REP server processes and a REQ socket to each."""
+
+    def __init__(self, n: int):
+        ports = procs.free_ports(n)
+        self.procs = [procs.spawn("raw_zmq", port) for port in ports]
+        self.socks = [zmq.Context.instance().socket(zmq.REQ) for _ in ports]
+        for s, port in zip(self.socks, ports):
+            s.connect(f"tcp://127.0.0.1:{port}")
+
+    def round_trip(self, payloads: list) -> None:
+        """Send one payload to each server, then receive every reply."""
+        for s, p in zip(self.socks, payloads):
+            s.send(p, copy=False)
+        for s in self.socks:
+            s.recv(copy=False)
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.send(b"")
+            s.recv()
+            s.close(linger=0)
+        for p in self.procs:
+            p.wait(30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class PSExchange:
+    """A run of ``numel`` float32 parameters split evenly over the ps of ``cluster``, and its round trips."""
+
+    def __init__(self, cluster: procs.PSProcesses, numel: int, run_id: int):
+        n = len(cluster.spec.ps)
+        self.client = PSClient(cluster.spec, task=0, timeout=300)
+        self.grads = {i: ([0], [torch.full((numel // n,), 1.0)]) for i in range(n)}
+        configs = [{"mode": "async", "steps": 10**9, "replicas_to_aggregate": 1, "optimizer": "SGD",
+                    "optimizer_kwargs": {"lr": LR}, "names": [f"p{i}"]} for i in range(n)]
+        self.client.init(run_id, self.grads, configs)
+        self.step = self.client.pull().step
+
+    def round_trip(self) -> None:
+        self.step = self.client.push_pull(self.step, self.grads).step
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def bandwidth(megabytes: float, num_ps: int, cluster: procs.PSProcesses, raw: RawServers, run_id: int,
+              rounds: int) -> dict[str, list[float]]:
+    """GB/s (both ways) of pscluster and of raw ZeroMQ, ``REPETITIONS`` alternating rounds of ``rounds`` trips."""
+    numel = int(megabytes * MB / 4) // num_ps * num_ps
+    ps = PSExchange(cluster, numel, run_id)
+    payloads = [t.numpy() for _, (t,) in ps.grads.values()]
+    ps.round_trip()
+    raw.round_trip(payloads)
+    moved = 2 * numel * 4 * rounds / 1e9
+
+    def repeat(fn):
+        return lambda: moved / timed(lambda: [fn() for _ in range(rounds)])
+    try:
+        return alternate({"pscluster": repeat(ps.round_trip), "raw": repeat(lambda: raw.round_trip(payloads))},
+                         REPETITIONS)
+    finally:
+        ps.close()
+
+
+def ray_step(megabytes: float) -> tuple[dict[str, list[float]], str | None]:
+    """Steps/s of a pull + push-and-apply of ``megabytes`` with 1 ps: pscluster (one PUSH_PULL) against a Ray
+    actor holding the parameters (pull = get its array, push = send the gradient it applies); or the reason
+    it cannot run here."""
+    try:
+        import ray
+    except ImportError as e:
+        return {}, f"Ray is not installed ({e}): `make bench` installs it with the bench extra"
+    numel = int(megabytes * MB / 4)
+
+    @ray.remote
+    class RayPS:
+        def __init__(self):
+            self.params = np.zeros(numel, dtype=np.float32)
+
+        def pull(self):
+            return self.params
+
+        def push(self, grad):
+            self.params -= LR * grad
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=max(8 * numel * 4, 2**28))
+    try:
+        actor = RayPS.remote()
+        grad = np.ones(numel, dtype=np.float32)
+
+        def ray_round():
+            ray.get(actor.pull.remote())
+            ray.get(actor.push.remote(grad))
+        ray_round()
+        with procs.PSProcesses(1) as cluster:
+            ps = PSExchange(cluster, numel, run_id=1)
+            ps.round_trip()
+            try:
+                rounds = 3
+                return alternate({"pscluster": lambda: rounds / timed(lambda: [ps.round_trip() for _ in range(rounds)]),
+                                  "ray": lambda: rounds / timed(lambda: [ray_round() for _ in range(rounds)])},
+                                 REPETITIONS), None
+            finally:
+                ps.close()
+    finally:
+        ray.shutdown()
+
+
+def run(tiny: bool) -> Result:
+    sizes = (0.25, 1) if tiny else (1, 4, 16, 64, 256)
+    ps_counts = (1, 2) if tiny else (1, 2, 4)
+    result = Result("exchange", "Exchange bandwidth: pscluster push+pull against raw ZeroMQ request/reply", tiny)
+    run_id = 1
+    for num_ps in ps_counts:
+        with procs.PSProcesses(num_ps) as cluster:
+            with RawServers(num_ps) as raw:
+                for mb in sizes:
+                    rounds = 2 if tiny else max(1, int(64 // mb))
+                    gbps = bandwidth(mb, num_ps, cluster, raw, run_id, rounds)
+                    run_id += 1
+                    result.rows.append(compare(f"{mb:g} MB, {num_ps} ps", "pscluster", gbps["pscluster"], "raw ZeroMQ",
+                                               gbps["raw"], "GB/s", Target(0.9) if mb >= 4 else None))
+    if tiny:
+        result.notes.append("Ray step: not run in tiny mode (starting Ray takes tens of seconds)")
+    else:
+        steps, reason = ray_step(100)
+        if reason:
+            result.skipped = f"Ray step: {reason}"
+        else:
+            result.rows.append(compare("100 MB step, same host, 1 ps", "pscluster", steps["pscluster"],
+                                       "Ray actor ps", steps["ray"], "steps/s", Target(1.0)))
+    result.notes.append("ps tasks and raw servers are processes (python -m pscluster.runtime, and raw_zmq.py); "
+                        "the client is the benchmark process. GB/s counts bytes both ways. With more processes "
+                        "than cores, servers and client share them.")
+    return result
+
