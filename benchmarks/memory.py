@@ -1,0 +1,90 @@
+"""Memory of a ps process: the peak RSS that holding N bytes of parameters with Adam state adds, against N
+(the peak of a fresh ps holding N against one holding N / 64, so that what any run costs, torch's own first
+optimizer step included, cancels out); and its RSS over consecutive segments of many push-pull steps (no
+growth)."""
+
+from __future__ import annotations
+
+import statistics
+
+import psutil
+import torch
+
+from pscluster.runtime.client import PSClient
+
+from . import procs
+from .common import REPETITIONS, Result, Target, alternate, compare
+
+MB = 2**20
+
+
+def _peak_rss(pid: int) -> int:
+    """The process's high-water mark of resident memory (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+class AdamRun:
+    """A run of ``nbytes`` of float32 parameters with Adam on one ps of ``cluster``, stepped by push-pulls."""
+
+    def __init__(self, cluster: procs.PSProcesses, nbytes: int):
+        self.client = PSClient(cluster.spec, task=0, timeout=300)
+        self.grads = {0: ([0], [torch.full((nbytes // 4,), 1e-3)])}
+        self.client.init(1, self.grads, [{"mode": "async", "steps": 10**9, "replicas_to_aggregate": 1,
+                                          "optimizer": "Adam", "optimizer_kwargs": {"lr": 1e-3}, "names": ["p"]}])
+        self.step = self.client.pull().step
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.step = self.client.push_pull(self.step, self.grads).step
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def peak_gain(nbytes: int) -> float:
+    """The peak RSS (MB) a fresh ps process gains over INIT and 3 steps holding ``nbytes`` with Adam."""
+    with procs.PSProcesses(1) as cluster:
+        pid = cluster.pids[0]
+        before = psutil.Process(pid).memory_info().rss
+        run = AdamRun(cluster, nbytes)
+        run.steps(3)
+        peak = _peak_rss(pid)
+        run.close()
+    return (peak - before) / MB
+
+
+def growth(nbytes: int, warmup: int, segment: int) -> tuple[list[float], list[float]]:
+    """RSS (MB) of one ps at the start and at the end of ``REPETITIONS`` consecutive segments of ``segment``
+    push-pull steps each, after ``warmup`` steps."""
+    with procs.PSProcesses(1) as cluster:
+        proc = psutil.Process(cluster.pids[0])
+        run = AdamRun(cluster, nbytes)
+        run.steps(warmup)
+        starts, ends = [], []
+        for _ in range(REPETITIONS):
+            starts.append(proc.memory_info().rss / MB)
+            run.steps(segment)
+            ends.append(proc.memory_info().rss / MB)
+        run.close()
+    return ends, starts
+
+
+def run(tiny: bool) -> Result:
+    nbytes = 4 * MB if tiny else 64 * MB
+    result = Result("memory", "Memory of a ps process", tiny)
+    small = nbytes // 64
+    peaks = alternate({"N": lambda: peak_gain(nbytes), "small": lambda: peak_gain(small)}, REPETITIONS)
+    added = [big - little for big, little in zip(peaks["N"], peaks["small"])]
+    result.rows.append(compare(f"peak RSS holding N = {nbytes // MB} MB with Adam", "peak RSS added", added,
+                               "N", [(nbytes - small) / MB] * len(added), "MB", Target(3.3, higher=False),
+                               note=f"peak gained holding N / 64: median {statistics.median(peaks['small']):.0f} MB"))
+    segment = 50 if tiny else 2000
+    ends, starts = growth(MB, warmup=segment // 4, segment=segment)
+    result.rows.append(compare(f"RSS over {REPETITIONS} x {segment} push-pull steps, 1 MB with Adam",
+                               "RSS after a segment", ends, "RSS before it", starts, "MB", Target(1.01, higher=False),
+                               note=f"{REPETITIONS * segment + segment // 4} steps in all"))
+    result.notes.append("Each ps is a fresh `python -m pscluster.runtime` process; its RSS before INIT (torch "
+                        "imported, serving) is subtracted from the peak (VmHWM) it reaches over INIT and 3 steps.")
+    return result
