@@ -20,6 +20,11 @@ from pathlib import Path
 REPETITIONS = 5  # the least number of rounds of any comparison
 
 
+def repetitions(tiny: bool) -> int:
+    """Rounds of a comparison: one at the tiny size, which checks that a benchmark runs, not what it measures."""
+    return 1 if tiny else REPETITIONS
+
+
 def summary(values: list[float]) -> dict:
     """Median, quartiles, extremes and count of ``values`` (NaN-free)."""
     values = sorted(float(v) for v in values)
@@ -131,11 +136,12 @@ class Result:
                 "load_before": list(load_before), "load_after": list(load_after), "seconds": round(seconds, 1)}
 
 
-def run_benchmark(name: str, fn: Callable[[bool], Result], tiny: bool, out_dir: Path) -> dict:
-    """Run one benchmark, with the load average before and after, and write its JSON; returns it."""
-    before, start = os.getloadavg(), time.monotonic()
-    result = fn(tiny)
-    data = result.to_dict(load_before=before, load_after=os.getloadavg(), seconds=time.monotonic() - start)
+def run_benchmark(name: str, fn: Callable[[bool, Path], Result], tiny: bool, out_dir: Path) -> dict:
+    """Run one benchmark (``fn(tiny, out_dir)``), with the load average before and after, and write its JSON
+    to ``out_dir``; returns it."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    before, start = os.getloadavg(), time.monotonic()
+    result = fn(tiny, out_dir)
+    data = result.to_dict(load_before=before, load_after=os.getloadavg(), seconds=time.monotonic() - start)
     (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     return data

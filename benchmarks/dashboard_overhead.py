@@ -1,6 +1,6 @@
 """Training throughput with the live dashboard attached and refreshing, against without.
 
-    PSCLUSTER_HOME=/tmp/bench .venv/bin/python benchmarks/dashboard_overhead.py [--pairs 30] [--window 2] [--control]
+    PSCLUSTER_HOME=/tmp/bench .venv/bin/python -m benchmarks.dashboard_overhead [--pairs 30] [--window 2] [--control]
 
 One long sync run (1 ps + 2 workers, digits MLP, batch 64). While it trains, a Dashboard in this process
 (the controller, as in a notebook) is switched on and off: ``--pairs`` pairs of ``--window``-second
@@ -13,13 +13,13 @@ Prints each pair; the median of the per-pair ratios (with / without; goal >= 0.9
 and a 90% bootstrap interval; the ratio of the medians of each kind; the dashboard's refreshes per second
 and CPU time per refresh; and the machine, with its load before and after. With ``--control``, the
 dashboard stays off in both kinds of window: the spread of the ratios is then the measurement's own.
+``make bench`` runs a short version of it (``overheads.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -29,6 +29,8 @@ import torch
 
 import pscluster
 from pscluster.widgets import Dashboard
+
+from .common import machine
 
 SETTLE_S = 0.25  # left out at the start of each window: the switch itself
 
@@ -52,16 +54,40 @@ def bootstrap_interval(values: np.ndarray, *, draws: int = 5000, seed: int = 0) 
     return tuple(np.percentile(medians, [5, 95]))
 
 
-def machine() -> str:
-    """Cores, CPU model, memory and accelerator of this machine, in one line."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-        memory = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
-    except (OSError, StopIteration, ValueError):
-        model, memory = platform.processor() or platform.machine(), "? GiB"
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU only"
-    return f"{os.cpu_count()} cores ({model}), {memory}, {gpu}, {platform.system()} {platform.release()}"
+def measure(pairs: int, window: float, *, control: bool = False, warmup_steps: int = 600) -> dict:
+    """Samples/s of each window by kind (``with`` / ``without``, one value per pair), and the dashboard's
+    ``refreshes`` and ``cpu_s`` over the windows."""
+    store = tempfile.mkdtemp(prefix="pscluster-bench-") + "/runs.sqlite"
+    dataset = pscluster.datasets.digits("train")
+    with pscluster.Cluster(ps=1, workers=2, store=store) as cluster:
+        cluster.train(model_fn, dataset, torch.nn.CrossEntropyLoss(), lr=0.1, steps=warmup_steps,
+                      name="warm-up").wait(verbose=False)  # first runs on fresh engines are slower
+        run = cluster.train(model_fn, dataset, torch.nn.CrossEntropyLoss(), lr=0.1, mode="sync",
+                            steps=10**7, batch_size=64, name="dashboard on and off")
+        while run.global_step < 200:  # past start-up
+            time.sleep(0.1)
+        dashboard = Dashboard(store, run.id)
+        dashboard.refresh()  # attached: its widgets hold the run so far
+        first_refreshes, first_cpu = dashboard.refreshes, dashboard.cpu_s
+        windows = []  # (pair, kind, begin, end)
+        for pair in range(pairs):
+            for kind in ("without", "with") if pair % 2 == 0 else ("with", "without"):
+                attached = kind == "with" and not control
+                if attached:
+                    dashboard.start()
+                begin = time.time()
+                time.sleep(window)
+                if attached:
+                    dashboard.stop()
+                windows.append((pair, kind, begin, time.time()))
+        refreshes, cpu_s = dashboard.refreshes - first_refreshes, dashboard.cpu_s - first_cpu
+        run.stop().wait(verbose=False)
+        metrics = run.metrics()
+        per_step = run.plan.batch_size * run.plan.replicas_to_aggregate
+    speeds = {"without": np.full(pairs, np.nan), "with": np.full(pairs, np.nan)}
+    for pair, kind, begin, end in windows:
+        speeds[kind][pair] = window_speed(metrics, begin, end, per_step)
+    return {"with": speeds["with"], "without": speeds["without"], "refreshes": refreshes, "cpu_s": cpu_s}
 
 
 def main() -> None:
@@ -72,38 +98,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.pairs < 5 or args.window <= 2 * SETTLE_S:
         parser.error(f"give --pairs >= 5 and --window > {2 * SETTLE_S} s")
-    store = tempfile.mkdtemp(prefix="pscluster-bench-") + "/runs.sqlite"
-    dataset = pscluster.datasets.digits("train")
     load_before = os.getloadavg()
-    with pscluster.Cluster(ps=1, workers=2, store=store) as cluster:
-        cluster.train(model_fn, dataset, torch.nn.CrossEntropyLoss(), lr=0.1, steps=600,
-                      name="warm-up").wait(verbose=False)  # first runs on fresh engines are slower
-        run = cluster.train(model_fn, dataset, torch.nn.CrossEntropyLoss(), lr=0.1, mode="sync",
-                            steps=10**7, batch_size=64, name="dashboard on and off")
-        while run.global_step < 200:  # past start-up
-            time.sleep(0.1)
-        dashboard = Dashboard(store, run.id)
-        dashboard.refresh()  # attached: its widgets hold the run so far
-        first_refreshes, first_cpu = dashboard.refreshes, dashboard.cpu_s
-        windows = []  # (pair, kind, begin, end)
-        for pair in range(args.pairs):
-            for kind in ("without", "with") if pair % 2 == 0 else ("with", "without"):
-                attached = kind == "with" and not args.control
-                if attached:
-                    dashboard.start()
-                begin = time.time()
-                time.sleep(args.window)
-                if attached:
-                    dashboard.stop()
-                windows.append((pair, kind, begin, time.time()))
-        refreshes, cpu_s = dashboard.refreshes - first_refreshes, dashboard.cpu_s - first_cpu
-        run.stop().wait(verbose=False)
-        metrics = run.metrics()
-        per_step = run.plan.batch_size * run.plan.replicas_to_aggregate
+    speeds = measure(args.pairs, args.window, control=args.control)
     load_after = os.getloadavg()
-    speeds = {"without": np.full(args.pairs, np.nan), "with": np.full(args.pairs, np.nan)}
-    for pair, kind, begin, end in windows:
-        speeds[kind][pair] = window_speed(metrics, begin, end, per_step)
     ratios = speeds["with"] / speeds["without"]
     for pair, ratio in enumerate(ratios):
         print(f"pair {pair:2d}: without {speeds['without'][pair]:8.0f}  with {speeds['with'][pair]:8.0f} "
@@ -113,6 +110,7 @@ def main() -> None:
     low, high = bootstrap_interval(ratios)
     of_medians = statistics.median(speeds["with"][np.isfinite(speeds["with"])]) / \
         statistics.median(speeds["without"][np.isfinite(speeds["without"])])
+    refreshes, cpu_s = speeds["refreshes"], speeds["cpu_s"]
     print(f"dashboard: {refreshes} refreshes in {args.pairs} windows of {args.window:g} s "
           f"({refreshes / (args.pairs * args.window):.1f} per second), "
           f"{1000 * cpu_s / max(refreshes, 1):.1f} ms CPU per refresh")
@@ -120,7 +118,9 @@ def main() -> None:
           f"quartiles {q1:.3f}-{q3:.3f}; 90% bootstrap interval {low:.3f}-{high:.3f}")
     print(f"ratio of the medians: {of_medians:.3f}" + (" (control: the dashboard was off all along)" if args.control
                                                        else ""))
-    print(f"machine: {machine()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    m = machine()
+    print(f"machine: {m['cores']} cores ({m['cpu']}), {m['memory_gib']:g} GiB, {m['gpu'] or 'CPU only'}, {m['os']}; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
 
 
 if __name__ == "__main__":

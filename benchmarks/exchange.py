@@ -7,6 +7,8 @@ same host.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import zmq
@@ -14,7 +16,7 @@ import zmq
 from pscluster.runtime.client import PSClient
 
 from . import procs
-from .common import REPETITIONS, Result, Target, alternate, compare, timed
+from .common import Result, Target, alternate, compare, repetitions, timed
 
 LR = 1e-6
 MB = 2**20
@@ -72,25 +74,25 @@ class PSExchange:
 
 
 def bandwidth(megabytes: float, num_ps: int, cluster: procs.PSProcesses, raw: RawServers, run_id: int,
-              rounds: int) -> dict[str, list[float]]:
-    """GB/s (both ways) of pscluster and of raw ZeroMQ, ``REPETITIONS`` alternating rounds of ``rounds`` trips."""
+              trips: int, rounds: int) -> dict[str, list[float]]:
+    """GB/s (both ways) of pscluster and of raw ZeroMQ, ``rounds`` alternating rounds of ``trips`` round trips."""
     numel = int(megabytes * MB / 4) // num_ps * num_ps
     ps = PSExchange(cluster, numel, run_id)
     payloads = [t.numpy() for _, (t,) in ps.grads.values()]
     ps.round_trip()
     raw.round_trip(payloads)
-    moved = 2 * numel * 4 * rounds / 1e9
+    moved = 2 * numel * 4 * trips / 1e9
 
     def repeat(fn):
-        return lambda: moved / timed(lambda: [fn() for _ in range(rounds)])
+        return lambda: moved / timed(lambda: [fn() for _ in range(trips)])
     try:
         return alternate({"pscluster": repeat(ps.round_trip), "raw": repeat(lambda: raw.round_trip(payloads))},
-                         REPETITIONS)
+                         rounds)
     finally:
         ps.close()
 
 
-def ray_step(megabytes: float) -> tuple[dict[str, list[float]], str | None]:
+def ray_step(megabytes: float, rounds: int) -> tuple[dict[str, list[float]], str | None]:
     """Steps/s of a pull + push-and-apply of ``megabytes`` with 1 ps: pscluster (one PUSH_PULL) against a Ray
     actor holding the parameters (pull = get its array, push = send the gradient it applies); or the reason
     it cannot run here."""
@@ -124,17 +126,17 @@ def ray_step(megabytes: float) -> tuple[dict[str, list[float]], str | None]:
             ps = PSExchange(cluster, numel, run_id=1)
             ps.round_trip()
             try:
-                rounds = 3
-                return alternate({"pscluster": lambda: rounds / timed(lambda: [ps.round_trip() for _ in range(rounds)]),
-                                  "ray": lambda: rounds / timed(lambda: [ray_round() for _ in range(rounds)])},
-                                 REPETITIONS), None
+                trips = 3
+                return alternate({"pscluster": lambda: trips / timed(lambda: [ps.round_trip() for _ in range(trips)]),
+                                  "ray": lambda: trips / timed(lambda: [ray_round() for _ in range(trips)])},
+                                 rounds), None
             finally:
                 ps.close()
     finally:
         ray.shutdown()
 
 
-def run(tiny: bool) -> Result:
+def run(tiny: bool, out_dir: Path) -> Result:
     sizes = (0.25, 1) if tiny else (1, 4, 16, 64, 256)
     ps_counts = (1, 2) if tiny else (1, 2, 4)
     result = Result("exchange", "Exchange bandwidth: pscluster push+pull against raw ZeroMQ request/reply", tiny)
@@ -143,15 +145,15 @@ def run(tiny: bool) -> Result:
         with procs.PSProcesses(num_ps) as cluster:
             with RawServers(num_ps) as raw:
                 for mb in sizes:
-                    rounds = 2 if tiny else max(1, int(64 // mb))
-                    gbps = bandwidth(mb, num_ps, cluster, raw, run_id, rounds)
+                    trips = 2 if tiny else max(1, int(64 // mb))
+                    gbps = bandwidth(mb, num_ps, cluster, raw, run_id, trips, repetitions(tiny))
                     run_id += 1
                     result.rows.append(compare(f"{mb:g} MB, {num_ps} ps", "pscluster", gbps["pscluster"], "raw ZeroMQ",
                                                gbps["raw"], "GB/s", Target(0.9) if mb >= 4 else None))
     if tiny:
         result.notes.append("Ray step: not run in tiny mode (starting Ray takes tens of seconds)")
     else:
-        steps, reason = ray_step(100)
+        steps, reason = ray_step(100, repetitions(tiny))
         if reason:
             result.skipped = f"Ray step: {reason}"
         else:

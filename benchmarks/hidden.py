@@ -3,8 +3,10 @@ process) against a plain single-process loop, on the MLP of ``workload.py``; sam
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from . import procs
-from .common import REPETITIONS, Result, Target, alternate, compare
+from .common import Result, Target, alternate, compare, repetitions
 
 
 def pscluster_speed(steps: int) -> float:
@@ -17,10 +19,10 @@ def plain_speed(steps: int) -> float:
     return procs.outputs([procs.spawn("workload", "plain", steps)])[0]["samples_per_s"]
 
 
-def run(tiny: bool) -> Result:
+def run(tiny: bool, out_dir: Path) -> Result:
     steps = 60 if tiny else 1000
     speeds = alternate({"pscluster": lambda: pscluster_speed(steps), "plain": lambda: plain_speed(steps)},
-                       REPETITIONS)
+                       repetitions(tiny))
     result = Result("hidden", "Communication hidden behind compute (1 ps + 1 worker vs a plain loop)", tiny)
     result.rows.append(compare("784-256-10 MLP, batch 128, SGD", "1 ps + 1 worker", speeds["pscluster"],
                                "plain loop", speeds["plain"], "samples/s", Target(0.85)))

@@ -6,6 +6,7 @@ growth)."""
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import psutil
 import torch
@@ -13,7 +14,7 @@ import torch
 from pscluster.runtime.client import PSClient
 
 from . import procs
-from .common import REPETITIONS, Result, Target, alternate, compare
+from .common import Result, Target, alternate, compare, repetitions
 
 MB = 2**20
 
@@ -55,15 +56,15 @@ def peak_gain(nbytes: int) -> float:
     return (peak - before) / MB
 
 
-def growth(nbytes: int, warmup: int, segment: int) -> tuple[list[float], list[float]]:
-    """RSS (MB) of one ps at the start and at the end of ``REPETITIONS`` consecutive segments of ``segment``
+def growth(nbytes: int, warmup: int, segment: int, segments: int) -> tuple[list[float], list[float]]:
+    """RSS (MB) of one ps at the start and at the end of ``segments`` consecutive segments of ``segment``
     push-pull steps each, after ``warmup`` steps."""
     with procs.PSProcesses(1) as cluster:
         proc = psutil.Process(cluster.pids[0])
         run = AdamRun(cluster, nbytes)
         run.steps(warmup)
         starts, ends = [], []
-        for _ in range(REPETITIONS):
+        for _ in range(segments):
             starts.append(proc.memory_info().rss / MB)
             run.steps(segment)
             ends.append(proc.memory_info().rss / MB)
@@ -71,20 +72,20 @@ def growth(nbytes: int, warmup: int, segment: int) -> tuple[list[float], list[fl
     return ends, starts
 
 
-def run(tiny: bool) -> Result:
+def run(tiny: bool, out_dir: Path) -> Result:
     nbytes = 4 * MB if tiny else 64 * MB
     result = Result("memory", "Memory of a ps process", tiny)
     small = nbytes // 64
-    peaks = alternate({"N": lambda: peak_gain(nbytes), "small": lambda: peak_gain(small)}, REPETITIONS)
+    peaks = alternate({"N": lambda: peak_gain(nbytes), "small": lambda: peak_gain(small)}, repetitions(tiny))
     added = [big - little for big, little in zip(peaks["N"], peaks["small"])]
     result.rows.append(compare(f"peak RSS holding N = {nbytes // MB} MB with Adam", "peak RSS added", added,
                                "N", [(nbytes - small) / MB] * len(added), "MB", Target(3.3, higher=False),
                                note=f"peak gained holding N / 64: median {statistics.median(peaks['small']):.0f} MB"))
-    segment = 50 if tiny else 2000
-    ends, starts = growth(MB, warmup=segment // 4, segment=segment)
-    result.rows.append(compare(f"RSS over {REPETITIONS} x {segment} push-pull steps, 1 MB with Adam",
+    segment, segments = (50, 2) if tiny else (2000, 5)
+    ends, starts = growth(MB, warmup=segment // 4, segment=segment, segments=segments)
+    result.rows.append(compare(f"RSS over {segments} x {segment} push-pull steps, 1 MB with Adam",
                                "RSS after a segment", ends, "RSS before it", starts, "MB", Target(1.01, higher=False),
-                               note=f"{REPETITIONS * segment + segment // 4} steps in all"))
+                               note=f"{segments * segment + segment // 4} steps in all"))
     result.notes.append("Each ps is a fresh `python -m pscluster.runtime` process; its RSS before INIT (torch "
                         "imported, serving) is subtracted from the peak (VmHWM) it reaches over INIT and 3 steps.")
     return result

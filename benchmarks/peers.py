@@ -8,8 +8,10 @@ each worker a process calling ``train_from_environment``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from . import procs
-from .common import REPETITIONS, Result, Target, alternate, compare
+from .common import Result, Target, alternate, compare, repetitions
 
 WORKERS = 2
 
@@ -42,12 +44,12 @@ def bare(mode: str, steps: int) -> float:
     return _total(procs.outputs(workers)) + 0 * len(procs.outputs([ps]))
 
 
-def run(tiny: bool) -> Result:
+def run(tiny: bool, out_dir: Path) -> Result:
     steps = 60 if tiny else 600
     speeds = alternate({"sync": lambda: pscluster("sync", steps), "async": lambda: pscluster("async", steps),
                         "ddp": lambda: ddp(steps), "rpc": lambda: rpc_ps(steps),
                         "bare sync": lambda: bare("sync", steps), "bare async": lambda: bare("async", steps)},
-                       REPETITIONS)
+                       repetitions(tiny))
     result = Result("peers", "Peers on the same work (MLP 784-256-10, batch 128 per worker, SGD)", tiny)
     unit = "samples/s"
     for mode, ddp_goal in (("sync", 1.5), ("async", 1.7)):

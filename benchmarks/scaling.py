@@ -15,7 +15,7 @@ import torch
 from pscluster.runtime.client import PSClient
 
 from . import procs
-from .common import REPETITIONS, Result, Target, alternate, compare
+from .common import Result, Target, alternate, compare, repetitions
 
 COMPUTE_S = 0.05
 
@@ -87,7 +87,7 @@ def plot(curves: dict[int, dict[int, float]], single: dict[int, float], path: Pa
     return path.name
 
 
-def run(tiny: bool, out_dir: Path | None = None) -> Result:
+def run(tiny: bool, out_dir: Path) -> Result:
     counts = (2, 4) if tiny else (8, 16, 32, 64)
     ps_counts = (1,) if tiny else (1, 2, 4)
     window = 0.3 if tiny else 1.0
@@ -100,7 +100,7 @@ def run(tiny: bool, out_dir: Path | None = None) -> Result:
             cpu_before, wall = cpu_seconds(cluster.pids), time.monotonic()
             try:
                 speeds = alternate({n: (lambda n=n, sim=sim: sim.steps_per_s(n, window)) for n in (1, *counts)},
-                                   REPETITIONS)
+                                   repetitions(tiny))
             finally:
                 sim.close()
             busy = (cpu_seconds(cluster.pids) - cpu_before) / (time.monotonic() - wall) / num_ps
@@ -115,7 +115,7 @@ def run(tiny: bool, out_dir: Path | None = None) -> Result:
         result.extra[f"ps_cpu_busy_{num_ps}ps"] = busy
         result.notes.append(f"{num_ps} ps: each ps process used {busy:.0%} of a core on average over the runs")
     result.extra["curves"] = {str(k): v for k, v in curves.items()}
-    image = plot(curves, single, (out_dir or Path(__file__).parent / "results") / "scaling.png")
+    image = plot(curves, single, out_dir / "scaling.png")
     result.extra["plot"] = image
     result.notes.append(f"Model {numel * 4 // 1024} KB (split over the ps), SGD lr 0; the workers are threads of the "
                         f"benchmark process (sleeping: no CPU) with a socket per ps each; {window:g} s windows.")
