@@ -1,0 +1,44 @@
+"""The benchmark suite's entry point (``make bench``): runs every benchmark, writes ``results/<name>.json``
+for each and regenerates the tables of ``README.md``.
+
+    python -m benchmarks.run [--tiny] [--only NAME ...] [--out DIR] [--readme PATH]
+
+``--tiny``: every benchmark at a tiny size with one repetition, to check that it runs (its numbers mean
+nothing). The tables list every JSON file in ``--out``, so ``--only`` updates some and keeps the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from . import exchange, hidden, memory, overheads, peers, report, scaling
+from .common import run_benchmark
+
+BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "peers": peers.run, "scaling": scaling.run,
+              "overheads": overheads.run, "memory": memory.run}
+HERE = Path(__file__).parent
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes, one repetition: checks that it runs")
+    parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), default=list(BENCHMARKS))
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="where the JSON results go")
+    parser.add_argument("--readme", type=Path, default=HERE / "README.md", help="the file whose tables to regenerate")
+    args = parser.parse_args(argv)
+    for name in args.only:
+        began = time.monotonic()
+        print(f"{name}...", flush=True)
+        data = run_benchmark(name, BENCHMARKS[name], args.tiny, args.out)
+        for row in data["rows"]:
+            verdict = "" if not row["target"] else " met" if row["target"]["met"] else " MISSED"
+            print(f"  {row['case']}: {row['ratio'].get('median', float('nan')):.3f}{verdict}", flush=True)
+        print(f"  ({time.monotonic() - began:.0f} s)", flush=True)
+    report.update_readme(args.readme, report.render(args.out, args.readme))
+    print(f"results in {args.out}, tables in {args.readme}")
+
+
+if __name__ == "__main__":
+    main()
