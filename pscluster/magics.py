@@ -1,6 +1,9 @@
 """``%pscluster`` and ``%%pscluster``: thin wrappers over the public API.
 
     %pscluster start --ps 1 --workers 2
+    %pscluster start --launcher ssh --hosts node1,node2=2 --ps-hosts node1 --interface 10.0.0.1 --ports 40000-40100
+    %pscluster start --launcher slurm --partition gpu --account proj --time-limit 01:00:00 --sbatch-arg=--nodes=2
+    %pscluster start --launcher mpi --mpi-arg=--hostfile --mpi-arg=hosts.txt --interface 10.0.0.1
     %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1 [--wait]
     model = ...; loss_fn = ...; dataset = ...; test_dataset = ... (optional)
     %%pscluster train --mode ssp --staleness-bound 2 --placement greedy --partition embedding=2
@@ -23,10 +26,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .cluster.cluster import Cluster
+from .cluster.launchers import KINDS
 from .errors import ConfigError, PSClusterError
 
 USAGE = ("usage: %pscluster start|attach|train|status|placement|checkpoint|kill|scale|stop [options]  "
          "(%pscluster <command> --help for options)")
+LAUNCHER_OPTIONS = ("hosts", "ps_hosts", "interface", "ports", "ssh_args", "remote_python", "partition", "account",
+                    "time_limit", "qos", "sbatch_args", "mpi_args")
 PARTITION_FORM = "NAME=SHARDS, e.g. --partition embedding=2 (a variable name or prefix, a shard count >= 1)"
 
 
@@ -67,6 +73,27 @@ def _parsers() -> dict[str, _Parser]:
                             "%%pscluster attach NAME")
     start.add_argument("--threads", type=int, default=None,
                        help="torch threads per task (default: the cores shared out among the tasks)")
+    start.add_argument("--launcher", choices=KINDS, default="local",
+                       help="how ipyparallel starts the engines: here, over ssh, with mpiexec, as a Slurm job")
+    start.add_argument("--hosts", default=None, metavar="HOST[=N],...",
+                       help="ssh: [user@]host[:port], N engines there (default: as the ps/worker rule places them)")
+    start.add_argument("--ps-hosts", default=None, metavar="HOST,...",
+                       help="the hosts of the ps tasks (default: the first host); the workers go to the others")
+    start.add_argument("--interface", default=None, metavar="IP",
+                       help="the address the controller and the metrics collector listen on (default: 127.0.0.1 "
+                            "for local and mpi, else this machine's address on the route to the first host)")
+    start.add_argument("--ports", default=None, metavar="LO-HI", help="pick the data-plane and metrics ports here")
+    start.add_argument("--ssh-arg", dest="ssh_args", action="append", default=[], metavar="ARG",
+                       help="ssh: an argument for ssh and scp (repeatable), e.g. --ssh-arg=-i --ssh-arg=KEY")
+    start.add_argument("--remote-python", default=None, help="ssh: the Python on the hosts (default: this one's path)")
+    start.add_argument("--partition", default=None, help="slurm: the partition")
+    start.add_argument("--account", default=None, help="slurm: the account")
+    start.add_argument("--time-limit", default=None, help="slurm: the job's time limit, e.g. 01:00:00")
+    start.add_argument("--qos", default=None, help="slurm: the QoS")
+    start.add_argument("--sbatch-arg", dest="sbatch_args", action="append", default=[], metavar="ARG",
+                       help="slurm: an extra #SBATCH argument (repeatable), e.g. --sbatch-arg=--nodes=2")
+    start.add_argument("--mpi-arg", dest="mpi_args", action="append", default=[], metavar="ARG",
+                       help="mpi: an mpiexec argument (repeatable), e.g. --mpi-arg=--hostfile --mpi-arg=hosts.txt")
 
     train = _Parser(prog="%%pscluster train")
     train.add_argument("--mode", choices=("sync", "async", "ssp"), default="sync",
@@ -150,9 +177,11 @@ class PSClusterMagics(Magics):
     def _start(self, args, cell):
         if self.cluster is not None and self.cluster.running:
             raise UsageError(f"cluster {self.cluster.name} is already running: %pscluster stop it first")
+        options = {k: v for k in LAUNCHER_OPTIONS if (v := getattr(args, k))}
         cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads,
-                          detached=args.detached)
-        print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on local engines...", flush=True)
+                          detached=args.detached, launcher=args.launcher, **options)
+        where = "local engines" if args.launcher == "local" else f"engines started by the {args.launcher} launcher"
+        print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on {where}...", flush=True)
         self.cluster = cluster.start()
         return self.cluster
 

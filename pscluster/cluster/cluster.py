@@ -1,6 +1,8 @@
-"""Cluster: a local PS cluster on ipyparallel engines, from the kernel.
+"""Cluster: a PS cluster on ipyparallel engines (local, or started on other hosts by ipyparallel's ssh, mpi or
+slurm launcher), from the kernel.
 
     cluster = Cluster(ps=1, workers=2).start()
+    cluster = Cluster(ps=1, workers=4, launcher="ssh", hosts=["node1", "node2=2", "node3=2"], ps_hosts=["node1"])
     run = cluster.train(model_fn, dataset, loss_fn, optimizer="sgd", lr=0.1, mode="sync", steps=600)
     run.wait()
     cluster.stop()
@@ -12,7 +14,6 @@ import html
 import inspect
 import os
 import secrets
-import signal
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,7 +29,9 @@ from ..spec import ClusterSpec, TaskSpec
 from . import reaper, registry, scaling
 from .checkpoints import CheckpointCoordinator
 from .engines import EngineSet
-from .roles import assign_roles, worker_devices
+from . import launchers
+from .launchers import Launcher
+from .roles import assign_roles, host_gpus, worker_devices
 from .run import Run
 from .shipping import ship
 
@@ -43,10 +46,16 @@ def _count(name: str, value, minimum: int) -> int:
 
 
 class Cluster:
-    """ps and worker tasks on local ipyparallel engines. Worker 0 is the chief.
+    """ps and worker tasks on ipyparallel engines. Worker 0 is the chief.
 
-    ``gpus``: how many GPUs the workers share (one per worker engine, round-robin);
-    default: every visible GPU, 0 on a machine without CUDA. ``store``: the run store
+    ``launcher``: ``"local"`` (engines on this machine, the default), ``"ssh"``, ``"mpi"`` or ``"slurm"``
+    (or a ``Launcher``); ``launcher_options`` are the ``Launcher``'s: ``hosts``, ``ps_hosts``, ``interface``,
+    ``ports``, ``ssh_args``, ``remote_python``, ``partition``, ``account``, ``time_limit``, ``sbatch_args``,
+    ``mpi_args``... (see ``pscluster.cluster.launchers``). The ps tasks go to the ps hosts, the workers
+    to the others.
+
+    ``gpus``: how many GPUs the workers of each host share (one per worker engine, round-robin);
+    default: every GPU the host's engines see, 0 without CUDA. ``store``: the run store
     file (default ``$PSCLUSTER_HOME/runs.sqlite``). ``threads``: torch intra-op threads of each task;
     default: this machine's cores shared out among the tasks (at least 1), as every engine runs here —
     more threads than cores make the tasks spin against each other.
@@ -57,15 +66,22 @@ class Cluster:
     """
 
     def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None,
-                 store: str | os.PathLike | None = None, threads: int | None = None, detached: bool = False):
+                 store: str | os.PathLike | None = None, threads: int | None = None, detached: bool = False,
+                 launcher: str | Launcher = "local", **launcher_options):
         self.num_ps = _count("ps", ps, 1)
         self.num_workers = _count("workers", workers, 1)
+        self.launcher = launcher if isinstance(launcher, Launcher) else Launcher(launcher, **launcher_options)
+        if self.launcher.kind == "ssh":
+            self.launcher.engine_counts(self.num_ps, self.num_workers)  # refuses counts that do not add up
+        if detached and not self.launcher.local:
+            raise ConfigError(f"detached=True works with local engines only, not {self.launcher.kind}: "
+                              "leave detached out, or keep the kernel running")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.threads = max(1, cores // (ps + workers)) if threads is None else _count("threads", threads, 1)
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if gpus is not None and _count("gpus", gpus, 0) > available:
+        if gpus is not None and _count("gpus", gpus, 0) > available and self.launcher.local:
             raise ConfigError(f"gpus={gpus} but this machine has {available}: use gpus <= {available}")
-        self.gpus = available if gpus is None else gpus
+        self.gpus = available if gpus is None and self.launcher.local else gpus
         self.name = name or f"pscluster-{os.getpid()}-{secrets.token_hex(2)}"
         self.detached = detached
         self.spec: ClusterSpec | None = None
@@ -94,13 +110,20 @@ class Cluster:
         if self.detached and registry.find(self.name) is not None:
             raise ClusterStateError(f"a cluster named {self.name} is running: attach to it "
                                     f"(Cluster.attach({self.name!r})) or pick another name")
-        engines = EngineSet(self.num_ps + self.num_workers, self.name, detached=self.detached)
+        launcher = self.launcher
+        counts = launcher.engine_counts(self.num_ps, self.num_workers) if launcher.kind == "ssh" else None
+        engines = EngineSet(self.num_ps + self.num_workers, self.name, detached=self.detached, launcher=launcher,
+                            counts=counts)
         infos = engines.start()
         try:
-            spec = assign_roles(infos, self.num_ps, self.num_workers, gpus=self.gpus, name=self.name)
+            spec = assign_roles(infos, self.num_ps, self.num_workers, name=self.name,
+                                gpus=self.gpus if launcher.local else host_gpus(infos, self.gpus),
+                                ps_machines=self._ps_machines(engines, infos),
+                                bind_host=lambda e: launcher.bind_host(e.address))
             for task in [*spec.ps, *spec.workers]:
                 engines.view(task.engine_id).apply_sync(remote.configure_task, task.device, self.threads)
-            ports = [engines.view(t.engine_id).apply_async(remote.start_ps, spec.secret, t.index, t.host)
+            ports = [engines.view(t.engine_id).apply_async(remote.start_ps, spec.secret, t.index, t.host, 0,
+                                                           launcher.ports)
                      for t in spec.ps]
             self.spec = spec.with_ps_ports([p.get(timeout=60) for p in ports])
         except BaseException:
@@ -109,6 +132,41 @@ class Cluster:
         self._engines = engines
         self._registration = registry.Registration(self)  # listed in the side panel from now on
         return self
+
+    def _ps_machines(self, engines: EngineSet, infos) -> list[str] | None:
+        """The machine of each ps task (ssh: the ps hosts of the launcher's placement; mpi, slurm: engines of
+        the named ps hosts, by name or address); None: the first engines."""
+        if self.launcher.kind == "ssh":
+            machine = {engines.ssh_host(e.address): e.machine for e in infos}
+            hosts, _ = self.launcher.task_hosts(self.num_ps, self.num_workers)
+            missing = [h for h in hosts if h not in machine]
+            if missing:
+                raise ClusterStateError(f"no engine registered from host {missing[0]}: check that it reaches the "
+                                        f"controller at {self.launcher.controller_ip()}")
+            return [machine[h] for h in hosts]
+        if not self.launcher.ps_hosts:
+            return None
+        named = [e.machine for h in self.launcher.ps_hosts for e in infos if h in (e.host, e.address)]
+        if not named:
+            raise ClusterStateError(f"no engine runs on the ps hosts {', '.join(self.launcher.ps_hosts)}: name "
+                                    "hosts the launcher places engines on")
+        return [named[i % len(named)] for i in range(self.num_ps)]
+
+    # --- what recovery needs (see recovery.Tasks) ------------------------------------------
+    def lost(self, task: TaskSpec) -> bool:
+        """Whether the engine of ``task`` is gone (its process ended, or it missed the controller's heartbeats)."""
+        return self._engines is not None and task.engine_id is not None and self._engines.lost(task.engine_id,
+                                                                                                  task.pid)
+
+    def kill_task(self, task: TaskSpec) -> None:
+        """SIGKILL the process of ``task``, on whichever host it runs."""
+        self._engines.kill(task.engine_id, task.pid)
+
+    @property
+    def loss_grace_s(self) -> float:
+        if self.launcher.local:
+            return 1.0
+        return launchers.CONTROLLER_HB_MISSES * launchers.HB_PERIOD_MS / 1000 + 2.0
 
     def stop(self) -> None:
         """Stop training, the ps servers and every engine; leaves no process behind."""
@@ -261,7 +319,8 @@ class Cluster:
         run_plan = replace(run_plan, run_id=run_id, checkpoint_dir=str(directory))
         self.store.record_placement(run_id, run_plan.variables)
         run = Run(spec, run_plan, model_fn, loss_fn, self.store, test_dataset=test_dataset, eval_every=eval_every,
-                  tasks=self, checkpoints=checkpoints, payload=payload)
+                  tasks=self, checkpoints=checkpoints, payload=payload,
+                  metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports)
         run.plan = replace(run_plan, metrics_address=run.collector.address)
         if self.detached:
             registry.write_payload(self.name, run_id, payload)  # for replacement workers after an attach
@@ -283,14 +342,25 @@ class Cluster:
             self._registration.update("running")
 
     def _new_engine(self, task: TaskSpec) -> TaskSpec:
-        """``task`` on a new engine, configured for its device (a ps serving on a new port)."""
-        engine = self._engines.add_engine()
+        """``task`` on a new engine (ssh: on a host whose engines still answer, its own host first), configured
+        for its device (a ps serving on a new port)."""
+        engine = self._engines.add_engine(self._replacement_host(task))
         view = self._engines.view(engine.engine_id)
+        if task.device != "cpu" and engine.gpus == 0:
+            task = replace(task, device="cpu")
         view.apply_sync(remote.configure_task, task.device, self.threads)
-        task = replace(task, engine_id=engine.engine_id, pid=engine.pid)
+        task = replace(task, engine_id=engine.engine_id, pid=engine.pid, host=self.launcher.bind_host(engine.address))
         if task.role == "ps":
-            task = replace(task, port=view.apply_sync(remote.start_ps, self.spec.secret, task.index, task.host))
+            task = replace(task, port=view.apply_sync(remote.start_ps, self.spec.secret, task.index, task.host, 0,
+                                                      self.launcher.ports))
         return task
+
+    def _replacement_host(self, task: TaskSpec) -> str | None:
+        if self.launcher.kind != "ssh":
+            return None
+        live = [t for t in (*self.spec.ps, *self.spec.workers) if t.engine_id in self._engines.registered()]
+        same = [t for t in live if t.host == task.host] or [t for t in live if t.role == task.role] or live
+        return self._engines.ssh_host(same[0].host) if same else next(iter(self.launcher.hosts))
 
     def replace_task(self, role: str, index: int) -> ClusterSpec:
         """Give task ``role:index`` a new engine (its old one was lost); the cluster's new spec."""
@@ -307,7 +377,7 @@ class Cluster:
         n = _count("workers", workers, 1)
         run = self.active_run
         if n > len(spec.workers):
-            devices = worker_devices(n, self.gpus)
+            devices = worker_devices(n, self.gpus if self.launcher.local else 0)  # remote: see _new_engine
             added = [self._new_engine(TaskSpec("worker", i, host=spec.chief.host, device=devices[i]))
                      for i in range(len(spec.workers), n)]
             self.spec = replace(spec, workers=spec.workers + tuple(added))
@@ -329,9 +399,9 @@ class Cluster:
         role, _, index = task.partition(":")
         if role not in ("ps", "worker") or not index.isdigit():
             raise ConfigError(f"task {task!r}: name it role:index, e.g. worker:1 or ps:0")
-        pid = spec.task(role, int(index)).pid
-        os.kill(pid, signal.SIGKILL)
-        return pid
+        victim = spec.task(role, int(index))
+        self.kill_task(victim)
+        return victim.pid
 
     def plan(self, model_fn, *, placement="round_robin", partition: dict | None = None, optimizer="sgd",
              seed: int = 0, **optimizer_kwargs) -> PlacementPlan:
@@ -373,6 +443,7 @@ class Cluster:
 
     def status(self) -> dict:
         return {"name": self.name, "running": self.running, "ps": self.num_ps, "workers": self.num_workers,
+                "launcher": self.launcher.kind,
                 "roles": self.roles() if self.running else [],
                 "runs": [r.summary() for r in self.runs]}
 

@@ -1,9 +1,18 @@
-"""ipyparallel engines for one cluster: start, call, stop, leave nothing behind."""
+"""ipyparallel engines for one cluster: start (by one of ipyparallel's launchers), call, stop, leave nothing
+behind.
+
+Local engines are watched by pid, and a reaper process kills them if this process dies. Engines on other
+hosts (ssh, mpi, slurm) are watched through the controller's heartbeats: one that misses them is
+unregistered, and counts as lost; they end themselves once the controller is gone (the reaper stops
+the controller), and are stopped through ipyparallel (client shutdown, then the launcher's stop).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,20 +22,25 @@ import psutil
 
 from ..errors import ClusterStateError
 from . import reaper
+from .launchers import Launcher, host_name
 from .roles import EngineInfo
 
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no progress bars from ipyparallel itself
 
 
 class EngineSet:
-    """An ipyparallel controller with ``n`` local engines, and a reaper that kills them all if this process
-    dies without stopping them (``detached``: if the controller dies; this process may end first)."""
+    """An ipyparallel controller with ``n`` engines started by ``launcher``, and a reaper that kills the local
+    processes if this process dies without stopping them (``detached``: if the controller dies; this process
+    may end first). ``counts``: engines per ssh host."""
 
-    def __init__(self, n: int, cluster_id: str, *, timeout: float = 90.0, detached: bool = False):
+    def __init__(self, n: int, cluster_id: str, *, timeout: float = 90.0, detached: bool = False,
+                 launcher: Launcher | None = None, counts: dict[str, int] | None = None):
         self.n = n
         self.cluster_id = cluster_id
         self.timeout = timeout
         self.detached = detached
+        self.launcher = launcher or Launcher()
+        self.counts = counts
         self._ipp: ipp.Cluster | None = None
         self.client: ipp.Client | None = None
         self.pids: list[int] = []
@@ -35,24 +49,37 @@ class EngineSet:
 
     def start(self) -> list[EngineInfo]:
         self._ipp = ipp.Cluster(n=self.n, cluster_id=self.cluster_id, log_level=logging.ERROR,
-                                shutdown_atexit=not self.detached)
+                                shutdown_atexit=not self.detached, **self.launcher.cluster_options())
         try:
-            self.client = self._ipp.start_and_connect_sync(activate=False)
+            self._ipp.start_controller_sync()
+            self._ipp.start_engines_sync(self.n, **self.launcher.engine_options(self.counts))
+            self.client = self._ipp.connect_client_sync()
             self.client.wait_for_engines(self.n, timeout=self.timeout, interactive=False)
-            infos = self.client[:].apply_sync(_describe)
-            engines = [EngineInfo(engine_id=eid, host=i["host"], pid=i["pid"])
-                       for eid, i in zip(self.client.ids, infos)]
+            engines = [self._info(eid) for eid in self.client.ids]
         except (TimeoutError, ipp.error.TimeoutError) as e:
             self.stop()
-            raise ClusterStateError(f"engines did not register within {self.timeout:.0f}s ({e}): "
-                                    "check the machine's load and try again") from None
+            raise ClusterStateError(f"{self.n} engines did not register within {self.timeout:.0f}s ({e}): "
+                                    f"{self._hint()}") from None
         except BaseException:
             self.stop()
             raise
-        self.pids = _with_descendants([e.pid for e in engines] + [self._ipp.controller.pid])
+        local = [e.pid for e in engines] if self.launcher.local else []
+        self.pids = _with_descendants(local + [self._ipp.controller.pid])
         self.engines = {e.engine_id: e.pid for e in engines}
         self._watch()
         return engines
+
+    def _info(self, engine_id: int) -> EngineInfo:
+        i = self.client[engine_id].apply_sync(_describe, self.launcher.controller_ip())
+        return EngineInfo(engine_id=engine_id, host=i["host"], pid=i["pid"], address=i["address"], gpus=i["gpus"])
+
+    def _hint(self) -> str:
+        return {"local": "check the machine's load and try again",
+                "ssh": "check that `ssh HOST python3 -c 1` works without a password on every host and that the "
+                       f"hosts reach {self.launcher.controller_ip()} (pass interface= otherwise)",
+                "mpi": "check that mpiexec runs (as root it needs --allow-run-as-root in mpi_args)",
+                "slurm": "check the job with squeue: it may wait in the queue (partition, account, time limit)",
+                }[self.launcher.kind]
 
     @classmethod
     def attach(cls, cluster_file: str, engines: dict[int, int], pids: list[int]) -> "EngineSet":
@@ -89,26 +116,51 @@ class EngineSet:
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
 
-    def add_engine(self) -> EngineInfo:
-        """Start one more engine (to replace a lost one) and wait for it to register."""
+    def add_engine(self, host: str | None = None) -> EngineInfo:
+        """Start one more engine (to replace a lost one; ssh: on ``host``) and wait for it to register."""
         known = set(self.client.ids)
-        self._ipp.start_engines_sync(n=1)
+        self._ipp.start_engines_sync(n=1, **self.launcher.engine_options({host: 1} if host else None))
         deadline = time.monotonic() + self.timeout
         while not (new := set(self.client.ids) - known):
             if time.monotonic() > deadline:
                 raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
                                         "check the machine's load")
             time.sleep(0.05)
-        engine_id = min(new)
-        info = self.client[engine_id].apply_sync(_describe)
-        self.pids = list(dict.fromkeys(self.pids + _with_descendants([info["pid"]])))
-        self.engines[engine_id] = info["pid"]
+        info = self._info(min(new))
+        if self.launcher.local:
+            self.pids = list(dict.fromkeys(self.pids + _with_descendants([info.pid])))
+        self.engines[info.engine_id] = info.pid
         self._watch()
-        return EngineInfo(engine_id=engine_id, host=info["host"], pid=info["pid"])
+        return info
+
+    def registered(self) -> set[int]:
+        """The engines the controller still counts as alive (remote ones vanish when they miss heartbeats)."""
+        return set(self.client.ids) if self.client is not None else set()
+
+    def lost(self, engine_id: int, pid: int | None) -> bool:
+        """Whether the engine is gone: its process is dead (local engines), or it missed the controller's
+        heartbeats."""
+        if self.launcher.local:
+            return pid is not None and not reaper.alive(pid)
+        return engine_id not in self.registered()
+
+    def kill(self, engine_id: int, pid: int) -> None:
+        """SIGKILL the engine's process: directly (local), or through its nanny on its host (remote)."""
+        if self.launcher.local:
+            os.kill(pid, signal.SIGKILL)
+        else:
+            self.client.send_signal(signal.SIGKILL, targets=[engine_id], block=True)
+
+    def ssh_host(self, address: str | None) -> str | None:
+        """The ssh host (as listed in the launcher's hosts) of an engine that reported ``address``."""
+        for host in self.launcher.hosts:
+            if address in _addresses(host_name(host)):
+                return host
+        return None
 
     def remove_engines(self, engines: list[tuple[int, int]]) -> None:
         """Stop these (engine id, pid) engines for good: the cluster has fewer tasks now."""
-        gone = _with_descendants([pid for _, pid in engines])
+        gone = _with_descendants([pid for _, pid in engines]) if self.launcher.local else []
         self._shutdown([engine_id for engine_id, _ in engines])
         reaper.kill_all(gone, grace=5.0)
         self.pids = [p for p in self.pids if p not in gone]
@@ -118,7 +170,7 @@ class EngineSet:
 
     def _shutdown(self, engine_ids: list[int]) -> None:
         """Ask these engines to exit, without waiting for answers (an engine that died never answers)."""
-        live = [e for e in engine_ids if e in self.engines and reaper.alive(self.engines[e])]
+        live = [e for e in engine_ids if e in self.engines and not self.lost(e, self.engines[e])]
         try:
             if live:
                 self.client.shutdown(targets=live, block=False)
@@ -136,7 +188,7 @@ class EngineSet:
         if self.client is not None:
             self._shutdown(list(self.engines))
             deadline = time.monotonic() + 5
-            while any(reaper.alive(p) for p in self.engines.values()) and time.monotonic() < deadline:
+            while time.monotonic() < deadline and any(not self.lost(e, p) for e, p in self.engines.items()):
                 time.sleep(0.05)
             self.client.close()
             self.client = None
@@ -167,7 +219,14 @@ def _with_descendants(pids: list[int]) -> list[int]:
     return list(dict.fromkeys(found))
 
 
-def _describe():
+def _addresses(host: str) -> set[str]:
+    try:
+        return {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return set()
+
+
+def _describe(controller_ip):
     from pscluster.runtime.engine import describe
 
-    return describe()
+    return describe(controller_ip)

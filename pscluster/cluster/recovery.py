@@ -1,7 +1,8 @@
 """Recovery of tasks lost during a run, without the user doing anything.
 
-Detection: a task whose engine process is gone (checked every ``HEALTH_S`` seconds by the run's monitor;
-the workers notice a lost ps at once, by its dropped connection). Then:
+Detection: a task whose engine is gone (checked every ``HEALTH_S`` seconds by the run's monitor): a local
+engine whose process ended, or a remote one that missed the controller's heartbeats (a dead host, a cut
+link); the workers notice a lost ps at once, by its dropped connection. Then:
 
 - a lost worker: every ps stops waiting for it (sync aggregates the gradients of the live workers, SSP
   measures the slowest live one), a new engine takes its place and joins with the current parameters;
@@ -12,15 +13,12 @@ the workers notice a lost ps at once, by its dropped connection). Then:
 
 from __future__ import annotations
 
-import os
-import signal
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from ..runtime.client import PSClient
 from ..runtime.ps import wait_until
 from ..spec import ClusterSpec, TaskSpec
-from . import reaper
 
 if TYPE_CHECKING:
     from .run import Run
@@ -38,19 +36,29 @@ class Tasks(Protocol):
 
     def record(self) -> None: ...
 
+    def lost(self, task: TaskSpec) -> bool:
+        """Whether the engine of ``task`` is gone."""
 
-def lost_tasks(spec: ClusterSpec) -> list[TaskSpec]:
-    """The tasks whose engine process is gone."""
-    return [t for t in (*spec.ps, *spec.workers) if t.pid is not None and not reaper.alive(t.pid)]
+    def kill_task(self, task: TaskSpec) -> None:
+        """SIGKILL the process of ``task`` (wherever it runs)."""
+
+    @property
+    def loss_grace_s(self) -> float:
+        """How long after a failed task its engine may still look alive (the time to miss heartbeats)."""
+
+
+def lost_tasks(spec: ClusterSpec, tasks: Tasks) -> list[TaskSpec]:
+    """The tasks whose engine is gone."""
+    return [t for t in (*spec.ps, *spec.workers) if tasks.lost(t)]
 
 
 def recover(run: "Run", tasks: Tasks) -> bool:
     """Replace what ``run`` lost since the last check; False when nothing was lost."""
-    lost = lost_tasks(run.spec)
+    lost = lost_tasks(run.spec, tasks)
     if not lost:
         return False
     for t in lost:
-        run.note("lost", f"{t.role}:{t.index}", {"pid": t.pid, "engine": t.engine_id})
+        run.note("lost", f"{t.role}:{t.index}", {"pid": t.pid, "engine": t.engine_id, "host": t.host})
     lost_ps = [t for t in lost if t.role == "ps"]
     lost_workers = [t for t in lost if t.role == "worker"]
     if lost_ps:
@@ -73,7 +81,7 @@ def _replace_workers(run: "Run", tasks: Tasks, lost: list[TaskSpec]) -> None:
         run.spec = tasks.replace_task("worker", t.index)
         run.worker_results[t.index] = tasks.launch_worker(run.spec, t.index, run, join=True)
         new = run.spec.task("worker", t.index)
-        run.note("replaced", f"worker:{t.index}", {"pid": new.pid, "engine": new.engine_id})
+        run.note("replaced", f"worker:{t.index}", {"pid": new.pid, "engine": new.engine_id, "host": new.host})
 
 
 def _restart_from_checkpoint(run: "Run", tasks: Tasks, lost_ps: list[TaskSpec],
@@ -92,15 +100,15 @@ def _restart_from_checkpoint(run: "Run", tasks: Tasks, lost_ps: list[TaskSpec],
             if not r.ready():
                 task = run.spec.task("worker", i)
                 try:
-                    os.kill(task.pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    tasks.kill_task(task)
+                except Exception:  # gone already, or its host unreachable
                     pass
                 lost_workers.append(task)
     run.commit_checkpoints()  # shards of the failed attempt that all ps had written
     for t in [*lost_ps, *lost_workers]:
         run.spec = tasks.replace_task(t.role, t.index)
         new = run.spec.task(t.role, t.index)
-        run.note("replaced", f"{t.role}:{t.index}", {"pid": new.pid, "engine": new.engine_id})
+        run.note("replaced", f"{t.role}:{t.index}", {"pid": new.pid, "engine": new.engine_id, "host": new.host})
     run.plan = replace(run.plan, attempt=run.plan.attempt + 1, restore=True)
     run.note("restarting", "controller", {"attempt": run.plan.attempt, "from_step": run.latest_checkpoint_step()})
     run.restart([tasks.launch_worker(run.spec, i, run) for i in range(len(run.spec.workers))])

@@ -23,6 +23,7 @@ from ..metrics.collector import Collector
 from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.client import PSClient
+from ..runtime.engine import bind_in_range
 from ..runtime.plan import TrainPlan, assemble
 from ..runtime.ps import wait_until
 from ..runtime.worker import build_model
@@ -43,7 +44,8 @@ class Run:
 
     def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore, *,
                  test_dataset=None, eval_every: int | None = None, tasks: recovery.Tasks | None = None,
-                 checkpoints: CheckpointCoordinator | None = None, payload: bytes = b"", metrics_port: int = 0):
+                 checkpoints: CheckpointCoordinator | None = None, payload: bytes = b"", metrics_port: int = 0,
+                 metrics_host: str = "127.0.0.1", metrics_ports: tuple[int, int] | None = None):
         self.spec = spec
         self.plan = plan
         self.store = store
@@ -70,7 +72,11 @@ class Run:
         self.tasks = tasks
         self.payload = payload  # the shipped (model_fn, dataset, loss_fn), for replacement workers
         self.checkpoints = checkpoints or CheckpointCoordinator(store)
-        self.collector = Collector(self._on_batch, port=metrics_port)
+        # the tasks' metrics arrive on metrics_host only: on metrics_port, or a free port (of metrics_ports)
+        self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port)
+                          if metrics_port or not metrics_ports else
+                          bind_in_range(lambda p: Collector(self._on_batch, spec.key, host=metrics_host, port=p),
+                                        metrics_ports))
 
     @classmethod
     def adopt(cls, spec: ClusterSpec, plan: TrainPlan, store: RunStore, worker_results, *, tasks: recovery.Tasks,
@@ -78,8 +84,9 @@ class Run:
         """Follow a run that another process started (on a detached cluster) and trains still: its metrics are
         received again at the address its tasks send to, and it is finalized here. Its model and loss
         functions stay on the engines (``state_dict()`` works, ``model()`` does not)."""
-        port = int(plan.metrics_address.rsplit(":", 1)[1]) if plan.metrics_address else 0
-        run = cls(spec, plan, None, None, store, tasks=tasks, payload=payload, metrics_port=port)
+        host, port = plan.metrics_address[len("tcp://"):].rsplit(":", 1) if plan.metrics_address else ("127.0.0.1", 0)
+        run = cls(spec, plan, None, None, store, tasks=tasks, payload=payload, metrics_port=int(port),
+                  metrics_host=host)
         run.started = store.run(plan.run_id)["started"]
         run.note("adopted", "controller", {"pid": os.getpid()})
         run._attach(worker_results, adopted=True)
@@ -117,7 +124,7 @@ class Run:
                 if self.tasks is not None and (failed or (not ended and time.monotonic() >= next_check)):
                     # a failure may be a lost engine (seen by ipyparallel, or by workers of a lost ps)
                     # a moment before its process is seen gone: give that a second
-                    if wait_until(self._recover, 1.0 if failed else 0):
+                    if wait_until(self._recover, self.tasks.loss_grace_s if failed else 0):
                         continue
                     next_check = time.monotonic() + recovery.HEALTH_S
                 if ended:

@@ -7,11 +7,14 @@ background thread, which leaves the engine free to answer the control plane.
 
 from __future__ import annotations
 
+import errno
 import os
+import random
 import socket
 
 import cloudpickle
 import torch
+import zmq
 
 from ..spec import ClusterSpec
 from .plan import TrainPlan
@@ -20,9 +23,23 @@ from .ps import ParameterServer
 _servers: dict[int, ParameterServer] = {}
 
 
-def describe() -> dict:
-    """Host and pid of this engine process."""
-    return {"host": socket.gethostname(), "pid": os.getpid()}
+def describe(controller_ip: str | None = None) -> dict:
+    """This engine process: its host name, pid, the GPUs it sees, and (given the controller's address) its own
+    address on the route to the controller, where its ps listens on a multi-host cluster."""
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "address": route_address(controller_ip) if controller_ip else None}
+
+
+def route_address(target: str) -> str | None:
+    """This machine's address on the route to ``target`` (no packet is sent), or None without a route."""
+    try:
+        family = socket.AF_INET6 if ":" in target else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
 
 
 def configure_task(device: str, threads: int) -> None:
@@ -32,12 +49,31 @@ def configure_task(device: str, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def start_ps(secret: str, index: int, host: str = "127.0.0.1", port: int = 0) -> int:
-    """Start ps task ``index`` in a background thread; returns its data-plane port."""
+def start_ps(secret: str, index: int, host: str = "127.0.0.1", port: int = 0,
+             ports: tuple[int, int] | None = None) -> int:
+    """Start ps task ``index`` in a background thread, listening on ``host`` only; returns its data-plane port:
+    ``port``, or a free one (from the range ``ports`` when given)."""
     stop_ps(index)
-    server = ParameterServer(bytes.fromhex(secret), index=index, host=host, port=port).start()
-    _servers[index] = server
+    key = bytes.fromhex(secret)
+    server = (ParameterServer(key, index=index, host=host, port=port) if port or not ports
+              else bind_in_range(lambda p: ParameterServer(key, index=index, host=host, port=p), ports))
+    _servers[index] = server.start()
     return server.port
+
+
+def bind_in_range(bind, ports: tuple[int, int]):
+    """``bind(port)`` on the ports of ``[lo, hi]`` in random order until one is free (another cluster, or an
+    earlier run, may hold some); raises OSError when every port is taken."""
+    lo, hi = ports
+    candidates = list(range(lo, hi + 1))
+    random.shuffle(candidates)
+    for port in candidates:
+        try:
+            return bind(port)
+        except zmq.ZMQError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE, f"every port in {lo}-{hi} is taken: give a wider --ports range")
 
 
 def stop_ps(index: int) -> None:

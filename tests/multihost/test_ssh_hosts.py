@@ -1,0 +1,117 @@
+"""A cluster over ipyparallel's SSH launcher on namespace hosts: the ps on one host, the workers on others,
+trains like the same cluster on local engines; a host cut off during a run is detected by the controller's
+heartbeats, named, and recovered from (or the run ends with its name) within a bounded time."""
+
+import time
+
+import psutil
+import pytest
+import torch
+
+import pscluster
+from pscluster.cluster.reaper import alive
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+SEED, STEPS, BATCH, LR = 3, 40, 32, 0.1
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+@pytest.fixture
+def ssh_cluster(hosts):
+    """Factory: a cluster on the namespace hosts; stopped afterwards, its local processes checked dead."""
+    made = []
+
+    def start(n_hosts: int, **kwargs) -> pscluster.Cluster:
+        h = hosts(n_hosts)
+        cluster = pscluster.Cluster(hosts=h.addresses[:n_hosts], **h.launcher_options(), **kwargs)
+        made.append(cluster)
+        return cluster.start()
+
+    yield start
+    for c in made:
+        pids = c.pids
+        c.stop()
+        assert not [p for p in pids if alive(p)], "controller processes left running after stop()"
+
+
+def train(cluster, dataset, **kwargs):
+    return cluster.train(mlp, dataset, torch.nn.CrossEntropyLoss(), optimizer="sgd", lr=LR, mode="sync",
+                         steps=STEPS, batch_size=BATCH, seed=SEED, checkpoint_secs=None, **kwargs)
+
+
+def test_ps_and_workers_on_separate_hosts_train_like_local_engines(ssh_cluster, hosts):
+    digits = pscluster.datasets.digits("train")
+    cluster = ssh_cluster(3, ps=1, workers=2, ps_hosts=[hosts(3).addresses[0]], ports="42000-42099")
+    h = hosts(3)
+    roles = {r["role"]: r for r in cluster.roles()}
+    # the ps serves on its own host's address only, on a port of the range; each worker is on another host
+    ps = cluster.spec.ps[0]
+    assert ps.host == h.addresses[0] and 42000 <= ps.port <= 42099
+    assert roles["ps"]["address"] == f"tcp://{h.addresses[0]}:{ps.port}"
+    assert sorted(t.host for t in cluster.spec.workers) == h.addresses[1:3]
+    # the controller listens on the bridge address (its schedulers talk among themselves on loopback), never
+    # on every interface
+    controller = psutil.Process(cluster._engines.controller_pid)
+    listening = {c.laddr.ip for p in [controller, *controller.children(recursive=True)]
+                 for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert h.controller_ip in listening and listening <= {h.controller_ip, "127.0.0.1"}
+    remote = train(cluster, digits)
+    assert remote.collector.address.startswith(f"tcp://{h.controller_ip}:")
+    assert 42000 <= int(remote.collector.address.rsplit(":", 1)[1]) <= 42099
+    remote.wait(verbose=False)
+
+    with pscluster.Cluster(ps=1, workers=2) as local_cluster:
+        local = train(local_cluster, digits).wait(verbose=False)
+    assert remote.global_step == local.global_step == STEPS
+    got, expected = remote.state_dict(), local.state_dict()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6)
+    test = pscluster.datasets.digits("test")
+    assert remote.evaluate(test)["accuracy"] == pytest.approx(local.evaluate(test)["accuracy"], abs=1e-9)
+
+
+def test_a_host_cut_off_mid_run_is_named_and_the_run_ends_in_bounded_time(ssh_cluster, hosts):
+    digits = pscluster.datasets.digits("train")
+    cluster = ssh_cluster(3, ps=1, workers=2, ps_hosts=[hosts(3).addresses[0]])
+    h = hosts(3)
+    run = cluster.train(mlp, digits, torch.nn.CrossEntropyLoss(), lr=LR, mode="sync", steps=100_000,
+                        batch_size=BATCH, checkpoint_every=20, request_timeout=30.0)
+    deadline = time.monotonic() + 60
+    while run.global_step < 30:
+        assert not run.done and time.monotonic() < deadline, f"no progress: {run.error}"
+        time.sleep(0.1)
+    h.cut(0)  # the ps host loses its link
+    cut = time.monotonic()
+    try:
+        deadline = cut + 120
+        while not _lost(run) and not run.done and time.monotonic() < deadline:
+            time.sleep(0.2)
+        lost = _lost(run)
+        assert lost, f"the lost ps was not detected within 120s ({run.error})"
+        assert lost[0]["task"] == "ps:0" and lost[0]["host"] == h.addresses[0]
+        # recovered (the ps replaced on a live host, training again) or ended naming the lost host
+        while not run.done and time.monotonic() < deadline:
+            if _replaced(run) and run.global_step > 30:
+                break
+            time.sleep(0.2)
+        assert time.monotonic() < deadline, "neither recovered nor ended within 120s of the cut"
+        if run.done:
+            assert run.error and h.addresses[0] in run.error
+        else:
+            assert _replaced(run)[0]["host"] != h.addresses[0]
+            run.stop()
+    finally:
+        pass
+
+
+def _lost(run):
+    e = run.events()
+    return [{"task": r.task, **r.detail} for r in e[e["kind"] == "lost"].itertuples()]
+
+
+def _replaced(run):
+    e = run.events()
+    return [{"task": r.task, **r.detail} for r in e[e["kind"] == "replaced"].itertuples()]
