@@ -18,7 +18,34 @@ class ClusterStateError(PSClusterError, RuntimeError):
 
 
 class ProtocolError(PSClusterError):
-    """A data-plane message was malformed, unsigned or of another protocol version."""
+    """A data-plane message was malformed, unsigned, wrongly signed, replayed or of another protocol version.
+
+    ``counter``: the ps counter a dropped message of this kind is counted under.
+    """
+
+    counter = "malformed"
+
+
+class MalformedMessage(ProtocolError):
+    """A message that does not fit the wire format or its limits, or a signed request a ps cannot serve."""
+
+
+class UnsignedMessage(ProtocolError):
+    """A message without a signature frame."""
+
+    counter = "unsigned"
+
+
+class BadSignature(ProtocolError):
+    """A message whose signature does not verify with this cluster's secret."""
+
+    counter = "bad_signature"
+
+
+class ReplayedMessage(ProtocolError):
+    """A correctly signed message that is not fresh: sent before, or from a session this ps did not open."""
+
+    counter = "replayed"
 
 
 class RuntimeTimeout(PSClusterError, TimeoutError):

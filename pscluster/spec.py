@@ -56,12 +56,14 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """The whole cluster: ps tasks, worker tasks and the data-plane secret."""
+    """The whole cluster: ps tasks, worker tasks and the data-plane secret (the key every data-plane message
+    is signed with). ``encrypt``: the data plane also runs over ZeroMQ CURVE encryption."""
 
     ps: tuple[TaskSpec, ...]
     workers: tuple[TaskSpec, ...]
     secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     name: str = "pscluster"
+    encrypt: bool = False
 
     def __post_init__(self):
         if not self.ps:
@@ -71,6 +73,8 @@ class ClusterSpec:
         for role, tasks in (("ps", self.ps), ("worker", self.workers)):
             if [t.index for t in tasks] != list(range(len(tasks))) or any(t.role != role for t in tasks):
                 raise ConfigError(f"{role} tasks must be numbered 0..{len(tasks) - 1} in order")
+        if not isinstance(self.encrypt, bool):
+            raise ConfigError(f"encrypt={self.encrypt!r}: use True or False")
 
     @property
     def key(self) -> bytes:
@@ -101,7 +105,7 @@ class ClusterSpec:
         return replace(self, **{field_name: tasks})
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "secret": self.secret,
+        return {"name": self.name, "secret": self.secret, "encrypt": self.encrypt,
                 "ps": [asdict(t) for t in self.ps], "worker": [asdict(t) for t in self.workers]}
 
     @classmethod
@@ -109,7 +113,7 @@ class ClusterSpec:
         try:
             return cls(ps=tuple(TaskSpec(**t) for t in d["ps"]),
                        workers=tuple(TaskSpec(**t) for t in d["worker"]),
-                       secret=d["secret"], name=d.get("name", "pscluster"))
+                       secret=d["secret"], name=d.get("name", "pscluster"), encrypt=d.get("encrypt", False))
         except (KeyError, TypeError) as e:
             raise ConfigError(f"not a ClusterSpec ({e}): expected keys name, secret, ps, worker") from None
 

@@ -1,33 +1,41 @@
 """The controller's end of the metrics pipeline: a ZeroMQ PULL socket and a thread.
 
-Runtime tasks send JSON event batches (see ``pscluster.runtime.metrics``); the
-collector decodes them and hands each batch (a list of event dicts) to a callback. JSON only: nothing
-received is unpickled.
+Runtime tasks send signed JSON event batches (see ``pscluster.runtime.metrics``); the collector
+checks each batch's signature and freshness, and hands the events of every accepted batch (a list
+of event dicts) to a callback. A refused batch never reaches the callback: it is counted in
+``rejected`` by reason (unsigned, bad_signature, replayed, malformed). JSON only: nothing received
+is unpickled.
 """
 
 from __future__ import annotations
 
-import json
 import threading
+from collections import Counter
 
 import zmq
+
+from ..errors import ProtocolError
+from ..runtime.metrics import MAX_BATCH_BYTES, BatchReceiver
 
 
 class Collector:
     """Receives event batches on ``address`` and calls ``on_batch(events)`` for each."""
 
-    def __init__(self, on_batch, host: str = "127.0.0.1", context: zmq.Context | None = None, port: int = 0):
-        """``port``: listen there (the address the emitters of a run adopted from another kernel send to);
-        0: a free port."""
+    def __init__(self, on_batch, key: bytes, host: str = "127.0.0.1", context: zmq.Context | None = None,
+                 port: int = 0):
+        """``key``: the cluster secret's bytes (``ClusterSpec.key``) the batches are signed with. ``port``: listen
+        there (the address the emitters of a run adopted from another kernel send to); 0: a free port."""
         self._on_batch = on_batch
+        self._receiver = BatchReceiver(key)
         self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self.bad_batches = 0
+        self.rejected: Counter = Counter()  # refused batches by reason
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pscluster-collector", daemon=True)
         self._thread.start()
@@ -38,19 +46,19 @@ class Collector:
         try:
             while not self._stop.is_set():
                 if poller.poll(100):
-                    self._dispatch(self._sock.recv())
+                    self._dispatch(self._sock.recv_multipart())
             while self._sock.poll(0):  # what arrived before close
-                self._dispatch(self._sock.recv())
+                self._dispatch(self._sock.recv_multipart())
         finally:
             self._sock.close(linger=0)
 
-    def _dispatch(self, raw: bytes) -> None:
+    def _dispatch(self, frames: list[bytes]) -> None:
         try:
-            batch = json.loads(raw)
-        except ValueError:
-            self.bad_batches += 1
+            batch = self._receiver.open(frames)
+        except ProtocolError as e:
+            self.rejected[e.counter] += 1
             return
-        events = [e for e in batch if isinstance(e, dict)] if isinstance(batch, list) else []
+        events = [e for e in batch if isinstance(e, dict)]
         if events:
             self._on_batch(events)
 

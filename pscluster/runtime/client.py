@@ -1,7 +1,7 @@
 """PSClient: a worker's (or the controller's) connection to every ps task.
 
 Requests to several ps tasks are all sent before any reply is awaited; each
-reply is matched by request id, and every wait has a timeout. A ps whose connection
+reply is matched by its session and request id (see ``protocol``), and every wait has a timeout. A ps whose connection
 drops (its process died, or ZeroMQ heartbeats went unanswered for ``HEARTBEAT_TIMEOUT_MS``)
 fails the requests waiting on it at once with PeerLost instead of at the timeout.
 """
@@ -18,7 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import PeerLost, ProtocolError, RuntimeTimeout, TrainingError
 from ..spec import ClusterSpec
-from . import protocol
+from . import curve, protocol
 from .protocol import Flag, Message, Op
 
 HEARTBEAT_IVL_MS = 1000
@@ -37,8 +37,19 @@ class Reply:
     messages: list[Message]
 
 
+def _answers(reply: Message, request_id: int, nonce: bytes, *, hello: bool) -> bool:
+    """Whether ``reply`` answers the request sent with ``request_id`` and ``nonce``: in the same session, or
+    for a HELLO, to the same challenge (the ps adds its session tag)."""
+    if reply.request_id != request_id:
+        return False
+    if hello:
+        return reply.nonce[:protocol.NONCE_SIZE // 2] == nonce[:protocol.NONCE_SIZE // 2]
+    return reply.nonce == nonce
+
+
 class PSClient:
-    """Request/reply to all ps tasks of ``spec`` over one DEALER socket per ps."""
+    """Request/reply to all ps tasks of ``spec`` over one DEALER socket per ps (CURVE-encrypted when
+    ``spec.encrypt``); the constructor opens a session with each ps (HELLO)."""
 
     def __init__(self, spec: ClusterSpec, *, task: int = protocol.NO_TASK, run_id: int = 0,
                  timeout: float = 120.0, context: zmq.Context | None = None, only: list[int] | None = None):
@@ -50,7 +61,8 @@ class PSClient:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._ctx = context or zmq.Context.instance()
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1)  # request ids: increasing on every connection, as each session requires
+        self._nonces: dict[int, bytes] = {}  # ps index -> the session it opened for us
         self._socks, self._monitors, self._index = {}, {}, {}  # ps index -> socket, socket -> ps index
         self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
         self._poller = zmq.Poller()
@@ -59,6 +71,8 @@ class PSClient:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            if spec.encrypt:
+                curve.make_client(s, spec.key)
             monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
             s.connect(ps.address)
             self._socks[ps.index] = s
@@ -97,14 +111,16 @@ class PSClient:
         targets = list(self._socks) if targets is None else targets
         pending = {}
         for i in targets:
-            rid = next(self._ids) & 0xFFFFFFFF
+            rid = next(self._ids)
+            nonce = protocol.challenge() if op is Op.HELLO else self._nonces[i]
             ids, tensors = (per_ps or {}).get(i, ([], []))
             m = meta[i] if isinstance(meta, list) else meta
             frames = protocol.encode(Message(op=op, task=self.task, run_id=self.run_id, request_id=rid,
-                                             step=step, ids=ids, tensors=tensors, meta=m), self.spec.key)
+                                             step=step, ids=ids, tensors=tensors, meta=m, nonce=nonce),
+                                     self.spec.key)
             self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
             self._socks[i].send_multipart(frames, copy=False)
-            pending[i] = rid
+            pending[i] = (rid, nonce)
         replies: dict[int, Message] = {}
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while len(replies) < len(pending):
@@ -131,8 +147,10 @@ class PSClient:
                 frames = sock.recv_multipart(copy=False)
                 self.bytes_received += sum(len(f) for f in frames)
                 msg = protocol.decode(frames, self.spec.key)
-                if pending.get(i) != msg.request_id:
+                if i not in pending or not _answers(msg, *pending[i], hello=op is Op.HELLO):
                     continue  # a late reply to a request that timed out earlier
+                if op is Op.HELLO and msg.op is Op.OK:
+                    self._nonces[i] = msg.nonce
                 if msg.op is Op.ERROR:
                     raise TrainingError(f"ps {i}: {(msg.meta or {}).get('error', 'error')}")
                 replies[i] = msg
@@ -148,7 +166,8 @@ class PSClient:
 
     # --- the operations -------------------------------------------------------------------
     def hello(self) -> None:
-        """Check every ps speaks our protocol version (a mismatch fails to decode)."""
+        """Open a session with every ps (see ``protocol``); a ps of another protocol version, or one that holds
+        another secret, does not answer."""
         try:
             self.request(Op.HELLO, timeout=min(self.timeout, 30.0))
         except ProtocolError as e:

@@ -4,24 +4,83 @@ Events are small JSON objects, buffered and sent in batches every
 ``FLUSH_S`` seconds over a ZeroMQ PUSH socket without blocking: when the
 collector is slow or absent, events are dropped and counted, and training never
 waits for them.
+
+A batch is signed like a data-plane message (HMAC-SHA256 with the cluster secret, see ``protocol``)::
+
+    [header, json, mac]
+
+``header`` holds a magic, the version, the emitter's random 8-byte id and the batch's sequence
+number, which grows by one per batch: ``open_batch`` refuses an unsigned, wrongly signed, malformed
+or replayed batch (a sequence number not after the last one of its emitter).
 """
 
 from __future__ import annotations
 
 import json
+import secrets
+import struct
 import time
+from collections import OrderedDict
 
 import zmq
 
+from ..errors import BadSignature, MalformedMessage, ReplayedMessage, UnsignedMessage
+from .protocol import MAC_SIZE, mac
+
 FLUSH_S = 0.25
+MAX_BATCH_BYTES = 16 << 20
+MAX_EMITTERS = 4096  # emitters whose last sequence number a collector keeps
+_MAGIC, _VERSION = b"PSCM", 1
+_HEADER = struct.Struct("!4sH8sQ")
+
+
+def sign_batch(events: list[dict], key: bytes, emitter: bytes, sequence: int) -> list[bytes]:
+    """The frames of one batch of ``events`` from ``emitter`` (8 bytes), number ``sequence``."""
+    frames = [_HEADER.pack(_MAGIC, _VERSION, emitter, sequence), json.dumps(events).encode()]
+    return [*frames, mac(key, frames)]
+
+
+class BatchReceiver:
+    """The collector's checks of signed batches; remembers each emitter's last sequence number."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+        self._last: OrderedDict[bytes, int] = OrderedDict()
+
+    def open(self, frames: list[bytes]) -> list:
+        """The events of a batch, or a ProtocolError subclass saying why it is refused."""
+        if len(frames) != 3 or len(frames[-1]) != MAC_SIZE:
+            raise UnsignedMessage(f"metrics batch of {len(frames)} frames without a signature")
+        if not secrets.compare_digest(frames[-1], mac(self._key, frames[:-1])):
+            raise BadSignature("metrics batch with a bad signature")
+        if len(frames[0]) != _HEADER.size:
+            raise MalformedMessage("metrics batch with a malformed header")
+        magic, version, emitter, sequence = _HEADER.unpack(frames[0])
+        if (magic, version) != (_MAGIC, _VERSION):
+            raise MalformedMessage(f"metrics batch of version {version}: install the same pscluster everywhere")
+        if sequence <= self._last.get(emitter, -1):
+            raise ReplayedMessage(f"metrics batch {sequence} of an emitter past it: sent before")
+        try:
+            events = json.loads(frames[1])
+        except (ValueError, RecursionError):
+            raise MalformedMessage("metrics batch that is not JSON") from None
+        self._last[emitter] = sequence
+        self._last.move_to_end(emitter)
+        if len(self._last) > MAX_EMITTERS:
+            self._last.popitem(last=False)
+        return events if isinstance(events, list) else []
 
 
 class MetricsEmitter:
-    """Buffers events of one task and sends them in batches; never blocks."""
+    """Buffers events of one task and sends them in signed batches; never blocks."""
 
-    def __init__(self, address: str | None, task: str, context: zmq.Context | None = None):
+    def __init__(self, address: str | None, task: str, key: bytes, context: zmq.Context | None = None):
+        """``key``: the cluster secret's bytes (``ClusterSpec.key``), which the collector checks batches with."""
         self.task = task
         self.dropped = 0
+        self._key = key
+        self._id = secrets.token_bytes(8)
+        self._sequence = 0
         self._buffer: list[dict] = []
         self._last_flush = time.monotonic()
         self._sock = None
@@ -44,8 +103,9 @@ class MetricsEmitter:
             return
         batch, self._buffer = self._buffer, []
         self._last_flush = time.monotonic()
+        self._sequence += 1
         try:
-            self._sock.send(json.dumps(batch).encode(), zmq.NOBLOCK)
+            self._sock.send_multipart(sign_batch(batch, self._key, self._id, self._sequence), zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += len(batch)
 

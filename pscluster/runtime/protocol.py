@@ -1,16 +1,42 @@
-"""The data-plane wire format: one module, no pickle.
+"""The data-plane wire format and its authentication: one module, no pickle.
 
 A message is a list of ZeroMQ frames::
 
     [header, table, json, payload_0, ..., payload_n-1, mac]
 
-``header`` is a fixed struct (magic, protocol version, op, flags, task, run id,
-request id, step, value, wait in microseconds, tensor count); ``table`` describes each tensor (variable
-id, dtype code, shape); ``json`` is UTF-8 JSON for the few control messages that
-carry structured data (empty otherwise); each payload is a tensor's raw bytes,
-sent without a copy; ``mac`` is a keyed BLAKE2b over every other frame, with the
-per-cluster secret as key. A message that fails any check raises ProtocolError,
-and servers drop it (counted) instead of crashing.
+``header`` is a fixed struct (magic, protocol version, op, flags, task, run id, session nonce,
+request id, step, value, wait in microseconds, tensor count); ``table`` describes each tensor
+(variable id, dtype code, shape); ``json`` is a UTF-8 JSON object for the few control messages
+that carry structured data (empty otherwise); each payload is a tensor's raw bytes, sent without
+a copy; ``mac`` is HMAC-SHA256 with the per-cluster secret as key, over every other frame, each
+preceded by its length (so frame boundaries are signed too), computed incrementally over memory
+views of the frames: payloads are never copied to be signed.
+
+Sessions and replay protection. A signature proves who sent a message, not that it is fresh: a
+frame captured on the wire would still verify when sent again. So every request also carries a
+16-byte session nonce and a request id, both inside the signed header:
+
+1. HELLO: the client picks a random 8-byte challenge ``C`` per ps connection and sends HELLO with
+   nonce ``C`` + 8 zero bytes. The ps refuses a challenge it has seen before (a replayed HELLO),
+   otherwise opens a session: it draws a random 8-byte ``S`` and answers with nonce ``C + S``.
+   The client accepts only a reply whose nonce starts with its own ``C``: an old HELLO reply
+   cannot be passed off as the answer to a new one.
+2. Every later request carries nonce ``C + S`` and a request id greater than the last one the ps
+   accepted in that session (the client counts up from 1 per connection). The ps drops a request
+   whose nonce names no session it opened (a frame from another connection, another ps process or
+   an earlier run) or whose request id is not greater than the session's last: a frame sent again.
+3. Every reply carries the request's nonce and request id; the client takes a reply only for the
+   request it is waiting on, from the session it opened. Reply ops (OK, PARAMS...) are refused as
+   requests, so a reply sent back to a ps is dropped too.
+
+A ps keeps the last ``MAX_SESSIONS`` sessions (least recently used first out; a forgotten session's
+requests are dropped as replays) and the last ``MAX_SESSIONS`` HELLO challenges. The limits of one
+message (``Limits``: frames, tensors, elements, JSON bytes, total bytes) are checked before the
+signature is computed or anything is allocated from a size field.
+
+What a ps does with a message that fails a check (see ``ps.py``): it drops it and counts it under
+the name of the error class's ``counter`` (unsigned, bad_signature, replayed, malformed), and
+answers a signed request it cannot serve with an ERROR reply.
 """
 
 from __future__ import annotations
@@ -18,23 +44,31 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import secrets
 import struct
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 
 import torch
+import zmq
 
-from ..errors import ProtocolError
+from ..errors import BadSignature, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"PSCL"
 MAX_DIMS = 8
 NO_TASK = 0xFFFF  # the `task` of a message that comes from the controller, not a worker
+NONCE_SIZE = 16  # client challenge (8 bytes) + session tag the ps drew (8 bytes)
+MAC_SIZE = 32
+MAX_SESSIONS = 65536
+MAX_ELEMENTS = 2**48  # of one tensor, counting a zero dimension as one: bounds what a view's shape can say
 
-_HEADER = struct.Struct("!4sHBBHIIqqII")
+_HEADER = struct.Struct(f"!4sHBBHI{NONCE_SIZE}sQqqII")
 _TENSOR = struct.Struct("!IBB2x" + "Q" * MAX_DIMS)
-_MAC_SIZE = 16
+_LENGTH = struct.Struct("!Q")
+_NO_SESSION = bytes(NONCE_SIZE // 2)
 
 # torch.frombuffer warns on read-only buffers; received frames are only read.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
@@ -65,6 +99,9 @@ class Flag(IntFlag):
     DROPPED = 2  # the pushed gradient was stale (sync) or late (after stop) and was not applied
 
 
+_OPS = frozenset(int(op) for op in Op)
+_FLAGS = int(Flag.STOPPED | Flag.DROPPED)
+
 _DTYPES = {
     torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
     torch.int64: 5, torch.int32: 6, torch.int8: 7, torch.uint8: 8, torch.bool: 9,
@@ -88,9 +125,27 @@ class Message:
     ids: list[int] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     meta: dict | None = None
+    nonce: bytes = bytes(NONCE_SIZE)  # the session (see the module docstring)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The most one message may hold. A ps checks them before it computes the signature or allocates
+    anything a size field asks for; it tightens them to its model once a run is initialized."""
+
+    max_tensors: int = 1 << 18
+    max_json_bytes: int = 4 << 20
+    max_message_bytes: int = 1 << 40
+
+    @property
+    def max_frames(self) -> int:
+        return self.max_tensors + 4
+
+
+DEFAULT_LIMITS = Limits()
 
 
 def tensor_bytes(t: torch.Tensor):
@@ -101,11 +156,20 @@ def tensor_bytes(t: torch.Tensor):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _mac(key: bytes, frames) -> bytes:
-    h = hashlib.blake2b(key=key, digest_size=_MAC_SIZE)
+_KEYED: dict = {}  # key -> keyed HMAC state
+
+
+def mac(key: bytes, frames) -> bytes:
+    """HMAC-SHA256 of ``frames``, each preceded by its length, hashed in place (no copy of a payload)."""
+    keyed = _KEYED.get(key)
+    if keyed is None:  # the key schedule once per key, copied for every message
+        if len(_KEYED) >= 64:
+            _KEYED.clear()
+        keyed = _KEYED.setdefault(key, hmac.new(key, digestmod=hashlib.sha256))
+    h = keyed.copy()
     for f in frames:
         mv = memoryview(f)
-        h.update(struct.pack("!Q", mv.nbytes))
+        h.update(_LENGTH.pack(mv.nbytes))
         h.update(mv)
     return h.digest()
 
@@ -114,9 +178,8 @@ def encode(msg: Message, key: bytes) -> list:
     """Frames for ``msg``, signed with ``key``; tensor payloads are not copied."""
     if len(msg.ids) != len(msg.tensors):
         raise ValueError("one variable id per tensor")
-    header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.op), int(msg.flags), msg.task,
-                          msg.run_id, msg.request_id, msg.step, msg.value, min(msg.wait_us, 0xFFFFFFFF),
-                          len(msg.tensors))
+    header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.op), int(msg.flags), msg.task, msg.run_id, msg.nonce,
+                          msg.request_id, msg.step, msg.value, min(msg.wait_us, 0xFFFFFFFF), len(msg.tensors))
     table = bytearray()
     payloads = []
     for var_id, t in zip(msg.ids, msg.tensors):
@@ -132,49 +195,62 @@ def encode(msg: Message, key: bytes) -> list:
         payloads.append(tensor_bytes(t))
     body = b"" if msg.meta is None else json.dumps(msg.meta).encode()
     frames = [header, bytes(table), body, *payloads]
-    frames.append(_mac(key, frames))
+    frames.append(mac(key, frames))
     return frames
 
 
-def decode(frames, key: bytes) -> Message:
+def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     """Check and decode received frames (``zmq.Frame`` or bytes-like).
 
-    Tensors in the result are read-only views of the received buffers: copy them
-    before the frames go away if they must outlive the message.
+    Raises a ProtocolError subclass naming what failed: MalformedMessage (beyond ``limits``, or not the
+    wire format), UnsignedMessage, BadSignature. Freshness (replays) is the receiver's check: see
+    ``Sessions``. Tensors in the result are read-only views of the received buffers: copy them before
+    the frames go away if they must outlive the message.
     """
     bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
-    if len(bufs) < 4:
-        raise ProtocolError(f"message of {len(bufs)} frames: at least 4 expected")
-    if not hmac.compare_digest(bytes(bufs[-1]), _mac(key, bufs[:-1])):
-        raise ProtocolError("bad signature: the sender does not hold this cluster's secret")
+    if len(bufs) > limits.max_frames:
+        raise MalformedMessage(f"message of {len(bufs)} frames: at most {limits.max_frames} accepted")
+    size = sum(b.nbytes for b in bufs)
+    if size > limits.max_message_bytes:
+        raise MalformedMessage(f"message of {size} bytes: at most {limits.max_message_bytes} accepted")
+    if len(bufs) < 4 or bufs[-1].nbytes != MAC_SIZE:
+        raise UnsignedMessage(f"message of {len(bufs)} frames without a signature: at least 4 expected, "
+                              f"the last a {MAC_SIZE}-byte signature")
+    if not hmac.compare_digest(bytes(bufs[-1]), mac(key, bufs[:-1])):
+        raise BadSignature("bad signature: the sender does not hold this cluster's secret")
     if bufs[0].nbytes != _HEADER.size:
-        raise ProtocolError("malformed header")
-    magic, version, op, flags, task, run_id, request_id, step, value, wait_us, count = _HEADER.unpack(bufs[0])
+        raise MalformedMessage("malformed header")
+    (magic, version, op, flags, task, run_id, nonce, request_id, step, value, wait_us,
+     count) = _HEADER.unpack(bufs[0])
     if magic != MAGIC:
-        raise ProtocolError("not a pscluster message")
+        raise MalformedMessage("not a pscluster message")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}: "
-                            "install the same pscluster version everywhere")
+        raise MalformedMessage(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}: "
+                               "install the same pscluster version everywhere")
     if bufs[1].nbytes != count * _TENSOR.size or len(bufs) != 4 + count:
-        raise ProtocolError("tensor table does not match the frames")
-    try:
-        op = Op(op)
-    except ValueError:
-        raise ProtocolError(f"unknown op {op}") from None
-    msg = Message(op=op, flags=Flag(flags), task=task, run_id=run_id,
-                  request_id=request_id, step=step, value=value, wait_us=wait_us)
+        raise MalformedMessage("tensor table does not match the frames")
+    if bufs[2].nbytes > limits.max_json_bytes:
+        raise MalformedMessage(f"JSON frame of {bufs[2].nbytes} bytes: at most {limits.max_json_bytes} accepted")
+    if op not in _OPS or flags & ~_FLAGS:
+        raise MalformedMessage(f"unknown op {op} or flags {flags}")
+    op, flags = Op(op), Flag(flags)
+    msg = Message(op=op, flags=flags, task=task, run_id=run_id, request_id=request_id, step=step,
+                  value=value, wait_us=wait_us, nonce=nonce)
     for i, fields in enumerate(_TENSOR.iter_unpack(bufs[1])):
         var_id, code, ndim = fields[:3]
-        shape = fields[3:3 + ndim]
         dtype = _DTYPE_BY_CODE.get(code)
-        if dtype is None or ndim > MAX_DIMS:
-            raise ProtocolError("bad tensor descriptor")
-        payload = bufs[3 + i]
-        numel = 1
+        if dtype is None or ndim > MAX_DIMS or any(fields[3 + ndim:]):
+            raise MalformedMessage("bad tensor descriptor")
+        shape = fields[3:3 + ndim]
+        numel, extent = 1, 1
         for d in shape:
             numel *= d
+            extent *= max(d, 1)
+        if extent > MAX_ELEMENTS:
+            raise MalformedMessage(f"tensor {var_id}: shape {tuple(shape)} is beyond {MAX_ELEMENTS} elements")
+        payload = bufs[3 + i]
         if payload.nbytes != numel * _ITEMSIZE[code]:
-            raise ProtocolError(f"tensor {var_id}: {payload.nbytes} bytes for shape {tuple(shape)}")
+            raise MalformedMessage(f"tensor {var_id}: {payload.nbytes} bytes for shape {tuple(shape)}")
         t = (torch.frombuffer(payload, dtype=dtype, count=numel) if numel
              else torch.empty(0, dtype=dtype))
         msg.ids.append(var_id)
@@ -182,6 +258,72 @@ def decode(frames, key: bytes) -> Message:
     if bufs[2].nbytes:
         try:
             msg.meta = json.loads(bytes(bufs[2]))
-        except ValueError:
-            raise ProtocolError("bad JSON frame") from None
+        except (ValueError, RecursionError):
+            raise MalformedMessage("bad JSON frame") from None
+        if not isinstance(msg.meta, dict):
+            raise MalformedMessage(f"JSON frame holds a {type(msg.meta).__name__}: an object expected")
     return msg
+
+
+def _remember(entries: OrderedDict, key, value, capacity: int) -> None:
+    entries[key] = value
+    entries.move_to_end(key)
+    if len(entries) > capacity:
+        entries.popitem(last=False)
+
+
+class Sessions:
+    """A ps's sessions: which requests are fresh (see the module docstring)."""
+
+    def __init__(self, capacity: int = MAX_SESSIONS):
+        self.capacity = capacity
+        self._last: OrderedDict[bytes, int] = OrderedDict()  # session nonce -> last request id accepted
+        self._challenges: OrderedDict[bytes, None] = OrderedDict()
+
+    def open(self, hello: Message) -> bytes:
+        """A new session for ``hello``: its nonce, the client's challenge followed by a fresh tag.
+        ReplayedMessage when the challenge was seen before."""
+        challenge, tag = hello.nonce[:NONCE_SIZE // 2], hello.nonce[NONCE_SIZE // 2:]
+        if tag != _NO_SESSION:
+            raise MalformedMessage("HELLO with a session tag: a HELLO carries the client's challenge only")
+        if challenge in self._challenges:
+            raise ReplayedMessage("HELLO with a challenge seen before: a replayed HELLO")
+        _remember(self._challenges, challenge, None, self.capacity)
+        nonce = challenge + secrets.token_bytes(NONCE_SIZE // 2)
+        _remember(self._last, nonce, hello.request_id, self.capacity)
+        return nonce
+
+    def admit(self, msg: Message) -> None:
+        """Accept ``msg`` as the next request of its session, or raise ReplayedMessage."""
+        last = self._last.get(msg.nonce)
+        if last is None:
+            raise ReplayedMessage("request of a session this ps did not open: a frame from another connection, "
+                                  "ps process or run")
+        if msg.request_id <= last:
+            raise ReplayedMessage(f"request id {msg.request_id} not after {last}: a frame sent before")
+        _remember(self._last, msg.nonce, msg.request_id, self.capacity)
+
+
+def challenge() -> bytes:
+    """A client's HELLO nonce: a fresh random challenge and no session tag."""
+    return secrets.token_bytes(NONCE_SIZE // 2) + _NO_SESSION
+
+
+def peek_op(header) -> int | None:
+    """The op a (not yet verified) header frame names, None when it is no header: a receiver picks the
+    limits to check a message against by it; ``decode`` still verifies everything."""
+    mv = memoryview(header)
+    return mv[6] if mv.nbytes == _HEADER.size else None
+
+
+def receive(sock, max_frames: int) -> list | None:
+    """One multipart message from ``sock`` as ``zmq.Frame`` parts, or None when it has more than
+    ``max_frames`` parts: those past the limit are read and let go, never kept."""
+    frames = [sock.recv(copy=False)]
+    while sock.getsockopt(zmq.RCVMORE):
+        part = sock.recv(copy=False)
+        if frames is not None:
+            frames.append(part)
+            if len(frames) > max_frames:
+                frames = None
+    return frames

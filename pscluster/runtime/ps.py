@@ -38,6 +38,16 @@ Membership (MEMBERSHIP): lost workers are left out (sync aggregates the gradient
 only, SSP measures the slowest among them) and count as live again from their next request. The worker
 count can change during a run (scaling): added workers count from their first request; a removed worker's
 next push or pull is answered STOPPED, so it ends.
+
+Hostile input: every message is checked before it is served (``protocol``: limits, HMAC-SHA256 signature, wire
+format, session freshness); one that fails is dropped and counted in ``rejected`` by reason (unsigned,
+bad_signature, replayed, malformed), and never reaches the optimizer. A signed request that does not fit the
+run (variables, shapes, dtypes, rows, steps, worker counts out of range) is refused with an ERROR reply and
+counted as malformed. Nothing is unpickled, and nothing is allocated from a size field before it is bounded:
+ZeroMQ refuses frames over ``max_frame_bytes`` at the transport (``MAXMSGSIZE``: libzmq fixes it when the
+socket binds, before any model is known, so it must admit the chief's INIT), and once a run is initialized
+its requests are held to the sizes of its own variables (``protocol.Limits``). The counters reach the run
+store as "rejected" events (see ``_report``) and are in the STATS reply.
 """
 
 from __future__ import annotations
@@ -51,8 +61,8 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from ..errors import ProtocolError
-from . import checkpoint, protocol
+from ..errors import MalformedMessage, ProtocolError
+from . import checkpoint, curve, protocol
 from .metrics import MetricsEmitter
 from .plan import SPARSE_OPTIMIZERS, resolve_optimizer
 from .protocol import Flag, Message, Op
@@ -63,6 +73,10 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 POLL_MS = 100
 REPORT_S = 0.5  # how often a ps sends its counters to the collector
 PARK_S = 30.0  # how long a ps parked by a first STOP waits for the second
+MAX_FRAME_BYTES = 4 << 30  # the largest frame a ps receives: one variable (or its optimizer state) in an INIT
+RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT excepted)
+MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
+REJECTED = ("unsigned", "bad_signature", "replayed", "malformed")
 
 
 @dataclass
@@ -106,12 +120,19 @@ class _RunState:
     park_at: int | None = None  # a stop in two phases: hold pushes from this step on
     parked: list = field(default_factory=list)  # (identity, push) held while parked
     parked_since: float = 0.0
+    reported_rejected: dict = field(default_factory=dict)  # the counters last sent to the collector
 
     def __post_init__(self):
         # fixed for the run: looked up on every request
         self.position = {vid: i for i, vid in enumerate(self.ids)}
         self.dense_ids = [vid for vid, sparse in zip(self.ids, self.sparse) if not sparse]
         self.dense_params = [p for p, sparse in zip(self.params, self.sparse) if not sparse]
+        # the most one legitimate request can hold: each variable once (a sparse one as int64 row
+        # indices, each row at most once, and the rows' values)
+        frame = [p.numel() * p.element_size() + (8 * p.shape[0] if sparse and p.dim() else 0)
+                 for p, sparse in zip(self.params, self.sparse)]
+        self.limits = protocol.Limits(max_tensors=max(1, 2 * len(self.ids)), max_json_bytes=RUN_JSON_BYTES,
+                                      max_message_bytes=sum(frame) + RUN_JSON_BYTES + 4096 * (len(self.ids) + 1))
 
     def waiting_for(self) -> list[int]:
         """Sync: the workers whose gradient for the current step has not arrived yet; SSP: the
@@ -179,24 +200,35 @@ def _sparse_grad(param: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tens
 
 
 class ParameterServer:
-    """Serves one ps task on ``tcp://host:port`` (port 0: a free port, see ``.port``)."""
+    """Serves one ps task on ``tcp://host:port`` (port 0: a free port, see ``.port``), its messages signed
+    with ``key``; ``encrypt``: as a ZeroMQ CURVE server (see ``curve``). ``max_frame_bytes``: the largest
+    frame it receives (each variable of an INIT must fit)."""
 
     def __init__(self, key: bytes, *, index: int = 0, host: str = "127.0.0.1", port: int = 0,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, encrypt: bool = False, max_frame_bytes: int = MAX_FRAME_BYTES):
         self.key = key
         self.index = index
+        self.max_frame_bytes = max_frame_bytes
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-            self.port = port
-        else:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            if encrypt:
+                curve.make_server(self._sock, key)
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+            else:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
+        self._sessions = protocol.Sessions()
         self.run: _RunState | None = None
         self._stop_requested: set[int] = set()  # STOP can arrive before the chief's INIT
         self._past_runs: set[int] = set()
-        self.bad_messages = 0
+        self.rejected: Counter = Counter(dict.fromkeys(REJECTED, 0))  # messages dropped or refused, by reason
         self.failed_requests = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -217,8 +249,7 @@ class ParameterServer:
         try:
             while not self._stop.is_set():
                 if poller.poll(POLL_MS):
-                    frames = self._sock.recv_multipart(copy=False)
-                    self._handle(frames)
+                    self._handle(protocol.receive(self._sock, protocol.DEFAULT_LIMITS.max_frames + 1))
                 if time.monotonic() - last_report >= REPORT_S:
                     last_report = time.monotonic()
                     self._report()
@@ -235,6 +266,11 @@ class ParameterServer:
         run.emitter.emit("ps", step=run.step, pushes=run.pushes, pulls=run.pulls, applied=run.applied,
                          dropped_stale=run.dropped_stale, late=run.late, bytes_in=self.bytes_in,
                          bytes_out=self.bytes_out, waiting_for=run.waiting_for())
+        rejected = dict(self.rejected)
+        if rejected != run.reported_rejected and any(rejected.values()):
+            # this ps's totals by reason, stored as a "rejected" event when they change
+            run.emitter.emit("rejected", **rejected)
+            run.reported_rejected = rejected
         if now:
             run.emitter.flush()
 
@@ -255,24 +291,40 @@ class ParameterServer:
 
     # --- dispatch ------------------------------------------------------------------
     def _handle(self, frames) -> None:
+        """Check one received message (identity frame first) and serve it, or drop and count it."""
+        if frames is None:
+            self.rejected["malformed"] += 1  # more frames than any message has: not even kept
+            return
         identity, body = frames[0].bytes, frames[1:]
         self.bytes_in += sum(len(f) for f in body)
         try:
-            msg = protocol.decode(body, self.key)
-        except ProtocolError:
-            self.bad_messages += 1
+            msg = protocol.decode(body, self.key, self._limits(body))
+            if msg.op is Op.HELLO:
+                msg.nonce = self._sessions.open(msg)
+            else:
+                self._sessions.admit(msg)
+        except ProtocolError as e:
+            self.rejected[e.counter] += 1
             return
         self._serve(identity, msg)
 
+    def _limits(self, body) -> protocol.Limits:
+        """What a message may hold: a running run's requests are held to the sizes of its variables; INIT
+        (of the next run, or a restart) and anything before a run to the server's limits."""
+        run = self.run
+        if run is None or run.stopped or not body or protocol.peek_op(body[0]) == Op.INIT:
+            return protocol.DEFAULT_LIMITS
+        return run.limits
+
     def _serve(self, identity: bytes, msg: Message) -> None:
         handler = self._HANDLERS.get(msg.op)
-        if handler is None:
-            self._error(identity, msg, f"op {msg.op.name} is not a request")
-            return
         try:
+            if handler is None:
+                raise MalformedMessage(f"op {msg.op.name} is not a request")
             handler(self, identity, msg)
-        except ProtocolError as e:
-            self._error(identity, msg, str(e))
+        except (ProtocolError, KeyError, TypeError, ValueError) as e:  # the request does not fit: refused
+            self.rejected["malformed"] += 1
+            self._error(identity, msg, f"{msg.op.name} refused: {e}" if not isinstance(e, ProtocolError) else str(e))
         except Exception as e:  # a bad request must never take the server down
             self.failed_requests += 1
             self._error(identity, msg, f"{msg.op.name} failed: {type(e).__name__}: {e}")
@@ -285,7 +337,7 @@ class ParameterServer:
     def _reply(self, identity: bytes, req: Message, op: Op, *, flags=Flag.NONE, value: int = 0,
                wait_us: int = 0, with_params: bool = False, meta: dict | None = None) -> None:
         run = self.run
-        reply = Message(op=op, flags=flags, run_id=req.run_id, request_id=req.request_id,
+        reply = Message(op=op, flags=flags, run_id=req.run_id, request_id=req.request_id, nonce=req.nonce,
                         step=run.step if run else 0, value=value, wait_us=wait_us, meta=meta)
         if run is not None and run.stopped:
             reply.flags |= Flag.STOPPED
@@ -327,30 +379,33 @@ class ParameterServer:
             return
         try:
             n = len(cfg["names"])
+            if n > len(msg.tensors) or len(set(msg.ids[:n])) != n:
+                raise ValueError(f"{len(msg.tensors)} values with ids {msg.ids[:n]} for {n} distinct variables")
             params = [torch.nn.Parameter(t.clone()) for t in msg.tensors[:n]]
             sparse = [bool(x) for x in cfg.get("sparse", [False] * len(params))]
-            if len(sparse) != len(params) or len(params) != n:
+            if len(sparse) != len(params):
                 raise ValueError(f"{len(sparse)} sparse flags and {len(params)} values for {n} variables")
             optimizer, sparse_optimizer = _optimizers(params, sparse, cfg["optimizer"],
                                                       cfg.get("optimizer_kwargs", {}))
             run = _RunState(run_id=msg.run_id, mode=cfg["mode"], steps=int(cfg["steps"]),
                             replicas=int(cfg["replicas_to_aggregate"]), ids=list(msg.ids[:n]),
-                            names=list(cfg["names"]), params=params, optimizer=optimizer, sparse=sparse,
-                            sparse_optimizer=sparse_optimizer, num_workers=int(cfg.get("num_workers", 1)),
+                            names=[str(name) for name in cfg["names"]], params=params, optimizer=optimizer,
+                            sparse=sparse, sparse_optimizer=sparse_optimizer,
+                            num_workers=int(cfg.get("num_workers", 1)),
                             staleness_bound=int(cfg.get("staleness_bound", 0)), step=int(cfg.get("step", 0)),
                             checkpoint_dir=cfg.get("checkpoint_dir"),
                             checkpoint_every=int(cfg.get("checkpoint_every") or 0), attempt=attempt)
+            _check_config(run)
             self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.get("state", []))
-        except (KeyError, TypeError, ValueError) as e:
-            self._error(identity, msg, f"bad INIT: {e}")
-            return
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise MalformedMessage(f"bad INIT: {e}") from None
         self._release_waiting()
         if self.run is not None:
             if self.run.run_id != run.run_id:
                 self._past_runs.add(self.run.run_id)
             self._close_run()
         if cfg.get("metrics_address"):
-            run.emitter = MetricsEmitter(cfg["metrics_address"], f"ps:{self.index}", context=self._ctx)
+            run.emitter = MetricsEmitter(cfg["metrics_address"], f"ps:{self.index}", self.key, context=self._ctx)
         run.stopped = run.run_id in self._stop_requested or run.step >= run.steps
         self.run = run
         self._reply(identity, msg, Op.OK)
@@ -379,8 +434,8 @@ class ParameterServer:
             return
         run.pulls += 1
         if (msg.meta or {}).get("all"):  # every variable, sparse ones whole (the controller, at the end)
-            reply = Message(op=Op.PARAMS, run_id=msg.run_id, request_id=msg.request_id, step=run.step,
-                            ids=list(run.ids), tensors=[p.detach().clone() for p in run.params])
+            reply = Message(op=Op.PARAMS, run_id=msg.run_id, request_id=msg.request_id, nonce=msg.nonce,
+                            step=run.step, ids=list(run.ids), tensors=[p.detach().clone() for p in run.params])
             self._send(identity, reply)
             return
         self._reply(identity, msg, Op.PARAMS, with_params=True)
@@ -390,14 +445,16 @@ class ParameterServer:
         run = self._current(identity, msg)
         if run is None:
             return
+        if msg.task == protocol.NO_TASK:
+            raise MalformedMessage("rows are pulled by workers: PULL_ROWS from the controller")
         rows = []
         for vid, index in zip(msg.ids, msg.tensors):
             param = run.params[self._sparse_position(run, vid)]
             rows.append(param.detach()[_checked_rows(index, param.shape[0], vid)])
         run.pulls += 1
         self._send(identity, Message(op=Op.PARAMS, flags=Flag.STOPPED if run.stopped else Flag.NONE,
-                                     run_id=msg.run_id, request_id=msg.request_id, step=run.step,
-                                     ids=list(msg.ids), tensors=rows))
+                                     run_id=msg.run_id, request_id=msg.request_id, nonce=msg.nonce,
+                                     step=run.step, ids=list(msg.ids), tensors=rows))
 
     @staticmethod
     def _sparse_position(run: _RunState, vid: int) -> int:
@@ -410,10 +467,15 @@ class ParameterServer:
         run = self._current(identity, msg)
         if run is None:
             return
+        if msg.task == protocol.NO_TASK:
+            raise MalformedMessage("gradients come from workers: PUSH from the controller")
+        if not 0 <= msg.step <= run.steps:
+            raise MalformedMessage(f"gradients computed on step {msg.step}: a run of {run.steps} steps has "
+                                   f"steps 0..{run.steps}")
+        grads = self._gradients(run, msg)
         if run.park_at is not None and run.step >= run.park_at and not run.stopped:
             run.parked.append((identity, _held(msg)))  # answered by the second STOP
             return
-        grads = self._gradients(run, msg)
         run.pushes += 1
         with_params = msg.op is Op.PUSH_PULL
         reply_op = Op.PARAMS if with_params else Op.OK
@@ -429,8 +491,8 @@ class ParameterServer:
                 run.clocks[msg.task] += 1
                 if run.ahead(msg.task) > run.staleness_bound and not run.stopped:
                     run.waiting.append((identity, Message(op=msg.op, task=msg.task, run_id=msg.run_id,
-                                                          request_id=msg.request_id, value=staleness),
-                                        time.monotonic()))
+                                                          request_id=msg.request_id, nonce=msg.nonce,
+                                                          value=staleness), time.monotonic()))
                 else:
                     self._reply(identity, msg, reply_op, value=staleness, with_params=with_params)
                 self._release_waiting(lambda req: run.ahead(req.task) <= run.staleness_bound)
@@ -453,8 +515,8 @@ class ParameterServer:
         run.contributors.append(msg.task)
         if with_params:
             # The frames of `msg` are released after this call: keep only the header.
-            run.waiting.append((identity, Message(op=msg.op, run_id=msg.run_id, request_id=msg.request_id),
-                                time.monotonic()))
+            run.waiting.append((identity, Message(op=msg.op, run_id=msg.run_id, request_id=msg.request_id,
+                                                  nonce=msg.nonce), time.monotonic()))
         if run.accum_count >= run.replicas_now():
             self._apply(run, run.accum, run.accum_count)
             run.accum, run.accum_count, run.contributors = None, 0, []
@@ -474,15 +536,15 @@ class ParameterServer:
                 raise ProtocolError(f"push holds variables {msg.ids}: ps {self.index} has {run.ids}, each once")
             param = run.params[i]
             if not run.sparse[i]:
-                if msg.tensors[k].shape != param.shape:
-                    raise ProtocolError(f"gradients of variable {msg.ids[k]} have the wrong shape: "
+                if msg.tensors[k].shape != param.shape or msg.tensors[k].dtype != param.dtype:
+                    raise ProtocolError(f"gradients of variable {msg.ids[k]} have the wrong shape or dtype: "
                                         "the worker's model differs from the chief's")
                 grads[i], k = msg.tensors[k], k + 1
                 continue
             if k + 1 >= len(msg.ids) or msg.ids[k + 1] != msg.ids[k]:
                 raise ProtocolError(f"sparse variable {msg.ids[k]}: rows and values expected")
             rows, values = _checked_rows(msg.tensors[k], param.shape[0], msg.ids[k]), msg.tensors[k + 1]
-            if values.shape != (len(rows), *param.shape[1:]):
+            if values.shape != (len(rows), *param.shape[1:]) or values.dtype != param.dtype:
                 raise ProtocolError(f"sparse gradient of variable {msg.ids[k]}: {tuple(values.shape)} values "
                                     f"for {len(rows)} rows of shape {tuple(param.shape[1:])}")
             grads[i], k = [(rows, values)], k + 2
@@ -492,7 +554,7 @@ class ParameterServer:
 
     def _stats(self, identity, msg):
         run = self.run
-        meta = {"ps": self.index, "bad_messages": self.bad_messages, "failed_requests": self.failed_requests,
+        meta = {"ps": self.index, "rejected": dict(self.rejected), "failed_requests": self.failed_requests,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
         if run is not None:
             meta.update(run_id=run.run_id, mode=run.mode, step=run.step, stopped=run.stopped,
@@ -548,6 +610,8 @@ class ParameterServer:
             raise ProtocolError("this run has no checkpoint directory")
         step = (msg.meta or {}).get("step")
         step = run.step if step is None else int(step)
+        if step > run.steps:
+            raise ProtocolError(f"step {step} is beyond the run's {run.steps} steps")
         if step < run.step:
             raise ProtocolError(f"step {step} has passed: ps {self.index} is at step {run.step}")
         if step == run.step:
@@ -566,14 +630,14 @@ class ParameterServer:
             return
         meta = msg.meta or {}
         if "workers" in meta:
-            n = int(meta["workers"])
-            if n < 1:
-                raise ProtocolError(f"a run needs at least one worker, not {n}")
+            n, replicas = int(meta["workers"]), int(meta.get("replicas", run.replicas))
+            if not 1 <= n <= MAX_WORKERS:
+                raise ProtocolError(f"a run has 1 to {MAX_WORKERS} workers, not {n}")
             run.lost = {w for w in run.lost if w < n} | set(range(run.num_workers, n))
             for w in range(n, run.num_workers):
                 run.clocks.pop(w, None)
             run.num_workers = n
-            run.replicas = max(1, int(meta.get("replicas", run.replicas)))
+            run.replicas = max(1, replicas)
         run.lost.update(int(w) for w in meta.get("lost", []) if 0 <= int(w) < run.num_workers)
         if run.mode == "sync" and run.accum is not None and run.accum_count >= run.replicas_now():
             self._apply(run, run.accum, run.accum_count)
@@ -652,8 +716,19 @@ _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 
 def _held(msg: Message) -> Message:
     """A copy of a request that outlives its frames (released once the request is handled)."""
-    return Message(op=msg.op, task=msg.task, run_id=msg.run_id, request_id=msg.request_id, step=msg.step,
-                   ids=list(msg.ids), tensors=[t.clone() for t in msg.tensors], meta=msg.meta)
+    return Message(op=msg.op, task=msg.task, run_id=msg.run_id, request_id=msg.request_id, nonce=msg.nonce,
+                   step=msg.step, ids=list(msg.ids), tensors=[t.clone() for t in msg.tensors], meta=msg.meta)
+
+
+def _check_config(run: _RunState) -> None:
+    """A run's INIT configuration within its bounds, or ValueError."""
+    if run.mode not in ("sync", "async", "ssp"):
+        raise ValueError(f"mode {run.mode!r}: use sync, async or ssp")
+    if not 1 <= run.num_workers <= MAX_WORKERS or not 1 <= run.replicas <= MAX_WORKERS:
+        raise ValueError(f"{run.num_workers} workers, {run.replicas} replicas: 1 to {MAX_WORKERS} each")
+    if not 0 <= run.step <= run.steps or run.staleness_bound < 0 or run.checkpoint_every < 0:
+        raise ValueError(f"step {run.step} of {run.steps}, staleness bound {run.staleness_bound}, "
+                         f"checkpoint every {run.checkpoint_every}: none may be negative, the step not past the end")
 
 
 def _owned(grad):
@@ -666,8 +741,8 @@ def _owned(grad):
 
 def _checked_rows(rows: torch.Tensor, num_rows: int, vid: int) -> torch.Tensor:
     """``rows`` as row indices of a variable of ``num_rows`` rows, or ProtocolError."""
-    if rows.dtype != torch.int64 or rows.dim() != 1:
-        raise ProtocolError(f"rows of variable {vid}: a 1-D int64 tensor expected")
+    if rows.dtype != torch.int64 or rows.dim() != 1 or len(rows) > num_rows:
+        raise ProtocolError(f"rows of variable {vid}: a 1-D int64 tensor of at most {num_rows} rows expected")
     if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
         raise ProtocolError(f"rows of variable {vid} out of range 0..{num_rows - 1}")
     return rows

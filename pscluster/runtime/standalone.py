@@ -30,7 +30,7 @@ def serve_ps() -> None:
     spec, task = from_environment()
     if task.role != "ps":
         raise ConfigError(f"{task.name} is a worker: run it from your script with train_from_environment()")
-    server = ParameterServer(spec.key, index=task.index, host=task.host, port=task.port).start()
+    server = ParameterServer(spec.key, index=task.index, host=task.host, port=task.port, encrypt=spec.encrypt).start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -1,5 +1,8 @@
-"""The wire format: round trips, signing, versioning, malformed input, zero copy, no pickle."""
+"""The wire format: round trips, signing, sessions (replays), limits, versioning, malformed input, zero copy,
+no pickle."""
 
+import hashlib
+import hmac
 import json
 import struct
 
@@ -8,9 +11,9 @@ import pytest
 import torch
 import zmq
 
-from pscluster.errors import ProtocolError
+from pscluster.errors import BadSignature, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
 from pscluster.runtime import protocol
-from pscluster.runtime.protocol import Flag, Message, Op, decode, encode
+from pscluster.runtime.protocol import Flag, Limits, Message, Op, Sessions, decode, encode
 
 KEY = bytes(range(32))
 RUN = 42
@@ -36,15 +39,15 @@ def round_trip(msg: Message, key: bytes = KEY) -> Message:
 
 def resign(frames, key: bytes = KEY, **header):
     """``frames`` with header fields replaced and a fresh, valid signature."""
-    fields = dict(zip(("magic", "version", "op", "flags", "task", "run_id", "request_id", "step", "value",
-                       "wait_us", "count"), protocol._HEADER.unpack(frames[0])))
+    fields = dict(zip(("magic", "version", "op", "flags", "task", "run_id", "nonce", "request_id", "step",
+                       "value", "wait_us", "count"), protocol._HEADER.unpack(frames[0])))
     fields.update(header)
     return sign([protocol._HEADER.pack(*fields.values()), *frames[1:-1]], key)
 
 
 def sign(frames, key: bytes = KEY):
     """``frames`` (without a mac) followed by their valid mac."""
-    return [*frames, protocol._mac(key, frames)]
+    return [*frames, protocol.mac(key, frames)]
 
 
 @pytest.fixture
@@ -84,9 +87,9 @@ def test_round_trip_of_views_and_tensors_that_need_grad(make):
 def test_header_fields_and_json_meta_survive():
     meta = {"names": ["fc1.weight", "ünïcode"], "nested": {"lr": 0.1, "ok": True, "none": None}}
     msg = Message(op=Op.PUSH_PULL, flags=Flag.STOPPED | Flag.DROPPED, task=65534, run_id=2**32 - 1,
-                  request_id=123456, step=-5, value=2**62, meta=meta)
+                  request_id=2**64 - 1, step=-5, value=2**62, meta=meta, nonce=bytes(range(16)))
     back = round_trip(msg)
-    for name in ("op", "flags", "task", "run_id", "request_id", "step", "value", "meta"):
+    for name in ("op", "flags", "task", "run_id", "request_id", "step", "value", "meta", "nonce"):
         assert getattr(back, name) == getattr(msg, name), name
     assert back.ids == [] and back.tensors == []
 
@@ -125,7 +128,7 @@ def test_frames_are_header_table_json_raw_payloads_and_mac():
     for frame, t in zip(frames[3:-1], tensors):
         # the raw bytes of the tensor, nothing around them: no pickle, no length prefix
         assert bytes(memoryview(frame)) == t.numpy().tobytes()
-    assert sizes[-1] == protocol._MAC_SIZE
+    assert sizes[-1] == protocol.MAC_SIZE
     assert not any(bytes(memoryview(f))[:1] == b"\x80" for f in frames[:3])  # no pickle opcode
 
 
@@ -146,15 +149,22 @@ def test_decode_does_not_copy_payloads(frames):
 
 
 def test_mac_covers_frame_boundaries():
-    assert protocol._mac(KEY, [b"ab", b"c"]) != protocol._mac(KEY, [b"a", b"bc"])
+    assert protocol.mac(KEY, [b"ab", b"c"]) != protocol.mac(KEY, [b"a", b"bc"])
+
+
+def test_mac_is_hmac_sha256_of_the_length_prefixed_frames(frames):
+    signed = b"".join(struct.pack("!Q", len(bytes(memoryview(f)))) + bytes(memoryview(f)) for f in frames[:-1])
+    assert bytes(frames[-1]) == hmac.new(KEY, signed, hashlib.sha256).digest()
+    assert protocol.mac(KEY, frames[:-1]) == protocol.mac(KEY, frames[:-1])  # the cached key state is not consumed
 
 
 # --- what decode refuses -------------------------------------------------------------------
 
 
-def test_wrong_key_is_refused(frames):
-    with pytest.raises(ProtocolError, match="bad signature"):
+def test_a_frame_signed_with_another_clusters_key_is_refused(frames):
+    with pytest.raises(BadSignature, match="bad signature") as info:
         decode(frames, bytes(32))
+    assert info.value.counter == "bad_signature"
 
 
 @pytest.mark.parametrize("index", [0, 1, 2, 3, 4, -1], ids=["header", "table", "json", "payload0", "payload1",
@@ -165,7 +175,7 @@ def test_a_flipped_byte_anywhere_is_refused(frames, index):
         frames[index] = bytearray(b"x")  # an empty frame gets a byte instead
     else:
         frames[index][len(frames[index]) // 2] ^= 0x01
-    with pytest.raises(ProtocolError):
+    with pytest.raises(BadSignature):
         decode(frames, KEY)
 
 
@@ -175,26 +185,43 @@ def test_other_protocol_version_says_to_install_the_same_version(frames):
     assert f"protocol version {protocol.PROTOCOL_VERSION + 1}" in str(info.value)
 
 
+@pytest.mark.parametrize("change, error", [
+    (lambda f: f[:3], UnsignedMessage),
+    (lambda f: f[:-1], UnsignedMessage),
+    (lambda f: [*f[:-1], bytes(f[-1])[:-1]], UnsignedMessage),
+    (lambda f: [*f[:-1], bytes(protocol.MAC_SIZE)], BadSignature),
+    (lambda f: f[:3] + f[4:], BadSignature),
+])
+def test_unsigned_and_wrongly_signed_messages_are_told_apart(frames, change, error):
+    with pytest.raises(error):
+        decode(change(frames), KEY)
+
+
 @pytest.mark.parametrize("change, problem", [
-    (lambda f: f[:3], "at least 4 expected"),
-    (lambda f: f[:-1], "bad signature"),
     (lambda f: resign(f[:-2] + [f[-1]]), "tensor table does not match"),
     (lambda f: resign(f, count=3), "tensor table does not match"),
     (lambda f: resign([f[0], f[1][:-1], *f[2:]]), "tensor table does not match"),
     (lambda f: resign(f, magic=b"XXXX"), "not a pscluster message"),
     (lambda f: sign([f[0] + b"\x00", *f[1:-1]]), "malformed header"),
     (lambda f: resign(f, op=99), "unknown op 99"),
+    (lambda f: resign(f, flags=128), "flags 128"),
     (lambda f: resign([f[0], f[1][:8] + struct.pack("!Q", 5) + f[1][16:], *f[2:]]),
      r"tensor 0: 48 bytes for shape \(5, 4\)"),
     (lambda f: resign([f[0], bytes(f[1][:4]) + b"\x63" + bytes(f[1][5:]), *f[2:]]), "bad tensor descriptor"),
     (lambda f: resign([*f[:3], bytes(memoryview(f[3]))[:-4], *f[4:]]), r"bytes for shape \(3, 4\)"),
     (lambda f: resign([f[0], f[1], b"{not json", *f[3:]]), "bad JSON frame"),
     (lambda f: resign([f[0], f[1], b"\xff\xfe", *f[3:]]), "bad JSON frame"),
-], ids=["3-frames", "no-mac", "missing-payload", "count", "short-table", "magic", "header-size", "op",
-        "shape", "dtype-code", "short-payload", "json", "json-not-utf8"])
+    (lambda f: resign([f[0], f[1], b"[" * 100_000, *f[3:]]), "bad JSON frame"),
+    (lambda f: resign([f[0], f[1], b"[1, 2]", *f[3:]]), "holds a list: an object expected"),
+    (lambda f: resign([f[0], f[1][:31] + b"\x01" + f[1][32:], *f[2:]]), "bad tensor descriptor"),
+    (lambda f: resign([f[0], f[1][:8] + struct.pack("!QQ", 0, 2**49) + f[1][24:], *f[2:]]), "beyond"),
+], ids=["missing-payload", "count", "short-table", "magic", "header-size", "op", "flags", "shape", "dtype-code",
+        "short-payload", "json", "json-not-utf8", "json-nesting", "json-not-object", "dims-past-ndim",
+        "empty-but-huge"])
 def test_malformed_messages_are_refused(frames, change, problem):
-    with pytest.raises(ProtocolError, match=problem):
+    with pytest.raises(MalformedMessage, match=problem) as info:
         decode(change(frames), KEY)
+    assert info.value.counter == "malformed"
 
 
 # --- what encode refuses -------------------------------------------------------------------
@@ -218,3 +245,103 @@ def test_encode_refuses_meta_that_is_not_json_instead_of_pickling_it():
 def test_encode_needs_one_id_per_tensor():
     with pytest.raises(ValueError, match="one variable id per tensor"):
         encode(Message(op=Op.PUSH, ids=[0, 1], tensors=[torch.zeros(1)]), KEY)
+
+
+# --- limits --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limits, problem", [
+    (Limits(max_tensors=1), "6 frames: at most 5"),  # checked before the signature
+    (Limits(max_message_bytes=100), "bytes: at most 100"),
+    (Limits(max_json_bytes=5), "JSON frame of 8 bytes: at most 5"),
+])
+def test_limits_are_checked(limits, problem):
+    frames = encode(Message(op=Op.PUSH, ids=[0, 1], tensors=[torch.zeros(2), torch.zeros(3)], meta={"a": 1}), KEY)
+    assert decode(frames, KEY).ids == [0, 1]
+    with pytest.raises(MalformedMessage, match=problem):
+        decode(frames, KEY, limits)
+
+
+def test_limits_come_before_the_signature():
+    garbage = [b"x" * 60] * 8
+    with pytest.raises(MalformedMessage):  # too many frames: refused without hashing them
+        decode(garbage, KEY, Limits(max_tensors=2))
+    with pytest.raises(UnsignedMessage):
+        decode(garbage, KEY)
+
+
+def test_peek_op_reads_the_op_of_a_header_and_nothing_else(frames):
+    assert protocol.peek_op(frames[0]) == Op.PUSH
+    assert protocol.peek_op(b"short") is None
+
+
+def test_receive_keeps_no_frame_of_a_message_beyond_the_limit():
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://protocol-receive")
+        b.connect("inproc://protocol-receive")
+        a.send_multipart([b"x"] * 50)
+        a.send_multipart([b"a", b"b"])
+        assert b.poll(2000)
+        assert protocol.receive(b, 10) is None
+        assert [f.bytes for f in protocol.receive(b, 10)] == [b"a", b"b"]  # the next message is intact
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+# --- sessions: replays ---------------------------------------------------------------------
+
+
+def hello(sessions: Sessions, request_id: int = 1) -> bytes:
+    return sessions.open(Message(op=Op.HELLO, request_id=request_id, nonce=protocol.challenge()))
+
+
+def test_a_session_takes_increasing_request_ids_only():
+    sessions = Sessions()
+    nonce = hello(sessions, request_id=1)
+    sessions.admit(Message(op=Op.PULL, request_id=2, nonce=nonce))
+    sessions.admit(Message(op=Op.PULL, request_id=10, nonce=nonce))  # gaps are fine (ids are per client)
+    for stale in (10, 9, 2, 1):
+        with pytest.raises(ReplayedMessage, match=f"request id {stale} not after 10"):
+            sessions.admit(Message(op=Op.PULL, request_id=stale, nonce=nonce))
+    sessions.admit(Message(op=Op.PULL, request_id=11, nonce=nonce))
+
+
+def test_a_session_nonce_holds_the_challenge_and_a_fresh_tag():
+    sessions = Sessions()
+    challenge = protocol.challenge()
+    nonce = sessions.open(Message(op=Op.HELLO, nonce=challenge))
+    assert nonce[:8] == challenge[:8] and nonce[8:] != bytes(8) and len(nonce) == protocol.NONCE_SIZE
+    with pytest.raises(ReplayedMessage, match="a replayed HELLO"):
+        sessions.open(Message(op=Op.HELLO, nonce=challenge))
+    with pytest.raises(MalformedMessage, match="HELLO with a session tag"):
+        sessions.open(Message(op=Op.HELLO, nonce=nonce))
+
+
+def test_frames_of_another_session_or_ps_are_replays():
+    mine, other = Sessions(), Sessions()
+    theirs = hello(other)
+    with pytest.raises(ReplayedMessage, match="session this ps did not open"):
+        mine.admit(Message(op=Op.PULL, request_id=5, nonce=theirs))
+    hello(mine)
+    with pytest.raises(ReplayedMessage, match="session this ps did not open"):
+        mine.admit(Message(op=Op.PULL, request_id=5, nonce=theirs[:8] + bytes(8)))
+
+
+def test_forgotten_sessions_stay_refused():
+    sessions = Sessions(capacity=2)
+    first = hello(sessions)
+    hello(sessions)
+    hello(sessions)  # the first is the least recently used: forgotten
+    with pytest.raises(ReplayedMessage):
+        sessions.admit(Message(op=Op.PULL, request_id=2, nonce=first))
+
+
+def test_an_active_session_outlives_newer_idle_ones():
+    sessions = Sessions(capacity=2)
+    active = hello(sessions)
+    for request_id in range(2, 6):
+        hello(sessions)
+        sessions.admit(Message(op=Op.PULL, request_id=request_id, nonce=active))  # used: kept

@@ -1,21 +1,25 @@
 """The ps server in this process, driven through PSClient over 127.0.0.1."""
 
 import gc
+import re
 import socket
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 import zmq
 
 from pscluster.errors import PeerLost, RuntimeTimeout, TrainingError
+from pscluster.metrics.collector import Collector
 from pscluster.runtime import protocol
 from pscluster.runtime.client import PSClient
-from pscluster.runtime.protocol import Flag, Op
-from pscluster.runtime.ps import wait_until
+from pscluster.runtime.protocol import Flag, Message, Op
+from pscluster.runtime.ps import REJECTED, ParameterServer, wait_until
 from pscluster.spec import ClusterSpec, TaskSpec
 
-from .conftest import ps_config
+from .conftest import RUN_ID, make_spec, ps_config
+from .rawpeer import RawPeer
 
 LR = 0.1
 
@@ -60,8 +64,8 @@ def test_hello_and_pull_before_init(local_ps):
 def test_stats_before_init_has_only_server_counters(local_ps):
     client = local_ps.client(local_ps.start())
     stats = client.stats()[0]
-    assert set(stats) == {"ps", "bad_messages", "failed_requests", "bytes_in", "bytes_out"}
-    assert stats["bytes_in"] > 0 and stats["bad_messages"] == 0
+    assert set(stats) == {"ps", "rejected", "failed_requests", "bytes_in", "bytes_out"}
+    assert stats["bytes_in"] > 0 and stats["rejected"] == dict.fromkeys(REJECTED, 0)
 
 
 def test_init_then_pull_returns_initial_values(start_run, values):
@@ -291,10 +295,13 @@ def test_shutdown_op_stops_the_server(local_ps):
 # --- bad input -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("frames", [[b"garbage"], [b""] * 3, [b"a", b"b", b"c", b"d", b"e"],
-                                    [b"PSCL" + bytes(100), b"", b"", bytes(16)]],
-                         ids=["one-frame", "empty-frames", "five-frames", "bad-mac"])
-def test_garbage_is_counted_and_the_server_goes_on(local_ps, frames):
+@pytest.mark.parametrize("frames, counter", [
+    ([b"garbage"], "unsigned"), ([b""] * 3, "unsigned"), ([b"a", b"b", b"c", b"d", b"e"], "unsigned"),
+    ([b"PSCL" + bytes(100), b"", b"", bytes(16)], "unsigned"),
+    ([b"PSCL" + bytes(100), b"", b"", bytes(32)], "bad_signature"),
+    ([b""] * (protocol.DEFAULT_LIMITS.max_frames + 1), "malformed"),
+], ids=["one-frame", "empty-frames", "five-frames", "short-mac", "bad-mac", "too-many-frames"])
+def test_garbage_is_counted_and_the_server_goes_on(local_ps, frames, counter):
     spec = local_ps.start()
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     try:
@@ -302,13 +309,13 @@ def test_garbage_is_counted_and_the_server_goes_on(local_ps, frames):
         dealer.connect(spec.ps[0].address)
         dealer.send_multipart(frames)
         server = local_ps.servers[0]
-        assert wait_until(lambda: server.bad_messages == 1, 5)
+        assert wait_until(lambda: sum(server.rejected.values()) == 1, 5)
         assert dealer.poll(200) == 0  # no reply to garbage
     finally:
         dealer.close(linger=0)
     client = local_ps.client(spec)
     assert client.request(Op.HELLO)[0].op is Op.OK
-    assert client.stats()[0]["bad_messages"] == 1
+    assert client.stats()[0]["rejected"] == {**dict.fromkeys(REJECTED, 0), counter: 1}
 
 
 def test_message_signed_with_another_key_is_dropped(local_ps):
@@ -317,8 +324,8 @@ def test_message_signed_with_another_key_is_dropped(local_ps):
     with pytest.raises(RuntimeTimeout, match="no reply to HELLO from ps \\[0\\]"):
         PSClient(other, timeout=0.3)
     server = local_ps.servers[0]
-    assert wait_until(lambda: server.bad_messages == 1, 5)
-    assert server.running
+    assert wait_until(lambda: server.rejected["bad_signature"] == 1, 5)
+    assert server.running and sum(server.rejected.values()) == 1
 
 
 def test_failed_handshake_leaves_no_socket_open(local_ps):
@@ -363,3 +370,240 @@ def test_two_ps_tasks_hold_their_round_robin_share(start_run):
     assert [m.ids for m in reply.messages] == [[0, 2, 4], [1, 3]]
     assert_values(run.values(client), [torch.full((i + 1,), i - LR) for i in range(5)])
     assert [s["applied"] for s in client.stats()] == [1, 1]
+
+
+# --- sessions: replays -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def peers():
+    """Factory of RawPeers (``address``, ``key``), closed at teardown."""
+    made = []
+
+    def make(address: str, key: bytes) -> RawPeer:
+        made.append(RawPeer(address, key))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def push_message(run, seed: int = 1, **fields) -> Message:
+    """A worker's correct PUSH of variables 0 and 1 of ``run`` (one ps), computed on step 0."""
+    return Message(**{"op": Op.PUSH, "task": 0, "run_id": RUN_ID, "step": 0, "ids": [0, 1],
+                      "tensors": grads(seed, run.initial), **fields})
+
+
+def test_replayed_frames_are_dropped_and_counted(start_run, values, peers):
+    run = start_run(values, mode="async", optimizer="adam", lr=0.01)
+    first = peers(run.spec.ps[0].address, run.spec.key)
+    hello = first.hello()
+    push = first.signed(push_message(run))
+    first.send(push)
+    assert first.reply(5000).op is Op.OK  # applied once
+    applied = run.values(run.client())
+    state = {k: v.clone() for k, v in run.servers[0].run.optimizer.state[run.servers[0].run.params[0]].items()}
+
+    first.send(push)  # the same frames again, on the same connection
+    first.send(hello)  # a HELLO again
+    second = peers(run.spec.ps[0].address, run.spec.key)
+    second.send(push)  # on another connection, before any HELLO
+    second.hello()
+    second.send(push)  # on another connection, in a session of its own
+    server = run.servers[0]
+    assert wait_until(lambda: server.rejected["replayed"] == 4, 5)
+    assert first.reply(300) is None and second.reply(300) is None  # replays are not answered
+    assert_values(run.values(run.client()), applied, tol=0)
+    now = run.servers[0].run.optimizer.state[run.servers[0].run.params[0]]
+    assert all(torch.equal(now[k], v) for k, v in state.items())  # the optimizer never saw them
+    stats = run.client().stats()[0]
+    assert (stats["applied"], stats["pushes"]) == (1, 1)
+    assert stats["rejected"] == {**dict.fromkeys(REJECTED, 0), "replayed": 4}
+
+
+def test_frames_captured_on_an_earlier_ps_are_replays_there(local_ps, start_run, values, peers):
+    run = start_run(values, mode="async")
+    earlier = peers(run.spec.ps[0].address, run.spec.key)
+    earlier.hello()
+    push = earlier.signed(push_message(run))
+    earlier.send(push)
+    assert earlier.reply(5000).op is Op.OK
+    # a new ps process of the same cluster (a replacement: same secret), initialized again
+    server = ParameterServer(run.spec.key).start()
+    local_ps.servers.append(server)
+    spec = run.spec.with_ps_ports([server.port])
+    local_ps.client(spec).init(RUN_ID, run.split(run.initial), [ps_config(run.names, mode="async")])
+    attacker = peers(spec.ps[0].address, spec.key)
+    attacker.send(push)
+    attacker.hello()
+    attacker.send(push)
+    assert wait_until(lambda: server.rejected["replayed"] == 2, 5)
+    assert_values(run.values(local_ps.client(spec, run_id=RUN_ID)), run.initial, tol=0)
+
+
+def test_a_reply_sent_back_to_the_ps_is_dropped(start_run, values, peers):
+    run = start_run(values)
+    peer = peers(run.spec.ps[0].address, run.spec.key)
+    peer.hello()
+    reply = peer.request(Message(op=Op.STATS))
+    peer.send(protocol.encode(reply, run.spec.key))  # signed by the ps itself, in this session, already used
+    assert wait_until(lambda: run.servers[0].rejected["replayed"] == 1, 5)
+
+
+# --- hostile signed requests -------------------------------------------------------------------
+
+
+def _hostile(run) -> dict:
+    """Signed, fresh requests that do not fit the run: name -> (message, what the ERROR says)."""
+    g = grads(1, run.initial)
+    return {
+        "unknown-variable": (push_message(run, ids=[0, 9]), r"push holds variables \[0, 9\]"),
+        "variable-twice": (push_message(run, ids=[0, 0]), r"push holds variables \[0, 0\]"),
+        "wrong-shapes": (push_message(run, tensors=g[::-1]), "wrong shape or dtype"),
+        "wrong-dtype": (push_message(run, tensors=[t.double() for t in g]), "wrong shape or dtype"),
+        "negative-step": (push_message(run, step=-1), "computed on step -1"),
+        "future-step": (push_message(run, step=2**62), "computed on step 4611686018427387904"),
+        "from-the-controller": (push_message(run, task=protocol.NO_TASK), "PUSH from the controller"),
+        "rows-of-a-dense-variable": (Message(op=Op.PULL_ROWS, task=0, run_id=RUN_ID, ids=[0],
+                                             tensors=[torch.zeros(1, dtype=torch.int64)]), "not a sparse variable"),
+        "a-billion-workers": (Message(op=Op.MEMBERSHIP, run_id=RUN_ID, meta={"workers": 10**9}), "1 to 65535"),
+        "lost-not-a-number": (Message(op=Op.MEMBERSHIP, run_id=RUN_ID, meta={"lost": [[1]]}), "MEMBERSHIP refused"),
+        "checkpoint-past-the-end": (Message(op=Op.CHECKPOINT, run_id=RUN_ID, meta={"step": 10**6}), "no checkpoint"),
+        "reply-op": (Message(op=Op.PARAMS, run_id=RUN_ID), "op PARAMS is not a request"),
+        "init-negative-steps": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2)],
+                                        meta=ps_config(["w"], steps=-1)), "bad INIT: step 0 of -1"),
+        "init-a-billion-workers": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2)],
+                                           meta=ps_config(["w"], workers=10**9)), "bad INIT: 1000000000 workers"),
+        "init-more-names-than-values": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2)],
+                                                meta=ps_config(["w", "b"])), "bad INIT: 1 values"),
+        "init-integer-parameters": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2, dtype=torch.int64)],
+                                            meta=ps_config(["w"])), "bad INIT"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_hostile(type("R", (), {"initial": [torch.zeros(3, 4), torch.zeros(4)]}))))
+def test_a_signed_request_that_does_not_fit_is_refused_without_touching_the_optimizer(start_run, values, peers, name):
+    run = start_run(values, mode="async", optimizer="adam", lr=0.01)
+    msg, problem = _hostile(run)[name]
+    peer = peers(run.spec.ps[0].address, run.spec.key)
+    peer.hello()
+    reply = peer.request(msg)
+    assert reply.op is Op.ERROR and re.search(problem, reply.meta["error"]), reply.meta
+    server = run.servers[0]
+    assert server.rejected == {**dict.fromkeys(REJECTED, 0), "malformed": 1}
+    assert server.run.run_id == RUN_ID and not server.run.optimizer.state  # no Adam step was taken
+    assert_values(run.values(run.client()), run.initial, tol=0)
+    worker = run.client(task=0)  # and it goes on serving real workers
+    assert worker.push_pull(0, run.split(grads(2, run.initial))).step == 1
+
+
+@pytest.fixture
+def sparse_run(local_ps):
+    """A run of one sparse 10 x 3 table (variable 0) and one dense bias (variable 1)."""
+    spec = local_ps.start(num_workers=1)
+    config = {**ps_config(["table", "bias"], mode="async"), "sparse": [True, False]}
+    local_ps.client(spec).init(RUN_ID, {0: ([0, 1], [torch.zeros(10, 3), torch.zeros(3)])}, [config])
+    return spec
+
+
+@pytest.mark.parametrize("op, tensors, problem", [
+    (Op.PULL_ROWS, [torch.tensor([0, 10])], r"out of range 0\.\.9"),
+    (Op.PULL_ROWS, [torch.tensor([-1])], r"out of range 0\.\.9"),
+    (Op.PULL_ROWS, [torch.zeros(11, dtype=torch.int64)], "at most 10 rows"),
+    (Op.PULL_ROWS, [torch.zeros(2)], "1-D int64"),
+    (Op.PUSH, [torch.tensor([1]), torch.ones(2, 3), torch.ones(3)], r"\(2, 3\) values for 1 rows"),
+    (Op.PUSH, [torch.tensor([1]), torch.ones(1, 3, dtype=torch.float64), torch.ones(3)], "values for 1 rows"),
+    (Op.PUSH, [torch.tensor([12]), torch.ones(1, 3), torch.ones(3)], "out of range"),
+], ids=["row-past-the-end", "negative-row", "more-rows-than-the-table", "float-rows", "values-rows-mismatch",
+        "values-dtype", "push-row-past-the-end"])
+def test_sparse_requests_out_of_range_are_refused(local_ps, sparse_run, peers, op, tensors, problem):
+    peer = peers(sparse_run.ps[0].address, sparse_run.key)
+    peer.hello()
+    ids = [0] if op is Op.PULL_ROWS else [0, 0, 1]
+    reply = peer.request(Message(op=op, task=0, run_id=RUN_ID, ids=ids, tensors=tensors))
+    assert reply.op is Op.ERROR and re.search(problem, reply.meta["error"]), reply.meta
+    assert local_ps.servers[0].rejected["malformed"] == 1
+    assert local_ps.servers[0].run.applied == 0
+
+
+# --- limits ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda run: push_message(run, tensors=[torch.zeros(3, 4), torch.zeros(100_000)]),  # far past the model
+    lambda run: push_message(run, ids=[0, 1, 0, 1, 0], tensors=[torch.zeros(1)] * 5),  # more tensors than a push has
+    lambda run: Message(op=Op.STATS, meta={"pad": "x" * 70_000}),  # a JSON frame no request needs
+], ids=["bytes", "tensors", "json"])
+def test_a_run_holds_requests_to_the_sizes_of_its_variables(start_run, values, peers, make):
+    run = start_run(values, mode="async")
+    peer = peers(run.spec.ps[0].address, run.spec.key)
+    peer.hello()
+    assert peer.request(make(run), timeout_ms=300) is None  # dropped before it is read
+    assert run.servers[0].rejected == {**dict.fromkeys(REJECTED, 0), "malformed": 1}
+    assert peer.request(Message(op=Op.STATS)).op is Op.OK  # the session goes on
+
+
+def test_init_of_the_next_run_is_not_held_to_the_running_ones_sizes(start_run, values):
+    run = start_run(values, mode="async")
+    bigger = {"w": torch.zeros(300, 400), "b": torch.zeros(400)}
+    controller = run.local.client(run.spec)
+    controller.init(RUN_ID + 1, {0: ([0, 1], list(bigger.values()))}, [ps_config(list(bigger))])
+    assert run.servers[0].run.run_id == RUN_ID + 1
+
+
+def test_zeromq_refuses_frames_past_the_frame_limit(local_ps, peers):
+    spec = make_spec(1, 1)
+    server = ParameterServer(spec.key, max_frame_bytes=1 << 20).start()
+    local_ps.servers.append(server)
+    spec = spec.with_ps_ports([server.port])
+    peer = peers(spec.ps[0].address, spec.key)
+    peer.send([bytes(2 << 20)] * 4)  # the transport drops the connection: the ps never sees it
+    peer.send([b"small"])  # on the connection ZeroMQ makes again
+    assert wait_until(lambda: server.rejected["unsigned"] == 1, 5)
+    assert sum(server.rejected.values()) == 1 and server.bytes_in == len(b"small")
+
+
+def test_rejected_counts_reach_the_collector_as_events(local_ps, values):
+    spec = local_ps.start()
+    events = []
+    collector = Collector(events.extend, spec.key)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        config = {**ps_config(list(values)), "metrics_address": collector.address}
+        local_ps.client(spec).init(RUN_ID, {0: ([0, 1], list(values.values()))}, [config])
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(spec.ps[0].address)
+        for frames in ([b"x"], [b"y"], [b"z"] * 4 + [bytes(32)]):
+            dealer.send_multipart(frames)
+
+        def reported():
+            return [e for e in events if e["kind"] == "rejected" and e["unsigned"] == 2]
+        assert wait_until(reported, 5)
+        assert reported()[-1]["task"] == "ps:0" and reported()[-1]["bad_signature"] == 1
+    finally:
+        dealer.close(linger=0)
+        collector.close()
+
+
+# --- CURVE encryption ----------------------------------------------------------------------------
+
+
+def test_an_encrypted_ps_serves_curve_clients_only(local_ps, values):
+    spec = replace(make_spec(1, 1), encrypt=True)
+    server = ParameterServer(spec.key, encrypt=True).start()
+    local_ps.servers.append(server)
+    spec = spec.with_ps_ports([server.port])
+    local_ps.client(spec).init(RUN_ID, {0: ([0, 1], list(values.values()))}, [ps_config(list(values), mode="async")])
+    g = grads(1, list(values.values()))
+    reply = local_ps.client(spec, 0, run_id=RUN_ID).push_pull(0, {0: ([0, 1], g)})
+    assert reply.step == 1
+    assert_values(reply.messages[0].tensors, [v - LR * d for v, d in zip(values.values(), g)])
+
+    with pytest.raises((RuntimeTimeout, PeerLost)):  # a plain client: the CURVE handshake never completes
+        PSClient(replace(spec, encrypt=False), timeout=1.0)
+    other = replace(spec, secret=make_spec(1, 1).secret)  # CURVE, but not this cluster's server key
+    with pytest.raises((RuntimeTimeout, PeerLost)):
+        PSClient(other, timeout=1.0)
+    assert sum(server.rejected.values()) == 0  # neither reached the ps: refused by the transport
+    assert server.run.applied == 1

@@ -101,8 +101,8 @@ def test_a_sparse_step_moves_only_the_touched_rows(local_ps, bags):
             return self.embedding(ids).sum(1)
 
     events = []
-    collector = Collector(lambda batch: events.extend(e for e in batch if e.get("kind") == "step"))
     spec = local_ps.start(num_ps=2, num_workers=1)
+    collector = Collector(lambda batch: events.extend(e for e in batch if e.get("kind") == "step"), spec.key)
     plan = make_plan(spec, Big, steps=10, partition={"embedding": 2}, metrics_address=collector.address)
     run_worker(spec, 0, plan, Big, bags, torch.nn.BCEWithLogitsLoss())
     assert wait_until(lambda: len(events) >= 10, 5)  # the last batch may still be in flight
@@ -132,8 +132,8 @@ def test_a_partitioned_dense_variable_trains_like_a_whole_one(local_ps, bags):
 def test_ssp_keeps_every_worker_within_the_bound_of_the_slowest(local_ps, bags):
     bound, steps = 2, 60
     events = []
-    collector = Collector(lambda batch: events.extend(e for e in batch if e.get("kind") == "step"))
     spec = local_ps.start(num_ps=1, num_workers=2)
+    collector = Collector(lambda batch: events.extend(e for e in batch if e.get("kind") == "step"), spec.key)
     plan = make_plan(spec, BagModel, steps=steps, mode="ssp", staleness_bound=bound,
                      metrics_address=collector.address)
     slow = threading.Event()

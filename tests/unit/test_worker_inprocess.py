@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import re
+import secrets
 import socket
 import threading
 import time
@@ -17,7 +18,8 @@ from pscluster.datasets import digits
 from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime.data import fetch_batch, sharded_batches
-from pscluster.runtime.metrics import MetricsEmitter
+from pscluster.runtime.metrics import MetricsEmitter, sign_batch
+from pscluster.runtime.protocol import mac
 from pscluster.runtime.plan import TrainPlan, describe_variables, resolve_optimizer
 from pscluster.runtime.ps import wait_until
 from pscluster.runtime.worker import batch_accuracy, build_model, log_line, run_worker
@@ -269,10 +271,13 @@ def test_fetch_batch_uses_batched_indexing_when_the_dataset_has_it(dataset):
 # --- metrics ---------------------------------------------------------------------------------
 
 
+KEY = bytes(range(16))  # the metrics tests' cluster secret
+
+
 @pytest.fixture
 def collector():
     events = []
-    c = Collector(events.extend)
+    c = Collector(events.extend, KEY)
     yield c, events
     c.close()
     assert not c._thread.is_alive()
@@ -284,7 +289,7 @@ def emitters():
     made = []
 
     def make(address, task="worker:0"):
-        made.append(MetricsEmitter(address, task))
+        made.append(MetricsEmitter(address, task, KEY))
         return made[-1]
 
     yield make
@@ -307,7 +312,7 @@ def test_emitter_and_collector_deliver_events_in_order(collector, emitters):
 
 def test_close_sends_what_is_buffered(collector):
     c, events = collector
-    emitter = MetricsEmitter(c.address, "ps:0")
+    emitter = MetricsEmitter(c.address, "ps:0", KEY)
     emitter.emit("state", state="training")
     emitter.emit("done")
     emitter.close()
@@ -338,12 +343,19 @@ def test_emitter_without_address_does_nothing(emitters):
 def test_collector_counts_bad_batches_and_ignores_odd_ones(collector):
     c, events = collector
     push = zmq.Context.instance().socket(zmq.PUSH)
+    emitter = secrets.token_bytes(8)
     try:
         push.connect(c.address)
-        for raw in (b"not json", json.dumps({"kind": "x"}).encode(), json.dumps([1, "two", {"kind": "ok"}]).encode()):
-            push.send(raw)
-        assert wait_until(lambda: len(events) == 1, 2)
+        signed = [sign_batch(batch, KEY, emitter, n) for n, batch in enumerate([{"kind": "x"},
+                                                                                [1, "two", {"kind": "ok"}]])]
+        not_json = [signed[1][0][:-1] + b"\x07", b"["]  # the next sequence number, then a signed non-JSON body
+        for frames in ([b"not json"], [json.dumps([{"kind": "unsigned"}]).encode()],
+                       sign_batch([{"kind": "other cluster"}], bytes(16), emitter, 5),
+                       [b"PSCM", b"[]", bytes(32)], *signed, signed[1], [signed[1][0], b"[", signed[1][2]],
+                       [*not_json, mac(KEY, not_json)]):
+            push.send_multipart(frames)
+        assert wait_until(lambda: sum(c.rejected.values()) == 7, 2)
     finally:
         push.close(linger=0)
     assert events == [{"kind": "ok"}]
-    assert c.bad_batches == 1
+    assert c.rejected == {"unsigned": 2, "bad_signature": 3, "replayed": 1, "malformed": 1}
