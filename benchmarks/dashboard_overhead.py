@@ -1,6 +1,6 @@
 """Training throughput with the live dashboard attached and refreshing, against without.
 
-    PSCLUSTER_HOME=/tmp/bench .venv/bin/python -m benchmarks.dashboard_overhead [--pairs 30] [--window 2] [--control]
+    PSCLUSTER_HOME=/tmp/bench .venv/bin/python benchmarks/dashboard_overhead.py [--pairs 30] [--window 2] [--control]
 
 One long sync run (1 ps + 2 workers, digits MLP, batch 64). While it trains, a Dashboard in this process
 (the controller, as in a notebook) is switched on and off: ``--pairs`` pairs of ``--window``-second
@@ -30,7 +30,7 @@ import torch
 import pscluster
 from pscluster.widgets import Dashboard
 
-from .common import machine
+from benchmarks.common import machine  # absolute: this file also runs as a script
 
 SETTLE_S = 0.25  # left out at the start of each window: the switch itself
 

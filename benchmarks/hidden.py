@@ -20,7 +20,7 @@ def plain_speed(steps: int) -> float:
 
 
 def run(tiny: bool, out_dir: Path) -> Result:
-    steps = 60 if tiny else 1000
+    steps = 40 if tiny else 300
     speeds = alternate({"pscluster": lambda: pscluster_speed(steps), "plain": lambda: plain_speed(steps)},
                        repetitions(tiny))
     result = Result("hidden", "Communication hidden behind compute (1 ps + 1 worker vs a plain loop)", tiny)

@@ -45,7 +45,7 @@ def bare(mode: str, steps: int) -> float:
 
 
 def run(tiny: bool, out_dir: Path) -> Result:
-    steps = 60 if tiny else 600
+    steps = 40 if tiny else 150
     speeds = alternate({"sync": lambda: pscluster("sync", steps), "async": lambda: pscluster("async", steps),
                         "ddp": lambda: ddp(steps), "rpc": lambda: rpc_ps(steps),
                         "bare sync": lambda: bare("sync", steps), "bare async": lambda: bare("async", steps)},
