@@ -73,20 +73,24 @@ class Clock:
         print(json.dumps(self.result(**extra)), flush=True)
 
 
-def plain_loop(steps: int) -> None:
-    """The reference: one process, forward, backward, optimizer step."""
-    torch.manual_seed(0)
-    model = model_fn()
+def local_loop(model: torch.nn.Module, steps: int, rank: int = 0, world: int = 1) -> Clock:
+    """Forward, backward and an SGD step of ``model`` on this rank's batches, ``steps`` times."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loss_fn = torch.nn.CrossEntropyLoss()
-    clock, data = Clock(), batches()
+    clock, data = Clock(), batches(rank, world)
     for _ in range(steps):
         x, y = next(data)
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         optimizer.step()
         clock.tick()
-    clock.report()
+    return clock
+
+
+def plain_loop(steps: int) -> None:
+    """The reference: one process, forward, backward, optimizer step."""
+    torch.manual_seed(0)
+    local_loop(model_fn(), steps).report()
 
 
 def pscluster_worker(mode: str, local_steps: int) -> None:
