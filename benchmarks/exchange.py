@@ -7,12 +7,14 @@ same host.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import numpy as np
 import torch
 import zmq
 
+from pscluster.runtime import protocol
 from pscluster.runtime.client import PSClient
 
 from . import procs
@@ -92,6 +94,23 @@ def bandwidth(megabytes: float, num_ps: int, cluster: procs.PSProcesses, raw: Ra
         ps.close()
 
 
+def stage_costs(megabytes: float, rounds: int) -> dict[str, float]:
+    """Milliseconds (median of ``rounds``) of what a round trip does to ``megabytes`` of parameters besides moving
+    them: encode + decode of one message (the wire format, signature included), one copy, one SGD apply."""
+    t = torch.randn(int(megabytes * MB / 4))
+    message = protocol.Message(op=protocol.Op.PUSH_PULL, ids=[0], tensors=[t])
+    key = bytes(16)
+    param = torch.nn.Parameter(t.clone())
+    sgd = torch.optim.SGD([param], lr=LR)
+
+    def apply():
+        param.grad = t
+        sgd.step()
+    stages = {"encode + decode": lambda: protocol.decode(protocol.encode(message, key), key), "copy": t.clone,
+              "SGD apply": apply}
+    return {name: 1000 * statistics.median(timed(fn) for _ in range(rounds)) for name, fn in stages.items()}
+
+
 def ray_step(megabytes: float, rounds: int) -> tuple[dict[str, list[float]], str | None]:
     """Steps/s of a pull + push-and-apply of ``megabytes`` with 1 ps: pscluster (one PUSH_PULL) against a Ray
     actor holding the parameters (pull = get its array, push = send the gradient it applies); or the reason
@@ -159,6 +178,11 @@ def run(tiny: bool, out_dir: Path) -> Result:
         else:
             result.rows.append(compare("100 MB step, same host, 1 ps", "pscluster", steps["pscluster"],
                                        "Ray actor ps", steps["ray"], "steps/s", Target(1.0)))
+    costs = stage_costs(1 if tiny else 16, repetitions(tiny))
+    result.extra["stage_ms"] = costs
+    result.notes.append(f"What a round trip does to {1 if tiny else 16} MB besides moving it, in this process "
+                        "(median ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()) + "; the raw "
+                        "round trip of the same size is in the table (ms = 2 x MB / GB/s).")
     result.notes.append("ps tasks and raw servers are processes (python -m pscluster.runtime, and raw_zmq.py); "
                         "the client is the benchmark process. GB/s counts bytes both ways. With more processes "
                         "than cores, servers and client share them.")
