@@ -55,7 +55,7 @@ class EngineSet:
             self._ipp.start_engines_sync(self.n, **self.launcher.engine_options(self.counts))
             self.client = self._ipp.connect_client_sync()
             self.client.wait_for_engines(self.n, timeout=self.timeout, interactive=False)
-            engines = [self._info(eid) for eid in self.client.ids]
+            engines = self._describe(self.client.ids)
         except (TimeoutError, ipp.error.TimeoutError) as e:
             self.stop()
             raise ClusterStateError(f"{self.n} engines did not register within {self.timeout:.0f}s ({e}): "
@@ -69,9 +69,11 @@ class EngineSet:
         self._watch()
         return engines
 
-    def _info(self, engine_id: int) -> EngineInfo:
-        i = self.client[engine_id].apply_sync(_describe, self.launcher.controller_ip())
-        return EngineInfo(engine_id=engine_id, host=i["host"], pid=i["pid"], address=i["address"], gpus=i["gpus"])
+    def _describe(self, engine_ids: list[int]) -> list[EngineInfo]:
+        """Ask the engines (all at once: each imports torch first) who and where they are."""
+        asked = [self.client[e].apply_async(_describe, self.launcher.controller_ip()) for e in engine_ids]
+        return [EngineInfo(engine_id=e, host=i["host"], pid=i["pid"], address=i["address"], gpus=i["gpus"])
+                for e, i in zip(engine_ids, (a.get(self.timeout) for a in asked))]
 
     def _hint(self) -> str:
         return {"local": "check the machine's load and try again",
@@ -126,7 +128,7 @@ class EngineSet:
                 raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
                                         "check the machine's load")
             time.sleep(0.05)
-        info = self._info(min(new))
+        info = self._describe([min(new)])[0]
         if self.launcher.local:
             self.pids = list(dict.fromkeys(self.pids + _with_descendants([info.pid])))
         self.engines[info.engine_id] = info.pid

@@ -76,6 +76,9 @@ class Hosts:
     def cut(self, i: int) -> None:
         sh("ip", "link", "set", self.veth(i), "down")
 
+    def restore(self, i: int) -> None:
+        sh("ip", "link", "set", self.veth(i), "up")
+
     def processes(self) -> list[int]:
         """Every process running in the namespaces (sshd, and the engines it started)."""
         pids = []
