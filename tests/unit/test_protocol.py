@@ -98,19 +98,24 @@ def test_message_without_meta_decodes_to_none():
     assert round_trip(Message(op=Op.HELLO)).meta is None
 
 
-def test_decode_accepts_zmq_frames():
+@pytest.fixture
+def pair():
+    """Two connected PAIR sockets (in-process transport), closed at teardown."""
     ctx = zmq.Context.instance()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    try:
-        a.bind("inproc://protocol-test")
-        b.connect("inproc://protocol-test")
-        t = torch.randn(1000, 10)
-        a.send_multipart(encode(Message(op=Op.PARAMS, ids=[1], tensors=[t]), KEY), copy=False)
-        back = decode(b.recv_multipart(copy=False), KEY)
-        assert torch.equal(back.tensors[0], t)
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
+    a.bind(f"inproc://protocol-test-{id(a)}")
+    b.connect(f"inproc://protocol-test-{id(a)}")
+    yield a, b
+    a.close(linger=0)
+    b.close(linger=0)
+
+
+def test_decode_accepts_zmq_frames(pair):
+    a, b = pair
+    t = torch.randn(1000, 10)
+    a.send_multipart(encode(Message(op=Op.PARAMS, ids=[1], tensors=[t]), KEY), copy=False)
+    back = decode(b.recv_multipart(copy=False), KEY)
+    assert torch.equal(back.tensors[0], t)
 
 
 # --- the frames on the wire ----------------------------------------------------------------
@@ -275,20 +280,13 @@ def test_peek_op_reads_the_op_of_a_header_and_nothing_else(frames):
     assert protocol.peek_op(b"short") is None
 
 
-def test_receive_keeps_no_frame_of_a_message_beyond_the_limit():
-    ctx = zmq.Context.instance()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    try:
-        a.bind("inproc://protocol-receive")
-        b.connect("inproc://protocol-receive")
-        a.send_multipart([b"x"] * 50)
-        a.send_multipart([b"a", b"b"])
-        assert b.poll(2000)
-        assert protocol.receive(b, 10) is None
-        assert [f.bytes for f in protocol.receive(b, 10)] == [b"a", b"b"]  # the next message is intact
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
+def test_receive_keeps_no_frame_of_a_message_beyond_the_limit(pair):
+    a, b = pair
+    a.send_multipart([b"x"] * 50)
+    a.send_multipart([b"a", b"b"])
+    assert b.poll(2000)
+    assert protocol.receive(b, 10) is None
+    assert [f.bytes for f in protocol.receive(b, 10)] == [b"a", b"b"]  # the next message is intact
 
 
 # --- sessions: replays ---------------------------------------------------------------------
