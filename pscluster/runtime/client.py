@@ -16,7 +16,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import PeerLost, ProtocolError, RuntimeTimeout, TrainingError
+from ..errors import ConfigError, PeerLost, ProtocolError, RuntimeTimeout, TrainingError
 from ..spec import ClusterSpec
 from . import curve, protocol
 from .protocol import Flag, Message, Op
@@ -63,6 +63,7 @@ class PSClient:
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)  # request ids: increasing on every connection, as each session requires
         self._nonces: dict[int, bytes] = {}  # ps index -> the session it opened for us
+        self._max_frame: dict[int, int] = {}  # ps index -> the largest frame it receives (its HELLO says)
         self._socks, self._monitors, self._index = {}, {}, {}  # ps index -> socket, socket -> ps index
         self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
         self._poller = zmq.Poller()
@@ -118,7 +119,13 @@ class PSClient:
             frames = protocol.encode(Message(op=op, task=self.task, run_id=self.run_id, request_id=rid,
                                              step=step, ids=ids, tensors=tensors, meta=m, nonce=nonce),
                                      self.spec.key)
-            self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+            sizes = [memoryview(f).nbytes for f in frames]
+            if max(sizes) > self._max_frame.get(i, max(sizes)):
+                k = sizes.index(max(sizes)) - 3
+                raise ConfigError(f"variable {ids[k] if 0 <= k < len(ids) else '?'} takes {max(sizes)} bytes in one "
+                                  f"frame: ps {i} receives at most {self._max_frame[i]}; partition it across ps "
+                                  "tasks (partition=...)")
+            self.bytes_sent += sum(sizes)
             self._socks[i].send_multipart(frames, copy=False)
             pending[i] = (rid, nonce)
         replies: dict[int, Message] = {}
@@ -151,6 +158,7 @@ class PSClient:
                     continue  # a late reply to a request that timed out earlier
                 if op is Op.HELLO and msg.op is Op.OK:
                     self._nonces[i] = msg.nonce
+                    self._max_frame[i] = int((msg.meta or {}).get("max_frame_bytes", 0)) or 2**63
                 if msg.op is Op.ERROR:
                     raise TrainingError(f"ps {i}: {(msg.meta or {}).get('error', 'error')}")
                 replies[i] = msg

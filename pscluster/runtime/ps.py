@@ -369,7 +369,8 @@ class ParameterServer:
 
     # --- requests ------------------------------------------------------------------
     def _hello(self, identity, msg):
-        self._reply(identity, msg, Op.OK, value=protocol.PROTOCOL_VERSION, meta={"ps": self.index})
+        self._reply(identity, msg, Op.OK, value=protocol.PROTOCOL_VERSION,
+                    meta={"ps": self.index, "max_frame_bytes": self.max_frame_bytes})
 
     def _init(self, identity, msg):
         cfg = msg.meta or {}
