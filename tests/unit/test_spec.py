@@ -29,6 +29,18 @@ def test_json_round_trip_is_equal(spec):
     assert ClusterSpec.from_dict(json.loads(spec.to_json())).secret == spec.secret
 
 
+def test_encrypt_survives_json_and_defaults_to_off(spec):
+    assert not spec.encrypt
+    encrypted = ClusterSpec(ps=spec.ps, workers=spec.workers, encrypt=True)
+    back = ClusterSpec.from_json(encrypted.to_json())
+    assert back == encrypted and back.encrypt and back.public_dict()["encrypt"] is True
+    old = {k: v for k, v in json.loads(spec.to_json()).items() if k != "encrypt"}  # a spec from before the field
+    assert ClusterSpec.from_dict(old) == spec
+    with pytest.raises(ConfigError) as info:
+        ClusterSpec(ps=spec.ps, workers=spec.workers, encrypt="yes")
+    assert_one_line(info.value, "encrypt='yes': use True or False")
+
+
 def test_secret_is_random_hex_and_not_in_repr(spec):
     other = ClusterSpec(ps=spec.ps, workers=spec.workers)
     assert other.secret != spec.secret
