@@ -15,7 +15,8 @@ from collections import Counter
 import zmq
 
 from ..errors import ProtocolError
-from ..runtime.metrics import MAX_BATCH_BYTES, BatchReceiver
+from ..runtime.metrics import BATCH_FRAMES, MAX_BATCH_BYTES, BatchReceiver
+from ..runtime.protocol import receive
 
 
 class Collector:
@@ -46,15 +47,18 @@ class Collector:
         try:
             while not self._stop.is_set():
                 if poller.poll(100):
-                    self._dispatch(self._sock.recv_multipart())
+                    self._dispatch(receive(self._sock, BATCH_FRAMES))
             while self._sock.poll(0):  # what arrived before close
-                self._dispatch(self._sock.recv_multipart())
+                self._dispatch(receive(self._sock, BATCH_FRAMES))
         finally:
             self._sock.close(linger=0)
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    def _dispatch(self, frames) -> None:
+        if frames is None:
+            self.rejected["malformed"] += 1  # more frames than a batch has: not even kept
+            return
         try:
-            batch = self._receiver.open(frames)
+            batch = self._receiver.open([f.bytes for f in frames])
         except ProtocolError as e:
             self.rejected[e.counter] += 1
             return

@@ -29,6 +29,7 @@ from .protocol import MAC_SIZE, mac
 
 FLUSH_S = 0.25
 MAX_BATCH_BYTES = 16 << 20
+BATCH_FRAMES = 3  # header, JSON, signature
 MAX_EMITTERS = 4096  # emitters whose last sequence number a collector keeps
 _MAGIC, _VERSION = b"PSCM", 1
 _HEADER = struct.Struct("!4sH8sQ")
@@ -49,7 +50,7 @@ class BatchReceiver:
 
     def open(self, frames: list[bytes]) -> list:
         """The events of a batch, or a ProtocolError subclass saying why it is refused."""
-        if len(frames) != 3 or len(frames[-1]) != MAC_SIZE:
+        if len(frames) != BATCH_FRAMES or len(frames[-1]) != MAC_SIZE:
             raise UnsignedMessage(f"metrics batch of {len(frames)} frames without a signature")
         if not secrets.compare_digest(frames[-1], mac(self._key, frames[:-1])):
             raise BadSignature("metrics batch with a bad signature")

@@ -352,10 +352,10 @@ def test_collector_counts_bad_batches_and_ignores_odd_ones(collector):
         for frames in ([b"not json"], [json.dumps([{"kind": "unsigned"}]).encode()],
                        sign_batch([{"kind": "other cluster"}], bytes(16), emitter, 5),
                        [b"PSCM", b"[]", bytes(32)], *signed, signed[1], [signed[1][0], b"[", signed[1][2]],
-                       [*not_json, mac(KEY, not_json)]):
+                       [*not_json, mac(KEY, not_json)], [b""] * 1000):
             push.send_multipart(frames)
-        assert wait_until(lambda: sum(c.rejected.values()) == 7, 2)
+        assert wait_until(lambda: sum(c.rejected.values()) == 8, 2)
     finally:
         push.close(linger=0)
     assert events == [{"kind": "ok"}]
-    assert c.rejected == {"unsigned": 2, "bad_signature": 3, "replayed": 1, "malformed": 1}
+    assert c.rejected == {"unsigned": 2, "bad_signature": 3, "replayed": 1, "malformed": 2}
