@@ -22,17 +22,21 @@ frame captured on the wire would still verify when sent again. So every request 
    The client accepts only a reply whose nonce starts with its own ``C``: an old HELLO reply
    cannot be passed off as the answer to a new one.
 2. Every later request carries nonce ``C + S`` and a request id greater than the last one the ps
-   accepted in that session (the client counts up from 1 per connection). The ps drops a request
-   whose nonce names no session it opened (a frame from another connection, another ps process or
-   an earlier run) or whose request id is not greater than the session's last: a frame sent again.
+   accepted in that session (a client counts its request ids up from 1). The ps drops a request
+   whose nonce names no session it opened (a frame of another ps process, such as the one an
+   earlier run or a replaced ps served) or whose request id is not greater than the session's
+   last: a frame sent again, on the same connection or another one.
 3. Every reply carries the request's nonce and request id; the client takes a reply only for the
-   request it is waiting on, from the session it opened. Reply ops (OK, PARAMS...) are refused as
-   requests, so a reply sent back to a ps is dropped too.
+   request it is waiting on, in the session it opened. A reply sent back to a ps is a replay too
+   (its nonce and request id were used), and reply ops (OK, PARAMS...) are no requests anyway.
 
 A ps keeps the last ``MAX_SESSIONS`` sessions (least recently used first out; a forgotten session's
-requests are dropped as replays) and the last ``MAX_SESSIONS`` HELLO challenges. The limits of one
-message (``Limits``: frames, tensors, elements, JSON bytes, total bytes) are checked before the
-signature is computed or anything is allocated from a size field.
+requests are dropped as replays) and the last ``MAX_SESSIONS`` HELLO challenges: a HELLO captured and
+sent to a ps process that never saw its challenge opens a session, which nobody without the key can use.
+
+Limits (``Limits``): a message's frame count and total size are checked before its signature is
+computed; its tensor count, each shape's elements and its JSON frame's size before anything is
+allocated from them.
 
 What a ps does with a message that fails a check (see ``ps.py``): it drops it and counts it under
 the name of the error class's ``counter`` (unsigned, bad_signature, replayed, malformed), and
@@ -133,8 +137,8 @@ class Message:
 
 @dataclass(frozen=True)
 class Limits:
-    """The most one message may hold. A ps checks them before it computes the signature or allocates
-    anything a size field asks for; it tightens them to its model once a run is initialized."""
+    """The most one message may hold (see the module docstring for when each is checked); a ps holds the
+    requests of an initialized run to the sizes of its variables."""
 
     max_tensors: int = 1 << 18
     max_json_bytes: int = 4 << 20
