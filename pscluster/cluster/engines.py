@@ -3,12 +3,14 @@ behind.
 
 Local engines are watched by pid, and a reaper process kills them if this process dies. Engines on other
 hosts (ssh, mpi, slurm) are watched through the controller's heartbeats: one that misses them is
-unregistered, and counts as lost; they end themselves once the controller is gone (the reaper stops
-the controller), and are stopped through ipyparallel (client shutdown, then the launcher's stop).
+unregistered, and counts as lost; they end themselves once the controller is unreachable for a while
+(stopped, killed by the reaper with its kernel, or cut off: ``runtime.engine.watch_controller``), and are
+stopped through ipyparallel (client shutdown, then the launcher's stop).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -63,6 +65,8 @@ class EngineSet:
         except BaseException:
             self.stop()
             raise
+        if not self.launcher.local:
+            self.client[[e.engine_id for e in engines]].apply_sync(_watch_controller, *self._controller_endpoint())
         local = [e.pid for e in engines] if self.launcher.local else []
         self.pids = _with_descendants(local + [self._ipp.controller.pid])
         self.engines = {e.engine_id: e.pid for e in engines}
@@ -74,6 +78,12 @@ class EngineSet:
         asked = [self.client[e].apply_async(_describe, self.launcher.controller_ip()) for e in engine_ids]
         return [EngineInfo(engine_id=e, host=i["host"], pid=i["pid"], address=i["address"], gpus=i["gpus"])
                 for e, i in zip(engine_ids, (a.get(self.timeout) for a in asked))]
+
+    def _controller_endpoint(self) -> tuple[str, int]:
+        """The controller's registration address, as its engines reach it."""
+        with open(self._ipp.controller.connection_files["engine"]) as f:
+            info = json.load(f)
+        return info["interface"].rpartition("/")[2], info["registration"]
 
     def _hint(self) -> str:
         return {"local": "check the machine's load and try again",
@@ -129,6 +139,8 @@ class EngineSet:
                                         "check the machine's load")
             time.sleep(0.05)
         info = self._describe([min(new)])[0]
+        if not self.launcher.local:
+            self.client[info.engine_id].apply_sync(_watch_controller, *self._controller_endpoint())
         if self.launcher.local:
             self.pids = list(dict.fromkeys(self.pids + _with_descendants([info.pid])))
         self.engines[info.engine_id] = info.pid
@@ -226,6 +238,12 @@ def _addresses(host: str) -> set[str]:
         return {a[4][0] for a in socket.getaddrinfo(host, None)}
     except OSError:
         return set()
+
+
+def _watch_controller(host, port):
+    from pscluster.runtime.engine import watch_controller
+
+    watch_controller(host, port)
 
 
 def _describe(controller_ip):

@@ -28,12 +28,18 @@ from ..runtime.engine import route_address
 
 KINDS = ("local", "ssh", "mpi", "slurm")
 LOOPBACK = "127.0.0.1"
-# Remote engines are declared lost after CONTROLLER_HB_MISSES missed heartbeats (HB_PERIOD_MS apart), and end
-# themselves once they have missed ENGINE_HB_MISSES of the controller's (a controller that went away).
+# Remote engines are declared lost after CONTROLLER_HB_MISSES missed heartbeats (HB_PERIOD_MS apart). (They end
+# themselves when the controller goes away through runtime.engine.watch_controller: ipyparallel 9's own
+# IPEngine.max_heartbeat_misses check never runs under ipykernel 7.)
 HB_PERIOD_MS = 1000
 CONTROLLER_HB_MISSES = 4
-ENGINE_HB_MISSES = 10
 _IPP_CLASS = {"local": "local", "ssh": "ssh", "mpi": "mpi", "slurm": "slurm"}
+
+
+def _slurm_template() -> str:
+    from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
+
+    return SlurmEngineSetLauncher.class_traits()["default_template"].default_value
 
 
 def parse_hosts(hosts) -> dict[str, int | None]:
@@ -87,7 +93,7 @@ class Launcher:
     one holds a ps). ``interface``: the address the controller and the metrics collector listen on.
     ``ports``: ``(lo, hi)`` range for the data-plane and metrics ports. ssh: ``ssh_args`` (e.g. ``-i KEY``),
     ``remote_python`` (default: this interpreter's path), ``remote_profile_dir``. slurm: ``partition``,
-    ``account``, ``time_limit``, ``qos``, ``sbatch_args`` (extra ``#SBATCH`` lines' arguments). mpi:
+    ``account``, ``time_limit``, ``qos``, ``sbatch_args`` (more ``#SBATCH`` lines, e.g. ``--nodes=2``). mpi:
     ``mpi_args`` (e.g. ``--hostfile FILE``).
     """
 
@@ -205,8 +211,6 @@ class Launcher:
     def engine_options(self, counts: dict[str, int] | None = None) -> dict:
         """Keyword arguments of the engine launcher (``start_engines``); ``counts``: engines per ssh host."""
         options: dict = {}
-        if not self.local:
-            options["engine_args"] = [f"--IPEngine.max_heartbeat_misses={ENGINE_HB_MISSES}"]
         if self.kind == "ssh":
             options["engines"] = dict(counts or {})
             options["ssh_args"] = list(self.ssh_args)
@@ -219,8 +223,11 @@ class Launcher:
         elif self.kind == "slurm":
             options.update({k: v for k, v in (("queue", self.partition), ("account", self.account),
                                               ("timelimit", self.time_limit), ("qos", self.qos)) if v})
-            if self.sbatch_args:
-                options["options"] = "\n".join(f"#SBATCH {a}" for a in self.sbatch_args)
+            if self.sbatch_args:  # ipyparallel's own engine job script, with these lines after its first; the
+                # task count stated too (ipyparallel would take a --nodes line for one and leave it out)
+                shebang, rest = _slurm_template().split("\n", 1)
+                lines = ["#SBATCH --ntasks={n}", *(f"#SBATCH {a}" for a in self.sbatch_args)]
+                options["default_template"] = "\n".join([shebang, *lines, rest])
         return options
 
     def bind_host(self, engine_address: str | None) -> str:

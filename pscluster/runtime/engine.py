@@ -11,6 +11,8 @@ import errno
 import os
 import random
 import socket
+import threading
+import time
 
 import cloudpickle
 import torch
@@ -40,6 +42,24 @@ def route_address(target: str) -> str | None:
             return s.getsockname()[0]
     except OSError:
         return None
+
+
+def watch_controller(host: str, port: int, period_s: float = 1.5, misses: int = 10) -> None:
+    """End this engine process once the controller at ``host:port`` has refused or not answered ``misses``
+    connection attempts in a row, ``period_s`` apart: a remote engine ends with its cluster (a controller
+    stopped or killed with its kernel, a link cut) instead of serving forever."""
+    def watch():
+        missed = 0
+        while missed < misses:
+            time.sleep(period_s)
+            try:
+                socket.create_connection((host, port), timeout=period_s).close()
+                missed = 0
+            except OSError:
+                missed += 1
+        os._exit(3)
+
+    threading.Thread(target=watch, name="pscluster-controller-watch", daemon=True).start()
 
 
 def configure_task(device: str, threads: int) -> None:
