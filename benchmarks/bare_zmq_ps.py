@@ -4,7 +4,7 @@ float32 buffer; each step a worker pushes its flat gradient and gets the paramet
 on arrival). SGD, no signing, no checks.
 
     python -m benchmarks.bare_zmq_ps ps PORT WORKERS sync|async
-    python -m benchmarks.bare_zmq_ps worker PORT RANK WORKERS STEPS
+    python -m benchmarks.bare_zmq_ps worker PORT RANK WORKERS     (one round per step count read from stdin)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import zmq
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from .procs import serve_rounds
 from .workload import LR, Clock, batches, model_fn
 
 
@@ -49,33 +50,36 @@ def serve(port: int, workers: int, mode: str) -> None:
     sock.close(linger=0)
 
 
-def train(port: int, rank: int, workers: int, steps: int) -> None:
+def train(port: int, rank: int, workers: int) -> None:
     model = model_fn()
     loss_fn = torch.nn.CrossEntropyLoss()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{port}")
     sock.send(b"p")
     reply = sock.recv(copy=False)
-    clock, data = Clock(), batches(rank, workers)
-    for _ in range(steps):
-        with torch.no_grad():
-            vector_to_parameters(torch.frombuffer(reply.buffer, dtype=torch.float32), model.parameters())
-        x, y = next(data)
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        sock.send_multipart([b"g", grad.numpy()], copy=False)
-        reply = sock.recv(copy=False)
-        clock.tick()
+
+    def steps(n: int) -> dict:
+        nonlocal reply
+        clock, data = Clock(), batches(rank, workers)
+        for _ in range(n):
+            with torch.no_grad():
+                vector_to_parameters(torch.frombuffer(reply.buffer, dtype=torch.float32), model.parameters())
+            x, y = next(data)
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            sock.send_multipart([b"g", grad.numpy()], copy=False)
+            reply = sock.recv(copy=False)
+            clock.tick()
+        return clock.result()
+    serve_rounds(steps)
     sock.send(b"x")
     sock.close(linger=1000)
-    clock.report()
 
 
 if __name__ == "__main__":
     role, port, *rest = sys.argv[1:]
     if role == "ps":
         serve(int(port), int(rest[0]), rest[1])
-        print("{}")
     else:
         train(int(port), *map(int, rest))

@@ -16,40 +16,47 @@ from .common import Result, Target, alternate, compare, repetitions
 WORKERS = 2
 
 
-def _total(outs: list[dict]) -> float:
-    return sum(o["samples_per_s"] for o in outs)
+def pscluster(mode: str) -> procs.Rounds:
+    cluster = procs.PSProcesses(1, workers=WORKERS)
+    workers = [procs.spawn("workload", "pscluster", mode, **cluster.worker_env(i)) for i in range(WORKERS)]
+    return procs.Rounds(workers, after=cluster.close)
 
 
-def pscluster(mode: str, steps: int) -> float:
-    with procs.PSProcesses(1, workers=WORKERS) as cluster:
-        return _total(procs.outputs([procs.spawn("workload", "pscluster", mode, steps, **cluster.worker_env(i))
-                                     for i in range(WORKERS)]))
-
-
-def ddp(steps: int) -> float:
+def ddp() -> procs.Rounds:
     (port,) = procs.free_ports(1)
-    return _total(procs.outputs([procs.spawn("ddp", rank, WORKERS, steps, port) for rank in range(WORKERS)]))
+    return procs.Rounds([procs.spawn("ddp", rank, WORKERS, port) for rank in range(WORKERS)])
 
 
-def rpc_ps(steps: int) -> float:
+def rpc_ps() -> procs.Rounds:
     (port,) = procs.free_ports(1)
-    outs = procs.outputs([procs.spawn("rpc_ps", rank, WORKERS, steps, port) for rank in range(WORKERS + 1)])
-    return _total(outs[0]["workers"])
+    ps, *trainers = [procs.spawn("rpc_ps", rank, WORKERS, port) for rank in range(WORKERS + 1)]
+    return procs.Rounds([ps], trainers)
 
 
-def bare(mode: str, steps: int) -> float:
+def bare(mode: str) -> procs.Rounds:
     (port,) = procs.free_ports(1)
     ps = procs.spawn("bare_zmq_ps", "ps", port, WORKERS, mode)
-    workers = [procs.spawn("bare_zmq_ps", "worker", port, rank, WORKERS, steps) for rank in range(WORKERS)]
-    return _total(procs.outputs(workers)) + 0 * len(procs.outputs([ps]))
+    return procs.Rounds([procs.spawn("bare_zmq_ps", "worker", port, rank, WORKERS) for rank in range(WORKERS)], [ps])
+
+
+def aggregate(outs: list[dict]) -> float:
+    """Samples/s of all workers together: the sum of each one's (the rpc ps reports its trainers')."""
+    return sum(o["samples_per_s"] for out in outs for o in out.get("workers", [out]))
 
 
 def run(tiny: bool, out_dir: Path) -> Result:
-    steps = 40 if tiny else 150
-    speeds = alternate({"sync": lambda: pscluster("sync", steps), "async": lambda: pscluster("async", steps),
-                        "ddp": lambda: ddp(steps), "rpc": lambda: rpc_ps(steps),
-                        "bare sync": lambda: bare("sync", steps), "bare async": lambda: bare("async", steps)},
-                       repetitions(tiny))
+    steps = 80 if tiny else 300
+    systems = {}
+    try:
+        for name, start in (("sync", lambda: pscluster("sync")), ("async", lambda: pscluster("async")),
+                            ("ddp", ddp), ("rpc", rpc_ps), ("bare sync", lambda: bare("sync")),
+                            ("bare async", lambda: bare("async"))):
+            systems[name] = start()
+        speeds = alternate({name: (lambda r=r: aggregate(r.round(steps))) for name, r in systems.items()},
+                           repetitions(tiny))
+    finally:
+        for r in systems.values():
+            r.close()
     result = Result("peers", "Peers on the same work (MLP 784-256-10, batch 128 per worker, SGD)", tiny)
     unit = "samples/s"
     for mode, ddp_goal in (("sync", 1.5), ("async", 1.7)):
@@ -65,5 +72,8 @@ def run(tiny: bool, out_dir: Path) -> Result:
     result.rows.append(compare("bare ZeroMQ ps (async) vs DDP", "bare ZeroMQ ps async", speeds["bare async"],
                                "DDP gloo, 2 processes", speeds["ddp"], unit))
     result.notes.append(f"{steps} steps per worker per repetition, the first 20 left out; every process has one "
-                        "torch thread (3 processes for the ps systems, 2 for DDP) on this machine's cores.")
+                        "torch thread (3 processes for the ps systems, 2 for DDP) on this machine's cores. Each "
+                        "system's processes are started once and run one repetition per command (idle, blocked "
+                        "on a pipe, while the others run); each pscluster repetition is a new run (INIT by the "
+                        "chief).")
     return result

@@ -1,14 +1,17 @@
 """Processes of the benchmarks: ps tasks served by ``python -m pscluster.runtime`` (the product's own
-standalone ps), and benchmark roles run as ``python -m benchmarks.<module> ...`` children that print
-one JSON line as their last line of output."""
+standalone ps), and benchmark roles run as ``python -m benchmarks.<module> ...`` children, started once per
+contender and told to run one round at a time (so that rounds of several contenders alternate without
+paying for process starts)."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,39 +29,85 @@ def child_env(threads: int = 1, **extra: str) -> dict:
     return env
 
 
+_given: set[int] = set()  # ports handed out already: their processes may not have bound them yet
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` loopback ports free right now."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
+    """``n`` loopback ports free right now, none handed out before by this process."""
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            ports.append(port)
+    return ports
 
 
 def spawn(module: str, *args, threads: int = 1, **env: str) -> subprocess.Popen:
-    """``python -m benchmarks.<module> args...`` with its output captured."""
-    return subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", *map(str, args)], cwd=ROOT,
-                            env=child_env(threads, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    """``python -m benchmarks.<module> args...``: commands on its stdin, JSON lines on its stdout, its error
+    output in a temporary file (read back when it fails)."""
+    errors = tempfile.TemporaryFile()
+    child = subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", *map(str, args)], cwd=ROOT,
+                             env=child_env(threads, **env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=errors, text=True)
+    child.errors = errors
+    return child
 
 
-def outputs(children: list[subprocess.Popen], timeout: float = 300) -> list[dict]:
-    """The JSON line each child printed last; RuntimeError with its error output if one failed."""
-    out = []
-    for child in children:
-        try:
-            stdout, stderr = child.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for c in children:
-                c.kill()
-            raise RuntimeError(f"{child.args[2:]} ran past {timeout:.0f}s") from None
-        if child.returncode != 0:
-            raise RuntimeError(f"{child.args[2:]} failed (exit {child.returncode}): {stderr[-2000:]}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return out
+def _failure(child: subprocess.Popen, what: str) -> RuntimeError:
+    child.kill()
+    child.wait()
+    child.errors.seek(0)
+    return RuntimeError(f"{child.args[2:]} {what}: {child.errors.read()[-2000:].decode(errors='replace')}")
+
+
+def read_json(child: subprocess.Popen, timeout: float = 300) -> dict:
+    """The next JSON line ``child`` prints (other lines skipped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not select.select([child.stdout], [], [], deadline - time.monotonic())[0]:
+            break
+        line = child.stdout.readline()
+        if not line:
+            raise _failure(child, f"ended (exit {child.wait()})")
+        if line.startswith("{"):
+            return json.loads(line)
+    raise _failure(child, f"printed no result within {timeout:.0f}s")
+
+
+class Rounds:
+    """The processes of one contender, started once, that run one round per command: each of ``commanded``
+    is sent a line with the round's steps and answers one JSON line; ``after`` runs once they have ended."""
+
+    def __init__(self, commanded: list[subprocess.Popen], others: list[subprocess.Popen] = (), after=None):
+        self.commanded, self.others, self.after = commanded, list(others), after
+
+    def round(self, steps: int) -> list[dict]:
+        for child in self.commanded:
+            child.stdin.write(f"{steps}\n")
+            child.stdin.flush()
+        return [read_json(child) for child in self.commanded]
+
+    def close(self) -> None:
+        """End of input for the commanded processes: every process ends (killed after 30 s)."""
+        for child in self.commanded:
+            child.stdin.close()
+        for child in self.commanded + self.others:
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        if self.after is not None:
+            self.after()
+
+
+def serve_rounds(run_round) -> None:
+    """A child's side of ``Rounds``: for each line of stdin (a step count), print ``run_round(steps)`` as JSON."""
+    for line in sys.stdin:
+        print(json.dumps(run_round(int(line))), flush=True)
 
 
 class PSProcesses:

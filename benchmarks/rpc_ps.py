@@ -3,12 +3,12 @@ Processing Using Asynchronous Executions" does: rank 0 owns a BatchUpdateParamet
 their gradients with ``rpc_sync`` to ``update_and_fetch_model``, an ``@async_execution`` function that
 sums them and, once every trainer's are in, applies the mean and returns the model to all of them.
 
-    python -m benchmarks.rpc_ps RANK WORKERS STEPS PORT     (rank 0: the ps; it prints every trainer's speed)
+    python -m benchmarks.rpc_ps RANK WORKERS PORT     (rank 0, the ps, runs one round per step count read
+                                                      from stdin and prints every trainer's speed)
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -16,6 +16,7 @@ import threading
 import torch
 import torch.distributed.rpc as rpc
 
+from .procs import serve_rounds
 from .workload import LR, Clock, batches, model_fn
 
 
@@ -67,17 +68,18 @@ def run_trainer(ps_rref, rank: int, workers: int, steps: int) -> dict:
     return clock.result()
 
 
-def main(rank: int, workers: int, steps: int, port: int) -> None:
+def main(rank: int, workers: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rpc.init_rpc("ps" if rank == 0 else f"trainer{rank}", rank=rank, world_size=workers + 1)
-    results = []
     if rank == 0:
         ps_rref = rpc.RRef(BatchUpdateParameterServer(workers))
-        futures = [rpc.rpc_async(f"trainer{r}", run_trainer, args=(ps_rref, r - 1, workers, steps))
-                   for r in range(1, workers + 1)]
-        results = torch.futures.wait_all(futures)
+
+        def train(steps: int) -> dict:
+            futures = [rpc.rpc_async(f"trainer{r}", run_trainer, args=(ps_rref, r - 1, workers, steps))
+                       for r in range(1, workers + 1)]
+            return {"workers": torch.futures.wait_all(futures)}
+        serve_rounds(train)
     rpc.shutdown()
-    print(json.dumps({"workers": results}))
 
 
 if __name__ == "__main__":

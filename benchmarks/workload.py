@@ -2,13 +2,15 @@
 fixed synthetic data set, and how a worker's speed is measured (steady-state samples/s, the first
 ``WARMUP`` steps left out).
 
-    python -m benchmarks.workload plain STEPS           a plain single-process loop
-    python -m benchmarks.workload pscluster MODE STEPS   a pscluster worker (PSCLUSTER_CONFIG set)
+    python -m benchmarks.workload plain            a plain single-process loop
+    python -m benchmarks.workload pscluster MODE   a pscluster worker (PSCLUSTER_CONFIG set)
+
+Both run one round per step count read from stdin (see ``procs.Rounds``).
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 import sys
 import time
 
@@ -16,9 +18,12 @@ import torch
 
 from pscluster.runtime.data import sharded_batches
 
+from .procs import serve_rounds
+
 BATCH = 128
 LR = 0.01
 WARMUP = 20  # steps left out of every speed: connections, first allocations
+TICK = 10  # a pscluster worker's clock ticks with its progress lines, one every TICK steps
 SAMPLES = 8192
 
 
@@ -68,9 +73,6 @@ class Clock:
         rate = (self.ticks - self.first_tick) * BATCH / seconds if seconds > 0 else float("nan")
         return {"samples_per_s": rate, "steps": self.ticks, **extra}
 
-    def report(self, **extra) -> None:
-        """Print the JSON line the parent reads."""
-        print(json.dumps(self.result(**extra)), flush=True)
 
 
 def local_loop(model: torch.nn.Module, steps: int, rank: int = 0, world: int = 1) -> Clock:
@@ -87,29 +89,33 @@ def local_loop(model: torch.nn.Module, steps: int, rank: int = 0, world: int = 1
     return clock
 
 
-def plain_loop(steps: int) -> None:
+def plain_rounds() -> None:
     """The reference: one process, forward, backward, optimizer step."""
     torch.manual_seed(0)
-    local_loop(model_fn(), steps).report()
+    model = model_fn()
+    serve_rounds(lambda steps: local_loop(model, steps).result())
 
 
-def pscluster_worker(mode: str, local_steps: int) -> None:
-    """A worker of the real runtime (``train_from_environment``) for about ``local_steps`` steps: its progress
-    lines, one every ``WARMUP`` steps, are its clock."""
+def pscluster_rounds(mode: str) -> None:
+    """A worker of the real runtime (``train_from_environment``): each round a new run (INIT by the chief) of
+    about ``steps`` steps of this worker; its progress lines, one every ``TICK`` steps, are its clock."""
     from pscluster.runtime.standalone import train_from_environment
     from pscluster.spec import from_environment
     world = len(from_environment()[0].workers)
-    clock = Clock()
-    summary = train_from_environment(model_fn, Synthetic(), torch.nn.CrossEntropyLoss(), optimizer="sgd", lr=LR,
-                                     mode=mode, steps=local_steps * (1 if mode == "sync" else world),
-                                     batch_size=BATCH, log_every=WARMUP,
-                                     log=lambda line: clock.tick(WARMUP))
-    clock.report(dropped=summary["dropped"], compute_s=summary["compute_s"], comm_s=summary["comm_s"],
-                 wait_s=summary["wait_s"])
+    runs = itertools.count(1)
+
+    def run(steps: int) -> dict:
+        clock = Clock()
+        summary = train_from_environment(model_fn, Synthetic(), torch.nn.CrossEntropyLoss(), optimizer="sgd",
+                                         lr=LR, mode=mode, steps=steps * (1 if mode == "sync" else world),
+                                         batch_size=BATCH, log_every=TICK, run_id=next(runs),
+                                         log=lambda line: clock.tick(TICK))
+        return clock.result(**{k: summary[k] for k in ("dropped", "compute_s", "comm_s", "wait_s")})
+    serve_rounds(run)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "plain":
-        plain_loop(int(sys.argv[2]))
+        plain_rounds()
     else:
-        pscluster_worker(sys.argv[2], int(sys.argv[3]))
+        pscluster_rounds(sys.argv[2])
