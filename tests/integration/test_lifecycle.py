@@ -118,3 +118,22 @@ def test_a_detached_cluster_outlives_its_owner_and_a_later_process_takes_over_it
             assert wait_dead(every, timeout=10) == []
         assert wait_dead(pids, timeout=10) == []
     assert name not in [c["name"] for c in pscluster.clusters()]
+
+
+def test_two_clusters_with_one_port_range_bind_loopback_ports_apart_and_a_rerun_finds_free_ones(start_cluster):
+    ports = (43100, 43104)  # 2 ps + 1 collector each time, two clusters at once: the range is nearly full
+    first = start_cluster(ps=2, workers=1, ports=ports, threads=1)
+    second = start_cluster(ps=1, workers=1, ports=ports, threads=1)
+    runs = [c.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1, steps=20,
+                    batch_size=32, checkpoint_secs=None) for c in (first, second)]
+    addresses = [t.address for c in (first, second) for t in c.spec.ps] + [r.collector.address for r in runs]
+    assert len(set(addresses)) == len(addresses) == 5
+    for address in addresses:  # the data plane and the metrics listen on loopback only, in the range
+        host, port = address[len("tcp://"):].rsplit(":", 1)
+        assert host == "127.0.0.1" and ports[0] <= int(port) <= ports[1]
+    for run in runs:
+        assert run.wait(verbose=False).global_step == 20
+    rerun = first.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1, steps=10,
+                        batch_size=32, checkpoint_secs=None)
+    assert ports[0] <= int(rerun.collector.address.rsplit(":", 1)[1]) <= ports[1]
+    assert rerun.wait(verbose=False).global_step == 10

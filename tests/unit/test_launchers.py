@@ -1,0 +1,137 @@
+"""Launcher options: validation with one-line errors, placement of the tasks on hosts, the ipyparallel options
+they become, role assignment by machine with per-host GPUs, and picking ports in a range."""
+
+import socket
+
+import pytest
+import zmq
+
+from pscluster.cluster.launchers import Launcher, parse_hosts
+from pscluster.cluster.roles import EngineInfo, assign_roles, host_gpus
+from pscluster.errors import ConfigError
+from pscluster.magics import _parsers
+from pscluster.runtime.engine import bind_in_range, route_address
+
+
+@pytest.mark.parametrize("kwargs, fix", [
+    ({"kind": "ssh"}, "needs hosts"),
+    ({"kind": "nfs"}, "use one of local, ssh, mpi, slurm"),
+    ({"kind": "local", "hosts": ["a"]}, "use launcher='ssh'"),
+    ({"kind": "slurm", "hosts": ["a"]}, "--nodes=2"),
+    ({"kind": "ssh", "hosts": ["a"], "partition": "gpu"}, "partition are slurm launcher options"),
+    ({"kind": "local", "mpi_args": ["-n"]}, "mpi_args are mpi launcher options"),
+    ({"kind": "ssh", "hosts": ["a", "b"], "ps_hosts": ["c"]}, "ps host 'c' is not one of the hosts"),
+    ({"kind": "ssh", "hosts": ["a"], "interface": "eth0"}, "give an IP address"),
+    ({"kind": "local", "interface": "10.0.0.1"}, "listens on 127.0.0.1 only"),
+    ({"ports": "9-8"}, "1024 <= LO <= HI"),
+    ({"ports": "abc"}, "give a range LO-HI"),
+    ({"kind": "ssh", "hosts": "a=x"}, "HOST=ENGINES"),
+    ({"kind": "ssh", "hosts": "a,a"}, "listed twice"),
+])
+def test_bad_options_are_refused_in_one_line_naming_the_fix(kwargs, fix):
+    with pytest.raises(ConfigError) as e:
+        Launcher(**kwargs)
+    assert fix in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hosts_parse_from_text_lists_and_dicts():
+    assert parse_hosts("root@a:2222, b=2") == {"root@a:2222": None, "b": 2}
+    assert parse_hosts(["a", "b=3"]) == {"a": None, "b": 3}
+    assert parse_hosts({"a": 1}) == {"a": 1}
+
+
+def test_ps_go_to_the_ps_hosts_and_workers_to_the_others():
+    launcher = Launcher("ssh", hosts=["a", "b", "c"], ps_hosts=["a"])
+    assert launcher.task_hosts(1, 4) == (["a"], ["b", "c", "b", "c"])
+    assert launcher.engine_counts(1, 4) == {"a": 1, "b": 2, "c": 2}
+    # default: the first host holds the ps tasks; a single host holds everything
+    assert Launcher("ssh", hosts=["x", "y"]).task_hosts(2, 1) == (["x", "x"], ["y"])
+    assert Launcher("ssh", hosts=["x"]).task_hosts(1, 2) == (["x"], ["x", "x"])
+    # ps hosts named by machine also match user@host:port entries
+    assert Launcher("ssh", hosts=["u@a:22", "b"], ps_hosts=["a"]).task_hosts(1, 1) == (["u@a:22"], ["b"])
+
+
+def test_engine_counts_must_hold_the_tasks_exactly():
+    launcher = Launcher("ssh", hosts="a=2,b=2", ps_hosts="a")
+    assert launcher.task_hosts(1, 3) == (["a"], ["a", "b", "b"])
+    with pytest.raises(ConfigError, match="adding up to 5"):
+        launcher.task_hosts(1, 4)
+    with pytest.raises(ConfigError, match="give every host a count"):
+        Launcher("ssh", hosts="a=2,b").task_hosts(1, 2)
+    with pytest.raises(ConfigError, match="have 1 engines for 2 ps"):
+        Launcher("ssh", hosts="a=1,b=3", ps_hosts="a").task_hosts(2, 2)
+
+
+def test_ipyparallel_options_of_each_launcher():
+    local = Launcher()
+    assert local.cluster_options() == {"engine_launcher_class": "local", "controller_ip": "127.0.0.1"}
+    assert local.engine_options() == {} and local.bind_host("10.0.0.5") == "127.0.0.1"
+    ssh = Launcher("ssh", hosts=["127.0.0.1"], ssh_args=["-p", "2222", "-i", "k"], remote_python="/opt/py")
+    options = ssh.engine_options({"127.0.0.1": 3})
+    assert options["engines"] == {"127.0.0.1": 3} and options["remote_python"] == "/opt/py"
+    assert options["scp_args"] == ["-P", "2222", "-i", "k"]  # scp names the port -P
+    cluster = ssh.cluster_options()
+    assert cluster["engine_launcher_class"] == "ssh" and cluster["controller_ip"] == "127.0.0.1"
+    assert any(a.startswith("--HeartMonitor.max_heartmonitor_misses=") for a in cluster["controller_args"])
+    assert Launcher("mpi", mpi_args=["--hostfile", "h"]).engine_options()["mpi_args"] == ["--hostfile", "h"]
+    assert Launcher("mpi", interface="127.0.0.1").controller_ip() == "127.0.0.1"
+    slurm = Launcher("slurm", partition="p", account="a", time_limit="10", interface="10.1.2.3").engine_options()
+    assert slurm == {"queue": "p", "account": "a", "timelimit": "10"}
+    assert Launcher("slurm", interface="10.1.2.3").bind_host("10.1.2.9") == "10.1.2.9"
+
+
+def test_roles_by_machine_with_gpus_per_host():
+    engines = [EngineInfo(0, "n1", 10, "10.0.0.1", gpus=0), EngineInfo(1, "n2", 11, "10.0.0.2", gpus=2),
+               EngineInfo(2, "n2", 12, "10.0.0.2", gpus=2), EngineInfo(3, "n2", 13, "10.0.0.2", gpus=2),
+               EngineInfo(4, "n1", 14, "10.0.0.1", gpus=0)]
+    gpus = host_gpus(engines, None)
+    spec = assign_roles(engines, 1, 4, gpus=gpus, ps_machines=["10.0.0.2"], bind_host=lambda e: e.address)
+    assert [(t.engine_id, t.host) for t in spec.ps] == [(1, "10.0.0.2")]
+    assert [(t.engine_id, t.device) for t in spec.workers] == [(0, "cpu"), (2, "cuda:0"), (3, "cuda:1"),
+                                                              (4, "cpu")]
+    with pytest.raises(ConfigError, match="host 10.0.0.1 has 0"):
+        host_gpus(engines, 1)
+    with pytest.raises(ConfigError, match="no engine registered from 10.9.9.9"):
+        assign_roles(engines, 1, 1, ps_machines=["10.9.9.9"])
+
+
+def test_ports_are_picked_free_in_the_range():
+    ctx = zmq.Context.instance()
+    taken = ctx.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1", min_port=43000, max_port=43010)
+
+    def bind(p):
+        s = ctx.socket(zmq.ROUTER)
+        try:
+            s.bind(f"tcp://127.0.0.1:{p}")
+        except zmq.ZMQError:
+            s.close()
+            raise
+        return s, p
+
+    sockets = [taken]
+    try:
+        sock, got = bind_in_range(bind, (port, port + 1))
+        sockets.append(sock)
+        assert got == port + 1  # the taken one skipped
+        with pytest.raises(OSError, match="wider --ports range"):
+            bind_in_range(bind, (port, port + 1))
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def test_route_address_is_this_machines_address_towards_a_target():
+    assert route_address("127.0.0.1") == "127.0.0.1"
+    assert route_address("host.invalid") is None
+    assert socket.inet_aton(route_address("127.0.0.1"))
+
+
+def test_start_magic_takes_the_launcher_options():
+    args = _parsers()["start"].parse_args(
+        ["--launcher", "slurm", "--partition", "gpu", "--account", "a", "--time-limit", "01:00:00",
+         "--sbatch-arg=--nodes=2", "--ports", "40000-40100", "--interface", "10.0.0.1"])
+    assert (args.launcher, args.partition, args.time_limit, args.sbatch_args) == ("slurm", "gpu", "01:00:00",
+                                                                                  ["--nodes=2"])
+    with pytest.raises(ConfigError, match="invalid choice"):
+        _parsers()["start"].parse_args(["--launcher", "pbs"])
