@@ -84,9 +84,10 @@ class Rounds:
     def __init__(self, commanded: list[subprocess.Popen], others: list[subprocess.Popen] = (), after=None):
         self.commanded, self.others, self.after = commanded, list(others), after
 
-    def round(self, steps: int) -> list[dict]:
+    def round(self, *command) -> list[dict]:
+        """Send ``command`` (numbers: a round's size) to every commanded process; their answers."""
         for child in self.commanded:
-            child.stdin.write(f"{steps}\n")
+            child.stdin.write(" ".join(map(str, command)) + "\n")
             child.stdin.flush()
         return [read_json(child) for child in self.commanded]
 
@@ -105,9 +106,9 @@ class Rounds:
 
 
 def serve_rounds(run_round) -> None:
-    """A child's side of ``Rounds``: for each line of stdin (a step count), print ``run_round(steps)`` as JSON."""
+    """A child's side of ``Rounds``: for each line of stdin (numbers), print ``run_round(*numbers)`` as JSON."""
     for line in sys.stdin:
-        print(json.dumps(run_round(int(line))), flush=True)
+        print(json.dumps(run_round(*(float(x) if "." in x else int(x) for x in line.split()))), flush=True)
 
 
 class PSProcesses:
