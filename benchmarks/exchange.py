@@ -164,7 +164,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
         with procs.PSProcesses(num_ps) as cluster:
             with RawServers(num_ps) as raw:
                 for mb in sizes:
-                    trips = 2 if tiny else max(1, int(32 // mb))
+                    trips = 2 if tiny else max(1, int(16 // mb))
                     gbps = bandwidth(mb, num_ps, cluster, raw, run_id, trips, repetitions(tiny))
                     run_id += 1
                     result.rows.append(compare(f"{mb:g} MB, {num_ps} ps", "pscluster", gbps["pscluster"], "raw ZeroMQ",

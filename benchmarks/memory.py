@@ -82,8 +82,8 @@ def run(tiny: bool, out_dir: Path) -> Result:
                                "N", [(nbytes - small) / MB] * len(added), "MB", Target(3.3, higher=False),
                                note=f"peak gained holding N / 64: median {statistics.median(peaks['small']):.0f} MB"))
     segment, segments = (50, 2) if tiny else (2000, 5)
-    ends, starts = growth(MB, warmup=segment // 4, segment=segment, segments=segments)
-    result.rows.append(compare(f"RSS over {segments} x {segment} push-pull steps, 1 MB with Adam",
+    ends, starts = growth(MB // 4, warmup=segment // 4, segment=segment, segments=segments)
+    result.rows.append(compare(f"RSS over {segments} x {segment} push-pull steps, 256 KB with Adam",
                                "RSS after a segment", ends, "RSS before it", starts, "MB", Target(1.01, higher=False),
                                note=f"{segments * segment + segment // 4} steps in all"))
     result.notes.append("Each ps is a fresh `python -m pscluster.runtime` process; its RSS before INIT (torch "

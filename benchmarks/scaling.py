@@ -122,7 +122,7 @@ def plot(curves: dict[int, dict[int, float]], single: dict[int, float], path: Pa
 def run(tiny: bool, out_dir: Path) -> Result:
     counts = (2, 4) if tiny else (8, 16, 32, 64)
     ps_counts = (1,) if tiny else (1, 2, 4)
-    window = 0.3 if tiny else 0.6
+    window = 0.3 if tiny else 0.5
     numel = 64 * 1024  # 256 KB: far from loopback bandwidth even at 64 workers
     result = Result("scaling", "Scaling by simulation: workers that sleep 50 ms per step, async", tiny)
     curves, single = {}, {}
