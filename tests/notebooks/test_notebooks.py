@@ -108,3 +108,14 @@ def test_fault_tolerance_recovers_from_a_lost_worker_and_a_lost_ps(tmp_path):
     # scaled from 1 to 3 workers during a run, then stopped: every ps on one step, and checkpointed there
     assert report["scaled_workers"] == 3 and report["scaled_status"] == "stopped"
     assert report["scaled_checkpoint_step"] == report["scaled_stop_step"] > 100
+
+
+def test_multi_node_runs_its_local_part_on_loopback_ports_of_the_range(tmp_path):
+    nb = execute("05_multi_node", tmp_path)
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    addresses = re.findall(r"tcp://([\d.]+):(\d+)", text)
+    assert len(addresses) >= 6  # 2 ps and the collector, then the same ps and the second cluster's
+    assert all(host == "127.0.0.1" and 42500 <= int(port) <= 42599 for host, port in addresses)
+    second = text.split("second:")[1]
+    assert not set(re.findall(r":(\d+)'", second)) & set(re.findall(r":(\d+)'", text.split("second:")[0]))
+    assert "global step 100" in text
