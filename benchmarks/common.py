@@ -138,10 +138,14 @@ class Result:
 
 def run_benchmark(name: str, fn: Callable[[bool, Path], Result], tiny: bool, out_dir: Path) -> dict:
     """Run one benchmark (``fn(tiny, out_dir)``), with the load average before and after, and write its JSON
-    to ``out_dir``; returns it."""
+    to ``out_dir``; returns it (when it failed: no rows, the error in ``skipped``, ``extra["failed"]``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     before, start = os.getloadavg(), time.monotonic()
-    result = fn(tiny, out_dir)
+    try:
+        result = fn(tiny, out_dir)
+    except Exception as e:  # one benchmark failing leaves the others' results, and says why in its own
+        result = Result(name, f"{name} (failed)", tiny, skipped=f"failed: {type(e).__name__}: {e}",
+                        extra={"failed": True})
     data = result.to_dict(load_before=before, load_after=os.getloadavg(), seconds=time.monotonic() - start)
     (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     return data

@@ -10,6 +10,7 @@ nothing). The tables list every JSON file in ``--out``, so ``--only`` updates so
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -28,16 +29,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results", help="where the JSON results go")
     parser.add_argument("--readme", type=Path, default=HERE / "README.md", help="the file whose tables to regenerate")
     args = parser.parse_args(argv)
+    failed = []
     for name in args.only:
         began = time.monotonic()
         print(f"{name}...", flush=True)
         data = run_benchmark(name, BENCHMARKS[name], args.tiny, args.out)
+        if data["extra"].get("failed"):
+            failed.append(name)
+            print(f"  {data['skipped']}", flush=True)
         for row in data["rows"]:
             verdict = "" if not row["target"] else " met" if row["target"]["met"] else " MISSED"
             print(f"  {row['case']}: {row['ratio'].get('median', float('nan')):.3f}{verdict}", flush=True)
         print(f"  ({time.monotonic() - began:.0f} s)", flush=True)
     report.update_readme(args.readme, report.render(args.out, args.readme))
     print(f"results in {args.out}, tables in {args.readme}")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (see their JSON)")
 
 
 if __name__ == "__main__":
