@@ -68,7 +68,7 @@ class PSClient:
         self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
         self._poller = zmq.Poller()
         for ps in spec.ps if only is None else [spec.ps[i] for i in only]:
-            s = self._ctx.socket(zmq.DEALER)
+            s = protocol.configure(self._ctx.socket(zmq.DEALER))
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)

@@ -8,9 +8,12 @@ A message is a list of ZeroMQ frames::
 request id, step, value, wait in microseconds, tensor count); ``table`` describes each tensor
 (variable id, dtype code, shape); ``json`` is a UTF-8 JSON object for the few control messages
 that carry structured data (empty otherwise); each payload is a tensor's raw bytes, sent without
-a copy; ``mac`` is HMAC-SHA256 with the per-cluster secret as key, over every other frame, each
-preceded by its length (so frame boundaries are signed too), computed incrementally over memory
-views of the frames: payloads are never copied to be signed.
+a copy from ``COPY_LIMIT`` bytes up (smaller ones are copied into ZeroMQ's message as they are sent: see
+``configure``); ``mac`` is HMAC-SHA256 with the per-cluster secret as key over the header, table and json
+frames and, for each payload, its SHA-256 digest, each of these items preceded by the length of its frame (so
+frame boundaries are signed too). Hashes run over memory views of the frames: payloads are never copied to
+be signed. Signing a payload by its digest lets a sender hash the same values once for several messages (a
+ps answers every worker of a sync step with the same parameters, see ``encode``'s ``digests``).
 
 Sessions and replay protection. A signature proves who sent a message, not that it is fresh: a
 frame captured on the wire would still verify when sent again. So every request also carries a
@@ -60,7 +63,7 @@ import zmq
 
 from ..errors import BadSignature, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"PSCL"
 MAX_DIMS = 8
 NO_TASK = 0xFFFF  # the `task` of a message that comes from the controller, not a worker
@@ -68,6 +71,7 @@ NONCE_SIZE = 16  # client challenge (8 bytes) + session tag the ps drew (8 bytes
 MAC_SIZE = 32
 MAX_SESSIONS = 65536
 MAX_ELEMENTS = 2**48  # of one tensor, counting a zero dimension as one: bounds what a view's shape can say
+COPY_LIMIT = 4 << 20  # frames from this size up are sent without a copy (see ``configure``)
 
 _HEADER = struct.Struct(f"!4sHBBHI{NONCE_SIZE}sQqqII")
 _TENSOR = struct.Struct("!IBB2x" + "Q" * MAX_DIMS)
@@ -152,6 +156,16 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
+def configure(sock: zmq.Socket) -> zmq.Socket:
+    """Set how ``sock`` sends frames: those under ``COPY_LIMIT`` bytes are copied into ZeroMQ's message while
+    ``send`` runs, so the tensor they come from may change as soon as it returns; larger ones go without a
+    copy. A zero-copy frame is released through pyzmq's garbage-collector thread once ZeroMQ is done with
+    it; measured on a busy 2-core host, a ps's reply of 0.8 MB of parameters took about 1.4 ms to send as
+    zero-copy frames and 0.2 ms as copied ones."""
+    sock.copy_threshold = COPY_LIMIT
+    return sock
+
+
 def tensor_bytes(t: torch.Tensor):
     """A zero-copy byte view of a CPU tensor's data (made contiguous first if needed)."""
     t = t.detach()
@@ -163,23 +177,34 @@ def tensor_bytes(t: torch.Tensor):
 _KEYED: dict = {}  # key -> keyed HMAC state
 
 
-def mac(key: bytes, frames) -> bytes:
-    """HMAC-SHA256 of ``frames``, each preceded by its length, hashed in place (no copy of a payload)."""
+def digest(payload) -> bytes:
+    """SHA-256 of one payload frame (bytes-like), as ``mac`` signs it."""
+    return hashlib.sha256(memoryview(payload)).digest()
+
+
+def mac(key: bytes, frames, digests=None) -> bytes:
+    """HMAC-SHA256 of ``frames``: the first three (header, table, json) as they are, each later one (a
+    payload) by its SHA-256 digest (``digests``, when given, are those of the payloads, already computed),
+    every item preceded by its frame's length."""
     keyed = _KEYED.get(key)
     if keyed is None:  # the key schedule once per key, copied for every message
         if len(_KEYED) >= 64:
             _KEYED.clear()
         keyed = _KEYED.setdefault(key, hmac.new(key, digestmod=hashlib.sha256))
     h = keyed.copy()
-    for f in frames:
+    for i, f in enumerate(frames):
         mv = memoryview(f)
         h.update(_LENGTH.pack(mv.nbytes))
-        h.update(mv)
+        if i < 3:
+            h.update(mv)
+        else:
+            h.update(digests[i - 3] if digests is not None else digest(mv))
     return h.digest()
 
 
-def encode(msg: Message, key: bytes) -> list:
-    """Frames for ``msg``, signed with ``key``; tensor payloads are not copied."""
+def encode(msg: Message, key: bytes, digests: list[bytes] | None = None) -> list:
+    """Frames for ``msg``, signed with ``key``; tensor payloads are not copied. ``digests``: the payloads'
+    digests (see ``digest``) when the sender has them already."""
     if len(msg.ids) != len(msg.tensors):
         raise ValueError("one variable id per tensor")
     header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.op), int(msg.flags), msg.task, msg.run_id, msg.nonce,
@@ -199,7 +224,7 @@ def encode(msg: Message, key: bytes) -> list:
         payloads.append(tensor_bytes(t))
     body = b"" if msg.meta is None else json.dumps(msg.meta).encode()
     frames = [header, bytes(table), body, *payloads]
-    frames.append(mac(key, frames))
+    frames.append(mac(key, frames, digests))
     return frames
 
 

@@ -102,7 +102,7 @@ class _RunState:
     accum_count: int = 0
     contributors: list[int] = field(default_factory=list)
     waiting: list[tuple[bytes, Message, float]] = field(default_factory=list)  # (identity, header, since)
-    snapshot: tuple[int, list[torch.Tensor]] | None = None
+    snapshot: tuple[int, list[torch.Tensor], list[bytes]] | None = None  # step, values, their digests
     clocks: Counter = field(default_factory=Counter)  # ssp: pushes per worker
     pushes: int = 0
     pulls: int = 0
@@ -165,12 +165,16 @@ class _RunState:
                 return optimizer.state[param]
         return {}
 
-    def params_snapshot(self) -> list[torch.Tensor]:
-        """Copies of the current dense values, made once per step: replies are sent without a
-        copy, so they must not alias tensors that the next update changes in place."""
+    def params_snapshot(self) -> tuple[list[torch.Tensor], list[bytes]]:
+        """The current dense values to reply with and their digests (``protocol.digest``), made once per step
+        (every reply of a sync step, and every pull, sends the same values, hashed once). A value sent without
+        a copy (from ``protocol.COPY_LIMIT`` bytes up) is a copy, since the next update changes the parameter
+        in place before ZeroMQ is done with it; a smaller one is the parameter itself, copied as it is sent."""
         if self.snapshot is None or self.snapshot[0] != self.step:
-            self.snapshot = (self.step, [p.detach().clone() for p in self.dense_params])
-        return self.snapshot[1]
+            values = [p.detach().clone() if p.numel() * p.element_size() >= protocol.COPY_LIMIT else p.detach()
+                      for p in self.dense_params]
+            self.snapshot = (self.step, values, [protocol.digest(protocol.tensor_bytes(v)) for v in values])
+        return self.snapshot[1], self.snapshot[2]
 
 
 def _optimizers(params: list[torch.nn.Parameter], sparse: list[bool], name: str, kwargs: dict):
@@ -210,7 +214,7 @@ class ParameterServer:
         self.index = index
         self.max_frame_bytes = max_frame_bytes
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock = protocol.configure(self._ctx.socket(zmq.ROUTER))
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
@@ -329,8 +333,8 @@ class ParameterServer:
             self.failed_requests += 1
             self._error(identity, msg, f"{msg.op.name} failed: {type(e).__name__}: {e}")
 
-    def _send(self, identity: bytes, msg: Message) -> None:
-        frames = protocol.encode(msg, self.key)
+    def _send(self, identity: bytes, msg: Message, digests: list[bytes] | None = None) -> None:
+        frames = protocol.encode(msg, self.key, digests)
         self.bytes_out += sum(memoryview(f).nbytes for f in frames)
         self._sock.send_multipart([identity, *frames], copy=False)
 
@@ -341,10 +345,11 @@ class ParameterServer:
                         step=run.step if run else 0, value=value, wait_us=wait_us, meta=meta)
         if run is not None and run.stopped:
             reply.flags |= Flag.STOPPED
+        digests = None
         if with_params:
             reply.ids = run.dense_ids
-            reply.tensors = run.params_snapshot()
-        self._send(identity, reply)
+            reply.tensors, digests = run.params_snapshot()
+        self._send(identity, reply, digests)
 
     def _error(self, identity: bytes, req: Message, text: str) -> None:
         self._reply(identity, req, Op.ERROR, meta={"error": text})
