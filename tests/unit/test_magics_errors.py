@@ -212,3 +212,22 @@ def test_status_without_cluster(shell, magics, capsys):
         "import-as", "try"])
 def test_defined_names(cell, names):
     assert _defined_names(cell) == names
+
+
+@pytest.mark.parametrize("line, fragments", [
+    ("start --launcher ssh", ["the ssh launcher needs hosts", "--hosts node1,node2"]),
+    ("start --launcher pbs", ["invalid choice: 'pbs'", "see %pscluster start --help"]),
+    ("start --launcher ssh --hosts a,b --ps-hosts c", ["ps host 'c' is not one of the hosts", "list it in hosts"]),
+    ("start --launcher ssh --hosts a=1,b=1 --workers 2", ["do not hold 1 ps + 2 workers", "adding up to 3"]),
+    ("start --hosts a", ["hosts are for the ssh launcher", "launcher='ssh'"]),
+    ("start --launcher mpi --partition gpu", ["partition are slurm launcher options", "launcher='slurm'"]),
+    ("start --ports 80-90", ["ports 80-90", "1024 <= LO <= HI <= 65535"]),
+    ("start --launcher ssh --hosts a --interface eth0", ["interface 'eth0'", "give an IP address"]),
+    ("start --launcher ssh --hosts a --detached", ["detached=True works with local engines only", "keep the kernel"]),
+], ids=["ssh-without-hosts", "unknown-launcher", "ps-host-not-a-host", "counts-do-not-add-up", "hosts-without-ssh",
+        "slurm-option-on-mpi", "privileged-ports", "interface-not-an-address", "detached-remote"])
+def test_bad_launcher_options(shell, magics, line, fragments):
+    message = usage_error(shell, line)
+    for fragment in fragments:
+        assert fragment in message, message
+    assert magics.cluster is None
