@@ -111,9 +111,13 @@ def machine() -> dict:
 
 
 def commit() -> str | None:
+    """The commit measured, with "+uncommitted" when pscluster/ has changes not committed yet."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              timeout=10).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+        sha = git("rev-parse", "--short", "HEAD")
+        return sha and sha + ("+uncommitted" if git("status", "--porcelain", "--", "../pscluster") else "")
     except (OSError, subprocess.SubprocessError):
         return None
 

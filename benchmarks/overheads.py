@@ -59,6 +59,7 @@ class Checkpointing:
                                            "optimizer": "SGD", "optimizer_kwargs": {"lr": 0.0}, "names": [f"p{i}"],
                                            "checkpoint_dir": folder} for i in range(2)])
         self.step = self.client.pull().step
+        self.saves = 0
 
     def sharded(self) -> float:
         """Seconds for both ps to write their shard of a new step (each shard and receipt fsynced)."""
@@ -66,11 +67,13 @@ class Checkpointing:
         return timed(self.client.checkpoint)
 
     def torch_save(self) -> float:
-        """Seconds for one ``torch.save`` of the same tensors, flushed and fsynced as the shards are."""
+        """Seconds for one ``torch.save`` of the same tensors to a new file (as each shard is), flushed and
+        fsynced as the shards are."""
         state = {f"p{i}": t for i, (_, (t,)) in self.values.items()}
+        self.saves += 1
 
         def save():
-            with open(Path(self.folder) / "model.pt", "wb") as f:
+            with open(Path(self.folder) / f"model-{self.saves}.pt", "wb") as f:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
