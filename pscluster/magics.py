@@ -73,6 +73,8 @@ def _parsers() -> dict[str, _Parser]:
                             "%%pscluster attach NAME")
     start.add_argument("--threads", type=int, default=None,
                        help="torch threads per task (default: the cores shared out among the tasks)")
+    start.add_argument("--encrypt", action="store_true",
+                       help="run the data plane over ZeroMQ CURVE encryption (it is always signed)")
     start.add_argument("--launcher", choices=KINDS, default="local",
                        help="how ipyparallel starts the engines: here, over ssh, with mpiexec, as a Slurm job")
     start.add_argument("--hosts", default=None, metavar="HOST[=N],...",
@@ -179,7 +181,7 @@ class PSClusterMagics(Magics):
             raise UsageError(f"cluster {self.cluster.name} is already running: %pscluster stop it first")
         options = {k: v for k in LAUNCHER_OPTIONS if (v := getattr(args, k))}
         cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads,
-                          detached=args.detached, launcher=args.launcher, **options)
+                          detached=args.detached, launcher=args.launcher, encrypt=args.encrypt, **options)
         where = "local engines" if args.launcher == "local" else f"engines started by the {args.launcher} launcher"
         print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on {where}...", flush=True)
         self.cluster = cluster.start()

@@ -60,6 +60,9 @@ class Cluster:
     default: this machine's cores shared out among the tasks (at least 1), as every engine runs here —
     more threads than cores make the tasks spin against each other.
 
+    ``encrypt``: the data plane runs over ZeroMQ CURVE encryption (keys derived from the cluster's secret), not
+    only signed.
+
     ``detached``: the cluster (and a run in progress) outlives the process that started it, until
     ``stop()``; a later process takes it over with ``Cluster.attach(name)``. Otherwise every process of
     the cluster dies with the process that started it.
@@ -67,7 +70,7 @@ class Cluster:
 
     def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None,
                  store: str | os.PathLike | None = None, threads: int | None = None, detached: bool = False,
-                 launcher: str | Launcher = "local", **launcher_options):
+                 launcher: str | Launcher = "local", encrypt: bool = False, **launcher_options):
         self.num_ps = _count("ps", ps, 1)
         self.num_workers = _count("workers", workers, 1)
         self.launcher = launcher if isinstance(launcher, Launcher) else Launcher(launcher, **launcher_options)
@@ -83,6 +86,7 @@ class Cluster:
             raise ConfigError(f"gpus={gpus} but this machine has {available}: use gpus <= {available}")
         self.gpus = available if gpus is None and self.launcher.local else gpus
         self.name = name or f"pscluster-{os.getpid()}-{secrets.token_hex(2)}"
+        self.encrypt = encrypt
         self.detached = detached
         self.spec: ClusterSpec | None = None
         self.runs: list[Run] = []
@@ -120,10 +124,11 @@ class Cluster:
                                 gpus=self.gpus if launcher.local else host_gpus(infos, self.gpus),
                                 ps_machines=self._ps_machines(engines, infos),
                                 bind_host=lambda e: launcher.bind_host(e.address))
+            spec = replace(spec, encrypt=self.encrypt)
             for task in [*spec.ps, *spec.workers]:
                 engines.view(task.engine_id).apply_sync(remote.configure_task, task.device, self.threads)
             ports = [engines.view(t.engine_id).apply_async(remote.start_ps, spec.secret, t.index, t.host, 0,
-                                                           launcher.ports)
+                                                           launcher.ports, spec.encrypt)
                      for t in spec.ps]
             self.spec = spec.with_ps_ports([p.get(timeout=60) for p in ports])
         except BaseException:
@@ -352,7 +357,7 @@ class Cluster:
         task = replace(task, engine_id=engine.engine_id, pid=engine.pid, host=self.launcher.bind_host(engine.address))
         if task.role == "ps":
             task = replace(task, port=view.apply_sync(remote.start_ps, self.spec.secret, task.index, task.host, 0,
-                                                      self.launcher.ports))
+                                                      self.launcher.ports, self.spec.encrypt))
         return task
 
     def _replacement_host(self, task: TaskSpec) -> str | None:

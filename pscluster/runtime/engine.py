@@ -70,13 +70,16 @@ def configure_task(device: str, threads: int) -> None:
 
 
 def start_ps(secret: str, index: int, host: str = "127.0.0.1", port: int = 0,
-             ports: tuple[int, int] | None = None) -> int:
-    """Start ps task ``index`` in a background thread, listening on ``host`` only; returns its data-plane port:
-    ``port``, or a free one (from the range ``ports`` when given)."""
+             ports: tuple[int, int] | None = None, encrypt: bool = False) -> int:
+    """Start ps task ``index`` in a background thread, listening on ``host`` only (``encrypt``: over ZeroMQ
+    CURVE); returns its data-plane port: ``port``, or a free one (from the range ``ports`` when given)."""
     stop_ps(index)
     key = bytes.fromhex(secret)
-    server = (ParameterServer(key, index=index, host=host, port=port) if port or not ports
-              else bind_in_range(lambda p: ParameterServer(key, index=index, host=host, port=p), ports))
+
+    def serve(p: int) -> ParameterServer:
+        return ParameterServer(key, index=index, host=host, port=p, encrypt=encrypt)
+
+    server = serve(port) if port or not ports else bind_in_range(serve, ports)
     _servers[index] = server.start()
     return server.port
 

@@ -130,8 +130,9 @@ def test_route_address_is_this_machines_address_towards_a_target():
 def test_start_magic_takes_the_launcher_options():
     args = _parsers()["start"].parse_args(
         ["--launcher", "slurm", "--partition", "gpu", "--account", "a", "--time-limit", "01:00:00",
-         "--sbatch-arg=--nodes=2", "--ports", "40000-40100", "--interface", "10.0.0.1"])
+         "--sbatch-arg=--nodes=2", "--ports", "40000-40100", "--interface", "10.0.0.1", "--encrypt"])
     assert (args.launcher, args.partition, args.time_limit, args.sbatch_args) == ("slurm", "gpu", "01:00:00",
                                                                                   ["--nodes=2"])
+    assert args.encrypt and not _parsers()["start"].parse_args([]).encrypt
     with pytest.raises(ConfigError, match="invalid choice"):
         _parsers()["start"].parse_args(["--launcher", "pbs"])
