@@ -6,7 +6,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-import pscluster
 from pscluster.errors import PSClusterError
 from pscluster.runtime.client import PSClient
 
