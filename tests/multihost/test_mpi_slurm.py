@@ -33,9 +33,10 @@ def test_mpi_engines_train_and_end_themselves_when_the_controller_dies():
         run = cluster.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1,
                             steps=30, batch_size=32, checkpoint_secs=None).wait(verbose=False)
         assert run.global_step == 30 and run.local_steps is not None and sum(run.local_steps) == 60
-        # the controller goes away without stopping anything (its kernel was killed): the engines notice they
-        # cannot reach it any more and end
-        os.kill(cluster._engines.controller_pid, signal.SIGKILL)
+        # the controller goes away without stopping anything (as when the reaper kills it and its schedulers after
+        # its kernel died): the engines notice they cannot reach it any more and end
+        for pid in cluster.pids:
+            os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 90
         while [p for p in engine_pids if alive(p)] and time.monotonic() < deadline:
             time.sleep(0.5)
