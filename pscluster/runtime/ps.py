@@ -492,7 +492,9 @@ class ParameterServer:
         staleness = run.step - msg.step
         if run.mode != "sync":
             run.staleness[staleness] += 1
-            self._apply(run, [_owned(g) for g in grads], 1)
+            # applied before this request's frames are let go: no copy (they are writable memory of this
+            # message alone, so an optimizer that changes a gradient in place changes nothing else)
+            self._apply(run, grads, 1)
             if run.mode == "ssp":
                 run.clocks[msg.task] += 1
                 if run.ahead(msg.task) > run.staleness_bound and not run.stopped:
