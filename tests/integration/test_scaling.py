@@ -69,4 +69,7 @@ def test_backup_workers_let_sync_steps_go_on_without_the_straggler(own_cluster, 
     local = dict(zip(range(3), run.local_steps))
     # every step took the first two gradients: the straggler's came late, were dropped, and held nobody up
     assert local[2] < 150 / 3 and min(local[0], local[1]) > 150 / 2
-    assert run.summary()["dropped_stale"] > 0
+    # each gradient beyond the first two of a step was dropped as stale, or came after the end (the straggler
+    # may start so late under load that the others finish first)
+    summary = run.summary()
+    assert summary["dropped_stale"] + summary["late"] >= min(local[2], 1)
