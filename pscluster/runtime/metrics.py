@@ -25,7 +25,7 @@ from collections import OrderedDict
 import zmq
 
 from ..errors import BadSignature, MalformedMessage, ReplayedMessage, UnsignedMessage
-from .protocol import MAC_SIZE, mac
+from .protocol import MAC_SIZE, mac, remember
 
 FLUSH_S = 0.25
 MAX_BATCH_BYTES = 16 << 20
@@ -65,10 +65,7 @@ class BatchReceiver:
             events = json.loads(frames[1])
         except (ValueError, RecursionError):
             raise MalformedMessage("metrics batch that is not JSON") from None
-        self._last[emitter] = sequence
-        self._last.move_to_end(emitter)
-        if len(self._last) > MAX_EMITTERS:
-            self._last.popitem(last=False)
+        remember(self._last, emitter, sequence, MAX_EMITTERS)
         return events if isinstance(events, list) else []
 
 

@@ -294,7 +294,9 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     return msg
 
 
-def _remember(entries: OrderedDict, key, value, capacity: int) -> None:
+def remember(entries: OrderedDict, key, value, capacity: int) -> None:
+    """``entries[key] = value`` as the most recent entry, forgetting the oldest beyond ``capacity``: what a
+    receiver keeps of its senders' last sequence numbers."""
     entries[key] = value
     entries.move_to_end(key)
     if len(entries) > capacity:
@@ -317,9 +319,9 @@ class Sessions:
             raise MalformedMessage("HELLO with a session tag: a HELLO carries the client's challenge only")
         if challenge in self._challenges:
             raise ReplayedMessage("HELLO with a challenge seen before: a replayed HELLO")
-        _remember(self._challenges, challenge, None, self.capacity)
+        remember(self._challenges, challenge, None, self.capacity)
         nonce = challenge + secrets.token_bytes(NONCE_SIZE // 2)
-        _remember(self._last, nonce, hello.request_id, self.capacity)
+        remember(self._last, nonce, hello.request_id, self.capacity)
         return nonce
 
     def admit(self, msg: Message) -> None:
@@ -330,7 +332,7 @@ class Sessions:
                                   "ps process or run")
         if msg.request_id <= last:
             raise ReplayedMessage(f"request id {msg.request_id} not after {last}: a frame sent before")
-        _remember(self._last, msg.nonce, msg.request_id, self.capacity)
+        remember(self._last, msg.nonce, msg.request_id, self.capacity)
 
 
 def challenge() -> bytes:
