@@ -6,24 +6,34 @@ Layout of a checkpoint directory::
     step-000000200/ps-0.json        the shard's receipt: step, size and SHA-256 (written after the shard)
     step-000000200.manifest.json    the commit: format version, step, placement, shapes, dtypes, checksums
 
-Every file is written to a temporary name, fsynced and renamed; the manifest's rename is the commit, so
-a process killed while writing leaves no manifest that restore accepts. Tensor files are a JSON header
-and raw bytes (no pickle): an 8-byte little-endian header length, the header ``{"tensors": [{"key",
-"dtype", "shape", "offset", "nbytes"}]}``, then the data. A shard holds, per variable, its value under
-the variable's name and each optimizer slot under ``name#slot`` (``name#slot:int`` / ``:float`` for the
-plain numbers some optimizers keep, such as SparseAdam's step count).
+Every file is written to a temporary name and renamed, so readers see a whole file or none. A shard is
+fsynced before its receipt exists; the receipt is not (lost or empty after a crash, it only leaves its step
+uncommitted); the commit fsyncs the step folder (the renames of shards and receipts), then writes the
+manifest fsynced and renames it: that rename is the commit, so a process killed while writing leaves no
+manifest that restore accepts, and restore checks every shard's size and SHA-256 anyway. Large files are
+written with O_DIRECT (no page cache to fill and flush) while another thread computes their SHA-256.
+
+Tensor files are a JSON header and raw bytes (no pickle): an 8-byte little-endian header length, the
+header ``{"tensors": [{"key", "dtype", "shape", "offset", "nbytes"}]}``, then the data. A shard holds, per
+variable, its value under the variable's name and each optimizer slot under ``name#slot`` (``name#slot:int``
+/ ``:float`` for the plain numbers some optimizers keep, such as SparseAdam's step count).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import shutil
 import struct
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +47,9 @@ _LENGTH = struct.Struct("<Q")
 _MAX_HEADER = 64 << 20
 _MANIFEST = re.compile(r"^step-(\d{9})\.manifest\.json$")
 _CHUNK = 16 << 20
+_DIRECT_MIN = 1 << 20  # smaller files go through the page cache
+_DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write, a multiple of any file system's block size
+_DIRECT_ALIGN = 4096  # what O_DIRECT asks of offsets and lengths on common file systems
 
 
 def step_dir(directory: Path, step: int) -> Path:
@@ -56,33 +69,102 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, chunks) -> tuple[int, str]:
-    """Write ``chunks`` (bytes-like) to ``path`` through a temporary file, fsync and rename;
-    returns (size, SHA-256 hex)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    digest, size = hashlib.sha256(), 0
+def _sha256(views) -> str:
+    digest = hashlib.sha256()
+    for view in views:
+        digest.update(view)  # releases the GIL: runs beside the writes
+    return digest.hexdigest()
+
+
+_buffers: list[mmap.mmap] = []
+_buffers_lock = threading.Lock()
+
+
+@contextmanager
+def _aligned_buffer():
+    """A page-aligned buffer of ``_DIRECT_CHUNK`` bytes, kept for the next write: its pages are mapped
+    once, not on every checkpoint."""
+    with _buffers_lock:
+        buf = _buffers.pop() if _buffers else mmap.mmap(-1, _DIRECT_CHUNK)
     try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-                digest.update(chunk)
-                size += memoryview(chunk).nbytes
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        yield buf
+    finally:
+        with _buffers_lock:
+            _buffers.append(buf)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _write_direct(tmp: Path, views: list[memoryview], size: int) -> bool:
+    """Write ``views`` to ``tmp`` with O_DIRECT through an aligned buffer, then fsync; False (nothing
+    to keep written) where the system or the file system has no O_DIRECT."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
         raise
-    _fsync_dir(path.parent)
-    return size, digest.hexdigest()
+    try:
+        with _aligned_buffer() as buf, memoryview(buf) as out:
+            filled = 0
+            for view in views:
+                while view:
+                    n = min(len(out) - filled, len(view))
+                    out[filled:filled + n] = view[:n]
+                    filled, view = filled + n, view[n:]
+                    if filled == len(out):
+                        _write_all(fd, out)
+                        filled = 0
+            if filled:  # the tail, padded to a whole block, then cut back to the file's size
+                padded = -(-filled // _DIRECT_ALIGN) * _DIRECT_ALIGN
+                out[filled:padded] = bytes(padded - filled)
+                _write_all(fd, out[:padded])
+                os.ftruncate(fd, size)
+        os.fsync(fd)
+        return True
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # a file system that opens with O_DIRECT but refuses its writes
+            return False
+        raise
+    finally:
+        os.close(fd)
 
 
-def _write_json(path: Path, obj) -> None:
-    _atomic_write(path, [json.dumps(obj, indent=1).encode()])
+def _write_file(path: Path, pieces, *, fsync: bool = True) -> tuple[int, str]:
+    """Write ``pieces`` (bytes-like) to ``path`` through a temporary file and a rename; with ``fsync``,
+    the data is on disk before the rename (the folder is not fsynced: the commit does that). Returns
+    (size, SHA-256 hex)."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    size = sum(len(v) for v in views)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with ThreadPoolExecutor(1) as hashing:
+        sha = hashing.submit(_sha256, views)
+        try:
+            if not (fsync and size >= _DIRECT_MIN and _write_direct(tmp, views, size)):
+                with open(tmp, "wb") as f:
+                    for view in views:
+                        f.write(view)
+                    if fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return size, sha.result()
+
+
+def _write_json(path: Path, obj, *, fsync: bool = True) -> None:
+    _write_file(path, [json.dumps(obj, indent=1).encode()], fsync=fsync)
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
-    """Write ``tensors`` to ``path`` (atomically); returns (size, SHA-256 hex)."""
+    """Write ``tensors`` to ``path`` (atomically, fsynced); returns (size, SHA-256 hex)."""
     entries, datas, offset = [], [], 0
     for key, t in tensors.items():
         t = t.detach().cpu().contiguous()
@@ -93,15 +175,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, st
         datas.append(data)
         offset += nbytes
     header = json.dumps({"tensors": entries}).encode()
-
-    def chunks():
-        yield _LENGTH.pack(len(header))
-        yield header
-        for data in datas:
-            view = memoryview(data)
-            for i in range(0, len(view), _CHUNK):
-                yield view[i:i + _CHUNK]
-    return _atomic_write(Path(path), chunks())
+    return _write_file(Path(path), [_LENGTH.pack(len(header)), header, *datas])
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -188,7 +262,7 @@ def write_shard(directory, step: int, ps: int, tensors: dict[str, torch.Tensor],
     size, sha = write_tensors(folder / f"ps-{ps}.tensors", tensors)
     receipt = {"ps": ps, "step": step, "run_id": run_id, "attempt": attempt, "file": f"{folder.name}/ps-{ps}.tensors",
                "bytes": size, "sha256": sha}
-    _write_json(folder / f"ps-{ps}.json", receipt)
+    _write_json(folder / f"ps-{ps}.json", receipt, fsync=False)  # the commit fsyncs the folder
     return receipt
 
 
@@ -233,7 +307,9 @@ def commit(directory, step: int, run_id: int, variables, optimizer: str, optimiz
                 "shards": [{"ps": r["ps"], "file": r["file"], "bytes": r["bytes"], "sha256": r["sha256"]}
                            for r in sorted(shard_receipts, key=lambda r: r["ps"])]}
     path = manifest_path(directory, step)
+    _fsync_dir(step_dir(directory, step))  # the shards' and receipts' renames, on disk before the commit
     _write_json(path, manifest)
+    _fsync_dir(directory)
     if keep is not None:
         prune(directory, keep)
     return path

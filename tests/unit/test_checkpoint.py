@@ -1,5 +1,6 @@
 """Sharded checkpoints: files, commit, refusal of damaged ones, restore onto another number of ps, export."""
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -33,6 +34,22 @@ def test_tensor_files_round_trip_every_dtype_and_shape(tmp_path):
     for key, t in tensors.items():
         assert back[key].dtype == t.dtype and torch.equal(back[key], t), key
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed
+
+
+@pytest.mark.parametrize("o_direct", [True, False], ids=["o_direct", "without_o_direct"])
+def test_large_tensor_files_round_trip_with_their_checksum(tmp_path, monkeypatch, o_direct):
+    """Files of several O_DIRECT chunks with a tail that is no whole block, and the same where the system
+    has no O_DIRECT (macOS): the page cache path."""
+    if not o_direct:
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    tensors = {"w": torch.randn(5_000_001), "bytes": torch.arange(4097, dtype=torch.uint8)}
+    path = tmp_path / "big.tensors"
+    size, sha = checkpoint.write_tensors(path, tensors)
+    data = path.read_bytes()
+    assert size == len(data) > 20_000_000 and sha == hashlib.sha256(data).hexdigest()
+    back = checkpoint.read_tensors(path)
+    assert all(torch.equal(back[key], t) for key, t in tensors.items())
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_a_truncated_tensor_file_is_refused_naming_it(tmp_path):
