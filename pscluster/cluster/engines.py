@@ -23,7 +23,7 @@ import ipyparallel as ipp
 import psutil
 
 from ..errors import ClusterStateError
-from . import reaper
+from . import engine_main, reaper
 from .launchers import Launcher, host_name
 from .roles import EngineInfo
 
@@ -53,8 +53,9 @@ class EngineSet:
         self._ipp = ipp.Cluster(n=self.n, cluster_id=self.cluster_id, log_level=logging.ERROR,
                                 shutdown_atexit=not self.detached, **self.launcher.cluster_options())
         try:
+            since = time.time()
             self._ipp.start_controller_sync()
-            self._ipp.start_engines_sync(self.n, **self.launcher.engine_options(self.counts))
+            self._start_engines(self.n, self.counts, since)
             self.client = self._ipp.connect_client_sync()
             self.client.wait_for_engines(self.n, timeout=self.timeout, interactive=False)
             engines = self._describe(self.client.ids)
@@ -73,8 +74,19 @@ class EngineSet:
         self._watch()
         return engines
 
+    def _start_engines(self, n: int, counts: dict[str, int] | None, since: float = 0.0) -> None:
+        """Launch ``n`` engines: local ones as one process that forks into them (``engine_main``: torch imported
+        once, while the controller starts, from its connection file written since ``since``), others by the
+        launcher, ``counts`` of them on each ssh host."""
+        if self.launcher.local:
+            path = self._ipp.controller.connection_files["engine"]
+            self._ipp.start_engines_sync(1, engine_cmd=engine_main.command(n, path, since))
+        else:
+            self._ipp.start_engines_sync(n, **self.launcher.engine_options(counts))
+
     def _describe(self, engine_ids: list[int]) -> list[EngineInfo]:
-        """Ask the engines (all at once: each imports torch first) who and where they are."""
+        """Ask the engines (all at once: each imports torch first, unless engine_main did) who and where they
+        are."""
         asked = [self.client[e].apply_async(_describe, self.launcher.controller_ip()) for e in engine_ids]
         return [EngineInfo(engine_id=e, host=i["host"], pid=i["pid"], address=i["address"], gpus=i["gpus"])
                 for e, i in zip(engine_ids, (a.get(self.timeout) for a in asked))]
@@ -131,7 +143,7 @@ class EngineSet:
     def add_engine(self, host: str | None = None) -> EngineInfo:
         """Start one more engine (to replace a lost one; ssh: on ``host``) and wait for it to register."""
         known = set(self.client.ids)
-        self._ipp.start_engines_sync(n=1, **self.launcher.engine_options({host: 1} if host else None))
+        self._start_engines(1, {host: 1} if host else None)
         deadline = time.monotonic() + self.timeout
         while not (new := set(self.client.ids) - known):
             if time.monotonic() > deadline:

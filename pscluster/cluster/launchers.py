@@ -8,7 +8,8 @@
 A ``Launcher`` is plain frozen data, validated on construction. ``EngineSet`` turns it into the
 ipyparallel options (``controller_options``, ``engine_options``); the engines themselves are always
 started by ipyparallel's launcher of that name (``LocalEngineSetLauncher``, ``SSHEngineSetLauncher``,
-``MPIEngineSetLauncher``, ``SlurmEngineSetLauncher``).
+``MPIEngineSetLauncher``, ``SlurmEngineSetLauncher``); local ones as one process that forks into them
+(``engine_main``).
 
 Addresses: a local cluster (and an MPI one without ``interface``) binds its controller, data plane and
 metrics collector to 127.0.0.1 only. Any other binds the controller and the collector to ``interface``
@@ -33,6 +34,11 @@ LOOPBACK = "127.0.0.1"
 # IPEngine.max_heartbeat_misses check never runs under ipykernel 7.)
 HB_PERIOD_MS = 1000
 CONTROLLER_HB_MISSES = 4
+# The controller counts an engine registered one heartbeat after the first one it answers: ipyparallel's
+# default period (3 s) makes every start wait 3 to 6 s for nothing. Local engines are watched by pid; the
+# misses allowed keep ipyparallel's default 30 s of silence before the controller drops one.
+LOCAL_HB_PERIOD_MS = 200
+LOCAL_HB_MISSES = 150
 _IPP_CLASS = {"local": "local", "ssh": "ssh", "mpi": "mpi", "slurm": "slurm"}
 
 
@@ -203,9 +209,11 @@ class Launcher:
     def cluster_options(self) -> dict:
         """Keyword arguments of ``ipyparallel.Cluster`` for this launcher."""
         options = {"engine_launcher_class": _IPP_CLASS[self.kind], "controller_ip": self.controller_ip()}
-        if not self.local:
-            options["controller_args"] = [f"--HeartMonitor.period={HB_PERIOD_MS}",
-                                          f"--HeartMonitor.max_heartmonitor_misses={CONTROLLER_HB_MISSES}"]
+        period, misses = (LOCAL_HB_PERIOD_MS, LOCAL_HB_MISSES) if self.local else (HB_PERIOD_MS, CONTROLLER_HB_MISSES)
+        options["controller_args"] = [f"--HeartMonitor.period={period}",
+                                      f"--HeartMonitor.max_heartmonitor_misses={misses}"]
+        if self.local:  # the engines read the controller's connection file themselves (see engine_main)
+            options["send_engines_connection_env"] = False
         return options
 
     def engine_options(self, counts: dict[str, int] | None = None) -> dict:

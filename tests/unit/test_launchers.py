@@ -6,7 +6,7 @@ import socket
 import pytest
 import zmq
 
-from pscluster.cluster.launchers import Launcher, parse_hosts
+from pscluster.cluster.launchers import LOCAL_HB_PERIOD_MS, Launcher, parse_hosts
 from pscluster.cluster.roles import EngineInfo, assign_roles, host_gpus
 from pscluster.errors import ConfigError
 from pscluster.magics import _parsers
@@ -64,7 +64,10 @@ def test_engine_counts_must_hold_the_tasks_exactly():
 
 def test_ipyparallel_options_of_each_launcher():
     local = Launcher()
-    assert local.cluster_options() == {"engine_launcher_class": "local", "controller_ip": "127.0.0.1"}
+    options = local.cluster_options()
+    assert options["engine_launcher_class"] == "local" and options["controller_ip"] == "127.0.0.1"
+    assert options["send_engines_connection_env"] is False  # engine_main reads the connection file
+    assert f"--HeartMonitor.period={LOCAL_HB_PERIOD_MS}" in options["controller_args"]
     assert local.engine_options() == {} and local.bind_host("10.0.0.5") == "127.0.0.1"
     ssh = Launcher("ssh", hosts=["127.0.0.1"], ssh_args=["-p", "2222", "-i", "k"], remote_python="/opt/py")
     options = ssh.engine_options({"127.0.0.1": 3})

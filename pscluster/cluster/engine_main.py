@@ -1,0 +1,57 @@
+"""The processes of a local cluster's engines: one process imports what every task runs (torch, the ps server,
+ipyparallel's engine) once, while the controller starts, then forks into the engines, which register with
+torch loaded. N engines cost one import of torch instead of N (about 2 s of CPU each), and none of it
+waits for the controller.
+
+    python -m pscluster.cluster.engine_main COPIES CONNECTION_FILE SINCE [ipengine arguments]
+
+``CONNECTION_FILE``: the controller's engine connection file, read once it is complete and written at or
+after ``SINCE`` (a ``time.time()``; an older file is a stale one of an earlier controller of the same name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+WAIT_S = 120.0  # for the controller's connection file, on a loaded machine
+
+
+def command(copies: int, connection_file: str, since: float) -> list[str]:
+    """The ``engine_cmd`` of an ipyparallel engine launcher that starts ``copies`` engines in one launch."""
+    return [sys.executable, "-m", __name__, str(copies), connection_file, repr(since)]
+
+
+def connection_info(path: str, since: float, timeout: float = WAIT_S) -> dict:
+    """The controller's engine connection info, once ``path`` holds a complete one written since ``since``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if os.stat(path).st_mtime >= since:
+                with open(path) as f:
+                    return json.load(f)
+        except (FileNotFoundError, ValueError):  # not written yet, or being written
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"pscluster engine: no connection file {path} from the controller within "
+                             f"{timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def main(argv: list[str]) -> None:
+    copies, path, since = int(argv[1]), argv[2], float(argv[3])
+    del argv[1:4]  # the rest is ipengine's
+    import pscluster.runtime.engine  # noqa: F401  (loaded once, shared by the forks)
+    from ipyparallel.engine.app import main as engine
+
+    os.environ["IPP_CONNECTION_INFO"] = json.dumps(connection_info(path, since))
+    for _ in range(copies - 1):
+        if os.fork() == 0:  # a child is one more engine; the parent forks the rest
+            break
+    engine()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
