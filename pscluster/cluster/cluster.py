@@ -125,11 +125,14 @@ class Cluster:
                                 ps_machines=self._ps_machines(engines, infos),
                                 bind_host=lambda e: launcher.bind_host(e.address))
             spec = replace(spec, encrypt=self.encrypt)
-            for task in [*spec.ps, *spec.workers]:
-                engines.view(task.engine_id).apply_sync(remote.configure_task, task.device, self.threads)
+            # all sent at once: an engine runs its calls in order, so each ps starts after its configure_task
+            configured = [engines.view(t.engine_id).apply_async(remote.configure_task, t.device, self.threads)
+                          for t in [*spec.ps, *spec.workers]]
             ports = [engines.view(t.engine_id).apply_async(remote.start_ps, spec.secret, t.index, t.host, 0,
                                                            launcher.ports, spec.encrypt)
                      for t in spec.ps]
+            for c in configured:
+                c.get(timeout=60)
             self.spec = spec.with_ps_ports([p.get(timeout=60) for p in ports])
         except BaseException:
             engines.stop()
