@@ -1,5 +1,6 @@
 """Exchange bandwidth: a pscluster push+pull (one fused PUSH_PULL round trip to every ps, with an SGD update
-applied) of 1-256 MB of float32 parameters split over 1, 2 and 4 ps processes, against raw pyzmq
+applied) of 1-256 MB of float32 parameters split over 1, 2 and 4 ps processes, through shared memory (a
+worker on the ps's host) and over the socket (signed frames, as between hosts), against raw pyzmq
 request/reply of the same bytes to as many server processes (each request sent before any reply is awaited);
 and, when Ray is installed, a 100 MB model step (pull, then push-and-apply) against a Ray actor ps on the
 same host.
@@ -57,39 +58,50 @@ class RawServers:
 
 
 class PSExchange:
-    """A run of ``numel`` float32 parameters split evenly over the ps of ``cluster``, and its round trips."""
+    """A run of ``numel`` float32 parameters split evenly over the ps of ``cluster``, and two workers' round trips
+    in it: ``shared`` (task 0) through shared-memory lanes, as a worker on the ps's host exchanges, and
+    ``socket`` (task 1) over the socket, as between hosts."""
 
     def __init__(self, cluster: procs.PSProcesses, numel: int, run_id: int):
         n = len(cluster.spec.ps)
-        self.client = PSClient(cluster.spec, task=0, timeout=300)
         self.grads = {i: ([0], [torch.full((numel // n,), 1.0)]) for i in range(n)}
         configs = [{"mode": "async", "steps": 10**9, "replicas_to_aggregate": 1, "optimizer": "SGD",
-                    "optimizer_kwargs": {"lr": LR}, "names": [f"p{i}"]} for i in range(n)]
-        self.client.init(run_id, self.grads, configs)
-        self.step = self.client.pull().step
+                    "num_workers": 2, "optimizer_kwargs": {"lr": LR}, "names": [f"p{i}"]} for i in range(n)]
+        self.clients = {"shared": PSClient(cluster.spec, task=0, timeout=300),
+                        "socket": PSClient(cluster.spec, task=1, timeout=300)}
+        self.clients["shared"].init(run_id, self.grads, configs)
+        for client in self.clients.values():
+            client.run_id = run_id
+        reply = self.clients["shared"].pull()
+        self.step = reply.step
+        if self.clients["shared"].share(reply) != list(range(n)):
+            raise RuntimeError("no shared-memory lane to a ps on this host")
 
-    def round_trip(self) -> None:
-        self.step = self.client.push_pull(self.step, self.grads).step
+    def round_trip(self, how: str) -> None:
+        self.step = self.clients[how].push_pull(self.step, self.grads).step
 
     def close(self) -> None:
-        self.client.close()
+        for client in self.clients.values():
+            client.close()
 
 
 def bandwidth(megabytes: float, num_ps: int, cluster: procs.PSProcesses, raw: RawServers, run_id: int,
               trips: int, rounds: int) -> dict[str, list[float]]:
-    """GB/s (both ways) of pscluster and of raw ZeroMQ, ``rounds`` alternating rounds of ``trips`` round trips."""
+    """GB/s (both ways) of pscluster through shared memory ("shared") and over the socket ("socket"), and of raw
+    ZeroMQ ("raw"): ``rounds`` alternating rounds of ``trips`` round trips."""
     numel = int(megabytes * MB / 4) // num_ps * num_ps
     ps = PSExchange(cluster, numel, run_id)
     payloads = [t.numpy() for _, (t,) in ps.grads.values()]
-    ps.round_trip()
-    raw.round_trip(payloads)
+    for warm_up in (lambda: ps.round_trip("shared"), lambda: ps.round_trip("socket"), lambda: raw.round_trip(payloads)):
+        warm_up()
     moved = 2 * numel * 4 * trips / 1e9
 
     def repeat(fn):
         return lambda: moved / timed(lambda: [fn() for _ in range(trips)])
     try:
-        return alternate({"pscluster": repeat(ps.round_trip), "raw": repeat(lambda: raw.round_trip(payloads))},
-                         rounds)
+        return alternate({"shared": repeat(lambda: ps.round_trip("shared")),
+                          "socket": repeat(lambda: ps.round_trip("socket")),
+                          "raw": repeat(lambda: raw.round_trip(payloads))}, rounds)
     finally:
         ps.close()
 
@@ -143,10 +155,10 @@ def ray_step(megabytes: float, rounds: int) -> tuple[dict[str, list[float]], str
         ray_round()
         with procs.PSProcesses(1) as cluster:
             ps = PSExchange(cluster, numel, run_id=1)
-            ps.round_trip()
+            ps.round_trip("shared")
             try:
                 trips = 3
-                return alternate({"pscluster": lambda: trips / timed(lambda: [ps.round_trip() for _ in range(trips)]),
+                return alternate({"pscluster": lambda: trips / timed(lambda: [ps.round_trip("shared") for _ in range(trips)]),
                                   "ray": lambda: trips / timed(lambda: [ray_round() for _ in range(trips)])},
                                  rounds), None
             finally:
@@ -156,6 +168,7 @@ def ray_step(megabytes: float, rounds: int) -> tuple[dict[str, list[float]], str
 
 
 def run(tiny: bool, out_dir: Path) -> Result:
+    torch.set_num_threads(1)  # as each ps and worker process has: the lane copies are not spread over threads
     sizes = (0.25, 1) if tiny else (1, 4, 16, 64, 256)
     ps_counts = (1, 2) if tiny else (1, 2, 4)
     result = Result("exchange", "Exchange bandwidth: pscluster push+pull against raw ZeroMQ request/reply", tiny)
@@ -167,8 +180,11 @@ def run(tiny: bool, out_dir: Path) -> Result:
                     trips = 2 if tiny else max(1, int(16 // mb))
                     gbps = bandwidth(mb, num_ps, cluster, raw, run_id, trips, repetitions(tiny))
                     run_id += 1
-                    result.rows.append(compare(f"{mb:g} MB, {num_ps} ps", "pscluster", gbps["pscluster"], "raw ZeroMQ",
-                                               gbps["raw"], "GB/s", Target(0.9) if mb >= 4 else None))
+                    target = Target(0.9) if mb >= 4 else None
+                    result.rows.append(compare(f"{mb:g} MB, {num_ps} ps, same host", "pscluster, shared memory",
+                                               gbps["shared"], "raw ZeroMQ", gbps["raw"], "GB/s", target))
+                    result.rows.append(compare(f"{mb:g} MB, {num_ps} ps, socket", "pscluster, socket (as between hosts)",
+                                               gbps["socket"], "raw ZeroMQ", gbps["raw"], "GB/s", target))
     if tiny:
         result.notes.append("Ray step: not run in tiny mode (starting Ray takes tens of seconds)")
     else:

@@ -3,7 +3,8 @@
 Requests to several ps tasks are all sent before any reply is awaited; each
 reply is matched by its session and request id (see ``protocol``), and every wait has a timeout. A ps whose connection
 drops (its process died, or ZeroMQ heartbeats went unanswered for ``HEARTBEAT_TIMEOUT_MS``)
-fails the requests waiting on it at once with PeerLost instead of at the timeout.
+fails the requests waiting on it at once with PeerLost instead of at the timeout. A worker on the same
+host as a ps moves its dense values through a shared-memory lane (``share``, see ``lanes``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import ConfigError, PeerLost, ProtocolError, RuntimeTimeout, TrainingError
 from ..spec import ClusterSpec
 from . import curve, protocol
+from .lanes import Lane, LaneError
 from .protocol import Flag, Message, Op
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 CONNECT_RETRIES = 20  # refused connection attempts (100 ms apart) before a ps counts as lost
+_LANE_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class PSClient:
         self._max_frame: dict[int, int] = {}  # ps index -> the largest frame it receives (its HELLO says)
         self._socks, self._monitors, self._index = {}, {}, {}  # ps index -> socket, socket -> ps index
         self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
+        self._lanes: dict[int, Lane] = {}  # ps index -> the shared-memory lane of its session
         self._poller = zmq.Poller()
         for ps in spec.ps if only is None else [spec.ps[i] for i in only]:
             s = protocol.configure(self._ctx.socket(zmq.DEALER))
@@ -93,6 +97,7 @@ class PSClient:
             monitor.close(linger=0)
             s.close(linger=0)
         self._socks, self._monitors, self._index = {}, {}, {}
+        self._lanes = {}
 
     def __enter__(self):
         return self
@@ -116,9 +121,10 @@ class PSClient:
             nonce = protocol.challenge() if op is Op.HELLO else self._nonces[i]
             ids, tensors = (per_ps or {}).get(i, ([], []))
             m = meta[i] if isinstance(meta, list) else meta
-            frames = protocol.encode(Message(op=op, task=self.task, run_id=self.run_id, request_id=rid,
-                                             step=step, ids=ids, tensors=tensors, meta=m, nonce=nonce),
-                                     self.spec.key)
+            flags, ids, tensors = self._into_lane(i, op, ids, tensors, m)
+            frames = protocol.encode(Message(op=op, flags=flags, task=self.task, run_id=self.run_id,
+                                             request_id=rid, step=step, ids=ids, tensors=tensors, meta=m,
+                                             nonce=nonce), self.spec.key)
             sizes = [memoryview(f).nbytes for f in frames]
             if max(sizes) > self._max_frame.get(i, max(sizes)):
                 k = sizes.index(max(sizes)) - 3
@@ -156,6 +162,8 @@ class PSClient:
                 msg = protocol.decode(frames, self.spec.key)
                 if i not in pending or not _answers(msg, *pending[i], hello=op is Op.HELLO):
                     continue  # a late reply to a request that timed out earlier
+                if msg.flags & Flag.SHARED:
+                    self._from_lane(i, msg)
                 if op is Op.HELLO and msg.op is Op.OK:
                     self._nonces[i] = msg.nonce
                     self._max_frame[i] = int((msg.meta or {}).get("max_frame_bytes", 0)) or 2**63
@@ -163,6 +171,32 @@ class PSClient:
                     raise TrainingError(f"ps {i}: {(msg.meta or {}).get('error', 'error')}")
                 replies[i] = msg
         return [replies[i] for i in sorted(replies)]
+
+    def _into_lane(self, i: int, op: Op, ids: list[int], tensors: list[torch.Tensor], meta):
+        """The flags, ids and tensors of a request to ps ``i``: with its lane, the dense values (the first
+        ones, in the lane's order) are copied into the lane, the rest go in frames."""
+        lane = self._lanes.get(i)
+        if lane is None or op not in _LANE_OPS or (meta or {}).get("all"):
+            return Flag.NONE, ids, tensors
+        if op is Op.PULL:
+            return Flag.SHARED, ids, tensors
+        n = len(lane.ids)
+        if ids[:n] != lane.ids:
+            return Flag.NONE, ids, tensors
+        with torch.no_grad():
+            for slot, t in zip(lane.grads, tensors[:n]):
+                slot.copy_(t)
+        self.bytes_sent += lane.nbytes
+        return Flag.SHARED, ids[n:], tensors[n:]
+
+    def _from_lane(self, i: int, msg: Message) -> None:
+        """Put the dense values a reply left in the lane in front of its other tensors."""
+        lane = self._lanes.get(i)
+        if lane is None:
+            raise ProtocolError(f"ps {i} answered through a shared-memory lane this client does not have")
+        msg.ids = lane.ids + msg.ids
+        msg.tensors = lane.params + msg.tensors
+        self.bytes_received += lane.nbytes
 
     @staticmethod
     def merge(messages: list[Message]) -> Reply:
@@ -185,6 +219,27 @@ class PSClient:
         """The chief's INIT: variables with their initial values and the run's config, per ps."""
         self.run_id = run_id
         self.request(Op.INIT, per_ps, meta=configs)
+
+    def share(self, reply: Reply) -> list[int]:
+        """Open a shared-memory lane (see ``lanes``) with every ps on this host, laid out as the dense values
+        of ``reply`` (a pull's): later pushes and pulls move those values through it. Returns the ps indices
+        with a lane; the others (on other hosts, or where there is no shared memory) go on over the socket."""
+        lanes = {}
+        for i, msg in zip(sorted(self._socks), reply.messages):
+            if msg.tensors and i not in self._lanes:
+                try:
+                    lanes[i] = Lane.for_tensors(msg.ids, msg.tensors)
+                except LaneError:
+                    break  # no shared memory for this process: none for the others either
+        if lanes:
+            try:
+                answers = self.request(Op.SHARE, targets=sorted(lanes),
+                                       meta=[lanes[i].request() if i in lanes else None for i in range(max(lanes) + 1)])
+            finally:
+                for lane in lanes.values():
+                    lane.unlink()
+            self._lanes.update((i, lanes[i]) for i, answer in zip(sorted(lanes), answers) if answer.value == 1)
+        return sorted(self._lanes)
 
     def pull(self, attempt: int | None = None) -> Reply | None:
         """Current parameters, or None while the chief has not initialized the run (its ``attempt``)."""

@@ -157,6 +157,7 @@ class TrainPlan:
     checkpoint_every: int = 0  # global steps between checkpoints (0: only on demand and at the end)
     restore: bool = False  # the chief starts from the latest checkpoint in checkpoint_dir, if there is one
     attempt: int = 0  # restarts of this run after a lost ps
+    shared_memory: bool = True  # workers exchange dense values with ps on their host through shared memory
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -41,6 +41,10 @@ Limits (``Limits``): a message's frame count and total size are checked before i
 computed; its tensor count, each shape's elements and its JSON frame's size before anything is
 allocated from them.
 
+Same host: a worker and a ps that share a host move dense values through a shared-memory lane instead
+of payload frames (``Flag.SHARED``); the messages themselves are signed and checked as above (see
+``lanes``).
+
 What a ps does with a message that fails a check (see ``ps.py``): it drops it and counts it under
 the name of the error class's ``counter`` (unsigned, bad_signature, replayed, malformed), and
 answers a signed request it cannot serve with an ERROR reply.
@@ -63,7 +67,7 @@ import zmq
 
 from ..errors import BadSignature, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAGIC = b"PSCL"
 MAX_DIMS = 8
 NO_TASK = 0xFFFF  # the `task` of a message that comes from the controller, not a worker
@@ -94,6 +98,7 @@ class Op(IntEnum):
     PULL_ROWS = 9  # rows of sparse variables: one int64 tensor of row indices per variable
     CHECKPOINT = 10  # write this ps's shard at a step (meta {"step": S}, or now)
     MEMBERSHIP = 11  # workers lost (meta {"lost": [i, ...]}): sync and SSP stop waiting for them
+    SHARE = 12  # map a shared-memory lane for this session (see ``lanes``); value 1 in the OK: mapped
     # replies
     OK = 64
     PARAMS = 65
@@ -105,10 +110,11 @@ class Flag(IntFlag):
     NONE = 0
     STOPPED = 1  # the run has reached its target or was stopped: finish now
     DROPPED = 2  # the pushed gradient was stale (sync) or late (after stop) and was not applied
+    SHARED = 4  # the dense values are in the session's shared-memory lane, not in payload frames
 
 
 _OPS = frozenset(int(op) for op in Op)
-_FLAGS = int(Flag.STOPPED | Flag.DROPPED)
+_FLAGS = int(Flag.STOPPED | Flag.DROPPED | Flag.SHARED)
 
 _DTYPES = {
     torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,

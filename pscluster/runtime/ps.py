@@ -48,6 +48,10 @@ ZeroMQ refuses frames over ``max_frame_bytes`` at the transport (``MAXMSGSIZE``:
 socket binds, before any model is known, so it must admit the chief's INIT), and once a run is initialized
 its requests are held to the sizes of its own variables (``protocol.Limits``). The counters reach the run
 store as "rejected" events (see ``_report``) and are in the STATS reply.
+
+Same host: a worker may map a shared-memory lane for its session (SHARE, see ``lanes``); its pushes then
+leave their dense gradients in the lane and the parameters of its replies are written there. A run keeps
+at most ``MAX_LANES`` lanes (least recently mapped first out); a new run's INIT drops them all.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +67,7 @@ import zmq
 
 from ..errors import MalformedMessage, ProtocolError
 from . import checkpoint, curve, protocol
+from .lanes import Lane, LaneError
 from .metrics import MetricsEmitter
 from .plan import SPARSE_OPTIMIZERS, resolve_optimizer
 from .protocol import Flag, Message, Op
@@ -76,6 +81,7 @@ PARK_S = 30.0  # how long a ps parked by a first STOP waits for the second
 MAX_FRAME_BYTES = 4 << 30  # the largest frame a ps receives: one variable (or its optimizer state) in an INIT
 RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT excepted)
 MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
+MAX_LANES = 1024
 REJECTED = ("unsigned", "bad_signature", "replayed", "malformed")
 
 
@@ -232,6 +238,7 @@ class ParameterServer:
         self.run: _RunState | None = None
         self._stop_requested: set[int] = set()  # STOP can arrive before the chief's INIT
         self._past_runs: set[int] = set()
+        self._lanes: OrderedDict[bytes, Lane] = OrderedDict()  # session nonce -> its shared-memory lane
         self.rejected: Counter = Counter(dict.fromkeys(REJECTED, 0))  # messages dropped or refused, by reason
         self.failed_requests = 0
         self.bytes_in = 0
@@ -346,7 +353,14 @@ class ParameterServer:
         if run is not None and run.stopped:
             reply.flags |= Flag.STOPPED
         digests = None
-        if with_params:
+        lane = self._lanes.get(req.nonce) if with_params and req.flags & Flag.SHARED else None
+        if lane is not None:
+            with torch.no_grad():
+                for slot, p in zip(lane.params, run.dense_params):
+                    slot.copy_(p)
+            reply.flags |= Flag.SHARED
+            self.bytes_out += lane.nbytes
+        elif with_params:
             reply.ids = run.dense_ids
             reply.tensors, digests = run.params_snapshot()
         self._send(identity, reply, digests)
@@ -376,6 +390,23 @@ class ParameterServer:
     def _hello(self, identity, msg):
         self._reply(identity, msg, Op.OK, value=protocol.PROTOCOL_VERSION,
                     meta={"ps": self.index, "max_frame_bytes": self.max_frame_bytes})
+
+    def _share(self, identity, msg):
+        """Map the shared-memory lane a worker on this host created for its session; value 1: mapped, 0: not
+        (another host, or no such segments: the worker goes on over the socket)."""
+        run = self._current(identity, msg)
+        if run is None:
+            return
+        if msg.task == protocol.NO_TASK:
+            raise MalformedMessage("lanes are for workers: SHARE from the controller")
+        try:
+            lane = Lane.attach(run.dense_ids, run.dense_params, msg.meta or {})
+        except LaneError as e:
+            self._reply(identity, msg, Op.OK, value=0, meta={"error": str(e)})
+            return
+        lane.unlink()
+        protocol.remember(self._lanes, msg.nonce, lane, MAX_LANES)
+        self._reply(identity, msg, Op.OK, value=1)
 
     def _init(self, identity, msg):
         cfg = msg.meta or {}
@@ -410,6 +441,7 @@ class ParameterServer:
             if self.run.run_id != run.run_id:
                 self._past_runs.add(self.run.run_id)
             self._close_run()
+        self._lanes.clear()
         if cfg.get("metrics_address"):
             run.emitter = MetricsEmitter(cfg["metrics_address"], f"ps:{self.index}", self.key, context=self._ctx)
         run.stopped = run.run_id in self._stop_requested or run.step >= run.steps
@@ -498,9 +530,9 @@ class ParameterServer:
             if run.mode == "ssp":
                 run.clocks[msg.task] += 1
                 if run.ahead(msg.task) > run.staleness_bound and not run.stopped:
-                    run.waiting.append((identity, Message(op=msg.op, task=msg.task, run_id=msg.run_id,
-                                                          request_id=msg.request_id, nonce=msg.nonce,
-                                                          value=staleness), time.monotonic()))
+                    run.waiting.append((identity, Message(op=msg.op, flags=msg.flags, task=msg.task,
+                                                          run_id=msg.run_id, request_id=msg.request_id,
+                                                          nonce=msg.nonce, value=staleness), time.monotonic()))
                 else:
                     self._reply(identity, msg, reply_op, value=staleness, with_params=with_params)
                 self._release_waiting(lambda req: run.ahead(req.task) <= run.staleness_bound)
@@ -511,7 +543,9 @@ class ParameterServer:
             run.dropped_stale += 1
             self._reply(identity, msg, reply_op, flags=Flag.DROPPED, value=staleness, with_params=with_params)
             return
-        if run.accum is None:
+        if run.accum is None and run.replicas_now() == 1:
+            run.accum, run.accum_count = grads, 0  # applied below, before this request's frames are let go
+        elif run.accum is None:
             run.accum = [_owned(g) for g in grads]
         else:
             for a, g in zip(run.accum, grads):
@@ -523,8 +557,8 @@ class ParameterServer:
         run.contributors.append(msg.task)
         if with_params:
             # The frames of `msg` are released after this call: keep only the header.
-            run.waiting.append((identity, Message(op=msg.op, run_id=msg.run_id, request_id=msg.request_id,
-                                                  nonce=msg.nonce), time.monotonic()))
+            run.waiting.append((identity, Message(op=msg.op, flags=msg.flags, run_id=msg.run_id,
+                                                  request_id=msg.request_id, nonce=msg.nonce), time.monotonic()))
         if run.accum_count >= run.replicas_now():
             self._apply(run, run.accum, run.accum_count)
             run.accum, run.accum_count, run.contributors = None, 0, []
@@ -535,29 +569,37 @@ class ParameterServer:
     def _gradients(self, run: _RunState, msg: Message) -> list:
         """Per variable of this ps (in its order): a dense gradient, or for a sparse variable a list of
         one (row indices, row values) pair. A push holds each variable once, a sparse one as two
-        tensors in a row (rows, then values). Raises ProtocolError on anything that does not fit."""
+        tensors in a row (rows, then values); with ``Flag.SHARED`` the dense ones are in the session's lane.
+        Raises ProtocolError on anything that does not fit."""
+        ids, tensors = msg.ids, msg.tensors
+        if msg.flags & Flag.SHARED:
+            lane = self._lanes.get(msg.nonce)
+            if lane is None:
+                raise ProtocolError("a push through a shared-memory lane this session did not map (SHARE first)")
+            ids, tensors = lane.ids + ids, lane.grads + tensors
+            self.bytes_in += lane.nbytes
         grads: list = [None] * len(run.ids)
         k = 0
-        while k < len(msg.ids):
-            i = run.position.get(msg.ids[k])
+        while k < len(ids):
+            i = run.position.get(ids[k])
             if i is None or grads[i] is not None:
-                raise ProtocolError(f"push holds variables {msg.ids}: ps {self.index} has {run.ids}, each once")
+                raise ProtocolError(f"push holds variables {ids}: ps {self.index} has {run.ids}, each once")
             param = run.params[i]
             if not run.sparse[i]:
-                if msg.tensors[k].shape != param.shape or msg.tensors[k].dtype != param.dtype:
-                    raise ProtocolError(f"gradients of variable {msg.ids[k]} have the wrong shape or dtype: "
+                if tensors[k].shape != param.shape or tensors[k].dtype != param.dtype:
+                    raise ProtocolError(f"gradients of variable {ids[k]} have the wrong shape or dtype: "
                                         "the worker's model differs from the chief's")
-                grads[i], k = msg.tensors[k], k + 1
+                grads[i], k = tensors[k], k + 1
                 continue
-            if k + 1 >= len(msg.ids) or msg.ids[k + 1] != msg.ids[k]:
-                raise ProtocolError(f"sparse variable {msg.ids[k]}: rows and values expected")
-            rows, values = _checked_rows(msg.tensors[k], param.shape[0], msg.ids[k]), msg.tensors[k + 1]
+            if k + 1 >= len(ids) or ids[k + 1] != ids[k]:
+                raise ProtocolError(f"sparse variable {ids[k]}: rows and values expected")
+            rows, values = _checked_rows(tensors[k], param.shape[0], ids[k]), tensors[k + 1]
             if values.shape != (len(rows), *param.shape[1:]) or values.dtype != param.dtype:
-                raise ProtocolError(f"sparse gradient of variable {msg.ids[k]}: {tuple(values.shape)} values "
+                raise ProtocolError(f"sparse gradient of variable {ids[k]}: {tuple(values.shape)} values "
                                     f"for {len(rows)} rows of shape {tuple(param.shape[1:])}")
             grads[i], k = [(rows, values)], k + 2
         if any(g is None for g in grads):
-            raise ProtocolError(f"push holds variables {msg.ids}: ps {self.index} has {run.ids}, each once")
+            raise ProtocolError(f"push holds variables {ids}: ps {self.index} has {run.ids}, each once")
         return grads
 
     def _stats(self, identity, msg):
@@ -663,16 +705,23 @@ class ParameterServer:
     def _apply(self, run: _RunState, grads: list, count: int) -> None:
         """One optimizer step with the mean of ``count`` summed gradients (of the variables this ps owns;
         sparse ones as lists of (rows, values) parts)."""
-        for p, g in zip(run.params, grads):
-            if isinstance(g, torch.Tensor):
-                p.grad = g.div_(count) if count > 1 else g
-            else:
-                p.grad = _sparse_grad(p, g, count)
-        for optimizer in (run.optimizer, run.sparse_optimizer):
-            if optimizer is not None:
-                optimizer.step()
-        for p in run.params:
-            p.grad = None
+        lr = _plain_sgd_rate(run)
+        if lr is not None:  # what SGD's step does without momentum or decay, less its per-call overhead
+            with torch.no_grad():
+                if count > 1:
+                    torch._foreach_div_(grads, count)
+                torch._foreach_add_(run.params, grads, alpha=-lr)
+        else:
+            for p, g in zip(run.params, grads):
+                if isinstance(g, torch.Tensor):
+                    p.grad = g.div_(count) if count > 1 else g
+                else:
+                    p.grad = _sparse_grad(p, g, count)
+            for optimizer in (run.optimizer, run.sparse_optimizer):
+                if optimizer is not None:
+                    optimizer.step()
+            for p in run.params:
+                p.grad = None
         run.step += 1
         run.applied += 1
         if run.step >= run.steps:
@@ -716,7 +765,7 @@ class ParameterServer:
 
     _HANDLERS = {Op.HELLO: _hello, Op.INIT: _init, Op.PULL: _pull, Op.PULL_ROWS: _pull_rows, Op.PUSH: _push,
                  Op.PUSH_PULL: _push, Op.STATS: _stats, Op.STOP: _stop_run, Op.SHUTDOWN: _shutdown,
-                 Op.CHECKPOINT: _checkpoint, Op.MEMBERSHIP: _membership}
+                 Op.CHECKPOINT: _checkpoint, Op.MEMBERSHIP: _membership, Op.SHARE: _share}
 
 
 _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
@@ -724,8 +773,8 @@ _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 
 def _held(msg: Message) -> Message:
     """A copy of a request that outlives its frames (released once the request is handled)."""
-    return Message(op=msg.op, task=msg.task, run_id=msg.run_id, request_id=msg.request_id, nonce=msg.nonce,
-                   step=msg.step, ids=list(msg.ids), tensors=[t.clone() for t in msg.tensors], meta=msg.meta)
+    return Message(op=msg.op, flags=msg.flags, task=msg.task, run_id=msg.run_id, request_id=msg.request_id,
+                   nonce=msg.nonce, step=msg.step, ids=list(msg.ids), tensors=[t.clone() for t in msg.tensors], meta=msg.meta)
 
 
 def _check_config(run: _RunState) -> None:
@@ -737,6 +786,18 @@ def _check_config(run: _RunState) -> None:
     if not 0 <= run.step <= run.steps or run.staleness_bound < 0 or run.checkpoint_every < 0:
         raise ValueError(f"step {run.step} of {run.steps}, staleness bound {run.staleness_bound}, "
                          f"checkpoint every {run.checkpoint_every}: none may be negative, the step not past the end")
+
+
+def _plain_sgd_rate(run: _RunState) -> float | None:
+    """The learning rate when the run's update is plain SGD (dense variables only, no momentum, weight decay or
+    maximize): then an update is one fused add; None otherwise."""
+    optimizer = run.optimizer
+    if run.sparse_optimizer is not None or type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return None
+    group = optimizer.param_groups[0]
+    if group["momentum"] or group["weight_decay"] or group["maximize"]:
+        return None
+    return float(group["lr"])
 
 
 def _owned(grad):

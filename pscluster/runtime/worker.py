@@ -3,7 +3,8 @@
 Worker 0 is the chief: it builds the model, sends the initial values and the
 run's configuration to every ps (INIT) before anyone trains; the other workers
 wait for that (state "waiting for chief"), polling with a backoff, never a fixed
-sleep. Each step is one fused push-then-pull round trip to every ps at once.
+sleep. Each step is one fused push-then-pull round trip to every ps at once; the dense values go through
+shared memory to a ps on the same host (``PSClient.share``).
 """
 
 from __future__ import annotations
@@ -240,6 +241,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         else:
             reply = _wait_for_chief(client, plan.request_timeout, plan.attempt, emitter.emit)
         shards.load(reply)
+        if plan.shared_memory:
+            client.share(reply)
         sparse = _SparseRows(model, plan, client)
         emitter.emit("state", state="training")
 

@@ -206,7 +206,7 @@ class Fuzzer:
         fields = dict(zip(("magic", "version", "op", "flags", "task", "run_id", "nonce", "request_id", "step",
                            "value", "wait_us", "count"), protocol._HEADER.unpack(self.signed_push()[0])))
         fields[field] = {"magic": b"XSCL", "version": protocol.PROTOCOL_VERSION + n, "op": 100 + n % 100,
-                         "flags": 4 + n % 200, "count": fields["count"] + n}[field]
+                         "flags": 8 + n % 200, "count": fields["count"] + n}[field]
         return self._resigned(self.signed_push(), 0, protocol._HEADER.pack(*fields.values()))
 
     def _resigned(self, frames: list, index: int, replacement: bytes) -> list:

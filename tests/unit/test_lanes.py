@@ -1,0 +1,133 @@
+"""Shared-memory lanes between a worker and a ps on the same host (``pscluster.runtime.lanes``)."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from pscluster.errors import TrainingError
+from pscluster.runtime import lanes
+from pscluster.runtime.lanes import Lane, LaneError
+from pscluster.runtime.protocol import Flag, Message, Op
+
+from .conftest import RUN_ID, ps_config
+from .rawpeer import RawPeer
+from .test_ps_server import LR, assert_values
+
+
+@pytest.fixture
+def values():
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(30, 40, generator=g), "b": torch.randn(40, generator=g),
+            "h": torch.randn(7, dtype=torch.float64, generator=g)}
+
+
+def grads(seed: int, like) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in like]
+
+
+def segments() -> set[str]:
+    return {name for name in os.listdir(lanes.SHM_DIR) if name.startswith("pscluster-")}
+
+
+def shared_client(run, task: int):
+    client = run.client(task=task)
+    assert client.share(client.pull()) == list(range(len(run.spec.ps)))
+    return client
+
+
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_async_pushes_through_a_lane_give_what_the_socket_gives(start_run, values, num_ps):
+    before = segments()
+    through_lane, over_socket = start_run(values, mode="async", num_ps=num_ps), start_run(values, mode="async", num_ps=num_ps)
+    lane_client, socket_client = shared_client(through_lane, 0), over_socket.client(task=0)
+    assert segments() == before  # both sides mapped them: their names are gone
+    expected = [t.clone() for t in values.values()]
+    for step in range(4):
+        g = grads(step, expected)
+        shared = lane_client.push_pull(step, through_lane.split(g))
+        plain = socket_client.push_pull(step, over_socket.split(g))
+        assert shared.flags & Flag.SHARED and not plain.flags & Flag.SHARED
+        expected = [p - LR * d for p, d in zip(expected, g)]
+        for reply in (shared, plain):
+            by_id = {i: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
+            assert_values([by_id[i] for i in range(len(expected))], expected, tol=1e-6)
+    assert_values(through_lane.values(lane_client), over_socket.values(socket_client), tol=0)
+    payload = sum(t.numel() * t.element_size() for t in values.values())
+    assert lane_client.bytes_received >= 4 * payload  # what went through the lane is counted too
+    assert lane_client.pull().flags & Flag.SHARED
+
+
+def test_sync_averages_a_lane_worker_with_a_socket_worker(start_run, values):
+    run = start_run(values, mode="sync", replicas=2)
+    w0, w1 = shared_client(run, 0), run.client(task=1)
+    g0, g1 = grads(1, run.initial), grads(2, run.initial)
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(reply=w0.push_pull(0, run.split(g0))))
+    thread.start()
+    second = w1.push_pull(0, run.split(g1))
+    thread.join(10)
+    expected = [p - LR * (a + b) / 2 for p, a, b in zip(run.initial, g0, g1)]
+    assert first["reply"].flags & Flag.SHARED and not second.flags & Flag.SHARED
+    for reply in (first["reply"], second):
+        assert reply.step == 1
+        assert_values(reply.messages[0].tensors, expected)
+
+
+def test_a_ps_that_cannot_map_the_segments_leaves_the_worker_on_the_socket(start_run, values):
+    run = start_run(values, mode="async")
+    client = run.client(task=0)
+    missing = {"grads": "pscluster-" + "0" * 32, "params": "pscluster-" + "1" * 32, "token": "00" * 16}
+    reply = client.request(Op.SHARE, meta=missing)[0]  # what a ps on another host sees
+    assert reply.value == 0 and "No such file" in reply.meta["error"]
+
+    lane = Lane.for_tensors([0, 1, 2], list(values.values()))
+    try:
+        forged = {**lane.request(), "token": "ff" * lanes.TOKEN_BYTES}
+        reply = client.request(Op.SHARE, meta=forged)[0]
+        assert reply.value == 0 and "another token" in reply.meta["error"]
+    finally:
+        lane.unlink()
+    assert not client.push_pull(0, run.split(grads(0, run.initial))).flags & Flag.SHARED
+
+
+def test_a_lane_laid_out_for_other_variables_is_refused(start_run, values):
+    run = start_run(values, mode="async")
+    client = run.client(task=0)
+    lane = Lane.for_tensors([0], [torch.zeros(3)])
+    try:
+        reply = client.request(Op.SHARE, meta=lane.request())[0]
+    finally:
+        lane.unlink()
+    assert reply.value == 0 and "expected" in reply.meta["error"]
+
+
+def test_a_shared_push_without_a_lane_or_after_the_next_init_is_an_error(start_run, values):
+    run = start_run(values, mode="async")
+    peer = RawPeer(run.spec.ps[0].address, run.spec.key)
+    try:
+        peer.hello()
+        reply = peer.request(Message(op=Op.PUSH_PULL, flags=Flag.SHARED, task=0, run_id=RUN_ID))
+        assert reply.op is Op.ERROR and "SHARE first" in reply.meta["error"]
+    finally:
+        peer.close()
+
+    client = shared_client(run, 0)
+    controller = run.client()
+    controller.init(RUN_ID + 1, run.split(run.initial), [ps_config(run.names, mode="async")])
+    client.run_id = RUN_ID + 1
+    with pytest.raises(TrainingError, match="SHARE first"):  # a new run drops the lanes of the last
+        client.push_pull(0, run.split(grads(0, run.initial)))
+
+
+def test_segments_are_private_and_named_by_the_lane_module_only():
+    lane = Lane.for_tensors([0], [torch.zeros(5)])
+    try:
+        for segment in lane.segments:
+            assert os.stat(segment.path).st_mode & 0o777 == 0o600
+    finally:
+        lane.unlink()
+    with pytest.raises(LaneError, match="not a lane segment name"):
+        Lane.attach([0], [torch.zeros(5)], {"grads": "../etc/passwd", "params": "x", "token": "00" * 16})
