@@ -123,6 +123,11 @@ def stage_costs(megabytes: float, rounds: int) -> dict[str, float]:
     return {name: 1000 * statistics.median(timed(fn) for _ in range(rounds)) for name, fn in stages.items()}
 
 
+def per_second(fn, trips: int):
+    """A measurement: calls of ``fn`` per second over ``trips`` calls."""
+    return lambda: trips / timed(lambda: [fn() for _ in range(trips)])
+
+
 def ray_step(megabytes: float, rounds: int) -> tuple[dict[str, list[float]], str | None]:
     """Steps/s of a pull + push-and-apply of ``megabytes`` with 1 ps: pscluster (one PUSH_PULL) against a Ray
     actor holding the parameters (pull = get its array, push = send the gradient it applies); or the reason
@@ -157,10 +162,8 @@ def ray_step(megabytes: float, rounds: int) -> tuple[dict[str, list[float]], str
             ps = PSExchange(cluster, numel, run_id=1)
             ps.round_trip("shared")
             try:
-                trips = 3
-                return alternate({"pscluster": lambda: trips / timed(lambda: [ps.round_trip("shared") for _ in range(trips)]),
-                                  "ray": lambda: trips / timed(lambda: [ray_round() for _ in range(trips)])},
-                                 rounds), None
+                return alternate({"pscluster": per_second(lambda: ps.round_trip("shared"), 3),
+                                  "ray": per_second(ray_round, 3)}, rounds), None
             finally:
                 ps.close()
     finally:
@@ -183,7 +186,8 @@ def run(tiny: bool, out_dir: Path) -> Result:
                     target = Target(0.9) if mb >= 4 else None
                     result.rows.append(compare(f"{mb:g} MB, {num_ps} ps, same host", "pscluster, shared memory",
                                                gbps["shared"], "raw ZeroMQ", gbps["raw"], "GB/s", target))
-                    result.rows.append(compare(f"{mb:g} MB, {num_ps} ps, socket", "pscluster, socket (as between hosts)",
+                    result.rows.append(compare(f"{mb:g} MB, {num_ps} ps, socket",
+                                               "pscluster, socket (as between hosts)",
                                                gbps["socket"], "raw ZeroMQ", gbps["raw"], "GB/s", target))
     if tiny:
         result.notes.append("Ray step: not run in tiny mode (starting Ray takes tens of seconds)")

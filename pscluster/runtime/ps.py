@@ -774,7 +774,8 @@ _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 def _held(msg: Message) -> Message:
     """A copy of a request that outlives its frames (released once the request is handled)."""
     return Message(op=msg.op, flags=msg.flags, task=msg.task, run_id=msg.run_id, request_id=msg.request_id,
-                   nonce=msg.nonce, step=msg.step, ids=list(msg.ids), tensors=[t.clone() for t in msg.tensors], meta=msg.meta)
+                   nonce=msg.nonce, step=msg.step, ids=list(msg.ids), tensors=[t.clone() for t in msg.tensors],
+                   meta=msg.meta)
 
 
 def _check_config(run: _RunState) -> None:

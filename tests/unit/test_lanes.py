@@ -41,7 +41,8 @@ def shared_client(run, task: int):
 @pytest.mark.parametrize("num_ps", [1, 2])
 def test_async_pushes_through_a_lane_give_what_the_socket_gives(start_run, values, num_ps):
     before = segments()
-    through_lane, over_socket = start_run(values, mode="async", num_ps=num_ps), start_run(values, mode="async", num_ps=num_ps)
+    through_lane = start_run(values, mode="async", num_ps=num_ps)
+    over_socket = start_run(values, mode="async", num_ps=num_ps)
     lane_client, socket_client = shared_client(through_lane, 0), over_socket.client(task=0)
     assert segments() == before  # both sides mapped them: their names are gone
     expected = [t.clone() for t in values.values()]
