@@ -30,6 +30,14 @@ _LANE_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 
 
 @dataclass
+class Pending:
+    """Requests sent and not answered yet: ps index -> (request id, session nonce)."""
+
+    op: Op
+    requests: dict[int, tuple[int, bytes]]
+
+
+@dataclass
 class Reply:
     """What the ps tasks answered to one request, merged."""
 
@@ -114,6 +122,12 @@ class PSClient:
         ``per_ps`` maps a ps index to the (ids, tensors) it receives; ``meta`` is a dict sent
         to all or a list with one dict per ps.
         """
+        return self.collect(self.send(op, per_ps, step=step, meta=meta, targets=targets), timeout=timeout)
+
+    def send(self, op: Op, per_ps: dict[int, tuple[list[int], list[torch.Tensor]]] | None = None, *,
+             step: int = 0, meta: dict | list | None = None, targets=None) -> "Pending":
+        """The first half of ``request``: send, and return what ``collect`` waits for. In between, the caller
+        may do other work (not with this client, nor with the tensors it sent)."""
         targets = list(self._socks) if targets is None else targets
         pending = {}
         for i in targets:
@@ -134,6 +148,11 @@ class PSClient:
             self.bytes_sent += sum(sizes)
             self._socks[i].send_multipart(frames, copy=False)
             pending[i] = (rid, nonce)
+        return Pending(op, pending)
+
+    def collect(self, sent: "Pending", timeout: float | None = None) -> list[Message]:
+        """The second half of ``request``: one reply from each ps ``sent`` went to, in ps order."""
+        op, pending = sent.op, sent.requests
         replies: dict[int, Message] = {}
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while len(replies) < len(pending):
@@ -265,6 +284,11 @@ class PSClient:
     def push_pull(self, step: int, per_ps: dict) -> Reply:
         """Push gradients computed on ``step`` and get the parameters after they were applied."""
         return self.merge(self.request(Op.PUSH_PULL, per_ps, step=step))
+
+    def start_push_pull(self, step: int, per_ps: dict):
+        """``push_pull`` in two halves: sends now, and returns a function that waits for the reply."""
+        sent = self.send(Op.PUSH_PULL, per_ps, step=step)
+        return lambda: self.merge(self.collect(sent))
 
     def stats(self) -> list[dict]:
         return [m.meta or {} for m in self.request(Op.STATS)]

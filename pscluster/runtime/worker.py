@@ -3,8 +3,8 @@
 Worker 0 is the chief: it builds the model, sends the initial values and the
 run's configuration to every ps (INIT) before anyone trains; the other workers
 wait for that (state "waiting for chief"), polling with a backoff, never a fixed
-sleep. Each step is one fused push-then-pull round trip to every ps at once; the dense values go through
-shared memory to a ps on the same host (``PSClient.share``).
+sleep. Each step is one fused push-then-pull round trip to every ps at once, during which the next batch is
+read; the dense values go through shared memory to a ps on the same host (``PSClient.share``).
 """
 
 from __future__ import annotations
@@ -247,6 +247,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         emitter.emit("state", state="training")
 
         batches = sharded_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed)
+        batch = next(batches)
         local_step, samples, dropped = 0, 0, 0
         compute_s = comm_s = wait_s = window_s = 0.0
         staleness = Counter()
@@ -254,33 +255,39 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         while not (reply.flags & Flag.STOPPED) and reply.step < plan.steps:
             t0 = time.perf_counter()
             sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
-            x, y = next(batches)
-            x, y = x.to(device), y.to(device)
+            x, y = batch[0].to(device), batch[1].to(device)
             model.zero_grad(set_to_none=True)
             output = model(x)
             loss = loss_fn(output, y)
             loss.backward()
             t1 = time.perf_counter()
             computed_on = reply.step
-            reply = client.push_pull(computed_on, _merge(shards.grads(), sparse.grads()))
+            answer = client.start_push_pull(computed_on, _merge(shards.grads(), sparse.grads()))
+            sent_at = time.perf_counter()
+            # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch
+            loss_value = loss.item()
+            accuracy = batch_accuracy(output.detach(), y)
+            batch = next(batches)
+            overlapped = time.perf_counter() - sent_at
+            reply = answer()
             shards.load(reply)
             t2 = time.perf_counter()
 
             local_step += 1
             samples += len(y)
-            step_wait = min(reply.wait_s, t2 - t1)
-            compute_s += t1 - t0
+            step_compute = t1 - t0 + overlapped
+            step_wait = min(reply.wait_s, t2 - t1 - overlapped)
+            step_comm = t2 - t1 - overlapped - step_wait
+            compute_s += step_compute
             wait_s += step_wait
-            comm_s += t2 - t1 - step_wait
+            comm_s += step_comm
             window_s += t2 - t0
             was_dropped = bool(reply.flags & Flag.DROPPED)
             dropped += was_dropped
             if not was_dropped:
                 staleness[reply.value] += 1
-            loss_value = loss.item()
-            accuracy = batch_accuracy(output.detach(), y)
             emitter.emit("step", local_step=local_step, global_step=reply.step, loss=loss_value,
-                         accuracy=accuracy, compute_s=t1 - t0, wait_s=step_wait, comm_s=t2 - t1 - step_wait,
+                         accuracy=accuracy, compute_s=step_compute, wait_s=step_wait, comm_s=step_comm,
                          bytes_sent=client.bytes_sent - sent, bytes_received=client.bytes_received - received,
                          staleness=None if was_dropped else reply.value, dropped=was_dropped)
             if local_step % plan.log_every == 0:
