@@ -56,6 +56,7 @@ at most ``MAX_LANES`` lanes (least recently mapped first out); a new run's INIT 
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import warnings
@@ -189,7 +190,7 @@ def _optimizers(params: list[torch.nn.Parameter], sparse: list[bool], name: str,
     cls = resolve_optimizer(name)
     dense_params = [p for p, s in zip(params, sparse) if not s]
     sparse_params = [p for p, s in zip(params, sparse) if s]
-    dense = cls(dense_params, **kwargs) if dense_params else None
+    dense = _fused(cls, dense_params, kwargs) if dense_params else None
     if not sparse_params:
         return dense, None
     if cls in (torch.optim.Adam, torch.optim.AdamW):
@@ -198,6 +199,17 @@ def _optimizers(params: list[torch.nn.Parameter], sparse: list[bool], name: str,
     if cls not in SPARSE_OPTIMIZERS:
         raise ValueError(f"{cls.__name__} cannot update sparse embeddings: use SGD, Adagrad or Adam")
     return dense, cls(sparse_params, **kwargs)
+
+
+def _fused(cls, params: list[torch.nn.Parameter], kwargs: dict) -> torch.optim.Optimizer:
+    """``cls(params, **kwargs)``, fused where torch has a fused kernel for it and the user chose no
+    implementation: one pass over each parameter per step, no temporaries of its size (a ps's memory)."""
+    if "fused" not in kwargs and "foreach" not in kwargs and "fused" in inspect.signature(cls).parameters:
+        try:
+            return cls(params, **kwargs, fused=True)
+        except (RuntimeError, ValueError):  # options or dtypes the fused kernel does not take
+            pass
+    return cls(params, **kwargs)
 
 
 def _sparse_grad(param: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> torch.Tensor:
