@@ -624,7 +624,7 @@ class ParameterServer:
                         dropped_stale=run.dropped_stale, late=run.late,
                         staleness={str(k): v for k, v in sorted(run.staleness.items())},
                         waiting_on=sorted(set(run.contributors)),
-                        variables=run.names)
+                        variables=run.names, lanes=len(self._lanes))
         self._reply(identity, msg, Op.OK, meta=meta)
 
     def _stop_run(self, identity, msg):

@@ -35,8 +35,9 @@ def test_sync_global_step_is_local_steps_over_replicas(cluster_1ps_2w, digits_tr
 
 def test_sync_with_fewer_replicas_drops_and_counts_stale_gradients(cluster_1ps_2w, digits_train):
     run = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, mode="sync", steps=150, batch_size=32,
-                               replicas_to_aggregate=1).wait(verbose=False)
+                               replicas_to_aggregate=1, shared_memory=False).wait(verbose=False)
     stats = run.ps_stats[0]
+    assert stats["lanes"] == 0  # both workers over the socket, as asked
     # Every push was applied (one per global step), dropped as stale, or arrived after the target.
     assert sum(run.local_steps) == stats["pushes"]
     assert stats["applied"] == run.global_step == 150
@@ -49,6 +50,7 @@ def test_async_records_staleness_per_push(cluster_1ps_2w, digits_train):
                                steps=200, batch_size=32).wait(verbose=False)
     stats = run.ps_stats[0]
     hist = run.staleness()
+    assert stats["lanes"] == 2  # both workers share the ps's host: each exchanged through shared memory
     assert run.global_step == 200
     assert sum(hist.values()) == stats["applied"] == 200
     assert stats["pushes"] == stats["applied"] + stats["late"]
