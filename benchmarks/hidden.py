@@ -34,9 +34,9 @@ def run(tiny: bool, out_dir: Path) -> Result:
                                "plain loop", speeds["plain"], "samples/s", Target(0.85)))
     comm = [s["comm_s"] / (s["compute_s"] + s["comm_s"] + s["wait_s"]) for s in split]
     result.extra["worker_time_split"] = split
-    result.notes.append(f"Where the worker's time goes (its own timers): communication (push-pull round trip, "
-                        f"not overlapped) {sorted(comm)[len(comm) // 2]:.0%} of each step, the rest compute "
-                        "(batch, forward, backward).")
+    result.notes.append(f"Where the worker's time goes (its own timers): communication (the push-pull round trip "
+                        f"beyond what overlaps it) {sorted(comm)[len(comm) // 2]:.0%} of each step, the rest compute "
+                        "(forward, backward, and during the round trip: the loss, the accuracy and the next batch).")
     result.notes.append(f"{steps} steps per repetition (the first 20 left out); each process (ps, worker, plain "
                         "loop) has 1 torch thread; the ps and the worker are separate processes on the same host, "
                         "started once; each pscluster repetition is a new run.")

@@ -1,5 +1,5 @@
 """Scaling by simulation: workers whose compute is a fixed sleep (no CPU), so that up to 64 fit on this
-machine, each a thread with its own PSClient (its own sockets to every ps), spread over ``HOSTS`` worker-host
+machine, each a thread with its own PSClient (its own sockets and shared-memory lanes to every ps), spread over ``HOSTS`` worker-host
 processes, pushing and pulling a small model (async: every push is a global step) to 1, 2 and 4 ps
 processes. Aggregate global steps/s against ideal linear scaling: n times the speed of one worker, measured
 alongside.
@@ -38,6 +38,8 @@ def host(index: int, hosts: int, most: int, numel: int) -> None:
     spec, _ = from_environment()
     grads = _grads(len(spec.ps), numel)
     clients = {k: PSClient(spec, task=k, run_id=RUN_ID, timeout=120) for k in range(index, most, hosts)}
+    for client in clients.values():  # as a worker of the runtime does: shared memory with the ps on its host
+        client.share(client.pull())
 
     def run(workers: int, window: float) -> dict:
         """Steps/s of each of this host's workers below ``workers`` over ``window`` seconds (a third more
@@ -158,8 +160,8 @@ def run(tiny: bool, out_dir: Path) -> Result:
     image = plot(curves, single, out_dir / "scaling.png")
     result.extra["plot"] = image
     result.notes.append(f"Model {numel * 4 // 1024} KB (split over the ps), SGD lr 0; the workers are threads of "
-                        f"{HOSTS} worker-host processes (sleeping: no CPU but their own push-pulls), with a socket "
-                        f"per ps each; {window:g} s windows. CPU: median share of a core over the rounds.")
+                        f"{HOSTS} worker-host processes (sleeping: no CPU but their own push-pulls), each with a "
+                        f"socket and a shared-memory lane per ps; {window:g} s windows. CPU: median share of a core over the rounds.")
     return result
 
 
