@@ -140,7 +140,7 @@ def test_ssp_keeps_every_worker_within_the_bound_of_the_slowest(local_ps, bags):
 
     def loss(output, target):
         if threading.current_thread().name == "worker-1":
-            slow.wait(0.03)  # a straggler: 30 ms per step
+            slow.wait(0.06)  # a straggler: 60 ms per step
         return torch.nn.functional.binary_cross_entropy_with_logits(output, target)
 
     results = {}
@@ -158,8 +158,9 @@ def test_ssp_keeps_every_worker_within_the_bound_of_the_slowest(local_ps, bags):
     slow_steps = sorted((e["time"], e["local_step"]) for e in events if e["task"] == "worker:1")
     for e in (e for e in events if e["task"] == "worker:0"):
         # ...but never by more than the bound: the slowest had recorded its step by then (give or take
-        # the few milliseconds between the two workers' records, far less than a 30 ms slow step)
-        done = max((s for t, s in slow_steps if t <= e["time"] + 0.01), default=0)
+        # the milliseconds between the two workers' records, which share one process and its GIL here: up
+        # to 25 ms on a loaded machine, less than a 60 ms slow step)
+        done = max((s for t, s in slow_steps if t <= e["time"] + 0.025), default=0)
         if done < results[1]["local_steps"]:
             assert e["local_step"] - done <= bound, (e, done)
 
