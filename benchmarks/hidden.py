@@ -24,8 +24,10 @@ def run(tiny: bool, out_dir: Path) -> Result:
         split.append({k: out[k] for k in ("compute_s", "comm_s", "wait_s")})
         return out["samples_per_s"]
     try:
+        # twice the usual repetitions: this VM's speed moves between runs seconds apart, and one pair of
+        # 300-step runs takes only a couple of seconds
         speeds = alternate({"pscluster": pscluster_speed, "plain": lambda: plain.round(steps)[0]["samples_per_s"]},
-                           repetitions(tiny))
+                           2 * repetitions(tiny))
     finally:
         pscluster.close()
         plain.close()

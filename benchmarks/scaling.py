@@ -1,8 +1,8 @@
 """Scaling by simulation: workers whose compute is a fixed sleep (no CPU), so that up to 64 fit on this
-machine, each a thread with its own PSClient (its own sockets and shared-memory lanes to every ps), spread over ``HOSTS`` worker-host
-processes, pushing and pulling a small model (async: every push is a global step) to 1, 2 and 4 ps
-processes. Aggregate global steps/s against ideal linear scaling: n times the speed of one worker, measured
-alongside.
+machine, each a thread with its own PSClient (its own sockets and shared-memory lanes to every ps), spread
+over ``HOSTS`` worker-host processes, pushing and pulling a small model (async: every push is a global step)
+to 1, 2 and 4 ps processes. Aggregate global steps/s against ideal linear scaling: n times the speed of one
+worker, measured alongside.
 
     python -m benchmarks.scaling host H HOSTS MOST NUMEL    a worker host (PSCLUSTER_CONFIG names the cluster):
         clients H, H + HOSTS, ... < MOST; each round "N WINDOW" runs those below N for WINDOW seconds
@@ -161,7 +161,8 @@ def run(tiny: bool, out_dir: Path) -> Result:
     result.extra["plot"] = image
     result.notes.append(f"Model {numel * 4 // 1024} KB (split over the ps), SGD lr 0; the workers are threads of "
                         f"{HOSTS} worker-host processes (sleeping: no CPU but their own push-pulls), each with a "
-                        f"socket and a shared-memory lane per ps; {window:g} s windows. CPU: median share of a core over the rounds.")
+                        f"socket and a shared-memory lane per ps; {window:g} s windows. CPU: median share of a core "
+                        "over the rounds.")
     return result
 
 
