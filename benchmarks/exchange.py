@@ -94,10 +94,11 @@ def bandwidth(megabytes: float, num_ps: int, cluster: procs.PSProcesses, raw: Ra
     payloads = [t.numpy() for _, (t,) in ps.grads.values()]
     for warm_up in (lambda: ps.round_trip("shared"), lambda: ps.round_trip("socket"), lambda: raw.round_trip(payloads)):
         warm_up()
-    moved = 2 * numel * 4 * trips / 1e9
+    gigabytes = 2 * numel * 4 / 1e9  # moved by one round trip, both ways
 
     def repeat(fn):
-        return lambda: moved / timed(lambda: [fn() for _ in range(trips)])
+        trips_per_s = per_second(fn, trips)
+        return lambda: gigabytes * trips_per_s()
     try:
         return alternate({"shared": repeat(lambda: ps.round_trip("shared")),
                           "socket": repeat(lambda: ps.round_trip("socket")),

@@ -283,7 +283,7 @@ class PSClient:
 
     def push_pull(self, step: int, per_ps: dict) -> Reply:
         """Push gradients computed on ``step`` and get the parameters after they were applied."""
-        return self.merge(self.request(Op.PUSH_PULL, per_ps, step=step))
+        return self.start_push_pull(step, per_ps)()
 
     def start_push_pull(self, step: int, per_ps: dict):
         """``push_pull`` in two halves: sends now, and returns a function that waits for the reply."""

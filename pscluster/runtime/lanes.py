@@ -45,7 +45,7 @@ def slots(layout: list[tuple[torch.Size, torch.dtype]], start: int = 0) -> tuple
     for shape, dtype in layout:
         end = -(-end // ALIGN) * ALIGN
         offsets.append(end)
-        end += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        end += torch.Size(shape).numel() * dtype.itemsize
     return offsets, max(end, 1)
 
 

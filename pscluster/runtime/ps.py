@@ -555,10 +555,9 @@ class ParameterServer:
             run.dropped_stale += 1
             self._reply(identity, msg, reply_op, flags=Flag.DROPPED, value=staleness, with_params=with_params)
             return
-        if run.accum is None and run.replicas_now() == 1:
-            run.accum, run.accum_count = grads, 0  # applied below, before this request's frames are let go
-        elif run.accum is None:
-            run.accum = [_owned(g) for g in grads]
+        if run.accum is None:
+            # one replica per step: applied below, before this request's frames are let go, so not copied
+            run.accum = grads if run.replicas_now() == 1 else [_owned(g) for g in grads]
         else:
             for a, g in zip(run.accum, grads):
                 if isinstance(g, torch.Tensor):
