@@ -186,7 +186,9 @@ class EngineSet:
 
     def remove_engines(self, engines: list[tuple[int, int]]) -> None:
         """Stop these (engine id, pid) engines for good: the cluster has fewer tasks now."""
-        gone = _with_descendants([pid for _, pid in engines]) if self.launcher.local else []
+        removed = {engine_id for engine_id, _ in engines}
+        staying = [pid for engine_id, pid in self.engines.items() if engine_id not in removed]
+        gone = _with_descendants([pid for _, pid in engines], staying) if self.launcher.local else []
         self._shutdown([engine_id for engine_id, _ in engines])
         reaper.kill_all(gone, grace=5.0)
         self.pids = [p for p in self.pids if p not in gone]
@@ -234,15 +236,17 @@ class EngineSet:
             self._reaper = None
 
 
-def _with_descendants(pids: list[int]) -> list[int]:
-    """``pids`` and every process below them (the controller's schedulers, the engines' nannies)."""
-    found = list(pids)
-    for pid in pids:
+def _with_descendants(pids: list[int], spared: list[int] = ()) -> list[int]:
+    """``pids`` and every process below them (the controller's schedulers, the engines' nannies), except
+    ``spared`` processes and those below them: local engines are forked from one of them (``engine_main``),
+    so the others are its children."""
+    found = list(dict.fromkeys(p for p in pids if p not in spared))
+    for pid in found:  # grows as it goes: children, then theirs
         try:
-            found += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+            found += [c.pid for c in psutil.Process(pid).children() if c.pid not in spared and c.pid not in found]
         except psutil.NoSuchProcess:
             pass
-    return list(dict.fromkeys(found))
+    return found
 
 
 def _addresses(host: str) -> set[str]:

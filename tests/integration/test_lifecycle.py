@@ -9,11 +9,13 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 import torch
 
 import pscluster
 from pscluster import Cluster
+from pscluster.cluster.engines import EngineSet
 from pscluster.cluster.reaper import alive
 from pscluster.errors import ClusterStateError, TrainingError
 
@@ -66,6 +68,23 @@ def test_cluster_dies_with_its_owner_process():
     finally:
         owner.kill()
         owner.wait(10)
+
+
+def test_removing_the_engine_the_others_were_forked_from_stops_that_one_alone():
+    # local engines fork from one process (engine_main), so the others are its children: removing that
+    # engine (a worker scaled away) must not take the ps and the chief down with it
+    engines = EngineSet(3, f"pscluster-forked-{os.getpid()}")
+    pids = {e.engine_id: e.pid for e in engines.start()}
+    try:
+        parents = {psutil.Process(pid).ppid() for pid in pids.values()}
+        [forker] = [e for e, pid in pids.items() if pid in parents]
+        rest = sorted(set(pids) - {forker})
+        engines.remove_engines([(forker, pids[forker])])
+        assert not alive(pids[forker])
+        assert engines.client[rest].apply_sync(os.getpid) == [pids[e] for e in rest]
+    finally:
+        engines.stop()
+    assert not [p for p in pids.values() if alive(p)]
 
 
 def test_stop_leaves_no_process(start_cluster):
