@@ -27,6 +27,7 @@ from . import engine_main, reaper
 from .launchers import Launcher, host_name
 from .roles import EngineInfo
 
+RECOUNT_S = 2.0  # how often a start that waits for engines compares the client's count with the hub's
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no progress bars from ipyparallel itself
 
 
@@ -57,12 +58,13 @@ class EngineSet:
             self._ipp.start_controller_sync()
             self._start_engines(self.n, self.counts, since)
             self.client = self._ipp.connect_client_sync()
-            self.client.wait_for_engines(self.n, timeout=self.timeout, interactive=False)
+            self._wait_for_engines()
             engines = self._describe(self.client.ids)
-        except (TimeoutError, ipp.error.TimeoutError) as e:
+        except (TimeoutError, ipp.error.TimeoutError):
+            registered = len(self.client.ids) if self.client is not None else 0
             self.stop()
-            raise ClusterStateError(f"{self.n} engines did not register within {self.timeout:.0f}s ({e}): "
-                                    f"{self._hint()}") from None
+            raise ClusterStateError(f"{self.n} engines did not register within {self.timeout:.0f}s (only "
+                                    f"{registered} did): {self._hint()}") from None
         except BaseException:
             self.stop()
             raise
@@ -73,6 +75,23 @@ class EngineSet:
         self.engines = {e.engine_id: e.pid for e in engines}
         self._watch()
         return engines
+
+    def _wait_for_engines(self) -> None:
+        """Until the client counts ``n`` engines. It learns of engines from the hub's list when it connects,
+        then from the hub's notifications, so it misses one that registers between the two (local engines
+        start while it connects): a client that counts fewer engines than the hub connects again."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self.client.wait_for_engines(self.n, timeout=min(RECOUNT_S, max(0.0, deadline - time.monotonic())),
+                                             interactive=False)
+                return
+            except (TimeoutError, ipp.error.TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise
+            if sum(isinstance(k, int) for k in self.client.queue_status()) > len(self.client.ids):
+                self.client.close()
+                self.client = self._ipp.connect_client_sync()
 
     def _start_engines(self, n: int, counts: dict[str, int] | None, since: float = 0.0) -> None:
         """Launch ``n`` engines: local ones as one process that forks into them (``engine_main``: torch imported

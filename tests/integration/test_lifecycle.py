@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+import ipyparallel as ipp
 import psutil
 import pytest
 import torch
@@ -85,6 +86,27 @@ def test_removing_the_engine_the_others_were_forked_from_stops_that_one_alone():
     finally:
         engines.stop()
     assert not [p for p in pids.values() if alive(p)]
+
+
+def test_a_start_counts_an_engine_whose_registration_its_client_missed(monkeypatch):
+    # the client hears of engines from the hub's list when it connects, then from notifications: one that
+    # registers between the two (local engines start while it connects) is never announced to it
+    missed = []
+    announce = ipp.Client._register_engine
+
+    def miss_the_first(client, msg):
+        if not missed:
+            missed.append(msg)
+        else:
+            announce(client, msg)
+
+    monkeypatch.setattr(ipp.Client, "_register_engine", miss_the_first)
+    engines = EngineSet(2, f"pscluster-missed-{os.getpid()}")
+    try:
+        assert len(engines.start()) == 2 and missed
+        assert sorted(engines.client.ids) == sorted(engines.engines)
+    finally:
+        engines.stop()
 
 
 def test_stop_leaves_no_process(start_cluster):
