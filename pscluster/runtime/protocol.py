@@ -10,10 +10,12 @@ request id, step, value, wait in microseconds, tensor count); ``table`` describe
 that carry structured data (empty otherwise); each payload is a tensor's raw bytes, sent without
 a copy from ``COPY_LIMIT`` bytes up (smaller ones are copied into ZeroMQ's message as they are sent: see
 ``configure``); ``mac`` is HMAC-SHA256 with the per-cluster secret as key over the header, table and json
-frames and, for each payload, its SHA-256 digest, each of these items preceded by the length of its frame (so
-frame boundaries are signed too). Hashes run over memory views of the frames: payloads are never copied to
-be signed. Signing a payload by its digest lets a sender hash the same values once for several messages (a
-ps answers every worker of a sync step with the same parameters, see ``encode``'s ``digests``).
+frames and, for each payload, its BLAKE3 digest, each of these items preceded by the length of its frame (so
+frame boundaries are signed too). BLAKE3, not SHA-256, for payloads: it hashes 2 to 3 times faster on one
+core and spreads a large payload over every core. Hashes run over memory views of the frames: payloads are
+never copied to be signed. Signing a payload by its digest lets a sender hash the same values once for
+several messages (a ps answers every worker of a sync step with the same parameters, see ``encode``'s
+``digests``).
 
 Sessions and replay protection. A signature proves who sent a message, not that it is fresh: a
 frame captured on the wire would still verify when sent again. So every request also carries a
@@ -62,12 +64,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import IntEnum, IntFlag
 
+import blake3
 import torch
 import zmq
 
 from ..errors import BadSignature, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAGIC = b"PSCL"
 MAX_DIMS = 8
 NO_TASK = 0xFFFF  # the `task` of a message that comes from the controller, not a worker
@@ -76,6 +79,7 @@ MAC_SIZE = 32
 MAX_SESSIONS = 65536
 MAX_ELEMENTS = 2**48  # of one tensor, counting a zero dimension as one: bounds what a view's shape can say
 COPY_LIMIT = 4 << 20  # frames from this size up are sent without a copy (see ``configure``)
+THREADED_DIGEST_BYTES = 1 << 20  # payloads from this size up are hashed on every core
 
 _HEADER = struct.Struct(f"!4sHBBHI{NONCE_SIZE}sQqqII")
 _TENSOR = struct.Struct("!IBB2x" + "Q" * MAX_DIMS)
@@ -184,13 +188,15 @@ _KEYED: dict = {}  # key -> keyed HMAC state
 
 
 def digest(payload) -> bytes:
-    """SHA-256 of one payload frame (bytes-like), as ``mac`` signs it."""
-    return hashlib.sha256(memoryview(payload)).digest()
+    """BLAKE3 of one payload frame (bytes-like), as ``mac`` signs it."""
+    view = memoryview(payload)
+    threads = blake3.blake3.AUTO if view.nbytes >= THREADED_DIGEST_BYTES else 1
+    return blake3.blake3(view, max_threads=threads).digest()
 
 
 def mac(key: bytes, frames, digests=None) -> bytes:
     """HMAC-SHA256 of ``frames``: the first three (header, table, json) as they are, each later one (a
-    payload) by its SHA-256 digest (``digests``, when given, are those of the payloads, already computed),
+    payload) by its BLAKE3 digest (``digests``, when given, are those of the payloads, already computed),
     every item preceded by its frame's length."""
     keyed = _KEYED.get(key)
     if keyed is None:  # the key schedule once per key, copied for every message

@@ -6,6 +6,7 @@ import hmac
 import json
 import struct
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -157,13 +158,19 @@ def test_mac_covers_frame_boundaries():
     assert protocol.mac(KEY, [b"ab", b"c"]) != protocol.mac(KEY, [b"a", b"bc"])
 
 
-def test_mac_is_hmac_sha256_of_the_length_prefixed_frames_payloads_by_their_sha256(frames):
+def test_mac_is_hmac_sha256_of_the_length_prefixed_frames_payloads_by_their_blake3(frames):
     def item(i, f):
         raw = bytes(memoryview(f))
-        return struct.pack("!Q", len(raw)) + (raw if i < 3 else hashlib.sha256(raw).digest())
+        return struct.pack("!Q", len(raw)) + (raw if i < 3 else blake3.blake3(raw).digest())
     signed = b"".join(item(i, f) for i, f in enumerate(frames[:-1]))
     assert bytes(frames[-1]) == hmac.new(KEY, signed, hashlib.sha256).digest()
     assert protocol.mac(KEY, frames[:-1]) == protocol.mac(KEY, frames[:-1])  # the cached key state is not consumed
+
+
+def test_a_large_payload_hashed_on_every_core_has_the_digest_of_one_core():
+    payload = torch.arange(protocol.THREADED_DIGEST_BYTES // 2, dtype=torch.float32).numpy().tobytes()
+    assert len(payload) > protocol.THREADED_DIGEST_BYTES
+    assert protocol.digest(payload) == blake3.blake3(payload, max_threads=1).digest()
 
 
 # --- what decode refuses -------------------------------------------------------------------
