@@ -20,7 +20,6 @@ import sys
 import time
 
 import ipyparallel as ipp
-import psutil
 
 from ..errors import ClusterStateError
 from . import engine_main, reaper
@@ -57,6 +56,7 @@ class EngineSet:
             since = time.time()
             self._ipp.start_controller_sync()
             self._start_engines(self.n, self.counts, since)
+            self._watch_launched()
             self.client = self._ipp.connect_client_sync()
             self._wait_for_engines()
             engines = self._describe(self.client.ids)
@@ -71,10 +71,19 @@ class EngineSet:
         if not self.launcher.local:
             self.client[[e.engine_id for e in engines]].apply_sync(_watch_controller, *self._controller_endpoint())
         local = [e.pid for e in engines] if self.launcher.local else []
-        self.pids = _with_descendants(local + [self._ipp.controller.pid])
+        self.pids = reaper.with_descendants(local + [self._ipp.controller.pid])
         self.engines = {e.engine_id: e.pid for e in engines}
         self._watch()
         return engines
+
+    def _watch_launched(self) -> None:
+        """Watch what is started so far (the controller, the process local engines fork from) while the
+        engines register: if this process dies before the start ends, the reaper kills them and every
+        process below them."""
+        self.pids = [self._ipp.controller.pid]
+        if self.launcher.local:
+            self.pids += [e.pid for s in self._ipp.engines.values() for e in s.launchers.values()]
+        self._watch()
 
     def _wait_for_engines(self) -> None:
         """Until the client counts ``n`` engines. It learns of engines from the hub's list when it connects,
@@ -173,7 +182,7 @@ class EngineSet:
         if not self.launcher.local:
             self.client[info.engine_id].apply_sync(_watch_controller, *self._controller_endpoint())
         if self.launcher.local:
-            self.pids = list(dict.fromkeys(self.pids + _with_descendants([info.pid])))
+            self.pids = list(dict.fromkeys(self.pids + reaper.with_descendants([info.pid])))
         self.engines[info.engine_id] = info.pid
         self._watch()
         return info
@@ -207,7 +216,7 @@ class EngineSet:
         """Stop these (engine id, pid) engines for good: the cluster has fewer tasks now."""
         removed = {engine_id for engine_id, _ in engines}
         staying = [pid for engine_id, pid in self.engines.items() if engine_id not in removed]
-        gone = _with_descendants([pid for _, pid in engines], staying) if self.launcher.local else []
+        gone = reaper.with_descendants([pid for _, pid in engines], staying) if self.launcher.local else []
         self._shutdown([engine_id for engine_id, _ in engines])
         reaper.kill_all(gone, grace=5.0)
         self.pids = [p for p in self.pids if p not in gone]
@@ -232,6 +241,8 @@ class EngineSet:
 
     def stop(self) -> None:
         """Shut engines down through the client (quietly), stop the cluster, kill survivors."""
+        # listed before ipyparallel stops the process local engines fork from: they are its children until then
+        self.pids = reaper.with_descendants(self.pids)
         if self.client is not None:
             self._shutdown(list(self.engines))
             deadline = time.monotonic() + 5
@@ -253,19 +264,6 @@ class EngineSet:
             self._reaper.kill()
             self._reaper.wait(5)
             self._reaper = None
-
-
-def _with_descendants(pids: list[int], spared: list[int] = ()) -> list[int]:
-    """``pids`` and every process below them (the controller's schedulers, the engines' nannies), except
-    ``spared`` processes and those below them: local engines are forked from one of them (``engine_main``),
-    so the others are its children."""
-    found = list(dict.fromkeys(p for p in pids if p not in spared))
-    for pid in found:  # grows as it goes: children, then theirs
-        try:
-            found += [c.pid for c in psutil.Process(pid).children() if c.pid not in spared and c.pid not in found]
-        except psutil.NoSuchProcess:
-            pass
-    return found
 
 
 def _addresses(host: str) -> set[str]:

@@ -17,6 +17,8 @@ import os
 import signal
 import time
 
+import psutil
+
 POLL_S = 0.5
 GRACE_S = 3.0
 
@@ -33,6 +35,19 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def with_descendants(pids: list[int], spared: list[int] = ()) -> list[int]:
+    """``pids`` and every process below them (the controller's schedulers, the engines' nannies), except
+    ``spared`` processes and those below them: local engines are forked from one of them (``engine_main``),
+    so the others are its children."""
+    found = list(dict.fromkeys(p for p in pids if p not in spared))
+    for pid in found:  # grows as it goes: children, then theirs
+        try:
+            found += [c.pid for c in psutil.Process(pid).children() if c.pid not in spared and c.pid not in found]
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def kill_all(pids: list[int], grace: float = GRACE_S) -> None:
@@ -54,7 +69,7 @@ def watch(owner: int, pids: list[int], remove: list[str] = ()) -> None:
         if not any(alive(p) for p in pids):
             return
         if not alive(owner):
-            kill_all(pids)
+            kill_all(with_descendants(pids))  # engines forked since the list was made too
             for path in remove:
                 try:
                     os.unlink(path)

@@ -32,6 +32,20 @@ OWNER = textwrap.dedent("""
 """)
 
 
+OWNER_KILLED_WHILE_STARTING = textwrap.dedent("""
+    import json, os, time, pscluster
+    from pscluster.cluster.engines import EngineSet
+
+    def registered_then_stuck(self):  # the owner dies after the engines registered, before start() returns
+        self.client.wait_for_engines(self.n, timeout=60)
+        print(json.dumps(os.getpid()), flush=True)
+        time.sleep(300)
+
+    EngineSet._wait_for_engines = registered_then_stuck
+    pscluster.Cluster(ps=1, workers=2).start()
+""")
+
+
 DETACHED_OWNER = textwrap.dedent("""
     import json, os, sys, time, torch, pscluster
     def mlp():
@@ -66,6 +80,20 @@ def test_cluster_dies_with_its_owner_process():
         while os.path.exists(cluster_file) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not os.path.exists(cluster_file)  # no stale cluster left for ipyparallel to list
+    finally:
+        owner.kill()
+        owner.wait(10)
+
+
+def test_a_cluster_dies_with_its_owner_killed_while_it_starts():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_KILLED_WHILE_STARTING], stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(owner.stdout.readline()) == owner.pid
+        started = [p.pid for p in psutil.Process(owner.pid).children(recursive=True)]
+        assert len(started) >= 5  # the controller and its schedulers, the engines, their nannies, the reaper
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        assert wait_dead(started, timeout=20) == []
     finally:
         owner.kill()
         owner.wait(10)
