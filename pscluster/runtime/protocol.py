@@ -11,11 +11,11 @@ that carry structured data (empty otherwise); each payload is a tensor's raw byt
 a copy from ``COPY_LIMIT`` bytes up (smaller ones are copied into ZeroMQ's message as they are sent: see
 ``configure``); ``mac`` is HMAC-SHA256 with the per-cluster secret as key over the header, table and json
 frames and, for each payload, its BLAKE3 digest, each of these items preceded by the length of its frame (so
-frame boundaries are signed too). BLAKE3, not SHA-256, for payloads: it hashes 2 to 3 times faster on one
-core and spreads a large payload over every core. Hashes run over memory views of the frames: payloads are
-never copied to be signed. Signing a payload by its digest lets a sender hash the same values once for
-several messages (a ps answers every worker of a sync step with the same parameters, see ``encode``'s
-``digests``).
+frame boundaries are signed too). BLAKE3, not SHA-256, for payloads: it hashes 2 to 3 times faster, on one
+core (hashing on every core measured no faster where the ps and workers share the cores). Hashes run over
+memory views of the frames: payloads are never copied to be signed. Signing a payload by its digest lets a
+sender hash the same values once for several messages (a ps answers every worker of a sync step with the
+same parameters, see ``encode``'s ``digests``).
 
 Sessions and replay protection. A signature proves who sent a message, not that it is fresh: a
 frame captured on the wire would still verify when sent again. So every request also carries a
@@ -79,7 +79,6 @@ MAC_SIZE = 32
 MAX_SESSIONS = 65536
 MAX_ELEMENTS = 2**48  # of one tensor, counting a zero dimension as one: bounds what a view's shape can say
 COPY_LIMIT = 4 << 20  # frames from this size up are sent without a copy (see ``configure``)
-THREADED_DIGEST_BYTES = 1 << 20  # payloads from this size up are hashed on every core
 
 _HEADER = struct.Struct(f"!4sHBBHI{NONCE_SIZE}sQqqII")
 _TENSOR = struct.Struct("!IBB2x" + "Q" * MAX_DIMS)
@@ -189,9 +188,7 @@ _KEYED: dict = {}  # key -> keyed HMAC state
 
 def digest(payload) -> bytes:
     """BLAKE3 of one payload frame (bytes-like), as ``mac`` signs it."""
-    view = memoryview(payload)
-    threads = blake3.blake3.AUTO if view.nbytes >= THREADED_DIGEST_BYTES else 1
-    return blake3.blake3(view, max_threads=threads).digest()
+    return blake3.blake3(memoryview(payload)).digest()
 
 
 def mac(key: bytes, frames, digests=None) -> bytes:

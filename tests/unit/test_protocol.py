@@ -167,12 +167,6 @@ def test_mac_is_hmac_sha256_of_the_length_prefixed_frames_payloads_by_their_blak
     assert protocol.mac(KEY, frames[:-1]) == protocol.mac(KEY, frames[:-1])  # the cached key state is not consumed
 
 
-def test_a_large_payload_hashed_on_every_core_has_the_digest_of_one_core():
-    payload = torch.arange(protocol.THREADED_DIGEST_BYTES // 2, dtype=torch.float32).numpy().tobytes()
-    assert len(payload) > protocol.THREADED_DIGEST_BYTES
-    assert protocol.digest(payload) == blake3.blake3(payload, max_threads=1).digest()
-
-
 # --- what decode refuses -------------------------------------------------------------------
 
 
