@@ -49,6 +49,9 @@ def main(argv: list[str]) -> None:
     os.environ["IPP_CONNECTION_INFO"] = json.dumps(connection_info(path, since))
     for _ in range(copies - 1):
         if os.fork() == 0:  # a child is one more engine; the parent forks the rest
+            # its own process group: an engine that shuts down or is interrupted signals every process of
+            # its group (ipykernel does), and the parent's group would hold the other engines
+            os.setpgid(0, 0)
             break
     engine()
 
