@@ -27,7 +27,7 @@ SCREENSHOT = ROOT / "reports" / "side_panel.png"
 CELLS = [
     "%load_ext pscluster\nimport torch\nimport pscluster",
     "%pscluster start --ps 1 --workers 2 --name lab-demo",
-    "%%pscluster train --mode sync --steps 20000 --batch-size 64 --lr 0.1 --log-every 100000 --name digits-mlp\n"
+    "%%pscluster train --mode sync --steps 1000000 --batch-size 64 --lr 0.1 --log-every 100000 --name digits-mlp\n"
     "model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))\n"
     "loss_fn = torch.nn.CrossEntropyLoss()\n"
     "dataset = pscluster.datasets.digits('train')",
