@@ -79,14 +79,14 @@ async def test_a_server_started_after_the_cluster_lists_it_with_its_roles(api, c
 
 
 async def test_stop_a_run_from_the_server(api, cluster):
-    run = digits_run(cluster, 100_000)
+    run = digits_run(cluster, 10**6)
 
     async def training():
         status, body = await api("GET", "runs", str(run.id), "metrics")
         return body["run"]["global_step"] > 5 and body
 
     body = await eventually(training)
-    assert body["run"]["status"] == "training" and body["run"]["steps"] == 100_000
+    assert body["run"]["status"] == "training" and body["run"]["steps"] == 10**6
     assert await api("POST", "runs", str(run.id), "stop") == (
         200, {"action": "stop_run", "target": str(run.id), "state": "stopping"})
 
@@ -101,7 +101,7 @@ async def test_stop_a_run_from_the_server(api, cluster):
 
 
 async def test_restart_a_worker_during_a_run_replaces_it_through_the_runs_recovery(api, cluster):
-    run = digits_run(cluster, 100_000)
+    run = digits_run(cluster, 10**6)
     await eventually(lambda: run.global_step > 5)
     new = await restart(api, cluster, "worker", 1)
     assert cluster.roles()[2]["pid"] == new["pid"]
