@@ -542,9 +542,7 @@ class ParameterServer:
             if run.mode == "ssp":
                 run.clocks[msg.task] += 1
                 if run.ahead(msg.task) > run.staleness_bound and not run.stopped:
-                    run.waiting.append((identity, Message(op=msg.op, flags=msg.flags, task=msg.task,
-                                                          run_id=msg.run_id, request_id=msg.request_id,
-                                                          nonce=msg.nonce, value=staleness), time.monotonic()))
+                    run.waiting.append((identity, _header(msg, value=staleness), time.monotonic()))
                 else:
                     self._reply(identity, msg, reply_op, value=staleness, with_params=with_params)
                 self._release_waiting(lambda req: run.ahead(req.task) <= run.staleness_bound)
@@ -567,9 +565,7 @@ class ParameterServer:
         run.accum_count += 1
         run.contributors.append(msg.task)
         if with_params:
-            # The frames of `msg` are released after this call: keep only the header.
-            run.waiting.append((identity, Message(op=msg.op, flags=msg.flags, run_id=msg.run_id,
-                                                  request_id=msg.request_id, nonce=msg.nonce), time.monotonic()))
+            run.waiting.append((identity, _header(msg), time.monotonic()))
         if run.accum_count >= run.replicas_now():
             self._apply(run, run.accum, run.accum_count)
             run.accum, run.accum_count, run.contributors = None, 0, []
@@ -780,6 +776,13 @@ class ParameterServer:
 
 
 _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
+
+
+def _header(msg: Message, value: int = 0) -> Message:
+    """What answering ``msg`` later takes of it (its frames are released once it is handled): its header,
+    with the ``value`` the answer carries."""
+    return Message(op=msg.op, flags=msg.flags, task=msg.task, run_id=msg.run_id, request_id=msg.request_id,
+                   nonce=msg.nonce, value=value)
 
 
 def _held(msg: Message) -> Message:
