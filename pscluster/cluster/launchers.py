@@ -1,7 +1,7 @@
 """How a cluster's engines start: one of ipyparallel's launchers, chosen by name, and its options.
 
     Launcher()                                              # local engines (the default)
-    Launcher("ssh", hosts=("node1", "node2=3"), ps_hosts=("node1",), ports=(40000,40100))
+    Launcher("ssh", hosts=("node1", "node2=3"), ps_hosts=("node1",), ports=(20000,20100))
     Launcher("slurm", partition="gpu", account="proj", time_limit="01:00:00")
     Launcher("mpi", mpi_args=("--hostfile", "hosts.txt"), interface="10.0.0.1")
 
@@ -72,13 +72,13 @@ def parse_hosts(hosts) -> dict[str, int | None]:
 
 
 def parse_ports(ports) -> tuple[int, int] | None:
-    """``"40000-40100"`` or ``(40000, 40100)`` -> ``(40000, 40100)``; None stays None (any free port)."""
+    """``"20000-20100"`` or ``(20000, 20100)`` -> ``(20000, 20100)``; None stays None (any free port)."""
     if ports is None:
         return None
     try:
         lo, hi = (int(p) for p in (ports.split("-") if isinstance(ports, str) else ports))
     except (ValueError, TypeError):
-        raise ConfigError(f"ports {ports!r}: give a range LO-HI, e.g. 40000-40100") from None
+        raise ConfigError(f"ports {ports!r}: give a range LO-HI, e.g. 20000-20100") from None
     if not 1024 <= lo <= hi <= 65535:
         raise ConfigError(f"ports {lo}-{hi}: use 1024 <= LO <= HI <= 65535")
     return lo, hi

@@ -96,7 +96,18 @@ def bind_in_range(bind, ports: tuple[int, int]):
         except zmq.ZMQError as e:
             if e.errno != errno.EADDRINUSE:
                 raise
-    raise OSError(errno.EADDRINUSE, f"every port in {lo}-{hi} is taken: give a wider --ports range")
+    raise OSError(errno.EADDRINUSE, f"every port in {lo}-{hi} is taken: give a wider --ports range"
+                                    + _outgoing_ports_hint(lo, hi))
+
+
+def _outgoing_ports_hint(lo: int, hi: int) -> str:
+    """Where ``[lo, hi]`` overlaps the kernel's ephemeral ports, any outgoing connection may hold some of it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(p) for p in f.read().split())
+    except (OSError, ValueError):
+        return ""
+    return f" outside {low}-{high}, the ports outgoing connections take" if lo <= high and hi >= low else ""
 
 
 def stop_ps(index: int) -> None:

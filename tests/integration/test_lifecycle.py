@@ -20,6 +20,7 @@ from pscluster.cluster.engines import EngineSet
 from pscluster.cluster.reaper import alive
 from pscluster.errors import ClusterStateError, TrainingError
 
+from ..ports import quiet_port_range
 from .conftest import mlp
 
 pytestmark = pytest.mark.integration
@@ -193,7 +194,7 @@ def test_a_detached_cluster_outlives_its_owner_and_a_later_process_takes_over_it
 
 
 def test_two_clusters_with_one_port_range_bind_loopback_ports_apart_and_a_rerun_finds_free_ones(start_cluster):
-    ports = (43100, 43104)  # 2 ps + 1 collector each time, two clusters at once: the range is nearly full
+    ports = quiet_port_range(5)  # 2 ps + 1 collector, then 1 ps + 1 collector, at once: the range is nearly full
     first = start_cluster(ps=2, workers=1, ports=ports, threads=1)
     second = start_cluster(ps=1, workers=1, ports=ports, threads=1)
     runs = [c.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1, steps=20,

@@ -1,6 +1,7 @@
 """Launcher options: validation with one-line errors, placement of the tasks on hosts, the ipyparallel options
 they become, role assignment by machine with per-host GPUs, and picking ports in a range."""
 
+import errno
 import socket
 
 import pytest
@@ -11,6 +12,8 @@ from pscluster.cluster.roles import EngineInfo, assign_roles, host_gpus
 from pscluster.errors import ConfigError
 from pscluster.magics import _parsers
 from pscluster.runtime.engine import bind_in_range, route_address
+
+from ..ports import EPHEMERAL, quiet_port_range
 
 
 @pytest.mark.parametrize("kwargs, fix", [
@@ -110,26 +113,28 @@ def test_ports_are_picked_free_in_the_range():
             raise
         return s, p
 
-    def free(p) -> bool:  # probed with a plain socket: ZeroMQ closes its sockets in the background
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-                return True
-            except OSError:
-                return False
-
-    port = next(p for p in range(43000, 43100, 2) if free(p) and free(p + 1))  # others' connections hold some
+    port, _ = quiet_port_range(2)
     taken, _ = bind(port)
     sockets = [taken]
     try:
         sock, got = bind_in_range(bind, (port, port + 1))
         sockets.append(sock)
         assert got == port + 1  # the taken one skipped
-        with pytest.raises(OSError, match="wider --ports range"):
+        with pytest.raises(OSError, match="wider --ports range$"):
             bind_in_range(bind, (port, port + 1))
     finally:
         for s in sockets:
             s.close()
+
+
+def test_a_full_range_that_outgoing_connections_share_is_named_in_the_error():
+    def taken(port):
+        raise zmq.ZMQError(errno.EADDRINUSE)
+
+    with open(EPHEMERAL) as f:
+        low, high = (int(p) for p in f.read().split())
+    with pytest.raises(OSError, match=f"wider --ports range outside {low}-{high}, the ports outgoing"):
+        bind_in_range(taken, (high - 1, high + 1))
 
 
 def test_route_address_is_this_machines_address_towards_a_target():
