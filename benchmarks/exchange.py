@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 import zmq
 
@@ -124,6 +125,25 @@ def stage_costs(megabytes: float, rounds: int) -> dict[str, float]:
     return {name: 1000 * statistics.median(timed(fn) for _ in range(rounds)) for name, fn in stages.items()}
 
 
+def raw_cores_busy(megabytes: float, trips: int, rounds: int) -> float:
+    """How many cores raw ZeroMQ round trips of ``megabytes`` keep busy: the CPU time of this process and of
+    its server process (every thread, ZeroMQ's I/O threads included) over the wall time of ``trips`` round trips
+    (enough to outlast the 10 ms ticks CPU time is counted in); median of ``rounds``."""
+    with RawServers(1) as raw:
+        payload = np.ones(int(megabytes * MB), dtype=np.uint8)
+        processes = [psutil.Process(), psutil.Process(raw.procs[0].pid)]
+
+        def cpu() -> float:
+            return sum(sum(p.cpu_times()[:2]) for p in processes)
+        raw.round_trip([payload])
+        busy = []
+        for _ in range(rounds):
+            before = cpu()
+            wall = timed(lambda: [raw.round_trip([payload]) for _ in range(trips)])
+            busy.append((cpu() - before) / wall)
+        return statistics.median(busy)
+
+
 def per_second(fn, trips: int):
     """A measurement: calls of ``fn`` per second over ``trips`` calls."""
     return lambda: trips / timed(lambda: [fn() for _ in range(trips)])
@@ -200,10 +220,13 @@ def run(tiny: bool, out_dir: Path) -> Result:
             result.rows.append(compare("100 MB step, same host, 1 ps", "pscluster", steps["pscluster"],
                                        "Ray actor ps", steps["ray"], "steps/s", Target(1.0)))
     costs = stage_costs(1 if tiny else 16, repetitions(tiny))
+    busy = raw_cores_busy(1 if tiny else 16, 4 if tiny else 32, repetitions(tiny))
     result.extra["stage_ms"] = costs
+    result.extra["raw_cores_busy"] = busy
     result.notes.append(f"What a round trip does to {1 if tiny else 16} MB besides moving it, in this process "
                         "(median ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()) + "; the raw "
-                        "round trip of the same size is in the table (ms = 2 x MB / GB/s).")
+                        "round trip of the same size is in the table (ms = 2 x MB / GB/s) and keeps "
+                        f"{busy:.2f} cores busy (CPU time of client and server over wall time).")
     result.notes.append("ps tasks and raw servers are processes (python -m pscluster.runtime, and raw_zmq.py); "
                         "the client is the benchmark process. GB/s counts bytes both ways. With more processes "
                         "than cores, servers and client share them.")
