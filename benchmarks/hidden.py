@@ -9,37 +9,45 @@ from . import procs
 from .common import Result, Target, alternate, compare, repetitions
 
 
-def pscluster_worker() -> procs.Rounds:
+def pscluster_worker(mode: str, *how: str) -> procs.Rounds:
+    """``how``: ``"pipeline"`` computes the next gradients while the push-pull is in flight (async)."""
     cluster = procs.PSProcesses(1, workers=1)
-    return procs.Rounds([procs.spawn("workload", "pscluster", "sync", **cluster.worker_env(0))], after=cluster.close)
+    return procs.Rounds([procs.spawn("workload", "pscluster", mode, *how, **cluster.worker_env(0))],
+                        after=cluster.close)
 
 
 def run(tiny: bool, out_dir: Path) -> Result:
     steps = 40 if tiny else 300
-    pscluster, plain = pscluster_worker(), procs.Rounds([procs.spawn("workload", "plain")])
-    split: list[dict] = []
+    workers = {"sync": pscluster_worker("sync"), "async, pipelined": pscluster_worker("async", "pipeline")}
+    plain = procs.Rounds([procs.spawn("workload", "plain")])
+    split: dict[str, list[dict]] = {name: [] for name in workers}
 
-    def pscluster_speed() -> float:
-        (out,) = pscluster.round(steps)
-        split.append({k: out[k] for k in ("compute_s", "comm_s", "wait_s")})
+    def speed(name: str) -> float:
+        (out,) = workers[name].round(steps)
+        split[name].append({k: out[k] for k in ("compute_s", "comm_s", "wait_s")})
         return out["samples_per_s"]
     try:
         # twice the usual repetitions: this VM's speed moves between runs seconds apart, and one pair of
         # 300-step runs takes only a couple of seconds
-        speeds = alternate({"pscluster": pscluster_speed, "plain": lambda: plain.round(steps)[0]["samples_per_s"]},
-                           2 * repetitions(tiny))
+        speeds = alternate({**{name: (lambda name=name: speed(name)) for name in workers},
+                            "plain": lambda: plain.round(steps)[0]["samples_per_s"]}, 2 * repetitions(tiny))
     finally:
-        pscluster.close()
-        plain.close()
+        for r in (*workers.values(), plain):
+            r.close()
     result = Result("hidden", "Communication hidden behind compute (1 ps + 1 worker vs a plain loop)", tiny)
-    result.rows.append(compare("784-256-10 MLP, batch 128, SGD", "1 ps + 1 worker", speeds["pscluster"],
-                               "plain loop", speeds["plain"], "samples/s", Target(0.85)))
-    comm = [s["comm_s"] / (s["compute_s"] + s["comm_s"] + s["wait_s"]) for s in split]
+    for name in workers:
+        result.rows.append(compare(f"784-256-10 MLP, batch 128, SGD, {name}", f"1 ps + 1 worker, {name}",
+                                   speeds[name], "plain loop", speeds["plain"], "samples/s", Target(0.85)))
     result.extra["worker_time_split"] = split
-    result.notes.append(f"Where the worker's time goes (its own timers): communication (the push-pull round trip "
-                        f"beyond what overlaps it) {sorted(comm)[len(comm) // 2]:.0%} of each step, the rest compute "
-                        "(forward, backward, and during the round trip: the loss, the accuracy and the next batch).")
+    shares = {name: sorted(s["comm_s"] / (s["compute_s"] + s["comm_s"] + s["wait_s"]) for s in splits)
+              for name, splits in split.items()}
+    result.notes.append("Where the worker's time goes (its own timers): communication (the push-pull round trip "
+                        "beyond what overlaps it) " + ", ".join(f"{c[len(c) // 2]:.0%} of each step {name}"
+                                                               for name, c in shares.items()) +
+                        "; the rest compute (forward, backward, and during the round trip: the loss, the accuracy "
+                        "and the next batch, and pipelined the next forward and backward too).")
     result.notes.append(f"{steps} steps per repetition (the first 20 left out); each process (ps, worker, plain "
                         "loop) has 1 torch thread; the ps and the worker are separate processes on the same host, "
-                        "started once; each pscluster repetition is a new run.")
+                        "started once; each pscluster repetition is a new run. Pipelined: async, each gradient "
+                        "computed while the last push-pull is in flight, on parameters one step older.")
     return result

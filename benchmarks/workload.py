@@ -96,9 +96,10 @@ def plain_rounds() -> None:
     serve_rounds(lambda steps: local_loop(model, steps).result())
 
 
-def pscluster_rounds(mode: str) -> None:
+def pscluster_rounds(mode: str, pipeline: bool = False) -> None:
     """A worker of the real runtime (``train_from_environment``): each round a new run (INIT by the chief) of
-    about ``steps`` steps of this worker; its progress lines, one every ``TICK`` steps, are its clock."""
+    about ``steps`` steps of this worker; its progress lines, one every ``TICK`` steps, are its clock.
+    ``pipeline``: the next gradients are computed while the push-pull is in flight (async)."""
     from pscluster.runtime.standalone import train_from_environment
     from pscluster.spec import from_environment
     world = len(from_environment()[0].workers)
@@ -108,7 +109,7 @@ def pscluster_rounds(mode: str) -> None:
         clock = Clock()
         summary = train_from_environment(model_fn, Synthetic(), torch.nn.CrossEntropyLoss(), optimizer="sgd",
                                          lr=LR, mode=mode, steps=steps * (1 if mode == "sync" else world),
-                                         batch_size=BATCH, log_every=TICK, run_id=next(runs),
+                                         batch_size=BATCH, log_every=TICK, run_id=next(runs), pipeline=pipeline,
                                          log=lambda line: clock.tick(TICK))
         return clock.result(**{k: summary[k] for k in ("dropped", "compute_s", "comm_s", "wait_s")})
     serve_rounds(run)
@@ -118,4 +119,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "plain":
         plain_rounds()
     else:
-        pscluster_rounds(sys.argv[2])
+        pscluster_rounds(sys.argv[2], pipeline=sys.argv[3:] == ["pipeline"])

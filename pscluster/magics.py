@@ -102,6 +102,8 @@ def _parsers() -> dict[str, _Parser]:
                        help="ssp: bounded staleness (see --staleness-bound)")
     train.add_argument("--staleness-bound", type=int, default=2, metavar="N",
                        help="ssp: how many steps a worker may run ahead of the slowest (default 2)")
+    train.add_argument("--pipeline", action="store_true",
+                       help="async: compute the next gradients while the push-pull is in flight (one step stale)")
     train.add_argument("--placement", choices=("round_robin", "round-robin", "greedy"), default="round_robin",
                        help="which ps task holds each variable: round-robin in model order, or greedy "
                             "(largest first, to the least loaded ps)")
@@ -227,7 +229,8 @@ class PSClusterMagics(Magics):
                             log_every=args.log_every, name=args.name, code=cell,
                             test_dataset=ns.get("test_dataset"), staleness_bound=args.staleness_bound,
                             placement=args.placement, partition=dict(args.partition) or None,
-                            checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, **kwargs)
+                            pipeline=args.pipeline, checkpoint_every=args.checkpoint_every,
+                            checkpoint_dir=args.checkpoint_dir, **kwargs)
         self.last_run = run
         run.dashboard()
         if args.wait:

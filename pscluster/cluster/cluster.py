@@ -269,7 +269,7 @@ class Cluster:
               placement="round_robin", partition: dict | None = None, staleness_bound: int = 2,
               checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
               checkpoint_secs: float | None = 600.0, keep_checkpoints: int = 5, restore: bool = True,
-              shared_memory: bool = True, **optimizer_kwargs) -> Run:
+              shared_memory: bool = True, pipeline: bool = False, **optimizer_kwargs) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
         ``model_fn``: a torch.nn.Module or a zero-argument callable that builds one.
@@ -286,7 +286,9 @@ class Cluster:
         ``partition``: ``{variable name or prefix: shard count or partitioner}`` splits variables
         along dim 0 across ps tasks (see ``plan()`` to compare placements before training).
         ``shared_memory``: a worker exchanges dense values with a ps on its own host through shared memory
-        (False: always over the socket).
+        (False: always over the socket). ``pipeline`` (async only, dense models): each worker computes its
+        next gradients while its push and pull are in flight, on the parameters it already has, so the round
+        trip hides behind compute; every gradient is then at least one step stale.
 
         Checkpoints (every ps writes its shard, a manifest commits them) go to ``checkpoint_dir`` (default:
         ``checkpoints/run-<id>`` next to the run store) every ``checkpoint_every`` global steps and every
@@ -321,7 +323,8 @@ class Cluster:
                              optimizer_kwargs=optimizer_kwargs, replicas_to_aggregate=replicas,
                              num_workers=self.num_workers, variables=variables, staleness_bound=staleness_bound,
                              seed=seed, log_every=log_every, request_timeout=request_timeout,
-                             checkpoint_every=checkpoint_every, restore=restore, shared_memory=shared_memory)
+                             checkpoint_every=checkpoint_every, restore=restore, shared_memory=shared_memory,
+                             pipeline=pipeline)
         config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables")}
         run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=config,
                                        spec=spec.public_dict(), code=code or _source(model_fn))

@@ -158,6 +158,7 @@ class TrainPlan:
     restore: bool = False  # the chief starts from the latest checkpoint in checkpoint_dir, if there is one
     attempt: int = 0  # restarts of this run after a lost ps
     shared_memory: bool = True  # workers exchange dense values with ps on their host through shared memory
+    pipeline: bool = False  # async: a worker computes its next gradients while its push-pull is in flight
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -178,6 +179,12 @@ class TrainPlan:
             raise ConfigError("run_id must fit in 32 bits and be non-zero")
         if self.request_timeout <= 0:
             raise ConfigError("request_timeout must be positive (seconds)")
+        if self.pipeline and self.mode != "async":
+            raise ConfigError(f"pipeline=True with mode={self.mode!r}: use mode='async' (a {self.mode} step waits "
+                              "for the other workers, so gradients computed ahead of it would be dropped as stale)")
+        if self.pipeline and any(v.sparse for v in self.variables):
+            raise ConfigError("pipeline=True with sparse embeddings: their rows are pulled during forward; build "
+                              "them with sparse=False, or train without pipeline")
         optimizer = resolve_optimizer(self.optimizer)
         if any(v.sparse for v in self.variables) and optimizer not in SPARSE_OPTIMIZERS:
             raise ConfigError(f"{optimizer.__name__} cannot update sparse embeddings: use SGD, Adagrad or Adam, "

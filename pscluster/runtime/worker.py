@@ -13,6 +13,7 @@ import copy
 import os
 import time
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
@@ -173,6 +174,24 @@ def _merge(dense: dict, sparse: dict) -> dict:
     return merged
 
 
+class _Computed(NamedTuple):
+    """One batch's forward and backward: the gradients are in the model's ``.grad``."""
+
+    loss: torch.Tensor
+    output: torch.Tensor
+    target: torch.Tensor
+    step: int  # the global step of the parameters they were computed on
+
+
+def _gradients(model: torch.nn.Module, loss_fn, batch, device: torch.device, step: int) -> _Computed:
+    x, y = batch[0].to(device), batch[1].to(device)
+    model.zero_grad(set_to_none=True)  # fresh .grad tensors: the last ones may still be in flight
+    output = model(x)
+    loss = loss_fn(output, y)
+    loss.backward()
+    return _Computed(loss, output, y, step)
+
+
 def _ps_config(plan: TrainPlan, ps: int) -> dict:
     return {"mode": plan.mode, "steps": plan.steps, "replicas_to_aggregate": plan.replicas_to_aggregate,
             "num_workers": plan.num_workers, "metrics_address": plan.metrics_address,
@@ -248,6 +267,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
 
         batches = sharded_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed)
         batch = next(batches)
+        ahead = None  # pipeline: the gradients of the next batch, computed while the last push-pull was in flight
         local_step, samples, dropped = 0, 0, 0
         compute_s = comm_s = wait_s = window_s = 0.0
         staleness = Counter()
@@ -255,26 +275,23 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         while not (reply.flags & Flag.STOPPED) and reply.step < plan.steps:
             t0 = time.perf_counter()
             sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
-            x, y = batch[0].to(device), batch[1].to(device)
-            model.zero_grad(set_to_none=True)
-            output = model(x)
-            loss = loss_fn(output, y)
-            loss.backward()
+            computed = ahead if ahead is not None else _gradients(model, loss_fn, batch, device, reply.step)
             t1 = time.perf_counter()
-            computed_on = reply.step
-            answer = client.start_push_pull(computed_on, _merge(shards.grads(), sparse.grads()))
+            answer = client.start_push_pull(computed.step, _merge(shards.grads(), sparse.grads()))
             sent_at = time.perf_counter()
-            # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch
-            loss_value = loss.item()
-            accuracy = batch_accuracy(output.detach(), y)
+            # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch,
+            # and with pipeline its gradients, on the parameters this worker has now
+            loss_value = computed.loss.item()
+            accuracy = batch_accuracy(computed.output.detach(), computed.target)
             batch = next(batches)
+            ahead = _gradients(model, loss_fn, batch, device, reply.step) if plan.pipeline else None
             overlapped = time.perf_counter() - sent_at
             reply = answer()
             shards.load(reply)
             t2 = time.perf_counter()
 
             local_step += 1
-            samples += len(y)
+            samples += len(computed.target)
             step_compute = t1 - t0 + overlapped
             step_wait = min(reply.wait_s, t2 - t1 - overlapped)
             step_comm = t2 - t1 - overlapped - step_wait

@@ -43,6 +43,13 @@ def test_magic_session(ip, capsys):
     assert "[worker:1] After 20 training steps (20 global steps), loss" in out
     with pytest.raises(UsageError, match="unknown optimizer 'nope'"):
         ip.run_cell_magic("pscluster", "train --optimizer nope", TRAIN_CELL)
+    with pytest.raises(UsageError, match="pipeline=True with mode='sync': use mode='async'"):
+        ip.run_cell_magic("pscluster", "train --pipeline", TRAIN_CELL)
+    pipelined = ip.run_cell_magic("pscluster", "train --mode async --pipeline --steps 40 --batch-size 32 --lr 0.1 "
+                                  "--wait", TRAIN_CELL)
+    assert pipelined.plan.pipeline and pipelined.global_step == 40
+    staleness = pipelined.staleness()
+    assert sum(staleness.values()) == 40 and staleness.get(0, 0) <= 2  # only each worker's first push was fresh
     assert ip.run_line_magic("pscluster", "status") is cluster and all(alive(p) for p in pids)
     assert run.evaluate(ip.user_ns["dataset"])["accuracy"] is not None  # still there after the errors
     ip.run_line_magic("pscluster", "stop")

@@ -92,7 +92,8 @@ def test_assign_roles_with_too_few_engines(engines):
 def test_train_plan_json_round_trip(model):
     p = plan(variables=describe_variables(model, 2),
              mode="async", optimizer="Adam", optimizer_kwargs={"lr": 0.01, "amsgrad": True},
-             metrics_address="tcp://127.0.0.1:5555", seed=3, num_workers=2, replicas_to_aggregate=2)
+             metrics_address="tcp://127.0.0.1:5555", seed=3, num_workers=2, replicas_to_aggregate=2,
+             pipeline=True)
     back = TrainPlan.from_json(p.to_json())
     assert back == p
     assert isinstance(back.variables[0].shape, tuple)
@@ -102,6 +103,11 @@ def test_train_plan_json_round_trip(model):
 @pytest.mark.parametrize("changes, problem", [
     ({"mode": "bsp"}, "unknown mode 'bsp': use 'sync', 'async' or 'ssp'"),
     ({"mode": "ssp", "staleness_bound": -1}, "staleness_bound=-1: use an integer >= 0"),
+    ({"pipeline": True}, "pipeline=True with mode='sync': use mode='async'"),
+    ({"mode": "ssp", "pipeline": True}, "pipeline=True with mode='ssp': use mode='async'"),
+    ({"mode": "async", "pipeline": True, "variables": (VariableSpec(0, "emb.weight", (9, 4), "float32", 0,
+                                                                    sparse=True),)},
+     "pipeline=True with sparse embeddings: .* build them with sparse=False"),
     ({"steps": 0}, "steps=0: use a positive integer"),
     ({"steps": 2.5}, "steps=2.5: use a positive integer"),
     ({"batch_size": -1}, "batch_size=-1"),

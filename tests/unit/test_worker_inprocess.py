@@ -1,6 +1,7 @@
 """The worker loop against in-process ps servers, its helpers, input sharding and metrics."""
 
 import itertools
+from dataclasses import replace
 import json
 import math
 import re
@@ -88,6 +89,25 @@ def local_training(dataset, steps: int, optimizer=SGD) -> torch.nn.Module:
     return model
 
 
+def delayed_local_training(dataset, steps: int) -> dict[str, torch.Tensor]:
+    """Plain SGD in one process where the gradient of batch k is taken at the parameters before step k - 1
+    was applied (the first at the initial ones): what a pipelined worker computes."""
+    torch.manual_seed(SEED)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    older = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for x, y in plain_batches(dataset, steps):
+        current = {name: p.detach().clone() for name, p in model.named_parameters()}
+        model.load_state_dict(older)
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        model.load_state_dict(current)
+        optimizer.step()
+        older = current
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
 def run_workers(spec, plan, dataset):
     """Every worker of ``spec`` in its own thread; their summaries by index."""
     summaries, errors = {}, {}
@@ -171,6 +191,20 @@ def test_two_async_workers_apply_exactly_the_step_target(local_ps, dataset):
     stats = local_ps.client(spec, run_id=RUN_ID).stats()[0]
     assert stats["applied"] == steps and stats["late"] == sum(s["dropped"] for s in summaries.values())
     assert sum(stats["staleness"].values()) == steps
+
+
+def test_a_pipelined_async_worker_computes_each_gradient_on_the_parameters_one_step_older(local_ps, dataset):
+    steps = 30
+    spec = local_ps.start(num_ps=2, num_workers=1)
+    plan = replace(make_plan(spec, steps=steps, mode="async"), pipeline=True)
+    summary = run_worker(spec, 0, plan, mlp, dataset, torch.nn.CrossEntropyLoss())
+
+    assert (summary["local_steps"], summary["global_step"], summary["dropped"]) == (steps, steps, 0)
+    assert summary["staleness"] == {0: 1, 1: steps - 1}  # the first gradient alone was computed on fresh values
+    reply = local_ps.client(spec, run_id=RUN_ID).pull()
+    trained = {plan.variables[i].name: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
+    for name, value in delayed_local_training(dataset, steps).items():
+        assert (trained[name] - value).abs().max() <= 1e-6, name
 
 
 def test_worker_refuses_a_model_that_differs_from_the_plan(local_ps, dataset):
