@@ -54,7 +54,8 @@ def test_tiny_run_writes_every_result_and_the_tables(tmp_path):
                 assert {"goal", "met", "margin"} <= set(row["target"])
     targets = {row["case"] for name in ("hidden", "peers", "memory", "overheads")
                for row in json.loads((out / f"{name}.json").read_text())["rows"] if row["target"]}
-    assert {"784-256-10 MLP, batch 128, SGD", "sync vs DDP", "async vs RPC ps", "sync vs bare ZeroMQ ps",
+    assert {"784-256-10 MLP, batch 128, SGD, sync", "784-256-10 MLP, batch 128, SGD, async, pipelined",
+            "sync vs DDP", "async vs RPC ps", "sync vs bare ZeroMQ ps", "async pipelined vs DDP",
             "start to ready", "training with the live dashboard"} <= targets
 
     text = readme.read_text()
