@@ -9,16 +9,10 @@ from . import procs
 from .common import Result, Target, alternate, compare, repetitions
 
 
-def pscluster_worker(mode: str, *how: str) -> procs.Rounds:
-    """``how``: ``"pipeline"`` computes the next gradients while the push-pull is in flight (async)."""
-    cluster = procs.PSProcesses(1, workers=1)
-    return procs.Rounds([procs.spawn("workload", "pscluster", mode, *how, **cluster.worker_env(0))],
-                        after=cluster.close)
-
-
 def run(tiny: bool, out_dir: Path) -> Result:
     steps = 40 if tiny else 300
-    workers = {"sync": pscluster_worker("sync"), "async, pipelined": pscluster_worker("async", "pipeline")}
+    workers = {"sync": procs.workload_workers("sync", 1),
+               "async, pipelined": procs.workload_workers("async", 1, pipeline=True)}
     plain = procs.Rounds([procs.spawn("workload", "plain")])
     split: dict[str, list[dict]] = {name: [] for name in workers}
 

@@ -16,13 +16,6 @@ from .common import Result, Target, alternate, compare, repetitions
 WORKERS = 2
 
 
-def pscluster(mode: str, *how: str) -> procs.Rounds:
-    """``how``: ``"pipeline"`` computes the next gradients while the push-pull is in flight (async)."""
-    cluster = procs.PSProcesses(1, workers=WORKERS)
-    workers = [procs.spawn("workload", "pscluster", mode, *how, **cluster.worker_env(i)) for i in range(WORKERS)]
-    return procs.Rounds(workers, after=cluster.close)
-
-
 def ddp() -> procs.Rounds:
     (port,) = procs.free_ports(1)
     return procs.Rounds([procs.spawn("ddp", rank, WORKERS, port) for rank in range(WORKERS)])
@@ -49,8 +42,9 @@ def run(tiny: bool, out_dir: Path) -> Result:
     steps = 80 if tiny else 300
     systems = {}
     try:
-        for name, start in (("sync", lambda: pscluster("sync")), ("async", lambda: pscluster("async")),
-                            ("async pipelined", lambda: pscluster("async", "pipeline")),
+        for name, start in (("sync", lambda: procs.workload_workers("sync", WORKERS)),
+                            ("async", lambda: procs.workload_workers("async", WORKERS)),
+                            ("async pipelined", lambda: procs.workload_workers("async", WORKERS, pipeline=True)),
                             ("ddp", ddp), ("rpc", rpc_ps), ("bare sync", lambda: bare("sync")),
                             ("bare async", lambda: bare("async"))):
             systems[name] = start()
@@ -61,9 +55,9 @@ def run(tiny: bool, out_dir: Path) -> Result:
             r.close()
     result = Result("peers", "Peers on the same work (MLP 784-256-10, batch 128 per worker, SGD)", tiny)
     unit = "samples/s"
-    for mode, ddp_goal in (("sync", 1.5), ("async", 1.7), ("async pipelined", 1.7)):
+    for mode, bare_mode, ddp_goal in (("sync", "sync", 1.5), ("async", "async", 1.7),
+                                      ("async pipelined", "async", 1.7)):
         label = f"pscluster {mode}, 1 ps + 2 workers"
-        bare_mode = mode.split()[0]
         result.rows += [
             compare(f"{mode} vs DDP", label, speeds[mode], "DDP gloo, 2 processes", speeds["ddp"], unit,
                     Target(ddp_goal)),

@@ -105,6 +105,15 @@ class Rounds:
             self.after()
 
 
+def workload_workers(mode: str, workers: int, pipeline: bool = False) -> Rounds:
+    """1 ps and ``workers`` workers of the real runtime training ``workload.py``'s MLP in ``mode``, one round per
+    command; ``pipeline``: async workers compute their next gradients while the push-pull is in flight."""
+    cluster = PSProcesses(1, workers=workers)
+    how = ["pipeline"] if pipeline else []
+    return Rounds([spawn("workload", "pscluster", mode, *how, **cluster.worker_env(i)) for i in range(workers)],
+                  after=cluster.close)
+
+
 def serve_rounds(run_round) -> None:
     """A child's side of ``Rounds``: for each line of stdin (numbers), print ``run_round(*numbers)`` as JSON."""
     for line in sys.stdin:

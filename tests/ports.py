@@ -1,15 +1,14 @@
 """Loopback port ranges for tests that give a cluster ``ports=(lo, hi)``."""
 import socket
 
-EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+from pscluster.runtime.engine import ephemeral_ports
 
 
 def quiet_port_range(n: int) -> tuple[int, int]:
     """``n`` consecutive loopback ports, each free now, outside the kernel's ephemeral range: any outgoing
     connection may take a port of that range between a check and a bind, which made a nearly full range
     of 43100-43104 flaky in CI."""
-    with open(EPHEMERAL) as f:
-        low, high = (int(p) for p in f.read().split())
+    low, high = ephemeral_ports()
     for lo in [*range(20000, low - n, n), *range(high + 1, 65536 - n, n)]:  # windows below it, then above
         if all(_free(p) for p in range(lo, lo + n)):
             return lo, lo + n - 1

@@ -100,14 +100,23 @@ def bind_in_range(bind, ports: tuple[int, int]):
                                     + _outgoing_ports_hint(lo, hi))
 
 
-def _outgoing_ports_hint(lo: int, hi: int) -> str:
-    """Where ``[lo, hi]`` overlaps the kernel's ephemeral ports, any outgoing connection may hold some of it."""
+def ephemeral_ports() -> tuple[int, int] | None:
+    """The kernel's range of ports for outgoing connections (any connection may hold one of them), or None
+    where it cannot be read."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low, high = (int(p) for p in f.read().split())
     except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def _outgoing_ports_hint(lo: int, hi: int) -> str:
+    """Where ``[lo, hi]`` overlaps the ephemeral ports, which outgoing connections may hold."""
+    ephemeral = ephemeral_ports()
+    if ephemeral is None or lo > ephemeral[1] or hi < ephemeral[0]:
         return ""
-    return f" outside {low}-{high}, the ports outgoing connections take" if lo <= high and hi >= low else ""
+    return f" outside {ephemeral[0]}-{ephemeral[1]}, the ports outgoing connections take"
 
 
 def stop_ps(index: int) -> None:

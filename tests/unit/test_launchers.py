@@ -11,9 +11,9 @@ from pscluster.cluster.launchers import LOCAL_HB_PERIOD_MS, Launcher, parse_host
 from pscluster.cluster.roles import EngineInfo, assign_roles, host_gpus
 from pscluster.errors import ConfigError
 from pscluster.magics import _parsers
-from pscluster.runtime.engine import bind_in_range, route_address
+from pscluster.runtime.engine import bind_in_range, ephemeral_ports, route_address
 
-from ..ports import EPHEMERAL, quiet_port_range
+from ..ports import quiet_port_range
 
 
 @pytest.mark.parametrize("kwargs, fix", [
@@ -131,8 +131,7 @@ def test_a_full_range_that_outgoing_connections_share_is_named_in_the_error():
     def taken(port):
         raise zmq.ZMQError(errno.EADDRINUSE)
 
-    with open(EPHEMERAL) as f:
-        low, high = (int(p) for p in f.read().split())
+    low, high = ephemeral_ports()
     with pytest.raises(OSError, match=f"wider --ports range outside {low}-{high}, the ports outgoing"):
         bind_in_range(taken, (high - 1, high + 1))
 
