@@ -62,3 +62,7 @@ class CheckpointError(PSClusterError, RuntimeError):
 
 class PeerLost(TrainingError):
     """A ps task's connection dropped while a request waited on it."""
+
+
+class NonFiniteError(TrainingError):
+    """A worker computed a non-finite loss or gradient (and the run's ``on_nonfinite`` is ``"fail"``)."""

@@ -2,31 +2,50 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 from .errors import ConfigError
 from .runtime.data import fetch_batch
-from .runtime.worker import batch_accuracy
+from .runtime.steps import batch_accuracy, forward, metric_values, samples_in
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset, loss_fn, *, batch_size: int = 1024) -> dict:
-    """Mean loss and accuracy (None for non-classifiers) of ``model`` over ``dataset``."""
+def evaluate(model: torch.nn.Module, dataset, loss_fn, *, step_fn=None, batch_size: int = 1024,
+             collate_fn=None) -> dict:
+    """Mean loss, accuracy (None where it means nothing, see ``runtime.steps.batch_accuracy``) and the mean of each
+    of a ``step_fn``'s metrics (under their own names) of ``model`` in eval mode over ``dataset``, a map-style or
+    iterable dataset, batched as the workers batch it (``collate_fn``: theirs)."""
     model.eval()
-    total, loss_sum, correct, has_accuracy = 0, 0.0, 0.0, True
-    for start in range(0, len(dataset), batch_size):
-        x, y = fetch_batch(dataset, list(range(start, min(start + batch_size, len(dataset)))))
-        output = model(x)
-        n = len(y)
-        loss_sum += loss_fn(output, y).item() * n
-        accuracy = batch_accuracy(output, y)
+    total, loss_sum, correct, has_accuracy, sums = 0, 0.0, 0.0, True, {}
+    for batch in _batches(dataset, batch_size, collate_fn):
+        loss, output, target, metrics = forward(model, loss_fn, step_fn, batch)
+        n = samples_in(batch)
+        loss_sum += loss.item() * n
+        accuracy = batch_accuracy(output, target)
         has_accuracy = has_accuracy and accuracy is not None
         correct += (accuracy or 0.0) * n
+        for name, value in metric_values(metrics).items():
+            sums[name] = sums.get(name, 0.0) + value * n
         total += n
     if total == 0:
         return {"loss": float("nan"), "accuracy": None}
-    return {"loss": loss_sum / total, "accuracy": correct / total if has_accuracy else None}
+    return {"loss": loss_sum / total, "accuracy": correct / total if has_accuracy else None,
+            **{name: value / total for name, value in sums.items()}}
+
+
+def _batches(dataset, batch_size: int, collate_fn):
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        items = iter(dataset)
+        while chunk := list(itertools.islice(items, batch_size)):
+            yield (collate_fn or default_collate)(chunk)
+        return
+    for start in range(0, len(dataset), batch_size):
+        indices = range(start, min(start + batch_size, len(dataset)))
+        yield fetch_batch(dataset, list(indices)) if collate_fn is None else collate_fn([dataset[i] for i in indices])
 
 
 def auc(scores, labels) -> float:

@@ -6,6 +6,8 @@
     %pscluster start --launcher mpi --mpi-arg=--hostfile --mpi-arg=hosts.txt --interface 10.0.0.1
     %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1 [--wait]
     model = ...; loss_fn = ...; dataset = ...; test_dataset = ... (optional)
+    %%pscluster train --step-fn step --opt weight_decay=0.01 --max-grad-norm 1.0 [--reuse]
+    model = ...; dataset = ...; def step(model, batch): ... return loss, {"metric": value}
     %%pscluster train --mode ssp --staleness-bound 2 --placement greedy --partition embedding=2
     ...
     %pscluster placement        (which ps task holds each variable, or each shard, of the latest run)
@@ -62,6 +64,18 @@ def _partition(text: str) -> tuple[str, int]:
     return name.strip(), count
 
 
+def _option(text: str) -> tuple[str, object]:
+    """``betas=(0.9, 0.98)`` -> ``("betas", (0.9, 0.98))``: the value as a Python literal (a number, tuple, bool,
+    None...), else as a string; an argparse type, so a bad form is a one-line usage error."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: use KEY=VALUE, e.g. --opt weight_decay=0.01 --opt betas=(0.9,0.98)")
+    try:
+        return key.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return key.strip(), value.strip()
+
+
 def _parsers() -> dict[str, _Parser]:
     start = _Parser(prog="%pscluster start", add_help=True)
     start.add_argument("--ps", type=int, default=1, help="number of ps tasks (>= 1)")
@@ -115,6 +129,22 @@ def _parsers() -> dict[str, _Parser]:
     train.add_argument("--optimizer", default="sgd", help="a torch.optim class name")
     train.add_argument("--lr", type=float, default=0.01, help="learning rate")
     train.add_argument("--momentum", type=float, default=None, help="(optimizers that take it)")
+    train.add_argument("--opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                       help="an optimizer option, as a Python literal (repeatable), e.g. --opt weight_decay=0.01 "
+                            "--opt betas=(0.9,0.98)")
+    train.add_argument("--step-fn", default=None, metavar="NAME",
+                       help="the cell's function f(model, batch) -> loss or (loss, {metric: value}) to train with "
+                            "(then the cell needs no loss_fn)")
+    train.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
+                       help="each worker clips its gradients to this total 2-norm before it pushes them")
+    train.add_argument("--on-nonfinite", choices=("fail", "skip"), default="fail",
+                       help="a non-finite loss or gradient fails the run (default) or leaves its batch out")
+    train.add_argument("--buffers", choices=("chief", "average"), default="chief",
+                       help="the buffers (BatchNorm statistics...) the ps keeps: worker 0's (default) or the mean "
+                            "of every worker's")
+    train.add_argument("--reuse", action="store_true",
+                       help="take dataset, loss_fn, test_dataset and the step function from earlier cells when "
+                            "this cell does not define them")
     train.add_argument("--replicas-to-aggregate", type=int, default=None, help="sync: default all workers")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--log-every", type=int, default=100)
@@ -209,25 +239,36 @@ class PSClusterMagics(Magics):
         if args.staleness_bound < 0:
             raise UsageError(f"--staleness-bound {args.staleness_bound}: use an integer >= 0 (steps a worker "
                              "may run ahead of the slowest)")
-        if "model" not in _defined_names(cell):
+        defined = _defined_names(cell)
+        if "model" not in defined:
             raise UsageError("the %%pscluster train cell defines no `model`: assign a torch.nn.Module "
                              "(or a function that builds one) to `model` in the cell")
+        required = [(args.step_fn, "a function f(model, batch) -> loss") if args.step_fn else
+                    ("loss_fn", "a loss function, e.g. torch.nn.CrossEntropyLoss()"),
+                    ("dataset", "a dataset, e.g. pscluster.datasets.digits('train')")]
+        for name, what in required:
+            if name not in defined and not args.reuse:
+                hint = " (or --reuse to take the one of an earlier cell)" if name in self.shell.user_ns else ""
+                raise UsageError(f"the %%pscluster train cell defines no `{name}`: assign {what} to `{name}`{hint}")
         result = self.shell.run_cell(cell, store_history=False)
         if not result.success:
             return None
         ns = self.shell.user_ns
-        for name, what in (("loss_fn", "a loss function, e.g. torch.nn.CrossEntropyLoss()"),
-                           ("dataset", "a dataset, e.g. pscluster.datasets.digits('train')")):
+        for name, what in required:
             if name not in ns:
-                raise UsageError(f"the %%pscluster train cell defines no `{name}`: assign {what} to `{name}`")
-        kwargs = {"lr": args.lr}
+                raise UsageError(f"no `{name}` is defined: assign {what} to `{name}` in the cell")
+        kwargs = {"lr": args.lr, **dict(args.opt)}
         if args.momentum is not None:
             kwargs["momentum"] = args.momentum
-        run = cluster.train(ns["model"], ns["dataset"], ns["loss_fn"], optimizer=args.optimizer, mode=args.mode,
+        test_dataset = ns.get("test_dataset") if "test_dataset" in defined or args.reuse else None
+        run = cluster.train(ns["model"], ns["dataset"], None if args.step_fn else ns["loss_fn"],
+                            step_fn=ns[args.step_fn] if args.step_fn else None, optimizer=args.optimizer,
+                            mode=args.mode, max_grad_norm=args.max_grad_norm, on_nonfinite=args.on_nonfinite,
+                            buffers=args.buffers,
                             steps=args.steps, batch_size=args.batch_size,
                             replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed,
                             log_every=args.log_every, name=args.name, code=cell,
-                            test_dataset=ns.get("test_dataset"), staleness_bound=args.staleness_bound,
+                            test_dataset=test_dataset, staleness_bound=args.staleness_bound,
                             placement=args.placement, partition=dict(args.partition) or None,
                             pipeline=args.pipeline, checkpoint_every=args.checkpoint_every,
                             checkpoint_dir=args.checkpoint_dir, **kwargs)

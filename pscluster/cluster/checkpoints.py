@@ -40,7 +40,7 @@ class CheckpointCoordinator:
         written = checkpoint.commit_ready(plan.checkpoint_dir, num_ps=num_ps, run_id=plan.run_id,
                                           attempt=plan.attempt, variables=plan.variables,
                                           optimizer=plan.optimizer, optimizer_kwargs=plan.optimizer_kwargs,
-                                          keep=self.keep)
+                                          keep=self.keep, state_keys=plan.state_keys)
         for step, path in written.items():
             self.store.add_event(plan.run_id, "controller", "checkpoint", {"step": step, "path": str(path)})
         return list(written.values())

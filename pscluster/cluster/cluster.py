@@ -23,7 +23,10 @@ import torch
 from ..errors import ClusterStateError, ConfigError
 from ..metrics.store import RunStore
 from ..runtime import engine as remote
-from ..runtime.plan import TrainPlan, describe_variables, optimizer_name
+from ..runtime.data import fetch_batch
+from ..runtime import optim
+from ..runtime.plan import TrainPlan, describe_variables, model_tensors
+from ..runtime.steps import check_step
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec, TaskSpec
 from . import reaper, registry, scaling
@@ -94,6 +97,7 @@ class Cluster:
         self._store: RunStore | None = None
         self._engines: EngineSet | None = None
         self._registration: registry.Registration | None = None
+        self._ps_objects: tuple[list[str], bytes] | None = None  # what the ps tasks of the run must be given
 
     @property
     def store(self) -> RunStore:
@@ -262,18 +266,37 @@ class Cluster:
             raise ClusterStateError(f"cannot {what}: the cluster is not running, start() it first")
         return self.spec
 
-    def train(self, model_fn, dataset, loss_fn, *, optimizer="sgd", mode: str = "sync", steps: int = 1000,
+    def train(self, model_fn, dataset, loss_fn=None, *, step_fn=None, optimizer="sgd", param_groups=None,
+              scheduler=None, scheduler_options: dict | None = None, mode: str = "sync", steps: int = 1000,
               batch_size: int = 64, replicas_to_aggregate: int | None = None, seed: int = 0,
               log_every: int = 100, request_timeout: float = 120.0, name: str | None = None,
               code: str | None = None, test_dataset=None, eval_every: int | None = None,
               placement="round_robin", partition: dict | None = None, staleness_bound: int = 2,
               checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
               checkpoint_secs: float | None = 600.0, keep_checkpoints: int = 5, restore: bool = True,
-              shared_memory: bool = True, pipeline: bool = False, **optimizer_kwargs) -> Run:
+              shared_memory: bool = True, pipeline: bool = False, buffers: str = "chief",
+              max_grad_norm: float | None = None, on_nonfinite: str = "fail", **optimizer_kwargs) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
-        ``model_fn``: a torch.nn.Module or a zero-argument callable that builds one.
-        ``optimizer``: a ``torch.optim`` class or its name; extra keyword arguments go to it.
+        ``model_fn``: a torch.nn.Module or a zero-argument callable that builds one. A batch is any structure of
+        tensors (tuples, lists, dicts, nested); the default step takes ``batch = (inputs, target)`` and computes
+        ``loss_fn(model(inputs), target)`` (``model(*inputs)`` for a tuple, ``model(**inputs)`` for a dict);
+        ``step_fn(model, batch)`` replaces it for anything else and returns the loss or ``(loss, {"metric":
+        value})`` (then ``loss_fn`` may be None; the metrics are logged and stored with the loss). The step is
+        tried once here, on two items of the dataset, so a mistake in it fails now, not on every worker.
+        ``max_grad_norm``: each worker clips its gradients to this total 2-norm before it pushes them (torch's
+        ``clip_grad_norm_``). ``on_nonfinite``: a non-finite loss or gradient fails the run at that step
+        (``"fail"``, naming the worker and step; nothing is pushed, so the ps keep the last good parameters) or
+        leaves the batch out (``"skip"``, counted in the worker's summary and a ``nonfinite`` event).
+        ``optimizer``: a ``torch.optim`` class or its name, or any optimizer class (one defined in the notebook is
+        shipped to the ps tasks); extra keyword arguments go to it (anything torch takes: tuples, tensors).
+        ``param_groups``: ``[{"params": ["*.bias", "*norm*"], "weight_decay": 0.0}, ...]``: a parameter joins the
+        first group with a name pattern (fnmatch) that matches it, whose options override the keyword arguments.
+        ``scheduler``: a ``torch.optim.lr_scheduler`` class or name built with ``scheduler_options``, or a function
+        of the global step returning the learning-rate factor (warmup included); the ps steps it on the global
+        step, as a loop that calls ``scheduler.step()`` after each ``optimizer.step()``, restores included. The
+        optimizer and its schedule are built here once on the model, so torch's own error for a bad option comes
+        now, in one line.
         ``steps``: the global step target. ``replicas_to_aggregate`` (sync): gradients
         averaged per global step, default the number of workers; fewer make the others backup workers (the
         first gradients of a step are applied, those of the slowest workers dropped as stale). ``code``: the
@@ -290,6 +313,12 @@ class Cluster:
         next gradients while its push and pull are in flight, on the parameters it already has, so the round
         trip hides behind compute; every gradient is then at least one step stale.
 
+        The model's state is its ``state_dict()``: trained parameters, frozen ones (``requires_grad=False``: held
+        by the ps, never pushed, never changed) and buffers (BatchNorm's running statistics...), each placed on a
+        ps. ``buffers``: how the ps keeps the buffers the workers compute: ``"chief"`` (default) takes worker
+        0's at every update, as DDP's ``broadcast_buffers`` takes rank 0's; ``"average"`` the mean of every
+        worker's latest values. Every worker starts each step from the ps's buffers.
+
         Checkpoints (every ps writes its shard, a manifest commits them) go to ``checkpoint_dir`` (default:
         ``checkpoints/run-<id>`` next to the run store) every ``checkpoint_every`` global steps and every
         ``checkpoint_secs`` seconds (either 0 / None: off), on ``run.checkpoint()`` and at the end; the
@@ -303,8 +332,11 @@ class Cluster:
                                     "wait for it (run.wait()) or stop it (run.stop())")
         if not isinstance(model_fn, torch.nn.Module) and not callable(model_fn):
             raise ConfigError("model_fn must be a torch.nn.Module or a function that builds one")
-        if not callable(loss_fn):
-            raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss()")
+        if step_fn is not None and not callable(step_fn):
+            raise ConfigError("step_fn must be a function f(model, batch) -> loss or (loss, {'metric': value})")
+        if step_fn is None and not callable(loss_fn):
+            raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss(), or give "
+                              "step_fn=f(model, batch) -> loss")
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise ConfigError("dataset must be a map-style dataset (len() and indexing), "
                               "e.g. pscluster.datasets.digits('train')")
@@ -316,22 +348,32 @@ class Cluster:
         if not any(True for _ in model.parameters()):
             raise ConfigError("the model has no parameters to train: check model_fn")
         variables = describe_variables(model, self.num_ps, placement, partition)
-        payload = ship(model_fn, dataset, loss_fn)
+        state_keys = model_tensors(model)[1]
+        optimizer_spec = optim.OptimizerSpec(optimizer, optimizer_kwargs, groups=param_groups or (),
+                                             scheduler=scheduler, scheduler_options=scheduler_options or {})
+        optim.check(model, optimizer_spec, steps=steps)
+        check_step(model, loss_fn, step_fn, fetch_batch(dataset, list(range(min(2, len(dataset))))))
+        payload = ship(model_fn, dataset, loss_fn, step_fn)
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
         run_plan = TrainPlan(run_id=1, mode=mode, steps=steps,
-                             batch_size=batch_size, optimizer=optimizer_name(optimizer),
-                             optimizer_kwargs=optimizer_kwargs, replicas_to_aggregate=replicas,
+                             batch_size=batch_size, optimizer=optimizer_spec.optimizer,
+                             optimizer_kwargs=optimizer_spec.kwargs, optimizer_groups=optimizer_spec.groups,
+                             scheduler=optimizer_spec.scheduler, scheduler_options=optimizer_spec.scheduler_options,
+                             replicas_to_aggregate=replicas,
                              num_workers=self.num_workers, variables=variables, staleness_bound=staleness_bound,
                              seed=seed, log_every=log_every, request_timeout=request_timeout,
                              checkpoint_every=checkpoint_every, restore=restore, shared_memory=shared_memory,
-                             pipeline=pipeline)
-        config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables")}
+                             pipeline=pipeline, state_keys=state_keys, buffers=buffers, max_grad_norm=max_grad_norm,
+                             on_nonfinite=on_nonfinite)
+        config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables", "state_keys")}
         run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=config,
                                        spec=spec.public_dict(), code=code or _source(model_fn))
         directory = checkpoint_dir or Path(self.store.path).parent / "checkpoints" / f"run-{run_id}"
         run_plan = replace(run_plan, run_id=run_id, checkpoint_dir=str(directory))
         self.store.record_placement(run_id, run_plan.variables)
-        run = Run(spec, run_plan, model_fn, loss_fn, self.store, test_dataset=test_dataset, eval_every=eval_every,
+        self._ship_to_ps(optim.shipped(optimizer_spec))
+        run = Run(spec, run_plan, model_fn, loss_fn, self.store, step_fn=step_fn, test_dataset=test_dataset,
+                  eval_every=eval_every,
                   tasks=self, checkpoints=checkpoints, payload=payload,
                   metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports)
         run.plan = replace(run_plan, metrics_address=run.collector.address)
@@ -341,6 +383,17 @@ class Cluster:
         self.runs.append(run)
         self.record()
         return run
+
+    def _ship_to_ps(self, objects: dict[str, object]) -> None:
+        """Give every ps task (and each that replaces one later) the optimizer classes and schedule functions the
+        run names but a ps cannot import (defined in the notebook), over the control plane."""
+        self._ps_objects = (list(objects), ship(*objects.values())) if objects else None
+        for t in self.spec.ps:
+            self._register_objects(self._engines.view(t.engine_id))
+
+    def _register_objects(self, view) -> None:
+        if self._ps_objects is not None:
+            view.apply_sync(remote.register_objects, *self._ps_objects)
 
     # --- tasks: kill, replace ----------------------------------------------------------------
     def launch_worker(self, spec: ClusterSpec, index: int, run: Run, *, join: bool = False):
@@ -364,6 +417,7 @@ class Cluster:
         view.apply_sync(remote.configure_task, task.device, self.threads)
         task = replace(task, engine_id=engine.engine_id, pid=engine.pid, host=self.launcher.bind_host(engine.address))
         if task.role == "ps":
+            self._register_objects(view)
             task = replace(task, port=view.apply_sync(remote.start_ps, self.spec.secret, task.index, task.host, 0,
                                                       self.launcher.ports, self.spec.encrypt))
         return task
@@ -433,7 +487,7 @@ class Cluster:
         if not any(True for _ in model.parameters()):
             raise ConfigError("the model has no parameters to place: check model_fn")
         variables = describe_variables(model, self.num_ps, placement, partition)
-        return PlacementPlan(variables, self.num_ps, optimizer=optimizer_name(optimizer),
+        return PlacementPlan(variables, self.num_ps, optimizer=optim.optimizer_name(optimizer),
                              optimizer_kwargs=optimizer_kwargs, label=placement_label(placement, partition))
 
     # --- views ------------------------------------------------------------------------------

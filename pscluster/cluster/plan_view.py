@@ -86,7 +86,10 @@ def _table(shards, num_ps: int, slots: int) -> pd.DataFrame:
         row[2] += math.prod(v.shape)
         row[3] += v.nbytes
     table = pd.DataFrame(rows, columns=TABLE_COLUMNS[:4])
-    table["optimizer bytes"] = table["bytes"] * slots
+    trained = [0] * num_ps  # only trained variables have optimizer state
+    for v in shards:
+        trained[v.ps] += v.nbytes if getattr(v, "kind", "param") == "param" else 0
+    table["optimizer bytes"] = pd.Series(trained) * slots
     table["total bytes"] = table["bytes"] + table["optimizer bytes"]
     total = table["total bytes"].sum()
     table["share (%)"] = table["total bytes"] / total * 100 if total else math.nan

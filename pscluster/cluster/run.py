@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.client import PSClient
 from ..runtime.engine import bind_in_range
-from ..runtime.plan import TrainPlan, assemble
+from ..runtime.plan import TrainPlan, assemble, state_dict_of
 from ..runtime.ps import wait_until
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
@@ -42,7 +43,7 @@ class Run:
     the workers end.
     """
 
-    def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore, *,
+    def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore, *, step_fn=None,
                  test_dataset=None, eval_every: int | None = None, tasks: recovery.Tasks | None = None,
                  checkpoints: CheckpointCoordinator | None = None, payload: bytes = b"", metrics_port: int = 0,
                  metrics_host: str = "127.0.0.1", metrics_ports: tuple[int, int] | None = None):
@@ -53,9 +54,11 @@ class Run:
         self.logs: list[str] = []
         self.results: list[dict] | None = None
         self.ps_stats: list[dict] | None = None
-        self.error: str | None = None
+        self.error: str | None = None  # why the run failed: each failed worker's whole traceback
+        self.error_line: str | None = None  # the same in one line, with the last frame of each traceback
         self._model_fn = model_fn
         self._loss_fn = loss_fn
+        self._step_fn = step_fn
         self._state_dict: dict[str, torch.Tensor] | None = None
         self._pending_logs: queue.Queue = queue.Queue()
         self.worker_results = []  # one per worker of the spec, by index
@@ -140,7 +143,8 @@ class Run:
                 time.sleep(0.05)
             self._finish()
         except Exception as e:  # finalizing failed (ps gone...): the run still ends, with the reason
-            self.error = self.error or f"{self.name} could not be finalized: {_one_line(e)}"
+            self.error_line = self.error_line or f"{self.name} could not be finalized: {_one_line(e)}"
+            self.error = self.error or self.error_line
             self.finished = self.finished or time.time()
             self.store.set_status(self.id, "failed")
         finally:
@@ -204,8 +208,8 @@ class Run:
 
     def _record_evaluation(self, step: int, state: dict) -> None:
         model = build_model(self._model_fn, self.plan.seed)
-        model.load_state_dict(state, strict=False)
-        result = evaluate(model, self._test_dataset, self._loss_fn)
+        model.load_state_dict(state)
+        result = evaluate(model, self._test_dataset, self._loss_fn, step_fn=self._step_fn)
         self.store.add_evaluation(self.id, step, result["loss"], result["accuracy"])
 
     # --- state --------------------------------------------------------------------------
@@ -255,7 +259,7 @@ class Run:
             if bar is not None:
                 bar.close()
         if self.error:
-            raise TrainingError(self.error)
+            raise TrainingError(self.error_line)
         return self
 
     def stop(self, timeout: float = 30.0) -> "Run":
@@ -310,12 +314,13 @@ class Run:
             return None
 
     def _finish(self) -> None:
-        errors, results = [], []
+        errors, tracebacks, results = [], [], []
         for i, ar in enumerate(self.worker_results):
             try:
                 results.append(ar.get(0))
-            except Exception as e:  # a RemoteError: keep its one-line form
-                errors.append(f"worker {i} failed: {_one_line(e)}")
+            except Exception as e:  # a RemoteError: its one-line form, and the whole remote traceback
+                errors.append(f"worker {i} failed: {_one_line(e)}{_last_frame(e)}")
+                tracebacks.append(f"worker {i}:\n{_traceback(e)}")
         results += [r.get(0) for r in self.retired_results if r.ready() and r.successful()]
         self.finished = time.time()
         self.commit_checkpoints()  # the final one
@@ -329,9 +334,24 @@ class Run:
             if self._test_dataset is not None:
                 self._record_evaluation(step, self._state_dict)
         else:
-            self.error = "; ".join(errors) + ": fix the cause and train again"
+            self.error_line = "; ".join(errors) + ": fix the cause and train again"
+            self.error = "\n".join(tracebacks)
+            self._state_dict = self._last_state()
         self.store.set_status(self.id, self.status, self.summary())
-        self.store.add_event(self.id, "controller", "end", {"status": self.status, "error": self.error})
+        self.store.add_event(self.id, "controller", "end", {"status": self.status, "error": self.error_line,
+                                                             "traceback": self.error})
+
+    def _last_state(self) -> dict[str, torch.Tensor] | None:
+        """What a failed run trained: the ps tasks' state (which a failing step never reached), else the latest
+        checkpoint's, else None."""
+        try:
+            return self._pull_parameters(timeout=10.0)[1]
+        except Exception:  # a ps is gone
+            pass
+        try:
+            return checkpoint.Checkpoint.load(self._latest_checkpoint_path()).state_dict()
+        except Exception:  # no checkpoint either
+            return None
 
     def _pull_parameters(self, timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor]]:
         """The global step and the parameters the ps tasks hold now, by parameter name (shards of a
@@ -340,27 +360,32 @@ class Run:
             reply = client.pull_all()
         if reply is None:
             raise TrainingError("the ps tasks no longer hold this run's variables: train again")
-        return reply.step, assemble(self.plan.variables, reply.messages)
+        return reply.step, state_dict_of(self.plan.state_keys, assemble(self.plan.variables, reply.messages))
 
     # --- results ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained parameters (after the run finished), by parameter name."""
-        if self._state_dict is None:
+        """The trained model's ``state_dict()`` (once the run is over): parameters, buffers, every key of a
+        tied parameter; ``model.load_state_dict(run.state_dict())`` takes it as it is (strict). A failed run
+        gives its last parameters (from the ps tasks, or its latest checkpoint)."""
+        if self._state_dict is None and not self.error:
             self.wait()
+        if self._state_dict is None:
+            raise TrainingError(f"{self.name} failed and neither its ps tasks nor a checkpoint hold its parameters: "
+                                f"{self.error_line}")
         return dict(self._state_dict)
 
     def model(self) -> torch.nn.Module:
-        """A model built by ``model_fn`` in this process, holding the trained parameters."""
+        """A model built by ``model_fn`` in this process, holding the trained state (loaded strictly)."""
         if self._model_fn is None:
             raise TrainingError(f"{self.name} was started by another process, whose model_fn this one does not "
                                 "have: build the model and load run.state_dict() into it")
         model = build_model(self._model_fn, self.plan.seed)
-        model.load_state_dict(self.state_dict(), strict=False)
+        model.load_state_dict(self.state_dict())
         return model
 
     def evaluate(self, dataset, *, batch_size: int = 1024) -> dict:
         """``{"loss": ..., "accuracy": ...}`` of the trained model on ``dataset``."""
-        return evaluate(self.model(), dataset, self._loss_fn, batch_size=batch_size)
+        return evaluate(self.model(), dataset, self._loss_fn, step_fn=self._step_fn, batch_size=batch_size)
 
     def dashboard(self) -> None:
         """Display this run's dashboard: live while it trains, the final figures once it is over.
@@ -422,6 +447,25 @@ class Run:
 
 def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _traceback(e: BaseException) -> str:
+    """The whole traceback of a worker's exception (ipyparallel's RemoteError carries the remote one), without
+    terminal colours."""
+    import traceback
+
+    text = getattr(e, "traceback", None) or "".join(traceback.format_exception(e))
+    return re.sub(r"\x1b\[[0-9;]*m", "", str(text))
+
+
+def _last_frame(e: BaseException) -> str:
+    """`` (at file.py:12 in forward)``: where the innermost frame of the traceback of ``e`` was, or ''."""
+    # Python's 'File "x.py", line 12, in f' or IPython's (ipyparallel's) 'File /x.py:12, in f(args)'
+    frames = re.findall(r'File "([^"]+)", line (\d+), in ([^\s(]+)|File ([^\s,]+):(\d+), in ([^\s(]+)', _traceback(e))
+    if not frames:
+        return ""
+    file, line, function = [a or b for a, b in zip(frames[-1][:3], frames[-1][3:])]
+    return f" (at {os.path.basename(file)}:{line} in {function})"
 
 
 def _one_line(e: BaseException) -> str:

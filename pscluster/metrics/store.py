@@ -100,22 +100,31 @@ MIGRATIONS = [
     ALTER TABLE placement ADD COLUMN part INTEGER;
     ALTER TABLE placement ADD COLUMN sparse INTEGER NOT NULL DEFAULT 0;
     """,
+    # 3: what a variable of the model's state is: a trained parameter, a frozen one, or a buffer
+    """
+    ALTER TABLE placement ADD COLUMN kind TEXT NOT NULL DEFAULT 'param';
+    """,
+    # 4: a step's own metrics (a step_fn's, as JSON {name: value}) and the learning rate a ps applied
+    """
+    ALTER TABLE metrics ADD COLUMN extra TEXT;
+    ALTER TABLE ps_metrics ADD COLUMN lr REAL;
+    """,
 ]
 
 _METRIC_COLUMNS = ("worker", "time", "local_step", "global_step", "loss", "accuracy", "compute_s", "wait_s",
                    "comm_s", "bytes_sent", "bytes_received", "staleness", "dropped")
 _PS_COLUMNS = ("ps", "time", "step", "pushes", "pulls", "applied", "dropped_stale", "late", "bytes_in",
                "bytes_out", "waiting_for")
-PLACEMENT_COLUMNS = ("variable", "ps", "shape", "dtype", "bytes", "start", "stop", "part", "sparse")
+PLACEMENT_COLUMNS = ("variable", "ps", "shape", "dtype", "bytes", "start", "stop", "part", "sparse", "kind")
 
 
 def _placement_row(v) -> tuple:
     """A VariableSpec-like object as a placement row (``PLACEMENT_COLUMNS``, shape as a tuple); objects
-    without ``start``/``part``/``sparse`` are whole and dense."""
+    without ``start``/``part``/``sparse``/``kind`` are whole, dense, trained parameters."""
     shape = tuple(v.shape)
     start = getattr(v, "start", 0)
     return (v.name, v.ps, shape, v.dtype, v.nbytes, start, start + (shape[0] if shape else 1),
-            getattr(v, "part", None), int(bool(getattr(v, "sparse", False))))
+            getattr(v, "part", None), int(bool(getattr(v, "sparse", False))), getattr(v, "kind", "param"))
 
 
 def placement_frame(variables) -> pd.DataFrame:
@@ -239,11 +248,11 @@ class RunStore:
             kind = e.get("kind")
             try:
                 if kind == "step":
-                    steps.append((run_id, _task_index(e["task"]),
-                                  *(e.get(c) for c in _METRIC_COLUMNS[1:])))
+                    steps.append((run_id, _task_index(e["task"]), *(e.get(c) for c in _METRIC_COLUMNS[1:]),
+                                  json.dumps(e["metrics"]) if e.get("metrics") else None))
                 elif kind == "ps":
                     ps_rows.append((run_id, _task_index(e["task"]), *(e.get(c, 0) for c in _PS_COLUMNS[1:-1]),
-                                    json.dumps(e.get("waiting_for", []))))
+                                    json.dumps(e.get("waiting_for", [])), e.get("lr")))
                 else:
                     detail = {k: v for k, v in e.items() if k not in ("kind", "task", "time")}
                     other.append((run_id, e["time"], e["task"], str(kind), json.dumps(detail)))
@@ -251,10 +260,10 @@ class RunStore:
                 continue  # a malformed event is skipped, never fatal
         with self._lock, self._db:
             if steps:
-                self._db.executemany(f"INSERT INTO metrics VALUES (?, {', '.join('?' * len(_METRIC_COLUMNS))})",
+                self._db.executemany(f"INSERT INTO metrics VALUES (?, {', '.join('?' * (len(_METRIC_COLUMNS) + 1))})",
                                      steps)
             if ps_rows:
-                self._db.executemany(f"INSERT INTO ps_metrics VALUES (?, {', '.join('?' * len(_PS_COLUMNS))})",
+                self._db.executemany(f"INSERT INTO ps_metrics VALUES (?, {', '.join('?' * (len(_PS_COLUMNS) + 1))})",
                                      ps_rows)
             if other:
                 self._db.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?)", other)
@@ -304,26 +313,36 @@ class RunStore:
 
         With ``after_row``, only the rows stored after that cursor, with a ``row`` column whose maximum
         is the cursor to give next time (0 to start): rows are numbered in the order they are stored.
+        A step's own metrics (a ``step_fn``'s) follow as one column each, NaN where a row has none.
         """
-        return self._table_rows("metrics", _METRIC_COLUMNS, "time, worker", run_id, after_row)
+        if self.schema_version < 4:
+            return self._table_rows("metrics", _METRIC_COLUMNS, "time, worker", run_id, after_row)
+        df = self._table_rows("metrics", (*_METRIC_COLUMNS, "extra"), "time, worker", run_id, after_row)
+        extra = pd.DataFrame([json.loads(x) if x else {} for x in df.pop("extra")], index=df.index)
+        return df.join(extra.drop(columns=[c for c in extra.columns if c in df.columns]))
 
     def ps_metrics(self, run_id: int, after_row: int | None = None) -> pd.DataFrame:
-        """The ps tasks' counters, sampled every ~0.5 s, oldest first; ``after_row`` as in ``metrics``."""
-        df = self._table_rows("ps_metrics", _PS_COLUMNS, "time, ps", run_id, after_row)
+        """The ps tasks' counters, sampled every ~0.5 s, oldest first; ``after_row`` as in ``metrics``. ``lr``:
+        the learning rate of the ps's last update (of its first parameter group)."""
+        columns = (*_PS_COLUMNS, "lr") if self.schema_version >= 4 else _PS_COLUMNS
+        df = self._table_rows("ps_metrics", columns, "time, ps", run_id, after_row)
         df["waiting_for"] = df["waiting_for"].map(json.loads)
         return df
 
     def placement(self, run_id: int) -> pd.DataFrame:
         """One row per variable or shard, in model order: ``PLACEMENT_COLUMNS``. ``start``/``stop``: the rows
         of the parameter it holds (all of them for a whole variable); ``part``: NA for a whole variable;
-        ``sparse``: 1 for a parameter moved by touched rows only. A store of schema 1 (opened read-only,
-        not migrated) reads as whole dense variables."""
-        columns = PLACEMENT_COLUMNS if self.schema_version >= 2 else PLACEMENT_COLUMNS[:5]
+        ``sparse``: 1 for a parameter moved by touched rows only; ``kind``: ``param``, ``frozen`` or ``buffer``.
+        A store of schema 1 (opened read-only, not migrated) reads as whole dense variables, one of schema 2 as
+        trained parameters."""
+        columns = PLACEMENT_COLUMNS[:{1: 5, 2: 9}.get(self.schema_version, len(PLACEMENT_COLUMNS))]
         df = self._frame(f"SELECT {', '.join(columns)} FROM placement WHERE run_id = ? ORDER BY rowid", (run_id,))
         df["shape"] = df["shape"].map(lambda s: tuple(json.loads(s)))
         rows = df["shape"].map(lambda shape: shape[0] if shape else 1)
         if "start" not in df:
             df["start"], df["stop"], df["part"], df["sparse"] = 0, rows, None, 0
+        if "kind" not in df:
+            df["kind"] = "param"
         df["stop"] = df["stop"].fillna(df["start"] + rows).astype(int)
         df["part"] = df["part"].astype("Int64")
         return df

@@ -34,13 +34,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
-from .plan import VariableSpec
+from .plan import VariableSpec, state_dict_of
 
 FORMAT_VERSION = 1
 _LENGTH = struct.Struct("<Q")
@@ -254,14 +254,15 @@ def split_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 
 def write_shard(directory, step: int, ps: int, tensors: dict[str, torch.Tensor], *, run_id: int,
-                attempt: int = 0) -> dict:
+                attempt: int = 0, schedule: dict | None = None) -> dict:
     """Write ps ``ps``'s shard of step ``step`` and then its receipt; returns the receipt. ``attempt``
-    counts the restarts of the run (after a ps was lost): only receipts of one attempt form a checkpoint."""
+    counts the restarts of the run (after a ps was lost): only receipts of one attempt form a checkpoint.
+    ``schedule``: the learning-rate schedule's state (JSON, the same on every ps; see ``optim``)."""
     folder = step_dir(directory, step)
     folder.mkdir(parents=True, exist_ok=True)
     size, sha = write_tensors(folder / f"ps-{ps}.tensors", tensors)
     receipt = {"ps": ps, "step": step, "run_id": run_id, "attempt": attempt, "file": f"{folder.name}/ps-{ps}.tensors",
-               "bytes": size, "sha256": sha}
+               "bytes": size, "sha256": sha, "schedule": schedule or {}}
     _write_json(folder / f"ps-{ps}.json", receipt, fsync=False)  # the commit fsyncs the folder
     return receipt
 
@@ -296,14 +297,17 @@ def uncommitted_steps(directory) -> list[int]:
 
 
 def commit(directory, step: int, run_id: int, variables, optimizer: str, optimizer_kwargs: dict,
-           shard_receipts: list[dict], *, keep: int | None = None) -> Path:
-    """Write the manifest of ``step`` (the commit), then delete all but the newest ``keep`` checkpoints."""
+           shard_receipts: list[dict], *, keep: int | None = None, state_keys=()) -> Path:
+    """Write the manifest of ``step`` (the commit), then delete all but the newest ``keep`` checkpoints.
+    ``state_keys``: the model's state_dict keys and the variable each holds (``plan.model_tensors``)."""
     directory = Path(directory)
     manifest = {"format_version": FORMAT_VERSION, "run_id": run_id, "step": step, "time": time.time(),
                 "optimizer": optimizer, "optimizer_kwargs": optimizer_kwargs,
                 "variables": [{"id": v.id, "name": v.name, "variable": v.parameter, "shape": list(v.shape),
-                               "dtype": v.dtype, "ps": v.ps, "start": v.start, "sparse": v.sparse}
+                               "dtype": v.dtype, "ps": v.ps, "start": v.start, "sparse": v.sparse, "kind": v.kind}
                               for v in variables],
+                "state_keys": [list(k) for k in state_keys],
+                "schedule": min(shard_receipts, key=lambda r: r["ps"]).get("schedule", {}),
                 "shards": [{"ps": r["ps"], "file": r["file"], "bytes": r["bytes"], "sha256": r["sha256"]}
                            for r in sorted(shard_receipts, key=lambda r: r["ps"])]}
     path = manifest_path(directory, step)
@@ -316,14 +320,15 @@ def commit(directory, step: int, run_id: int, variables, optimizer: str, optimiz
 
 
 def commit_ready(directory, *, num_ps: int, run_id: int, attempt: int, variables, optimizer: str,
-                 optimizer_kwargs: dict, keep: int | None = None) -> dict[int, Path]:
+                 optimizer_kwargs: dict, keep: int | None = None, state_keys=()) -> dict[int, Path]:
     """Commit every step whose shards all ``num_ps`` ps tasks have written in ``attempt`` of run
     ``run_id``; the manifests written by step, oldest first."""
     written = {}
     for step in uncommitted_steps(directory):
         found = receipts(directory, step, num_ps, attempt=attempt)
         if found is not None and all(r.get("run_id") == run_id for r in found):
-            written[step] = commit(directory, step, run_id, variables, optimizer, optimizer_kwargs, found, keep=keep)
+            written[step] = commit(directory, step, run_id, variables, optimizer, optimizer_kwargs, found, keep=keep,
+                                   state_keys=state_keys)
     return written
 
 
@@ -359,6 +364,8 @@ class Checkpoint:
     shards: tuple[dict, ...]
     optimizer: str
     optimizer_kwargs: dict
+    state_keys: tuple[tuple[str, str], ...] = ()
+    schedule: dict = field(default_factory=dict)  # the learning-rate schedule's state at this step
 
     @classmethod
     def load(cls, path) -> "Checkpoint":
@@ -371,10 +378,13 @@ class Checkpoint:
                 raise ValueError(f"format version {m.get('format_version')}, this pscluster reads {FORMAT_VERSION}")
             variables = tuple(VariableSpec(id=v["id"], name=v["name"], shape=tuple(v["shape"]), dtype=v["dtype"],
                                            ps=v["ps"], variable="" if v["variable"] == v["name"] else v["variable"],
-                                           start=v["start"], sparse=v["sparse"]) for v in m["variables"])
+                                           start=v["start"], sparse=v["sparse"], kind=v.get("kind", "param"))
+                              for v in m["variables"])
             ckpt = cls(path=path, step=int(m["step"]), run_id=int(m["run_id"]), variables=variables,
                        shards=tuple(m["shards"]), optimizer=m["optimizer"],
-                       optimizer_kwargs=m.get("optimizer_kwargs") or {})
+                       optimizer_kwargs=m.get("optimizer_kwargs") or {},
+                       state_keys=tuple((str(k), str(n)) for k, n in m.get("state_keys", [])),
+                       schedule=m.get("schedule") or {})
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path} is not a readable manifest ({e})") from None
         for shard in ckpt.shards:
@@ -419,8 +429,9 @@ class Checkpoint:
         return params, slots
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's parameters at this checkpoint, as ``model.state_dict()`` holds them."""
-        return self.tensors()[0]
+        """The model's state at this checkpoint, as ``model.state_dict()`` holds it: parameters, buffers, every
+        key of a tied parameter, in the model's order."""
+        return state_dict_of(self.state_keys, self.tensors()[0])
 
 
 def _per_row(slot, shape) -> bool:
@@ -470,8 +481,8 @@ def reshard(ckpt: Checkpoint, variables) -> tuple[dict[int, torch.Tensor], dict[
 
 
 def export_state_dict(ckpt: Checkpoint, path) -> Path:
-    """Write the checkpoint's parameters as a plain ``state_dict`` file that ``torch.load`` reads without
-    pscluster (a dict of tensors, ``weights_only`` safe)."""
+    """Write the checkpoint's model state as a plain ``state_dict`` file that ``torch.load`` reads without
+    pscluster (a dict of tensors, ``weights_only`` safe; ``load_state_dict(..., strict=True)`` takes it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(ckpt.state_dict(), path)

@@ -195,7 +195,7 @@ class PSClient:
         """The flags, ids and tensors of a request to ps ``i``: with its lane, the dense values (the first
         ones, in the lane's order) are copied into the lane, the rest go in frames."""
         lane = self._lanes.get(i)
-        if lane is None or op not in _LANE_OPS or (meta or {}).get("all"):
+        if lane is None or op not in _LANE_OPS or (meta or {}).get("all") or (meta or {}).get("frozen"):
             return Flag.NONE, ids, tensors
         if op is Op.PULL:
             return Flag.SHARED, ids, tensors
@@ -273,6 +273,10 @@ class PSClient:
         if any(m.op is Op.NOT_READY for m in msgs):
             return None
         return self.merge(msgs)
+
+    def pull_frozen(self) -> Reply:
+        """The frozen parameters (a worker's, once: they never change)."""
+        return self.merge(self.request(Op.PULL, meta={"frozen": True}))
 
     def pull_rows(self, per_ps: dict) -> Reply:
         """Rows of sparse variables: ``per_ps`` maps a ps index to (variable ids, row index tensors)."""

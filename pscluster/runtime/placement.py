@@ -62,12 +62,16 @@ class Shard:
                               self.nbytes)
 
 
-def placement_line(name: str, ps: int, rows: tuple[int, int] | None = None, nbytes: int = 0) -> str:
+def placement_line(name: str, ps: int, rows: tuple[int, int] | None = None, nbytes: int = 0,
+                   kind: str = "param") -> str:
     """The TF-style listing line: ``fc1.weight: /job:ps/task:0`` or, for a shard of rows
-    ``[start, stop)``, ``embedding/part_1: /job:ps/task:1 (rows 500000-999999, 32.0 MB)``."""
+    ``[start, stop)``, ``embedding/part_1: /job:ps/task:1 (rows 500000-999999, 32.0 MB)``; a frozen parameter
+    or a buffer says so: ``stem.weight: /job:ps/task:0 (frozen)``."""
     line = f"{name}: /job:ps/task:{ps}"
-    if rows is not None:
-        line += f" (rows {rows[0]}-{rows[1] - 1}, {format_bytes(nbytes)})"
+    notes = ([f"rows {rows[0]}-{rows[1] - 1}", format_bytes(nbytes)] if rows is not None else []) + \
+        ([kind] if kind != "param" else [])
+    if notes:
+        line += f" ({', '.join(notes)})"
     return line
 
 
@@ -235,7 +239,10 @@ def shard_map(variables: Sequence[Variable], num_ps: int, placement: Strategy | 
             shards.append(Shard(v.name, tuple(v.shape), v.itemsize))
             continue
         if not v.shape:
-            raise ConfigError(f"{v.name} is a scalar: only variables with rows can be partitioned")
+            if v.name in partition:
+                raise ConfigError(f"{v.name} is a scalar: only variables with rows can be partitioned")
+            shards.append(Shard(v.name, (), v.itemsize))  # a scalar under a partitioned prefix (a step count)
+            continue
         n = partitioner.num_shards(v, num_ps)
         for k, (start, stop) in enumerate(partition_rows(v.shape[0], n)):
             shards.append(Shard(v.name, (stop - start, *v.shape[1:]), v.itemsize, part=k, start=start))

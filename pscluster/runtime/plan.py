@@ -14,18 +14,25 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import ConfigError
+from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer
 from .placement import Variable, placement_line, shard_map
 
 MODES = ("sync", "async", "ssp")
-# What the ps can apply sparse gradients with (Adam and AdamW as the lazy SparseAdam)
-SPARSE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam, torch.optim.AdamW)
+
+
+KINDS = ("param", "frozen", "buffer")
+BUFFER_RULES = ("chief", "average")
+NONFINITE = ("fail", "skip")
 
 
 @dataclass(frozen=True)
 class VariableSpec:
-    """What one ps holds of a model parameter: all of it, or rows ``[start, start + shape[0])`` of it
-    (a shard, named ``<variable>/part_<k>``). ``sparse``: the parameter of an ``nn.Embedding`` or
-    ``nn.EmbeddingBag`` with ``sparse=True``, pulled and pushed by rows."""
+    """What one ps holds of a tensor of the model's ``state_dict()``: all of it, or rows
+    ``[start, start + shape[0])`` of it (a shard, named ``<variable>/part_<k>``). ``kind``: ``param`` (trained:
+    workers push its gradients, the ps's optimizer updates it), ``frozen`` (a parameter with
+    ``requires_grad=False``: never pushed, never changed, kept for the state_dict) or ``buffer`` (workers push
+    its value, kept by the run's buffer rule, see ``TrainPlan.buffers``). ``sparse``: the parameter of an
+    ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True``, pulled and pushed by rows."""
 
     id: int
     name: str
@@ -35,6 +42,16 @@ class VariableSpec:
     variable: str = ""   # the model parameter; "" means the same as name
     start: int = 0
     sparse: bool = False
+    kind: str = "param"
+
+    @property
+    def trainable(self) -> bool:
+        return self.kind == "param"
+
+    @property
+    def exchanged(self) -> bool:
+        """Dense and moved every step: a gradient (of a trained parameter) or a value (of a buffer)."""
+        return not self.sparse and self.kind != "frozen"
 
     @property
     def parameter(self) -> str:
@@ -61,7 +78,7 @@ class VariableSpec:
     def placement(self) -> str:
         """The TF-style listing line, e.g. ``fc1.weight: /job:ps/task:0``."""
         return placement_line(self.name, self.ps, (self.start, self.stop) if self.partitioned else None,
-                              self.nbytes)
+                              self.nbytes, self.kind)
 
 
 def sparse_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -70,18 +87,38 @@ def sparse_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
 
 
+def model_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, str]], tuple[tuple[str, str], ...]]:
+    """The tensors of ``model.state_dict()``, each once: ``{name: (tensor, kind)}`` in state_dict order, named by
+    the first key that holds it, and ``(key, name)`` for every key of the state_dict (a tied parameter has
+    several keys for one tensor). Kinds as in ``VariableSpec``."""
+    tensors: dict[str, tuple[torch.Tensor, str]] = {}
+    first: dict[int, str] = {}
+    keys = []
+    for key, t in model.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"state_dict entry {key!r} is a {type(t).__name__}, not a tensor: keep extra state "
+                              "out of the model's state_dict")
+        if id(t) not in first:
+            first[id(t)] = key
+            kind = ("param" if t.requires_grad else "frozen") if isinstance(t, torch.nn.Parameter) else "buffer"
+            tensors[key] = (t, kind)
+        keys.append((key, first[id(t)]))
+    return tensors, tuple(keys)
+
+
 def describe_variables(model: torch.nn.Module, num_ps: int, placement="round_robin",
                        partition=None) -> tuple[VariableSpec, ...]:
-    """The VariableSpecs of ``model``'s parameters (``named_parameters()`` order), split by ``partition``
-    and placed by ``placement`` (see ``pscluster.runtime.placement.shard_map``)."""
-    params = dict(model.named_parameters())
+    """The VariableSpecs of ``model``'s state (``model_tensors``: parameters, frozen parameters, buffers, in
+    state_dict order), split by ``partition`` and placed by ``placement`` (see
+    ``pscluster.runtime.placement.shard_map``)."""
+    tensors, _ = model_tensors(model)
     sparse = sparse_modules(model)
-    shards = shard_map([Variable(n, tuple(p.shape), p.element_size()) for n, p in params.items()], num_ps,
+    shards = shard_map([Variable(n, tuple(t.shape), t.element_size()) for n, (t, _) in tensors.items()], num_ps,
                        placement, partition)
     return tuple(VariableSpec(id=i, name=s.name, shape=s.shape, ps=s.ps,
-                              dtype=str(params[s.variable].dtype).removeprefix("torch."),
+                              dtype=str(tensors[s.variable][0].dtype).removeprefix("torch."),
                               variable="" if s.part is None else s.variable, start=s.start,
-                              sparse=s.variable in sparse)
+                              sparse=s.variable in sparse, kind=tensors[s.variable][1])
                  for i, s in enumerate(shards))
 
 
@@ -97,42 +134,13 @@ def assemble(variables, messages) -> dict[str, torch.Tensor]:
             for name in order}
 
 
-def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
-    """The optimizer class for a ``torch.optim`` class name (any case) or a ``module:Class`` path."""
-    if ":" in name:
-        import importlib
-        module, _, qualname = name.partition(":")
-        try:
-            obj = importlib.import_module(module)
-            for part in qualname.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError):
-            raise ConfigError(f"optimizer {name!r} not found: give an importable 'module:Class'") from None
-        if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)
-                and obj is not torch.optim.Optimizer):
-            raise ConfigError(f"{name!r} is not an optimizer: give a torch.optim.Optimizer subclass")
-        return obj
-    by_lower = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
-                if isinstance(getattr(torch.optim, n), type)
-                and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
-                and getattr(torch.optim, n) is not torch.optim.Optimizer}
-    try:
-        return by_lower[name.lower()]
-    except KeyError:
-        raise ConfigError(f"unknown optimizer {name!r}: use a torch.optim class such as "
-                          "SGD, Adam or Adagrad") from None
-
-
-def optimizer_name(optimizer) -> str:
-    """The plan's name for an optimizer given as a class or a name."""
-    if isinstance(optimizer, str):
-        resolve_optimizer(optimizer)
-        return optimizer
-    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        if getattr(torch.optim, optimizer.__name__, None) is optimizer:
-            return optimizer.__name__
-        return f"{optimizer.__module__}:{optimizer.__qualname__}"
-    raise ConfigError(f"optimizer {optimizer!r}: pass a torch.optim class (e.g. torch.optim.SGD) or its name")
+def state_dict_of(state_keys, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict()`` from its tensors by variable name (``assemble``'s result): every key of
+    ``state_keys`` (``(key, name)`` pairs, see ``model_tensors``) in order, a tied tensor under each of its
+    keys, as torch's own state_dict has it. Without ``state_keys`` (a plan of an older pscluster): ``values``."""
+    if not state_keys:
+        return dict(values)
+    return {key: values[name] for key, name in state_keys}
 
 
 @dataclass(frozen=True)
@@ -143,8 +151,11 @@ class TrainPlan:
     mode: str
     steps: int
     batch_size: int
-    optimizer: str
+    optimizer: str  # the optimizer of every ps: its name, options, parameter groups and schedule (``optim``)
     optimizer_kwargs: dict = field(default_factory=dict)
+    optimizer_groups: tuple = ()
+    scheduler: str | None = None
+    scheduler_options: dict = field(default_factory=dict)
     replicas_to_aggregate: int = 1
     num_workers: int = 1
     variables: tuple[VariableSpec, ...] = ()
@@ -159,6 +170,10 @@ class TrainPlan:
     attempt: int = 0  # restarts of this run after a lost ps
     shared_memory: bool = True  # workers exchange dense values with ps on their host through shared memory
     pipeline: bool = False  # async: a worker computes its next gradients while its push-pull is in flight
+    state_keys: tuple[tuple[str, str], ...] = ()  # every key of the model's state_dict and the variable it holds
+    buffers: str = "chief"  # how the ps keeps the buffers the workers push (BUFFER_RULES)
+    max_grad_norm: float | None = None  # each worker clips its gradients to this total 2-norm before it pushes
+    on_nonfinite: str = "fail"  # a non-finite loss or gradient: fail the run, or skip the batch (NONFINITE)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -179,21 +194,39 @@ class TrainPlan:
             raise ConfigError("run_id must fit in 32 bits and be non-zero")
         if self.request_timeout <= 0:
             raise ConfigError("request_timeout must be positive (seconds)")
+        if self.buffers not in BUFFER_RULES:
+            raise ConfigError(f"buffers={self.buffers!r}: use 'chief' (the chief worker's buffers, as DDP's "
+                              "broadcast_buffers) or 'average' (the mean of every worker's latest)")
+        if self.on_nonfinite not in NONFINITE:
+            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: use 'fail' (the run fails at that step) or "
+                              "'skip' (the batch is left out)")
+        if self.max_grad_norm is not None:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, int | float) \
+                    or not self.max_grad_norm > 0:
+                raise ConfigError(f"max_grad_norm={self.max_grad_norm!r}: use a positive number (the total 2-norm "
+                                  "each worker clips its gradients to), or None")
+            if any(v.sparse for v in self.variables):
+                raise ConfigError("max_grad_norm with sparse embeddings: torch clips dense gradients only; build "
+                                  "the embedding with sparse=False, or train without max_grad_norm")
         if self.pipeline and self.mode != "async":
             raise ConfigError(f"pipeline=True with mode={self.mode!r}: use mode='async' (a {self.mode} step waits "
                               "for the other workers, so gradients computed ahead of it would be dropped as stale)")
         if self.pipeline and any(v.sparse for v in self.variables):
             raise ConfigError("pipeline=True with sparse embeddings: their rows are pulled during forward; build "
                               "them with sparse=False, or train without pipeline")
-        optimizer = resolve_optimizer(self.optimizer)
-        if any(v.sparse for v in self.variables) and optimizer not in SPARSE_OPTIMIZERS:
-            raise ConfigError(f"{optimizer.__name__} cannot update sparse embeddings: use SGD, Adagrad or Adam, "
+        spec = self.optimizer_spec  # checks the options, and holds them as JSON data from here on
+        object.__setattr__(self, "optimizer_kwargs", spec.kwargs)
+        object.__setattr__(self, "optimizer_groups", spec.groups)
+        object.__setattr__(self, "scheduler_options", spec.scheduler_options)
+        cls = resolve_optimizer(self.optimizer) if ":" not in self.optimizer else None  # others: where built
+        if any(v.sparse for v in self.variables) and cls is not None and cls not in SPARSE_OPTIMIZERS:
+            raise ConfigError(f"{cls.__name__} cannot update sparse embeddings: use SGD, Adagrad or Adam, "
                               "or build the embedding with sparse=False")
-        try:
-            json.dumps(self.optimizer_kwargs)
-        except TypeError:
-            raise ConfigError("optimizer keyword arguments must be plain numbers, strings, "
-                              "lists or booleans: pass the optimizer's own options") from None
+
+    @property
+    def optimizer_spec(self) -> OptimizerSpec:
+        return OptimizerSpec(optimizer=self.optimizer, kwargs=self.optimizer_kwargs, groups=self.optimizer_groups,
+                             scheduler=self.scheduler, scheduler_options=self.scheduler_options)
 
     def variables_on(self, ps: int) -> tuple[VariableSpec, ...]:
         return tuple(v for v in self.variables if v.ps == ps)
@@ -208,4 +241,6 @@ class TrainPlan:
     def from_json(cls, text: str) -> "TrainPlan":
         d = json.loads(text)
         d["variables"] = tuple(VariableSpec(**{**v, "shape": tuple(v["shape"])}) for v in d["variables"])
+        d["state_keys"] = tuple(tuple(k) for k in d.get("state_keys", ()))
+        d["optimizer_groups"] = tuple(d.get("optimizer_groups", ()))
         return cls(**d)

@@ -56,7 +56,6 @@ at most ``MAX_LANES`` lanes (least recently mapped first out); a new run's INIT 
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 import warnings
@@ -70,7 +69,8 @@ from ..errors import MalformedMessage, ProtocolError
 from . import checkpoint, curve, protocol
 from .lanes import Lane, LaneError
 from .metrics import MetricsEmitter
-from .plan import SPARSE_OPTIMIZERS, resolve_optimizer
+from .optim import OptimizerSpec, PsOptimizer, build
+from .plan import BUFFER_RULES, KINDS
 from .protocol import Flag, Message, Op
 
 # torch's sparse optimizers build sparse tensors without stating whether to check them; ours are checked
@@ -96,10 +96,12 @@ class _RunState:
     replicas: int
     ids: list[int]
     names: list[str]
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer | None
+    params: list[torch.Tensor]  # parameters (trained or frozen) and buffers, in the order of ids
+    optimizer: PsOptimizer  # of the trained variables, with the run's schedule (see ``optim``)
     sparse: list[bool]
-    sparse_optimizer: torch.optim.Optimizer | None = None
+    kinds: list[str] = field(default_factory=list)  # per variable: param, frozen or buffer (plan.KINDS)
+    buffer_rule: str = "chief"  # plan.BUFFER_RULES
+    buffer_values: dict = field(default_factory=dict)  # worker -> the buffer values of its latest applied push
     num_workers: int = 1
     staleness_bound: int = 0
     emitter: MetricsEmitter | None = None
@@ -131,9 +133,15 @@ class _RunState:
 
     def __post_init__(self):
         # fixed for the run: looked up on every request
+        self.kinds = self.kinds or ["param"] * len(self.ids)
         self.position = {vid: i for i, vid in enumerate(self.ids)}
-        self.dense_ids = [vid for vid, sparse in zip(self.ids, self.sparse) if not sparse]
-        self.dense_params = [p for p, sparse in zip(self.params, self.sparse) if not sparse]
+        # exchanged with every push and reply: trained dense variables (gradients in, values out) and buffers
+        exchanged = [not sparse and kind != "frozen" for sparse, kind in zip(self.sparse, self.kinds)]
+        self.dense_ids = [vid for vid, x in zip(self.ids, exchanged) if x]
+        self.dense_params = [p for p, x in zip(self.params, exchanged) if x]
+        self.trained = [i for i, kind in enumerate(self.kinds) if kind == "param"]
+        self.trained_params = [self.params[i] for i in self.trained]
+        self.buffers = [self.params[i] for i, kind in enumerate(self.kinds) if kind == "buffer"]
         # the most one legitimate request can hold: each variable once (a sparse one as int64 row
         # indices, each row at most once, and the rows' values)
         frame = [p.numel() * p.element_size() + (8 * p.shape[0] if sparse and p.dim() else 0)
@@ -166,11 +174,9 @@ class _RunState:
         """SSP: how many pushes ``worker`` is ahead of the slowest live worker."""
         return self.clocks[worker] - min(self.clocks[w] for w in self.live())
 
-    def optimizer_state(self, param: torch.Tensor) -> dict:
-        for optimizer in (self.optimizer, self.sparse_optimizer):
-            if optimizer is not None and param in optimizer.state:
-                return optimizer.state[param]
-        return {}
+    def optimizer_state(self, i: int) -> dict:
+        """The optimizer state of variable ``i`` (none for a frozen parameter or a buffer)."""
+        return self.optimizer.state(self.params[i]) if self.kinds[i] == "param" else {}
 
     def params_snapshot(self) -> tuple[list[torch.Tensor], list[bytes]]:
         """The current dense values to reply with and their digests (``protocol.digest``), made once per step
@@ -182,34 +188,6 @@ class _RunState:
                       for p in self.dense_params]
             self.snapshot = (self.step, values, [protocol.digest(protocol.tensor_bytes(v)) for v in values])
         return self.snapshot[1], self.snapshot[2]
-
-
-def _optimizers(params: list[torch.nn.Parameter], sparse: list[bool], name: str, kwargs: dict):
-    """(optimizer of the dense variables, optimizer of the sparse ones), None where there are none.
-    Adam and AdamW become SparseAdam (lazy: only the rows present move) for sparse variables."""
-    cls = resolve_optimizer(name)
-    dense_params = [p for p, s in zip(params, sparse) if not s]
-    sparse_params = [p for p, s in zip(params, sparse) if s]
-    dense = _fused(cls, dense_params, kwargs) if dense_params else None
-    if not sparse_params:
-        return dense, None
-    if cls in (torch.optim.Adam, torch.optim.AdamW):
-        kwargs = {k: v for k, v in kwargs.items() if k in ("lr", "betas", "eps")}
-        return dense, torch.optim.SparseAdam(sparse_params, **kwargs)
-    if cls not in SPARSE_OPTIMIZERS:
-        raise ValueError(f"{cls.__name__} cannot update sparse embeddings: use SGD, Adagrad or Adam")
-    return dense, cls(sparse_params, **kwargs)
-
-
-def _fused(cls, params: list[torch.nn.Parameter], kwargs: dict) -> torch.optim.Optimizer:
-    """``cls(params, **kwargs)``, fused where torch has a fused kernel for it and the user chose no
-    implementation: one pass over each parameter per step, no temporaries of its size (a ps's memory)."""
-    if "fused" not in kwargs and "foreach" not in kwargs and "fused" in inspect.signature(cls).parameters:
-        try:
-            return cls(params, **kwargs, fused=True)
-        except (RuntimeError, ValueError):  # options or dtypes the fused kernel does not take
-            pass
-    return cls(params, **kwargs)
 
 
 def _sparse_grad(param: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> torch.Tensor:
@@ -288,7 +266,7 @@ class ParameterServer:
             return
         run.emitter.emit("ps", step=run.step, pushes=run.pushes, pulls=run.pulls, applied=run.applied,
                          dropped_stale=run.dropped_stale, late=run.late, bytes_in=self.bytes_in,
-                         bytes_out=self.bytes_out, waiting_for=run.waiting_for())
+                         bytes_out=self.bytes_out, waiting_for=run.waiting_for(), lr=run.optimizer.lr[-1])
         rejected = dict(self.rejected)
         if rejected != run.reported_rejected and any(rejected.values()):
             # this ps's totals by reason, stored as a "rejected" event when they change
@@ -430,22 +408,32 @@ class ParameterServer:
             n = len(cfg["names"])
             if n > len(msg.tensors) or len(set(msg.ids[:n])) != n:
                 raise ValueError(f"{len(msg.tensors)} values with ids {msg.ids[:n]} for {n} distinct variables")
-            params = [torch.nn.Parameter(t.clone()) for t in msg.tensors[:n]]
+            kinds = [str(k) for k in cfg.get("kinds", ["param"] * n)]
+            if len(kinds) != n or not set(kinds) <= set(KINDS):
+                raise ValueError(f"kinds {kinds} for {n} variables: one of {KINDS} each")
+            # buffers (integer ones too) are plain tensors, frozen parameters take no gradient
+            params = [torch.nn.Parameter(t.clone(), requires_grad=kind == "param") if kind != "buffer" else t.clone()
+                      for t, kind in zip(msg.tensors[:n], kinds)]
             sparse = [bool(x) for x in cfg.get("sparse", [False] * len(params))]
             if len(sparse) != len(params):
                 raise ValueError(f"{len(sparse)} sparse flags and {len(params)} values for {n} variables")
-            optimizer, sparse_optimizer = _optimizers(params, sparse, cfg["optimizer"],
-                                                      cfg.get("optimizer_kwargs", {}))
+            trained = [i for i, kind in enumerate(kinds) if kind == "param"]
+            spec = OptimizerSpec.from_dict(cfg["optimizer_spec"]) if "optimizer_spec" in cfg else \
+                OptimizerSpec(cfg["optimizer"], cfg.get("optimizer_kwargs", {}))
+            optimizer = build([(_parameter(cfg["names"][i]), params[i]) for i in trained], spec,
+                              sparse=[sparse[i] for i in trained])
             run = _RunState(run_id=msg.run_id, mode=cfg["mode"], steps=int(cfg["steps"]),
                             replicas=int(cfg["replicas_to_aggregate"]), ids=list(msg.ids[:n]),
                             names=[str(name) for name in cfg["names"]], params=params, optimizer=optimizer,
-                            sparse=sparse, sparse_optimizer=sparse_optimizer,
+                            sparse=sparse,
                             num_workers=int(cfg.get("num_workers", 1)),
                             staleness_bound=int(cfg.get("staleness_bound", 0)), step=int(cfg.get("step", 0)),
                             checkpoint_dir=cfg.get("checkpoint_dir"),
-                            checkpoint_every=int(cfg.get("checkpoint_every") or 0), attempt=attempt)
+                            checkpoint_every=int(cfg.get("checkpoint_every") or 0), attempt=attempt, kinds=kinds,
+                            buffer_rule=str(cfg.get("buffers", "chief")))
             _check_config(run)
             self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.get("state", []))
+            run.optimizer.restore(run.step, cfg.get("schedule_state"))  # the schedule at the starting step
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise MalformedMessage(f"bad INIT: {e}") from None
         self._release_waiting()
@@ -471,9 +459,7 @@ class ParameterServer:
                 raise ValueError(f"optimizer state of variable {vid}, which this ps does not hold")
             entries.setdefault(vid, {})[str(slot)] = t
         for vid, e in entries.items():
-            param = run.params[run.position[vid]]
-            optimizer = run.sparse_optimizer if run.sparse[run.position[vid]] else run.optimizer
-            optimizer.state[param] = checkpoint.decode_state(e)
+            run.optimizer.load_state(run.params[run.position[vid]], checkpoint.decode_state(e))
 
     def _pull(self, identity, msg):
         run = self._current(identity, msg)
@@ -483,9 +469,13 @@ class ParameterServer:
             self._reply(identity, msg, Op.NOT_READY)
             return
         run.pulls += 1
-        if (msg.meta or {}).get("all"):  # every variable, sparse ones whole (the controller, at the end)
+        meta = msg.meta or {}
+        if meta.get("all") or meta.get("frozen"):
+            # every variable, sparse ones whole (the controller's pull), or the frozen ones (a worker's, once)
+            chosen = [i for i, kind in enumerate(run.kinds) if meta.get("all") or kind == "frozen"]
             reply = Message(op=Op.PARAMS, run_id=msg.run_id, request_id=msg.request_id, nonce=msg.nonce,
-                            step=run.step, ids=list(run.ids), tensors=[p.detach().clone() for p in run.params])
+                            step=run.step, ids=[run.ids[i] for i in chosen],
+                            tensors=[run.params[i].detach().clone() for i in chosen])
             self._send(identity, reply)
             return
         self._reply(identity, msg, Op.PARAMS, with_params=True)
@@ -522,7 +512,7 @@ class ParameterServer:
         if not 0 <= msg.step <= run.steps:
             raise MalformedMessage(f"gradients computed on step {msg.step}: a run of {run.steps} steps has "
                                    f"steps 0..{run.steps}")
-        grads = self._gradients(run, msg)
+        grads, buffers = self._gradients(run, msg)
         if run.park_at is not None and run.step >= run.park_at and not run.stopped:
             run.parked.append((identity, _held(msg)))  # answered by the second STOP
             return
@@ -536,6 +526,7 @@ class ParameterServer:
         staleness = run.step - msg.step
         if run.mode != "sync":
             run.staleness[staleness] += 1
+            _note_buffers(run, msg.task, buffers)
             # applied before this request's frames are let go: no copy (they are writable memory of this
             # message alone, so an optimizer that changes a gradient in place changes nothing else)
             self._apply(run, grads, 1)
@@ -553,6 +544,7 @@ class ParameterServer:
             run.dropped_stale += 1
             self._reply(identity, msg, reply_op, flags=Flag.DROPPED, value=staleness, with_params=with_params)
             return
+        _note_buffers(run, msg.task, buffers)
         if run.accum is None:
             # one replica per step: applied below, before this request's frames are let go, so not copied
             run.accum = grads if run.replicas_now() == 1 else [_owned(g) for g in grads]
@@ -573,11 +565,12 @@ class ParameterServer:
         if not with_params:
             self._reply(identity, msg, Op.OK)
 
-    def _gradients(self, run: _RunState, msg: Message) -> list:
-        """Per variable of this ps (in its order): a dense gradient, or for a sparse variable a list of
-        one (row indices, row values) pair. A push holds each variable once, a sparse one as two
-        tensors in a row (rows, then values); with ``Flag.SHARED`` the dense ones are in the session's lane.
-        Raises ProtocolError on anything that does not fit."""
+    def _gradients(self, run: _RunState, msg: Message) -> tuple[list, list[torch.Tensor]]:
+        """(per trained variable of this ps, in its order: a dense gradient, or for a sparse variable a list of
+        one (row indices, row values) pair; per buffer: its value on the worker). A push holds each variable
+        but the frozen ones once, a sparse one as two tensors in a row (rows, then values); with
+        ``Flag.SHARED`` the dense ones are in the session's lane. Raises ProtocolError on anything that does not
+        fit."""
         ids, tensors = msg.ids, msg.tensors
         if msg.flags & Flag.SHARED:
             lane = self._lanes.get(msg.nonce)
@@ -589,8 +582,9 @@ class ParameterServer:
         k = 0
         while k < len(ids):
             i = run.position.get(ids[k])
-            if i is None or grads[i] is not None:
-                raise ProtocolError(f"push holds variables {ids}: ps {self.index} has {run.ids}, each once")
+            if i is None or grads[i] is not None or run.kinds[i] == "frozen":
+                raise ProtocolError(f"push holds variables {ids}: ps {self.index} takes {run.dense_ids} and its "
+                                    "sparse ones, each once")
             param = run.params[i]
             if not run.sparse[i]:
                 if tensors[k].shape != param.shape or tensors[k].dtype != param.dtype:
@@ -605,9 +599,10 @@ class ParameterServer:
                 raise ProtocolError(f"sparse gradient of variable {ids[k]}: {tuple(values.shape)} values "
                                     f"for {len(rows)} rows of shape {tuple(param.shape[1:])}")
             grads[i], k = [(rows, values)], k + 2
-        if any(g is None for g in grads):
-            raise ProtocolError(f"push holds variables {ids}: ps {self.index} has {run.ids}, each once")
-        return grads
+        if any(g is None for g, kind in zip(grads, run.kinds) if kind != "frozen"):
+            raise ProtocolError(f"push holds variables {ids}: ps {self.index} takes {run.dense_ids} and its "
+                                "sparse ones, each once")
+        return [grads[i] for i in run.trained], [g for g, kind in zip(grads, run.kinds) if kind == "buffer"]
 
     def _stats(self, identity, msg):
         run = self.run
@@ -712,23 +707,24 @@ class ParameterServer:
     def _apply(self, run: _RunState, grads: list, count: int) -> None:
         """One optimizer step with the mean of ``count`` summed gradients (of the variables this ps owns;
         sparse ones as lists of (rows, values) parts)."""
-        lr = _plain_sgd_rate(run)
-        if lr is not None:  # what SGD's step does without momentum or decay, less its per-call overhead
+        lr = run.optimizer.plain_sgd_rate(run.step)
+        if lr is not None and grads:  # what SGD's step does without momentum or decay, less its per-call overhead
             with torch.no_grad():
                 if count > 1:
                     torch._foreach_div_(grads, count)
-                torch._foreach_add_(run.params, grads, alpha=-lr)
+                torch._foreach_add_(run.trained_params, grads, alpha=-lr)
+        elif lr is not None:  # this ps holds no trained variable: buffers or frozen ones only
+            pass
         else:
-            for p, g in zip(run.params, grads):
+            for p, g in zip(run.trained_params, grads):
                 if isinstance(g, torch.Tensor):
                     p.grad = g.div_(count) if count > 1 else g
                 else:
                     p.grad = _sparse_grad(p, g, count)
-            for optimizer in (run.optimizer, run.sparse_optimizer):
-                if optimizer is not None:
-                    optimizer.step()
-            for p in run.params:
+            run.optimizer.step(run.step)
+            for p in run.trained_params:
                 p.grad = None
+        _keep_buffers(run)
         run.step += 1
         run.applied += 1
         if run.step >= run.steps:
@@ -745,10 +741,10 @@ class ParameterServer:
         if run.step in run.saved:
             return True
         run.saved.add(run.step)
-        tensors = checkpoint.shard_tensors(run.names, run.params, [run.optimizer_state(p) for p in run.params])
+        tensors = checkpoint.shard_tensors(run.names, run.params, [run.optimizer_state(i) for i in range(len(run.ids))])
         try:
             checkpoint.write_shard(run.checkpoint_dir, run.step, self.index, tensors, run_id=run.run_id,
-                                   attempt=run.attempt)
+                                   attempt=run.attempt, schedule=run.optimizer.schedule_state())
         except OSError as e:
             run.checkpoint_errors += 1
             if run.emitter is not None:
@@ -796,6 +792,8 @@ def _check_config(run: _RunState) -> None:
     """A run's INIT configuration within its bounds, or ValueError."""
     if run.mode not in ("sync", "async", "ssp"):
         raise ValueError(f"mode {run.mode!r}: use sync, async or ssp")
+    if run.buffer_rule not in BUFFER_RULES:
+        raise ValueError(f"buffers {run.buffer_rule!r}: use one of {BUFFER_RULES}")
     if not 1 <= run.num_workers <= MAX_WORKERS or not 1 <= run.replicas <= MAX_WORKERS:
         raise ValueError(f"{run.num_workers} workers, {run.replicas} replicas: 1 to {MAX_WORKERS} each")
     if not 0 <= run.step <= run.steps or run.staleness_bound < 0 or run.checkpoint_every < 0:
@@ -803,16 +801,34 @@ def _check_config(run: _RunState) -> None:
                          f"checkpoint every {run.checkpoint_every}: none may be negative, the step not past the end")
 
 
-def _plain_sgd_rate(run: _RunState) -> float | None:
-    """The learning rate when the run's update is plain SGD (dense variables only, no momentum, weight decay or
-    maximize): then an update is one fused add; None otherwise."""
-    optimizer = run.optimizer
-    if run.sparse_optimizer is not None or type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
-        return None
-    group = optimizer.param_groups[0]
-    if group["momentum"] or group["weight_decay"] or group["maximize"]:
-        return None
-    return float(group["lr"])
+def _parameter(name: str) -> str:
+    """The model parameter a variable holds: ``emb.weight`` for its shard ``emb.weight/part_1`` (parameter groups
+    match parameter names)."""
+    return str(name).rpartition("/part_")[0] if "/part_" in str(name) else str(name)
+
+
+def _note_buffers(run: _RunState, worker: int, values: list[torch.Tensor]) -> None:
+    """Keep the buffer values of a push that is applied (copies: its frames are released after the request);
+    ``_keep_buffers`` sets the buffers from them at the update."""
+    if values:
+        run.buffer_values[worker] = [v.clone() for v in values]
+
+
+def _keep_buffers(run: _RunState) -> None:
+    """Set the buffers by the run's rule from the latest pushed values: ``chief``, those of the lowest-numbered
+    live worker that pushed any (worker 0 while it lives, as DDP's broadcast_buffers takes rank 0's);
+    ``average``, the mean of every live worker's latest (integer buffers rounded)."""
+    live = [w for w in run.live() if w in run.buffer_values] or sorted(run.buffer_values)
+    if not live or not run.buffers:
+        return
+    with torch.no_grad():
+        if run.buffer_rule == "chief":
+            for b, v in zip(run.buffers, run.buffer_values[live[0]]):
+                b.copy_(v)
+            return
+        for k, b in enumerate(run.buffers):
+            mean = torch.stack([run.buffer_values[w][k].double() for w in live]).mean(0)
+            b.copy_(mean.round() if not b.is_floating_point() else mean)
 
 
 def _owned(grad):

@@ -20,7 +20,8 @@ import threading
 
 from ..errors import ConfigError
 from ..spec import from_environment
-from .plan import TrainPlan, describe_variables, optimizer_name
+from .optim import optimizer_name
+from .plan import TrainPlan, describe_variables, model_tensors
 from .ps import ParameterServer
 from .worker import build_model, run_worker
 
@@ -44,12 +45,12 @@ def train_from_environment(model_fn, dataset, loss_fn, *, optimizer="sgd", mode:
                            seed: int = 0, log_every: int = 100, run_id: int = 1,
                            request_timeout: float = 120.0, staleness_bound: int = 2, placement="round_robin",
                            partition: dict | None = None, shared_memory: bool = True, pipeline: bool = False,
-                           log=print,
+                           buffers: str = "chief", log=print,
                            **optimizer_kwargs) -> dict:
     """Train as the worker named in ``PSCLUSTER_CONFIG``; returns the worker's summary. Every worker
     must be given the same arguments (they make the same plan). ``shared_memory``: exchange values with a ps
     on the same host through shared memory (False: always over the socket). ``pipeline`` (async): compute the
-    next gradients while the push-pull is in flight (see ``Cluster.train``)."""
+    next gradients while the push-pull is in flight; ``buffers``: the buffer rule (see ``Cluster.train``)."""
     spec, task = from_environment()
     if task.role != "worker":
         raise ConfigError(f"{task.name} is a ps task: serve it with `python -m pscluster.runtime`")
@@ -61,5 +62,6 @@ def train_from_environment(model_fn, dataset, loss_fn, *, optimizer="sgd", mode:
                      variables=describe_variables(model, len(spec.ps), placement, partition),
                      staleness_bound=staleness_bound,
                      seed=seed, log_every=log_every, request_timeout=request_timeout,
-                     shared_memory=shared_memory, pipeline=pipeline)
+                     shared_memory=shared_memory, pipeline=pipeline, state_keys=model_tensors(model)[1],
+                     buffers=buffers)
     return run_worker(spec, task.index, plan, model_fn, dataset, loss_fn, log=log)

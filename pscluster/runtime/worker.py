@@ -13,18 +13,18 @@ import copy
 import os
 import time
 from collections import Counter
-from typing import NamedTuple
 
 import torch
 
-from ..errors import ConfigError, RuntimeTimeout
+from ..errors import ConfigError, NonFiniteError, RuntimeTimeout
 from ..spec import ClusterSpec, TaskSpec
 from . import checkpoint
 from .client import PSClient
 from .data import sharded_batches
 from .metrics import MetricsEmitter
-from .plan import TrainPlan, VariableSpec, sparse_modules
+from .plan import TrainPlan, VariableSpec, model_tensors, sparse_modules
 from .protocol import Flag
+from .steps import Computed, batch_accuracy, compute, grad_norm, metric_values, nonfinite
 
 
 def build_model(model_fn, seed: int) -> torch.nn.Module:
@@ -46,28 +46,23 @@ def local_device(task: TaskSpec) -> torch.device:
     return torch.device("cuda:0")
 
 
-def batch_accuracy(output: torch.Tensor, target: torch.Tensor) -> float | None:
-    """Fraction of correct predictions for classification outputs, None when not a classifier."""
-    if output.dim() == 2 and output.shape[1] > 1 and target.dim() == 1 and not target.is_floating_point():
-        return (output.argmax(1) == target).float().mean().item()
-    if output.shape == target.shape or (output.dim() == 2 and output.shape[1] == 1):
-        return ((output.reshape(-1) > 0).float() == target.reshape(-1).float()).float().mean().item()
-    return None
-
-
-def log_line(local_step: int, global_step: int, loss: float, accuracy: float | None, sec_per_batch: float) -> str:
-    """The familiar progress line of TF's distributed examples."""
+def log_line(local_step: int, global_step: int, loss: float, accuracy: float | None, sec_per_batch: float,
+             metrics: dict | None = None) -> str:
+    """The familiar progress line of TF's distributed examples (a step_fn's metrics after the loss)."""
     acc = "" if accuracy is None else f", accuracy {accuracy:.3f}"
+    acc += "".join(f", {name} {value:.4g}" for name, value in (metrics or {}).items())
     return (f"After {local_step} training steps ({global_step} global steps), "
             f"loss {loss:.3f}{acc} ({sec_per_batch:.3f} sec/batch)")
 
 
 class _Shards:
-    """The model's dense variables (whole parameters or row shards of them) grouped by home ps, in
-    plan order; sparse variables are left to ``_SparseRows``."""
+    """The model's state as the plan's variables (whole tensors or row shards of them) grouped by home ps, in
+    plan order. Exchanged every step: trained dense variables (gradients out, values in) and buffers (values
+    both ways); frozen parameters are loaded once (``load_frozen``); sparse variables are left to
+    ``_SparseRows``."""
 
     def __init__(self, model: torch.nn.Module, plan: TrainPlan, num_ps: int):
-        params = dict(model.named_parameters())
+        params = {name: t for name, (t, _) in model_tensors(model)[0].items()}
         expected = {v.parameter: v for v in plan.variables}
         if set(params) != set(expected) or any(params[v.parameter].shape[1:] != v.shape[1:] or
                                                 v.stop > (params[v.parameter].shape or [1])[0]
@@ -76,8 +71,9 @@ class _Shards:
                               "make model_fn deterministic (same layers and shapes every call)")
         self.params = params
         self.on_ps = {i: plan.variables_on(i) for i in range(num_ps)}
-        self.dense = {i: [v for v in vs if not v.sparse] for i, vs in self.on_ps.items()}
+        self.dense = {i: [v for v in vs if v.exchanged] for i, vs in self.on_ps.items()}
         self.by_id = {v.id: v for v in plan.variables}
+        self.has_frozen = any(v.kind == "frozen" for v in plan.variables)
 
     def view(self, v: VariableSpec, tensor: torch.Tensor | None = None) -> torch.Tensor:
         """The part of ``tensor`` (default: the parameter) that variable ``v`` holds."""
@@ -89,10 +85,14 @@ class _Shards:
         return {i: ([v.id for v in vs], [self.view(v) for v in vs]) for i, vs in self.on_ps.items()}
 
     def grads(self) -> dict:
+        """Per ps: (ids, tensors) of its exchanged variables: a trained one's gradient, a buffer's value."""
         out = {}
         for i, vs in self.dense.items():
             grads = []
             for v in vs:
+                if v.kind == "buffer":
+                    grads.append(self.view(v))
+                    continue
                 g = self.params[v.parameter].grad
                 grads.append(self.view(v, g) if g is not None else torch.zeros(v.shape, dtype=getattr(torch, v.dtype)))
             out[i] = ([v.id for v in vs], grads)
@@ -174,31 +174,46 @@ def _merge(dense: dict, sparse: dict) -> dict:
     return merged
 
 
-class _Computed(NamedTuple):
-    """One batch's forward and backward: the gradients are in the model's ``.grad``."""
-
-    loss: torch.Tensor
-    output: torch.Tensor
-    target: torch.Tensor
-    step: int  # the global step of the parameters they were computed on
+MAX_SKIPS = 100  # on_nonfinite="skip": batches in a row a worker may leave out before it fails anyway
 
 
-def _gradients(model: torch.nn.Module, loss_fn, batch, device: torch.device, step: int) -> _Computed:
-    x, y = batch[0].to(device), batch[1].to(device)
-    model.zero_grad(set_to_none=True)  # fresh .grad tensors: the last ones may still be in flight
-    output = model(x)
-    loss = loss_fn(output, y)
-    loss.backward()
-    return _Computed(loss, output, y, step)
+class _Steps:
+    """This worker's gradients, batch after batch: the training step (``steps``), the non-finite check of
+    ``plan.on_nonfinite`` and the clipping to ``plan.max_grad_norm``."""
+
+    def __init__(self, model, loss_fn, step_fn, batches, device, plan: TrainPlan, index: int, emit):
+        self.model, self.loss_fn, self.step_fn, self.batches = model, loss_fn, step_fn, batches
+        self.device, self.plan, self.index, self.emit = device, plan, index, emit
+        self.skipped = 0
+
+    def gradients(self, batch, step: int, local_step: int) -> Computed:
+        """The gradients of ``batch`` on the parameters of global ``step``; a batch with a non-finite loss or
+        gradient fails the run (NonFiniteError naming this worker and the step) or, with ``skip``, is left out
+        for the next one."""
+        for attempt in range(MAX_SKIPS + 1):
+            computed = compute(self.model, self.loss_fn, self.step_fn, batch, self.device, step)
+            problem = nonfinite(computed, grad_norm(self.model, self.plan.max_grad_norm), self.model)
+            if problem is None:
+                return computed
+            if self.plan.on_nonfinite == "fail" or attempt == MAX_SKIPS:
+                raise NonFiniteError(
+                    f"worker {self.index} computed a non-finite {problem} at global step {step} (its local step "
+                    f"{local_step + 1}{f', after skipping {attempt} batches' if attempt else ''}): lower the "
+                    "learning rate, clip with max_grad_norm=..., or train with on_nonfinite='skip'")
+            self.skipped += 1
+            self.emit("nonfinite", global_step=step, local_step=local_step + 1, problem=problem)
+            batch = next(self.batches)
+        raise AssertionError("unreachable")
 
 
 def _ps_config(plan: TrainPlan, ps: int) -> dict:
     return {"mode": plan.mode, "steps": plan.steps, "replicas_to_aggregate": plan.replicas_to_aggregate,
             "num_workers": plan.num_workers, "metrics_address": plan.metrics_address,
-            "optimizer": plan.optimizer, "optimizer_kwargs": plan.optimizer_kwargs,
+            "optimizer_spec": plan.optimizer_spec.to_dict(),
             "staleness_bound": plan.staleness_bound, "checkpoint_dir": plan.checkpoint_dir,
             "checkpoint_every": plan.checkpoint_every, "attempt": plan.attempt,
-            "names": [v.name for v in plan.variables_on(ps)], "sparse": [v.sparse for v in plan.variables_on(ps)]}
+            "names": [v.name for v in plan.variables_on(ps)], "sparse": [v.sparse for v in plan.variables_on(ps)],
+            "kinds": [v.kind for v in plan.variables_on(ps)], "buffers": plan.buffers}
 
 
 def _initialize(client: PSClient, plan: TrainPlan, shards: "_Shards", emit) -> None:
@@ -217,7 +232,7 @@ def _initialize(client: PSClient, plan: TrainPlan, shards: "_Shards", emit) -> N
         for i, (ids, _) in values.items():
             slots = [(vid, key, t) for vid in ids for key, t in checkpoint.encode_state(states[vid]).items()]
             values[i] = (ids + [vid for vid, _, _ in slots], [restored[vid] for vid in ids] + [t for *_, t in slots])
-            configs[i].update(step=ckpt.step, state=[key for _, key, _ in slots])
+            configs[i].update(step=ckpt.step, state=[key for _, key, _ in slots], schedule_state=ckpt.schedule)
     else:
         emit("state", state="initializing")
     client.init(plan.run_id, values, configs)
@@ -239,12 +254,12 @@ def _wait_for_chief(client: PSClient, timeout: float, attempt: int, emit):
 
 
 def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn,
-               *, log=None, join: bool = False) -> dict:
+               *, step_fn=None, log=None, join: bool = False) -> dict:
     """Train as worker ``index`` until the run reaches its step target or is stopped.
 
-    ``join``: this worker replaces a lost one in a running run: it starts from the current parameters
-    (a chief that joins does not initialize again). Returns a summary: local steps, last global step,
-    dropped pushes, timings.
+    Each step is ``step_fn(model, batch)`` or the default step (see ``steps``). ``join``: this worker replaces a
+    lost one in a running run: it starts from the current parameters (a chief that joins does not initialize
+    again). Returns a summary: local steps, last global step, dropped pushes, skipped batches, timings.
     """
     task = spec.task("worker", index)
     device = local_device(task)
@@ -260,38 +275,42 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         else:
             reply = _wait_for_chief(client, plan.request_timeout, plan.attempt, emitter.emit)
         shards.load(reply)
+        if shards.has_frozen:
+            shards.load(client.pull_frozen())
         if plan.shared_memory:
             client.share(reply)
         sparse = _SparseRows(model, plan, client)
         emitter.emit("state", state="training")
 
         batches = sharded_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed)
+        steps = _Steps(model, loss_fn, step_fn, batches, device, plan, index, emitter.emit)
         batch = next(batches)
         ahead = None  # pipeline: the gradients of the next batch, computed while the last push-pull was in flight
         local_step, samples, dropped = 0, 0, 0
         compute_s = comm_s = wait_s = window_s = 0.0
         staleness = Counter()
-        loss_value, accuracy = float("nan"), None
+        loss_value, accuracy, metrics = float("nan"), None, {}
         while not (reply.flags & Flag.STOPPED) and reply.step < plan.steps:
             t0 = time.perf_counter()
             sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
-            computed = ahead if ahead is not None else _gradients(model, loss_fn, batch, device, reply.step)
+            computed = ahead if ahead is not None else steps.gradients(batch, reply.step, local_step)
             t1 = time.perf_counter()
             answer = client.start_push_pull(computed.step, _merge(shards.grads(), sparse.grads()))
             sent_at = time.perf_counter()
             # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch,
             # and with pipeline its gradients, on the parameters this worker has now
             loss_value = computed.loss.item()
-            accuracy = batch_accuracy(computed.output.detach(), computed.target)
+            accuracy = batch_accuracy(computed.output, computed.target)
+            metrics = metric_values(computed.metrics)
             batch = next(batches)
-            ahead = _gradients(model, loss_fn, batch, device, reply.step) if plan.pipeline else None
+            ahead = steps.gradients(batch, reply.step, local_step + 1) if plan.pipeline else None
             overlapped = time.perf_counter() - sent_at
             reply = answer()
             shards.load(reply)
             t2 = time.perf_counter()
 
             local_step += 1
-            samples += len(computed.target)
+            samples += computed.samples
             step_compute = t1 - t0 + overlapped
             step_wait = min(reply.wait_s, t2 - t1 - overlapped)
             step_comm = t2 - t1 - overlapped - step_wait
@@ -306,9 +325,10 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             emitter.emit("step", local_step=local_step, global_step=reply.step, loss=loss_value,
                          accuracy=accuracy, compute_s=step_compute, wait_s=step_wait, comm_s=step_comm,
                          bytes_sent=client.bytes_sent - sent, bytes_received=client.bytes_received - received,
-                         staleness=None if was_dropped else reply.value, dropped=was_dropped)
+                         staleness=None if was_dropped else reply.value, dropped=was_dropped,
+                         **({"metrics": metrics} if metrics else {}))
             if local_step % plan.log_every == 0:
-                line = log_line(local_step, reply.step, loss_value, accuracy, window_s / plan.log_every)
+                line = log_line(local_step, reply.step, loss_value, accuracy, window_s / plan.log_every, metrics)
                 window_s = 0.0
                 emitter.emit("log", line=line)
                 if log is not None:
@@ -316,7 +336,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         summary = {"task": index, "local_steps": local_step, "global_step": reply.step,
                    "dropped": dropped, "samples": samples, "wall_s": time.time() - started,
                    "compute_s": compute_s, "wait_s": wait_s, "comm_s": comm_s, "final_loss": loss_value,
-                   "final_accuracy": accuracy, "staleness": dict(staleness),
+                   "final_accuracy": accuracy, "final_metrics": metrics, "skipped": steps.skipped,
+                   "staleness": dict(staleness),
                    "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
                    "metrics_dropped": emitter.dropped}
         emitter.emit("done", **{k: v for k, v in summary.items() if k not in ("task", "staleness")})

@@ -82,16 +82,22 @@ def traffic_share_figure(placement: pd.DataFrame, ps_metrics: pd.DataFrame | Non
 def placement_spec(placement: pd.DataFrame, optimizer_slots: int, *, num_ps: int | None = None) -> Spec:
     """Bytes held by each ps task, stacked by variable, optimizer state included.
 
-    Each variable counts ``bytes × (1 + optimizer_slots)``: the ps keeps the optimizer's state next to
-    the variable. ``num_ps`` also shows ps tasks that hold nothing.
+    Each trained variable counts ``bytes × (1 + optimizer_slots)``: the ps keeps the optimizer's state next to
+    the variable; frozen parameters and buffers count their bytes alone, and say what they are on hover.
+    ``num_ps`` also shows ps tasks that hold nothing.
     """
     title = f"placement: bytes per ps (variables + {optimizer_slots} optimizer slot(s) each)"
     if placement.empty:
         return no_data(title)
     num_ps = max(num_ps or 0, int(placement["ps"].max()) + 1)
-    traces = [dict(type="bar", x=[f"ps:{v.ps}"], y=[int(v.bytes) * (1 + optimizer_slots)], name=v.variable,
-                   showlegend=len(placement) <= 12, hovertext=f"{v.variable} {tuple(v.shape)} {v.dtype}",
-                   hoverinfo="text+y")
+
+    def kind(v) -> str:
+        return getattr(v, "kind", "param")
+
+    traces = [dict(type="bar", x=[f"ps:{v.ps}"], y=[int(v.bytes) * (1 + (optimizer_slots if kind(v) == "param" else 0))],
+                   name=v.variable if kind(v) == "param" else f"{v.variable} ({kind(v)})",
+                   showlegend=len(placement) <= 12, hovertext=f"{v.variable} {tuple(v.shape)} {v.dtype}"
+                   + ("" if kind(v) == "param" else f", {kind(v)}"), hoverinfo="text+y")
               for v in placement.itertuples(index=False)]
     return spec(title, traces, barmode="stack",
                 xaxis=dict(categoryorder="array", categoryarray=[f"ps:{i}" for i in range(num_ps)]),
@@ -113,7 +119,8 @@ def placement_lines(placement: pd.DataFrame) -> list[str]:
     """One TF-style line per variable or shard: ``fc1.weight: /job:ps/task:0``, or for a shard of a
     partitioned variable ``emb.weight/part_1: /job:ps/task:1 (rows 500-999, 125.0 KB)``. Frames without the
     ``part``, ``start`` and ``stop`` columns (a store of schema 1) are whole variables."""
-    return [placement_line(v.variable, int(v.ps), _rows(v), int(v.bytes)) for v in placement.itertuples(index=False)]
+    return [placement_line(v.variable, int(v.ps), _rows(v), int(v.bytes), getattr(v, "kind", "param"))
+            for v in placement.itertuples(index=False)]
 
 
 def table_html(frame: pd.DataFrame, digits: int = 1) -> str:

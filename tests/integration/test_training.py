@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pscluster
-from pscluster.errors import ClusterStateError, TrainingError
+from pscluster.errors import ClusterStateError, ConfigError, TrainingError
 
 from .conftest import mlp
 
@@ -67,14 +67,33 @@ def test_trained_model_evaluates_and_survives_cluster_state(cluster_1ps_2w, digi
     assert set(run.state_dict()) == {n for n, _ in mlp().named_parameters()}
 
 
+class FailsLater(torch.nn.Module):
+    """A model whose fifth forward pass fails (on whichever process runs it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = torch.nn.Linear(64, 10), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 5:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return self.fc(x)
+
+
 def test_worker_error_is_one_line_and_cluster_stays_usable(cluster_1ps_2w, digits_train):
     def broken():
         return torch.nn.Sequential(torch.nn.Linear(63, 10))  # digits have 64 features
 
-    run = cluster_1ps_2w.train(broken, digits_train, LOSS, steps=10)
+    with pytest.raises(ConfigError, match=r"the training step fails on a batch of the dataset \(tuple of 2\): "
+                                          r"RuntimeError: mat1 and mat2 shapes cannot be multiplied"):
+        cluster_1ps_2w.train(broken, digits_train, LOSS, steps=10)  # known at train(): refused there
+    run = cluster_1ps_2w.train(FailsLater, digits_train, LOSS, steps=10)
     with pytest.raises(TrainingError) as err:
         run.wait(timeout=120, verbose=False)
-    assert "\n" not in str(err.value) and "worker 0 failed" in str(err.value)
+    assert "\n" not in str(err.value) and "worker 0 failed: RuntimeError: CUDA out of memory (simulated) (at " \
+        "test_training.py:" in str(err.value) and "in forward)" in str(err.value)
+    assert "Traceback" in run.error and "CUDA out of memory (simulated)" in run.error
     again = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, steps=20).wait(verbose=False)
     assert again.global_step == 20
 

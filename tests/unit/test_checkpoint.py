@@ -114,7 +114,7 @@ def test_restore_onto_three_ps_is_bit_identical_and_keeps_optimizer_state(local_
         slots = saved.tensors()[1]
         for server in local_ps.servers[-num_ps:]:  # each ps holds its rows of the Adam moments
             for v in (v for v in plan.variables if v.ps == server.index):
-                state = server.run.optimizer_state(server.run.params[server.run.position[v.id]])
+                state = server.run.optimizer_state(server.run.position[v.id])
                 assert state["step"] == slots[v.parameter]["step"] == 10
                 for slot in ("exp_avg", "exp_avg_sq"):
                     assert torch.equal(state[slot], slots[v.parameter][slot][v.start:v.stop]), (v.name, slot)

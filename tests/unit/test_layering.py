@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 RUNTIME_MODULES = ["pscluster.runtime." + m for m in (
-    "protocol", "plan", "placement", "ps", "client", "worker", "data", "metrics", "engine", "standalone")]
+    "protocol", "plan", "placement", "ps", "client", "worker", "data", "metrics", "engine", "standalone", "optim",
+    "steps")]
 FORBIDDEN = ("IPython", "ipyparallel", "ipywidgets", "ipykernel", "jupyter", "anywidget", "plotly")
 
 PROBE = """

@@ -120,9 +120,10 @@ class TrainingCluster(RunningCluster):
     """A stand-in that records what the magic passes to ``train`` and lists one run's placement."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.args = [], []
 
     def train(self, *args, **kwargs):
+        self.args.append(args)
         self.calls.append(kwargs)
         return Recorded()
 
@@ -175,6 +176,42 @@ def test_train_cell_without_loss_fn(shell, magics):
         shell.user_ns.pop(name, None)
     message = usage_error(shell, "train --steps 10", "model = 1\n")
     assert "defines no `loss_fn`" in message and "torch.nn.CrossEntropyLoss()" in message
+
+
+def test_train_options_of_the_training_contract_reach_cluster_train(shell, magics):
+    cluster = magics.cluster = TrainingCluster()
+    shell.run_cell_magic("pscluster", "train --optimizer adamw --opt weight_decay=0.05 --opt betas=(0.9,0.98) "
+                         "--opt amsgrad=True --max-grad-norm 0.5 --on-nonfinite skip --buffers average",
+                         TRAIN_CELL)
+    (kwargs,) = cluster.calls
+    assert kwargs["weight_decay"] == 0.05 and kwargs["betas"] == (0.9, 0.98) and kwargs["amsgrad"] is True
+    assert kwargs["max_grad_norm"] == 0.5 and kwargs["on_nonfinite"] == "skip" and kwargs["buffers"] == "average"
+    message = usage_error(shell, "train --opt 3", TRAIN_CELL)
+    assert "'3': use KEY=VALUE, e.g. --opt weight_decay=0.01" in message
+
+
+def test_train_with_a_step_fn_needs_no_loss_fn(shell, magics):
+    cluster = magics.cluster = TrainingCluster()
+    shell.user_ns.pop("loss_fn", None)
+    shell.run_cell_magic("pscluster", "train --step-fn step", "model = 1\ndataset = 3\ndef step(model, batch):\n"
+                         "    return 0\n")
+    (kwargs,) = cluster.calls
+    assert kwargs["step_fn"] is shell.user_ns["step"] and cluster.args[-1][2] is None
+    message = usage_error(shell, "train --step-fn steps", "model = 1\ndataset = 3\n")
+    assert "defines no `steps`: assign a function f(model, batch) -> loss to `steps`" in message
+
+
+def test_a_train_cell_must_define_what_it_trains_on_unless_it_reuses_it(shell, magics):
+    cluster = magics.cluster = TrainingCluster()
+    shell.run_cell_magic("pscluster", "train", TRAIN_CELL + "test_dataset = 4\n")
+    assert cluster.calls[-1]["test_dataset"] == 4
+    message = usage_error(shell, "train", "model = 5\n")  # loss_fn and dataset of the cell before
+    assert "defines no `loss_fn`" in message and "(or --reuse to take the one of an earlier cell)" in message
+    assert shell.user_ns["model"] == 1  # refused before it ran
+    shell.run_cell_magic("pscluster", "train --reuse", "model = 5\n")
+    assert cluster.args[-1] == (5, 3, 2) and cluster.calls[-1]["test_dataset"] == 4
+    shell.run_cell_magic("pscluster", "train", TRAIN_CELL)
+    assert cluster.calls[-1]["test_dataset"] is None  # an earlier cell's test set is not taken silently
 
 
 def test_start_while_running(shell, magics):

@@ -120,7 +120,7 @@ def test_a_reply_op_sent_as_a_request_is_an_error(local_ps):
 
 def test_push_of_other_variables_is_an_error(start_run, values):
     client = start_run(values).client(task=0)
-    with pytest.raises(TrainingError, match=r"push holds variables \[1\]: ps 0 has \[0, 1\], each once"):
+    with pytest.raises(TrainingError, match=r"push holds variables \[1\]: ps 0 takes \[0, 1\] and its sparse ones, each once"):
         client.push(0, {0: ([1], [torch.zeros(4)])})
 
 
@@ -223,7 +223,7 @@ def test_adam_state_lives_on_the_ps(start_run, values):
     client = run.client(task=0)
     for step in range(2):
         client.push(step, run.split(grads(step, run.initial)))
-    optimizer = run.servers[0].run.optimizer
+    optimizer = run.servers[0].run.optimizer.optimizers[0]
     assert isinstance(optimizer, torch.optim.Adam)
     for p, initial in zip(run.servers[0].run.params, run.initial):
         state = optimizer.state[p]
@@ -403,7 +403,7 @@ def test_replayed_frames_are_dropped_and_counted(start_run, values, peers):
     first.send(push)
     assert first.reply(5000).op is Op.OK  # applied once
     applied = run.values(run.client())
-    state = {k: v.clone() for k, v in run.servers[0].run.optimizer.state[run.servers[0].run.params[0]].items()}
+    state = {k: v.clone() for k, v in run.servers[0].run.optimizer.optimizers[0].state[run.servers[0].run.params[0]].items()}
 
     first.send(push)  # the same frames again, on the same connection
     first.send(hello)  # a HELLO again
@@ -415,7 +415,7 @@ def test_replayed_frames_are_dropped_and_counted(start_run, values, peers):
     assert wait_until(lambda: server.rejected["replayed"] == 4, 5)
     assert first.reply(300) is None and second.reply(300) is None  # replays are not answered
     assert_values(run.values(run.client()), applied, tol=0)
-    now = run.servers[0].run.optimizer.state[run.servers[0].run.params[0]]
+    now = run.servers[0].run.optimizer.optimizers[0].state[run.servers[0].run.params[0]]
     assert all(torch.equal(now[k], v) for k, v in state.items())  # the optimizer never saw them
     stats = run.client().stats()[0]
     assert (stats["applied"], stats["pushes"]) == (1, 1)
@@ -492,7 +492,7 @@ def test_a_signed_request_that_does_not_fit_is_refused_without_touching_the_opti
     assert reply.op is Op.ERROR and re.search(problem, reply.meta["error"]), reply.meta
     server = run.servers[0]
     assert server.rejected == {**dict.fromkeys(REJECTED, 0), "malformed": 1}
-    assert server.run.run_id == RUN_ID and not server.run.optimizer.state  # no Adam step was taken
+    assert server.run.run_id == RUN_ID and not server.run.optimizer.optimizers[0].state  # no Adam step was taken
     assert_values(run.values(run.client()), run.initial, tol=0)
     worker = run.client(task=0)  # and it goes on serving real workers
     assert worker.push_pull(0, run.split(grads(2, run.initial))).step == 1

@@ -7,6 +7,7 @@ import pytest
 
 from pscluster.metrics.store import MIGRATIONS, RunStore, default_path, placement_frame
 from pscluster.runtime.plan import VariableSpec
+from pscluster.widgets.figures import placement_lines
 
 
 @pytest.fixture
@@ -89,15 +90,21 @@ def test_placement_and_evaluations(store):
     assert list(evals["global_step"]) == [10, 20] and evals.iloc[1]["accuracy"] == 0.9
 
 
-def test_placement_of_shards_keeps_rows_part_and_sparse(store):
+def test_placement_of_shards_keeps_rows_part_sparse_and_kind(store):
     run = new_run(store)
     store.record_placement(run, [
         VariableSpec(0, "emb.weight/part_0", (3, 4), "float32", 0, variable="emb.weight", start=0, sparse=True),
         VariableSpec(1, "emb.weight/part_1", (2, 4), "float32", 1, variable="emb.weight", start=3, sparse=True),
-        VariableSpec(2, "fc.bias", (10,), "float32", 1)])
+        VariableSpec(2, "fc.bias", (10,), "float32", 1),
+        VariableSpec(3, "bn.running_mean", (10,), "float32", 0, kind="buffer"),
+        VariableSpec(4, "stem.weight", (10,), "float32", 1, kind="frozen")])
     placement = store.placement(run)
     assert list(placement.columns) == ["variable", "ps", "shape", "dtype", "bytes", "start", "stop", "part",
-                                       "sparse"]
+                                       "sparse", "kind"]
+    assert list(placement["kind"]) == ["param", "param", "param", "buffer", "frozen"]
+    assert placement_lines(placement)[3:] == ["bn.running_mean: /job:ps/task:0 (buffer)",
+                                              "stem.weight: /job:ps/task:1 (frozen)"]
+    placement = placement.iloc[:3]
     assert list(placement["start"]) == [0, 3, 0] and list(placement["stop"]) == [3, 5, 10]
     assert list(placement["part"].iloc[:2]) == [0, 1] and placement["part"].isna().tolist() == [False, False, True]
     assert list(placement["sparse"]) == [1, 1, 0] and list(placement["bytes"]) == [48, 32, 40]

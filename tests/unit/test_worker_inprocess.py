@@ -23,7 +23,8 @@ from pscluster.runtime.metrics import MetricsEmitter, sign_batch
 from pscluster.runtime.protocol import mac
 from pscluster.runtime.plan import TrainPlan, describe_variables, resolve_optimizer
 from pscluster.runtime.ps import wait_until
-from pscluster.runtime.worker import batch_accuracy, build_model, log_line, run_worker
+from pscluster.runtime.steps import batch_accuracy
+from pscluster.runtime.worker import build_model, log_line, run_worker
 
 RUN_ID = 7  # the run id the conftest clients use
 SEED = 3
@@ -239,7 +240,14 @@ def test_log_line_format():
     (torch.tensor([[0.5], [-1.0], [2.0], [-0.1]]), torch.tensor([1.0, 0.0, 0.0, 0.0]), 0.75),
     (torch.tensor([0.5, -1.0]), torch.tensor([1.0, 1.0]), 0.5),
     (torch.randn(4, 3), torch.randn(4), None),
-], ids=["classes", "binary-logit", "binary-flat", "regression"])
+    (torch.randn(4, 1), torch.randn(4, 1), None),
+    ((torch.tensor([[2.0, 1.0], [0.0, 3.0]]), torch.randn(2, 5)), torch.tensor([0, 0]), 0.5),
+    ({"logits": torch.tensor([[2.0, 1.0], [0.0, 3.0]]), "aux": torch.zeros(())}, torch.tensor([0, 1]), 1.0),
+    ({"scores": torch.randn(2, 3)}, torch.tensor([0, 1]), None),
+    (torch.tensor([[[2.0, 1.0], [0.0, 3.0]]]), torch.tensor([[0, 0]]), 0.5),
+    (torch.randn(4, 3), {"label": torch.tensor([0, 1, 2, 0])}, None),
+], ids=["classes", "binary-logit", "binary-flat", "regression", "regression-column", "tuple-output",
+        "dict-logits", "dict-without-logits", "tokens", "dict-target"])
 def test_batch_accuracy(output, target, expected):
     assert batch_accuracy(output, target) == expected
 

@@ -1,0 +1,462 @@
+"""The models people bring, trained through ``cluster.train`` on real engines and compared with a plain torch loop
+on the same data and steps: BatchNorm, frozen and tied parameters, tuple outputs, dict batches with two inputs,
+a step_fn with its own metrics, an LSTM language model with clipping, a non-finite loss.
+
+One worker in sync mode sees exactly the batches of the plain loop (same sampler order), so the whole state
+(parameters and buffers) must agree within 1e-5; two ps tasks place the state across both."""
+
+import inspect
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import pscluster
+from pscluster.errors import ConfigError, TrainingError
+
+from .conftest import events, wait_for_step
+
+pytestmark = pytest.mark.integration
+SEED, BATCH = 3, 32
+
+
+# --- the models ------------------------------------------------------------------------------
+class BNNet(nn.Module):
+    """A small BatchNorm CNN for the 8x8 digits."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Sequential(nn.Linear(16, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def frozen_stem():
+    """A pretrained-looking stem that stays fixed, and a head that trains."""
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+class WithAux(nn.Module):
+    """forward returns (logits, features): the loss uses both."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.Tanh())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h), h
+
+
+def aux_loss(output, target):
+    logits, features = output
+    return F.cross_entropy(logits, target) + 0.01 * features.pow(2).mean()
+
+
+class TwoInputs(nn.Module):
+    """forward(pixels, stats): the image and per-row statistics of it, as a dict batch gives them."""
+
+    def __init__(self):
+        super().__init__()
+        self.pixels = nn.Linear(64, 32)
+        self.stats = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, pixels, stats):
+        return self.out(torch.relu(self.pixels(pixels) + self.stats(stats)))
+
+
+class DictDigits(Dataset):
+    """The digits as ``({"pixels": x, "stats": row means and maxima}, label)``, or flat dicts with the label inside."""
+
+    def __init__(self, split, flat=False):
+        self.base, self.flat = pscluster.datasets.digits(split), flat
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        rows = x.view(8, 8)
+        inputs = {"pixels": x, "stats": torch.cat([rows.mean(1), rows.amax(1)])}
+        return {**inputs, "label": y} if self.flat else (inputs, y)
+
+
+def dict_step(model, batch):
+    """A step_fn for flat dict batches: the loss and two metrics of its own."""
+    logits = model(batch["pixels"], batch["stats"])
+    loss = F.cross_entropy(logits, batch["label"])
+    return loss, {"error_rate": (logits.argmax(1) != batch["label"]).float().mean(), "logit_scale": logits.std()}
+
+
+# --- plain torch, the reference ----------------------------------------------------------------
+def plain_loop(model_fn, dataset, steps, *, optimizer=torch.optim.SGD, loss_fn=None, step_fn=None, clip=None,
+               scheduler=None, batch=BATCH, **options) -> nn.Module:
+    """``steps`` steps of one process, batches in the order a single pscluster worker reads them, on one thread as
+    the engines of these clusters compute (another thread count sums in another order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, scheduler, batch, options)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, scheduler, batch, options):
+    torch.manual_seed(SEED)
+    model = model_fn()
+    # torch's fused kernel where it has one, as the ps steps (it rounds differently from the per-tensor loop)
+    fused = {"fused": True} if "fused" in inspect.signature(optimizer).parameters and "foreach" not in options else {}
+    opt = optimizer([p for p in model.parameters() if p.requires_grad], **fused, **options)
+    schedule = scheduler(opt) if scheduler else None
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    step, epoch = 0, 0
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for b in DataLoader(dataset, batch_size=batch, sampler=sampler):
+            if step == steps:
+                break
+            opt.zero_grad()
+            if step_fn is not None:
+                loss = step_fn(model, b)[0]
+            else:
+                inputs, target = b
+                output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+                loss = loss_fn(output, target)
+            loss.backward()
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            if schedule:
+                schedule.step()
+            step += 1
+        epoch += 1
+    return model
+
+
+def accuracy(model, dataset) -> float:
+    model.eval()
+    with torch.no_grad():
+        x, y = next(iter(DataLoader(dataset, batch_size=len(dataset))))
+        out = model(**x) if isinstance(x, dict) else model(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return (out.argmax(1) == y).float().mean().item()
+
+
+def assert_same_state(got: dict, expected: dict, tol=1e-5):
+    """Every key in torch's order, each tensor within ``tol``."""
+    assert list(got) == list(expected), "the state_dict keys (and their order) differ from torch's"
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.allclose(got[k].double(), v.double(), atol=tol, rtol=0), \
+            f"{k}: off by {(got[k].double() - v.double()).abs().max().item()}"
+
+
+def assert_loads_strictly(model_fn, run, tmp_path) -> nn.Module:
+    """run.state_dict(), run.export() and run.model() load with strict=True into a fresh model."""
+    state = run.state_dict()
+    fresh = model_fn()
+    fresh.load_state_dict(state)  # strict: every key, no extra
+    exported = torch.load(run.export(tmp_path / "model.pt"), weights_only=True)
+    model_fn().load_state_dict(exported)
+    assert list(exported) == list(state)
+    for k in state:
+        assert torch.equal(exported[k], state[k]), k
+    return run.model()
+
+
+@pytest.fixture(scope="module")
+def cluster_2ps_1w(start_cluster):
+    return start_cluster(ps=2, workers=1)
+
+
+@pytest.fixture(scope="module")
+def digits_test():
+    return pscluster.datasets.digits("test")
+
+
+# --- the tests ---------------------------------------------------------------------------------
+def test_a_batchnorm_cnn_trains_with_its_running_statistics(cluster_2ps_1w, digits_train, digits_test, tmp_path):
+    steps, options = 200, dict(lr=0.02, momentum=0.9)
+    run = cluster_2ps_1w.train(BNNet, digits_train, nn.CrossEntropyLoss(), optimizer="sgd", mode="sync",
+                               steps=steps, batch_size=BATCH, seed=SEED, checkpoint_secs=None,
+                               **options).wait(verbose=False)
+    expected = plain_loop(BNNet, digits_train, steps, loss_fn=nn.CrossEntropyLoss(), **options)
+    assert_same_state(run.state_dict(), expected.state_dict())
+    assert run.state_dict()["features.2.num_batches_tracked"].item() == steps
+    assert run.state_dict()["features.2.running_var"].sub(1).abs().max() > 0.01  # the statistics moved
+    model = assert_loads_strictly(BNNet, run, tmp_path)
+    got, want = accuracy(model, digits_test), accuracy(expected, digits_test)
+    assert abs(got - want) <= 0.02 and got > 0.88
+    assert run.evaluate(digits_test)["accuracy"] == pytest.approx(got)
+    kinds = cluster_2ps_1w.store.placement(run.id).set_index("variable")["kind"]
+    assert kinds["features.2.running_mean"] == "buffer" and kinds["head.0.weight"] == "param"
+    assert {kinds[k] for k in kinds.index if "num_batches" in k} == {"buffer"}
+    assert set(run.store.placement(run.id)["ps"]) == {0, 1}  # the state is spread over both ps
+
+
+def test_a_lost_ps_rolls_back_the_buffers_with_the_variables(own_cluster, digits_train, digits_test, tmp_path):
+    c = own_cluster(ps=2, workers=1)
+    steps = 400
+    run = c.train(BNNet, digits_train, nn.CrossEntropyLoss(), mode="sync", steps=steps, batch_size=BATCH, seed=SEED,
+                  lr=0.02, momentum=0.9, checkpoint_every=50, checkpoint_secs=None)
+    wait_for_step(run, 130)
+    c.kill("ps:1")
+    run.wait(timeout=240, verbose=False)
+    assert run.status == "finished" and run.global_step == steps
+    restored = events(run, "restored")["detail"].map(lambda d: d["step"]).tolist()
+    assert len(restored) == 1 and restored[0] >= 100 and restored[0] % 50 == 0
+    state = run.state_dict()
+    # one batch per global step: a count restored with the variables goes on from the checkpoint's step to the
+    # target (restored at its initial 0, it would end short by the checkpoint's step)
+    for k in ("features.2.num_batches_tracked", "features.6.num_batches_tracked", "head.1.num_batches_tracked"):
+        assert state[k].item() == steps, k
+    model = assert_loads_strictly(BNNet, run, tmp_path)
+    assert accuracy(model, digits_test) > 0.85
+
+
+@pytest.mark.parametrize("optimizer, options", [
+    ("sgd", dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
+    ("adamw", dict(lr=3e-3, weight_decay=0.05)),
+], ids=["sgd-momentum-decay", "adamw"])
+def test_frozen_parameters_never_move(cluster_2ps_1w, digits_train, digits_test, tmp_path, optimizer, options):
+    steps = 120
+    run = cluster_2ps_1w.train(frozen_stem, digits_train, nn.CrossEntropyLoss(), optimizer=optimizer, mode="sync",
+                               steps=steps, batch_size=BATCH, seed=SEED, checkpoint_secs=None,
+                               **options).wait(verbose=False)
+    cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer]
+    expected = plain_loop(frozen_stem, digits_train, steps, optimizer=cls, loss_fn=nn.CrossEntropyLoss(), **options)
+    torch.manual_seed(SEED)
+    initial = frozen_stem().state_dict()
+    state = run.state_dict()
+    for k in ("0.weight", "0.bias"):
+        assert torch.equal(state[k], initial[k]), f"{k} moved"  # bit-identical
+    assert not torch.equal(state["2.weight"], initial["2.weight"])
+    assert_same_state(state, expected.state_dict())
+    assert_loads_strictly(frozen_stem, run, tmp_path)
+    assert abs(run.evaluate(digits_test)["accuracy"] - accuracy(expected, digits_test)) <= 0.02
+    assert "0.weight: /job:ps/task:0 (frozen)" in cluster_2ps_1w.placement()
+
+
+def test_a_model_returning_logits_and_features(cluster_2ps_1w, digits_train, digits_test):
+    steps = 100
+    run = cluster_2ps_1w.train(WithAux, digits_train, aux_loss, mode="sync", steps=steps, batch_size=BATCH,
+                               seed=SEED, lr=0.2, log_every=50, checkpoint_secs=None).wait(verbose=False)
+    expected = plain_loop(WithAux, digits_train, steps, loss_fn=aux_loss, lr=0.2)
+    assert_same_state(run.state_dict(), expected.state_dict())
+    assert run.results[0]["final_accuracy"] is not None  # the logits, first of the tuple
+    result = run.evaluate(digits_test)
+    assert result["accuracy"] == pytest.approx(accuracy(expected, digits_test))
+    assert any("accuracy" in line for line in run.logs)
+
+
+def test_a_dict_batch_feeds_a_model_with_two_inputs(cluster_2ps_1w, digits_test):
+    steps, train = 100, DictDigits("train")
+    run = cluster_2ps_1w.train(TwoInputs, train, nn.CrossEntropyLoss(), mode="sync", steps=steps,
+                               batch_size=BATCH, seed=SEED, lr=0.2, checkpoint_secs=None).wait(verbose=False)
+    expected = plain_loop(TwoInputs, train, steps, loss_fn=nn.CrossEntropyLoss(), lr=0.2)
+    assert_same_state(run.state_dict(), expected.state_dict())
+    test = DictDigits("test")
+    assert abs(run.evaluate(test)["accuracy"] - accuracy(expected, test)) <= 1e-6
+
+
+def test_a_step_fn_with_metrics_of_its_own(cluster_2ps_1w):
+    steps, train, test = 100, DictDigits("train", flat=True), DictDigits("test", flat=True)
+    run = cluster_2ps_1w.train(TwoInputs, train, step_fn=dict_step, mode="sync", steps=steps, batch_size=BATCH,
+                               seed=SEED, lr=0.2, log_every=50, test_dataset=test, eval_every=50,
+                               checkpoint_secs=None).wait(verbose=False)
+    expected = plain_loop(TwoInputs, train, steps, step_fn=dict_step, lr=0.2)
+    assert_same_state(run.state_dict(), expected.state_dict())
+    metrics = run.metrics()
+    assert {"error_rate", "logit_scale"} <= set(metrics.columns) and metrics["error_rate"].notna().all()
+    assert metrics["accuracy"].isna().all()  # nothing to compute it from: left out, no crash
+    assert metrics["error_rate"].iloc[-10:].mean() < metrics["error_rate"].iloc[:10].mean()
+    assert any("error_rate" in line for line in run.logs)
+    result = run.evaluate(test)
+    assert 0 <= result["error_rate"] < 0.3 and result["accuracy"] is None
+
+
+def test_a_batch_the_default_step_cannot_take_is_refused_at_train(cluster_2ps_1w):
+    with pytest.raises(ConfigError, match=r"a batch of the dataset is a dict\(pixels, stats, label\): the default "
+                                          r"step takes \(inputs, target\) batches; give step_fn="):
+        cluster_2ps_1w.train(TwoInputs, DictDigits("train", flat=True), nn.CrossEntropyLoss(), steps=10)
+    with pytest.raises(ConfigError, match=r"the training step fails on a batch of the dataset \(tuple of 2\): "
+                                          r"TypeError: .*forward\(\) missing 1 required positional argument"):
+        cluster_2ps_1w.train(TwoInputs, pscluster.datasets.digits("train"), nn.CrossEntropyLoss(), steps=10)
+    assert cluster_2ps_1w.active_run is None
+
+
+# --- a language model: tied weights, LSTM, clipping ---------------------------------------------
+VOCAB, SEQ = 40, 12
+
+
+class Corpus(Dataset):
+    """Token windows of a text drawn from a fixed random Markov chain: (tokens, next tokens)."""
+
+    def __init__(self, split, windows=600):
+        g = torch.Generator().manual_seed(11)
+        transitions = torch.softmax(torch.randn(VOCAB, VOCAB, generator=g) * 3, 1)
+        g.manual_seed(12 if split == "train" else 13)
+        text = [0]
+        for _ in range(windows * SEQ + 1):
+            text.append(int(torch.multinomial(transitions[text[-1]], 1, generator=g)))
+        self.text = torch.tensor(text)
+
+    def __len__(self):
+        return (len(self.text) - 1) // SEQ
+
+    def __getitem__(self, i):
+        chunk = self.text[i * SEQ:(i + 1) * SEQ + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class TiedLM(nn.Module):
+    """pytorch/examples' word_language_model, small: embedding, 2-layer LSTM, decoder tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Embedding(VOCAB, 24)
+        self.rnn = nn.LSTM(24, 24, num_layers=2, batch_first=True, dropout=0.0)
+        self.decoder = nn.Linear(24, VOCAB)
+        self.decoder.weight = self.encoder.weight  # tie_weights
+
+    def forward(self, tokens):
+        out, _ = self.rnn(self.encoder(tokens))
+        return self.decoder(out)
+
+
+def lm_loss(output, target):
+    return F.cross_entropy(output.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def test_a_tied_lstm_language_model_with_clipping_and_a_step_schedule(cluster_2ps_1w, tmp_path):
+    steps, train, test = 120, Corpus("train"), Corpus("test", windows=100)
+    run = cluster_2ps_1w.train(TiedLM, train, lm_loss, mode="sync", steps=steps, batch_size=16, seed=SEED,
+                               lr=1.0, max_grad_norm=0.25, scheduler=torch.optim.lr_scheduler.StepLR,
+                               scheduler_options={"step_size": 40, "gamma": 0.5},
+                               checkpoint_secs=None).wait(verbose=False)
+    expected = plain_loop(TiedLM, train, steps, loss_fn=lm_loss, clip=0.25, batch=16, lr=1.0,
+                          scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=40, gamma=0.5))
+    state = run.state_dict()
+    assert "decoder.weight" in state and state["decoder.weight"] is state["encoder.weight"]
+    assert_same_state(state, expected.state_dict())
+    model = assert_loads_strictly(TiedLM, run, tmp_path)
+    assert model.decoder.weight is model.encoder.weight  # still tied
+    got = run.evaluate(test)
+    assert got["accuracy"] is not None  # next-token accuracy: (N, T, C) logits against (N, T) tokens
+    with torch.no_grad():
+        x, y = next(iter(DataLoader(test, batch_size=len(test))))
+        want = lm_loss(expected.eval()(x), y).item()
+    assert abs(got["loss"] - want) <= 0.02 and got["loss"] < math.log(VOCAB) - 0.3  # it learned something
+    rates = cluster_2ps_1w.store.ps_metrics(run.id)["lr"]  # the learning rate the ps tasks applied, logged
+    assert set(rates) <= {1.0, 0.5, 0.25} and rates.iloc[-1] == 0.25
+
+
+class ClippedSGD(torch.optim.SGD):
+    """An optimizer of the notebook's own: SGD that keeps every parameter within [-0.5, 0.5]."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.clamp_(-0.5, 0.5)
+        return loss
+
+
+def warmup(step, length=20):
+    return min(1.0, (step + 1) / length)
+
+
+def test_an_optimizer_class_and_a_warmup_of_the_notebooks_own_with_parameter_groups(cluster_2ps_1w, digits_train):
+    steps, options = 60, dict(lr=0.3, momentum=0.9, weight_decay=0.01)
+    groups = [{"params": ["*.bias"], "weight_decay": 0.0}]
+    run = cluster_2ps_1w.train(WithAux, digits_train, aux_loss, optimizer=ClippedSGD, param_groups=groups,
+                               scheduler=warmup, scheduler_options={"length": 30}, mode="sync", steps=steps,
+                               batch_size=BATCH, seed=SEED, checkpoint_secs=None, **options).wait(verbose=False)
+
+    def grouped(params, **kwargs):  # torch's own param groups, built as the pattern says
+        params = list(params)
+        biases = [p for p in params if p.dim() == 1]
+        return ClippedSGD([{"params": biases, "weight_decay": 0.0},
+                           {"params": [p for p in params if p.dim() != 1]}], fused=True, **kwargs)
+
+    expected = plain_loop(WithAux, digits_train, steps, optimizer=grouped, loss_fn=aux_loss,
+                          scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup(s, 30)),
+                          **options)
+    assert_same_state(run.state_dict(), expected.state_dict())
+    assert max(t.abs().max().item() for t in run.state_dict().values()) <= 0.5  # the notebook's class stepped
+    rates = cluster_2ps_1w.store.ps_metrics(run.id)["lr"]
+    assert rates.iloc[-1] == pytest.approx(0.3)  # (the warmup itself shows in the state: the same as torch's)
+
+
+def test_optimizer_options_torch_refuses_fail_at_train(cluster_2ps_1w, digits_train):
+    with pytest.raises(ConfigError, match=r"optimizer SGD refused momentun=0.9: .*unexpected keyword argument "
+                                          r"'momentun' — pass the optimizer's own options"):
+        cluster_2ps_1w.train(WithAux, digits_train, aux_loss, optimizer="SGD", lr=0.1, momentun=0.9)
+    with pytest.raises(ConfigError, match=r"group 0 pattern '\*\.bais' matches no trainable parameter"):
+        cluster_2ps_1w.train(WithAux, digits_train, aux_loss, lr=0.1, param_groups=[{"params": ["*.bais"]}])
+    assert cluster_2ps_1w.active_run is None
+
+
+# --- failures say what happened -------------------------------------------------------------------
+class Poisoned(Dataset):
+    """The digits with one sample turned to NaN: the batch holding it has a NaN loss."""
+
+    def __init__(self, bad_index):
+        self.base, self.bad = pscluster.datasets.digits("train"), bad_index
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return (torch.full_like(x, float("nan")) if i == self.bad else x), y
+
+
+def first_batch_holding(dataset, index, batch=BATCH) -> int:
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    sampler.set_epoch(0)
+    return list(sampler).index(index) // batch
+
+
+def test_a_nan_loss_fails_the_run_at_that_step_and_keeps_what_was_trained(cluster_2ps_1w):
+    data = Poisoned(bad_index=700)
+    bad_step = first_batch_holding(data, 700)
+    assert 5 < bad_step < 40
+    run = cluster_2ps_1w.train(frozen_stem, data, nn.CrossEntropyLoss(), mode="sync", steps=60, batch_size=BATCH,
+                               seed=SEED, lr=0.1, checkpoint_secs=None)
+    with pytest.raises(TrainingError) as failure:
+        run.wait(timeout=120, verbose=False)
+    line = str(failure.value)
+    assert "\n" not in line and run.status == "failed"
+    assert f"worker 0 failed: NonFiniteError: worker 0 computed a non-finite loss nan at global step {bad_step}" in line
+    assert "on_nonfinite='skip'" in line and "(at worker.py:" in line  # the last frame of the traceback
+    assert "Traceback" in run.error and "NonFiniteError" in run.error and "_Steps.gradients" in run.error
+    state = run.state_dict()  # the last good parameters: those of the plain loop after bad_step steps
+    expected = plain_loop(frozen_stem, pscluster.datasets.digits("train"), bad_step, loss_fn=nn.CrossEntropyLoss(),
+                          lr=0.1)
+    assert_same_state(state, expected.state_dict())
+    assert run.evaluate(pscluster.datasets.digits("test"))["accuracy"] > 0.1
+
+
+def test_a_nan_loss_can_skip_its_batch(cluster_2ps_1w):
+    run = cluster_2ps_1w.train(frozen_stem, Poisoned(bad_index=700), nn.CrossEntropyLoss(), mode="sync", steps=40,
+                               batch_size=BATCH, seed=SEED, lr=0.1, on_nonfinite="skip",
+                               checkpoint_secs=None).wait(verbose=False)
+    assert run.status == "finished" and run.global_step == 40  # within the first epoch: one bad batch
+    assert run.results[0]["skipped"] == 1
+    assert all(torch.isfinite(t).all() for t in run.state_dict().values())
+    skipped = run.events()[run.events()["kind"] == "nonfinite"]
+    assert len(skipped) == 1 and skipped["detail"].iloc[0]["problem"] == "loss nan"

@@ -1,0 +1,535 @@
+"""The optimizer spec, built as a ps builds it, against plain torch loops."""
+
+import functools
+import json
+import time
+import warnings
+
+import cloudpickle
+import pytest
+import torch
+from torch.optim import lr_scheduler
+
+from pscluster.errors import ConfigError
+from pscluster.runtime import checkpoint, optim
+from pscluster.runtime.optim import (OptimizerSpec, build, check, optimizer_name, register, resolve_optimizer,
+                                     resolve_scheduler, shipped)
+
+STEPS = 50
+
+
+class MyOptimizer(torch.optim.SGD):
+    """An optimizer from outside torch.optim, found by its ``module:Class`` path."""
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.bn1 = torch.nn.BatchNorm1d(8)
+        self.fc2 = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(self.bn1(self.norm(self.fc1(x)).relu()))
+
+
+def net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def backward(model: torch.nn.Module, step: int) -> None:
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1000 + step))
+    model(x).pow(2).mean().backward()
+
+
+def torch_loop(model, optimizer, scheduler=None, steps=STEPS) -> list[list[float]]:
+    """What a torch user writes; the learning rates each update used."""
+    lrs = []
+    for s in range(steps):
+        backward(model, s)
+        lrs.append([float(g["lr"]) for g in optimizer.param_groups])
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return lrs
+
+
+def ps_loop(model, opts, start=0, steps=STEPS) -> list[list[float]]:
+    """What the ps tasks do (each PsOptimizer over its own variables); the learning rates of each update."""
+    lrs = []
+    for s in range(start, steps):
+        backward(model, s)
+        for opt in opts:
+            opt.step(s)
+        lrs.append(opts[0].lr)
+        assert all(opt.lr == opts[0].lr for opt in opts)
+    return lrs
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module, tol=1e-6) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=name)
+
+
+def warmup(step: int, warmup: int = 10) -> float:
+    """Linear warmup, then halving every 20 steps."""
+    return min(1.0, (step + 1) / warmup) * 0.5 ** (step // 20)
+
+
+NO_DECAY = ["*.bias", "*norm*", "bn*"]
+
+
+# --- names ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("sgd", torch.optim.SGD), ("ADAMW", torch.optim.AdamW), ("rmsprop", torch.optim.RMSprop),
+    ("torch.optim:SGD", torch.optim.SGD), ("torch.optim.adam:Adam", torch.optim.Adam),
+    (f"{__name__}:MyOptimizer", MyOptimizer),
+])
+def test_resolve_optimizer(name, cls):
+    assert resolve_optimizer(name) is cls
+
+
+@pytest.mark.parametrize("name", ["Optimizer", "adamx", "no.such.module:Opt", "torch.optim:NoSuch",
+                                  "os:getcwd", "torch.optim:Optimizer"])
+def test_resolve_optimizer_refuses_what_is_not_an_optimizer(name):
+    with pytest.raises(ConfigError, match="(?i)optimizer"):
+        resolve_optimizer(name)
+
+
+@pytest.mark.parametrize("given, name", [(torch.optim.SGD, "SGD"), ("adam", "adam"),
+                                         (MyOptimizer, f"{__name__}:MyOptimizer")])
+def test_optimizer_name(given, name):
+    assert optimizer_name(given) == name
+    assert resolve_optimizer(name) is (given if isinstance(given, type) else torch.optim.Adam)
+
+
+@pytest.mark.parametrize("given", [42, torch.nn.Linear, "bogus"])
+def test_optimizer_name_refuses(given):
+    with pytest.raises(ConfigError):
+        optimizer_name(given)
+
+
+def test_scheduler_names():
+    assert resolve_scheduler("steplr") is lr_scheduler.StepLR
+    assert resolve_scheduler("torch.optim.lr_scheduler:OneCycleLR") is lr_scheduler.OneCycleLR
+    assert OptimizerSpec(scheduler=lr_scheduler.CosineAnnealingLR, scheduler_options={"T_max": 5}).scheduler \
+        == "CosineAnnealingLR"
+    assert OptimizerSpec(scheduler=f"{__name__}:warmup").scheduler == f"{__name__}:warmup"
+
+
+# --- the spec as JSON -------------------------------------------------------------------------
+
+
+def test_kwargs_round_trip_through_json_to_torch():
+    spec = OptimizerSpec(torch.optim.Adam, {"lr": torch.tensor(0.01), "betas": (0.9, 0.98), "eps": 1e-8,
+                                            "amsgrad": True, "foreach": None},
+                         groups=[{"params": "*.bias", "betas": (0.8, 0.9), "lr": torch.tensor([0.5])[0]}],
+                         scheduler="MultiStepLR", scheduler_options={"milestones": [5, 10], "gamma": 0.5})
+    data = json.loads(json.dumps(spec.to_dict()))
+    again = OptimizerSpec.from_dict(data)
+    assert again == spec and again.to_dict() == data
+    assert OptimizerSpec.from_dict(again.to_dict()) == spec  # the JSON form is accepted as given
+    opt = build(list(net().named_parameters()), again).optimizers[0]
+    assert type(opt) is torch.optim.Adam
+    assert opt.defaults["betas"] == (0.9, 0.98) and isinstance(opt.defaults["betas"], tuple)
+    assert isinstance(opt.defaults["lr"], torch.Tensor) and opt.defaults["lr"].dtype == torch.float32
+    assert float(opt.defaults["lr"]) == pytest.approx(0.01, rel=1e-7)
+    assert opt.defaults["amsgrad"] is True and opt.defaults["eps"] == 1e-8
+    bias, default = opt.param_groups
+    assert bias["betas"] == (0.8, 0.9) and default["betas"] == (0.9, 0.98)
+    assert float(bias["lr"]) == 0.5 and float(default["lr"]) == pytest.approx(0.01)
+
+
+def test_spec_refusals_at_construction():
+    with pytest.raises(ConfigError, match="ReduceLROnPlateau needs a validation metric.*StepLR"):
+        OptimizerSpec("SGD", scheduler="ReduceLROnPlateau")
+    with pytest.raises(ConfigError, match="validation metric"):
+        OptimizerSpec("SGD", scheduler=lr_scheduler.ReduceLROnPlateau)
+    with pytest.raises(ConfigError, match="composes scheduler objects"):
+        OptimizerSpec("SGD", scheduler="SequentialLR")
+    with pytest.raises(ConfigError, match="unknown scheduler 'steplr2'"):
+        OptimizerSpec("SGD", scheduler="steplr2")
+    with pytest.raises(ConfigError, match="unknown optimizer 'adamx'"):
+        OptimizerSpec("adamx")
+    with pytest.raises(ConfigError, match="optimizer option lr=<object.*has no JSON form"):
+        OptimizerSpec("SGD", {"lr": object()})
+    with pytest.raises(ConfigError, match="at most 1024 elements"):
+        OptimizerSpec("SGD", {"lr": torch.zeros(2000)})
+    with pytest.raises(ConfigError, match="last_epoch"):
+        OptimizerSpec("SGD", scheduler="StepLR", scheduler_options={"step_size": 2, "last_epoch": 5})
+    with pytest.raises(ConfigError, match="without a scheduler"):
+        OptimizerSpec("SGD", scheduler_options={"step_size": 2})
+    with pytest.raises(ConfigError, match="group 0 .*'params'"):
+        OptimizerSpec("SGD", groups=[{"weight_decay": 0.0}])
+    with pytest.raises(ConfigError, match="choose parameters with groups"):
+        OptimizerSpec("SGD", {"params": ["*"]})
+    with pytest.raises(ConfigError, match="spec keys"):
+        OptimizerSpec.from_dict({"optimizer": "SGD", "lr": 0.1})
+
+
+@pytest.mark.parametrize("spec, message", [
+    (OptimizerSpec("SGD", {"lr": 0.1, "momentun": 0.9}),
+     "optimizer SGD refused momentun=0.9: SGD.__init__() got an unexpected keyword argument 'momentun' — "
+     "pass the optimizer's own options"),
+    (OptimizerSpec("SGD", {"lr": -1.0}), "optimizer SGD refused lr=-1.0: Invalid learning rate: -1.0 —"),
+    (OptimizerSpec("SGD", {"lr": 0.1}, groups=[{"params": ["*.bias"], "weight_decay": -1.0}]),
+     "optimizer SGD group 0 refused weight_decay=-1.0: Invalid weight_decay value: -1.0"),
+    (OptimizerSpec("SGD", {"lr": 0.1}, groups=[{"params": ["*.bias"], "wd": 0.0}]),
+     "optimizer SGD group 0 refused wd=0.0: SGD.__init__() got an unexpected keyword argument 'wd'"),
+    (OptimizerSpec("SGD", {"lr": 0.1}, groups=[{"params": ["*.bais"]}]),
+     "group 0 pattern '*.bais' matches no trainable parameter: use names as model.named_parameters() gives "
+     "them (e.g. 'fc1.weight')"),
+    (OptimizerSpec("SGD", {"lr": 0.1}, scheduler="StepLR", scheduler_options={"step_sz": 3}),
+     "scheduler StepLR refused step_sz=3: StepLR.__init__() got an unexpected keyword argument 'step_sz' — "
+     "pass the scheduler's own options"),
+    (OptimizerSpec("SGD", {"lr": 0.1}, scheduler="StepLR"), "scheduler StepLR failed: StepLR.__init__() missing"),
+    (OptimizerSpec("Adagrad", {"lr": 0.1}, scheduler="OneCycleLR", scheduler_options={"max_lr": 1, "total_steps": 9}),
+     "scheduler OneCycleLR refused max_lr=1, total_steps=9: optimizer must support momentum"),
+    (OptimizerSpec("SGD", {"lr": 0.1}, scheduler=f"{__name__}:warmup", scheduler_options={"warm": 3}),
+     f"schedule {__name__}:warmup (at step 0) refused warm=3: warmup() got an unexpected keyword argument 'warm'"),
+    (OptimizerSpec("LBFGS"), "optimizer LBFGS step failed: LBFGS.step() missing 1 required positional argument: "
+                             "'closure' — a ps calls step() without a closure"),
+])
+def test_check_says_what_torch_refused_on_one_line(spec, message):
+    with pytest.raises(ConfigError) as info:
+        check(net(), spec)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_check_refuses_a_schedule_that_ends_before_the_run():
+    spec = OptimizerSpec("Adam", scheduler="OneCycleLR", scheduler_options={"max_lr": 0.1, "total_steps": 100})
+    check(net(), spec, steps=101)  # the update from step 100 uses the schedule's last rate, as in torch
+    with pytest.raises(ConfigError, match="schedule OneCycleLR at the run's last step 101 failed: Tried to step 101 "
+                                          "times.* — make it cover the run's 102 steps"):
+        check(net(), spec, steps=102)
+
+
+def test_check_gives_the_optimizer_only_trainable_parameters():
+    model = net()
+    model.fc1.requires_grad_(False)
+    check(model, OptimizerSpec("SGD", {"lr": 0.1}, groups=[{"params": ["fc2.*"], "lr": 0.01}]))
+    with pytest.raises(ConfigError, match="'fc1.\\*' matches no trainable parameter"):
+        check(model, OptimizerSpec("SGD", {"lr": 0.1}, groups=[{"params": ["fc1.*"], "lr": 0.01}]))
+    model.requires_grad_(False)
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        check(model, OptimizerSpec("SGD", {"lr": 0.1}))
+
+
+# --- parameter groups ----------------------------------------------------------------------------
+
+
+def test_groups_train_as_torch_param_groups():
+    reference, ours = net(), net()
+    named = dict(reference.named_parameters())
+    no_decay = [p for n, p in named.items() if n.endswith(".bias") or "norm" in n or n.startswith("bn")]
+    decay = [p for p in named.values() if all(p is not q for q in no_decay)]
+    torch_opt = torch.optim.AdamW([{"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}, {"params": decay}],
+                                  lr=1e-2, weight_decay=0.1, betas=(0.9, 0.98), fused=True)  # as a ps builds it
+    spec = OptimizerSpec("AdamW", {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.98)},
+                         groups=[{"params": NO_DECAY, "weight_decay": 0.0, "lr": 3e-3}])
+    check(ours, spec)
+    opt = build(list(ours.named_parameters()), spec)
+    assert [len(g["params"]) for g in opt.optimizers[0].param_groups] == [len(no_decay), len(decay)]
+    assert torch_loop(reference, torch_opt, steps=30) == ps_loop(ours, [opt], steps=30)
+    assert_same_params(reference, ours)
+
+
+def test_row_shards_join_the_group_of_their_parameter():
+    parts = [(f"emb.weight/part_{k}", torch.nn.Parameter(torch.zeros(2, 3))) for k in range(2)]
+    opt = build(parts + [("fc.bias", torch.nn.Parameter(torch.zeros(3)))],
+                OptimizerSpec("SGD", {"lr": 0.1}, groups=[{"params": "emb.weight", "lr": 0.5}]))
+    assert [len(g["params"]) for g in opt.optimizers[0].param_groups] == [2, 1]
+
+
+# --- schedules --------------------------------------------------------------------------------------
+
+SCHEDULES = {
+    "StepLR": ("StepLR", {"step_size": 7, "gamma": 0.5}, lambda o: lr_scheduler.StepLR(o, 7, 0.5)),
+    "MultiStepLR": ("MultiStepLR", {"milestones": [10, 25]},
+                    lambda o: lr_scheduler.MultiStepLR(o, [10, 25])),
+    "warmup": (warmup, {}, lambda o: lr_scheduler.LambdaLR(o, warmup)),
+    "warmup5": (warmup, {"warmup": 5}, lambda o: lr_scheduler.LambdaLR(o, functools.partial(warmup, warmup=5))),
+    "OneCycleLR": ("OneCycleLR", {"max_lr": [0.05, 0.1], "total_steps": STEPS},
+                   lambda o: lr_scheduler.OneCycleLR(o, max_lr=[0.05, 0.1], total_steps=STEPS)),
+    "CosineAnnealingLR": ("CosineAnnealingLR", {"T_max": 20, "eta_min": 1e-3},
+                          lambda o: lr_scheduler.CosineAnnealingLR(o, T_max=20, eta_min=1e-3)),
+    "CosineAnnealingWarmRestarts": ("CosineAnnealingWarmRestarts", {"T_0": 6, "T_mult": 2},
+                                    lambda o: lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=6, T_mult=2)),
+    "CyclicLR": ("CyclicLR", {"base_lr": 0.01, "max_lr": 0.1, "step_size_up": 8},
+                 lambda o: lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=8)),
+}
+
+
+def sgd_spec(schedule: str, **changes) -> OptimizerSpec:
+    scheduler, options, _ = SCHEDULES[schedule]
+    return OptimizerSpec(**{"optimizer": "SGD", "kwargs": {"lr": 0.1, "momentum": 0.9},
+                            "groups": [{"params": ["*.bias"], "lr": 0.05}], "scheduler": scheduler,
+                            "scheduler_options": options, **changes})
+
+
+def torch_sgd(model, schedule: str):
+    biases = [p for n, p in model.named_parameters() if n.endswith(".bias")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith(".bias")]
+    optimizer = torch.optim.SGD([{"params": biases, "lr": 0.05}, {"params": rest}], lr=0.1, momentum=0.9)
+    return optimizer, SCHEDULES[schedule][2](optimizer)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_schedules_step_on_the_global_step_as_a_torch_loop(schedule):
+    reference, ours = net(), net()
+    expected = torch_loop(reference, *torch_sgd(reference, schedule))
+    check(ours, sgd_spec(schedule))
+    got = ps_loop(ours, [build(list(ours.named_parameters()), sgd_spec(schedule))])
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert len({tuple(lrs) for lrs in got}) > 2  # the rate did change
+    assert_same_params(reference, ours)
+
+
+def test_ps_tasks_holding_parts_of_a_model_agree_with_one_optimizer():
+    spec = OptimizerSpec("AdamW", {"lr": 1e-2, "weight_decay": 0.1}, groups=[{"params": NO_DECAY, "weight_decay": 0.0}],
+                         scheduler="OneCycleLR", scheduler_options={"max_lr": 0.05, "total_steps": STEPS})
+    whole, split = net(), net()
+    named = list(split.named_parameters())
+    expected = ps_loop(whole, [build(list(whole.named_parameters()), spec)])
+    ps0, ps1 = build(named[0::2], spec), build(named[1::2], spec)
+    assert ps_loop(split, [ps0, ps1]) == expected
+    assert_same_params(whole, split)
+    assert ps0.schedule_state() == ps1.schedule_state()
+
+
+@pytest.mark.parametrize("schedule", ["StepLR", "MultiStepLR", "warmup5", "OneCycleLR", "CosineAnnealingWarmRestarts"])
+@pytest.mark.parametrize("saved", [True, False], ids=["from-state", "fast-forward"])
+def test_a_restored_ps_continues_the_schedule(schedule, saved):
+    restart = 20
+    reference, ours = net(), net()
+    expected = ps_loop(reference, [build(list(reference.named_parameters()), sgd_spec(schedule))])
+    first = build(list(ours.named_parameters()), sgd_spec(schedule))
+    ps_loop(ours, [first], steps=restart)
+    # what a checkpoint at `restart` holds: values, per-variable state, the schedule state as JSON
+    values = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    states = {n: checkpoint.decode_state(checkpoint.encode_state(first.state(p))) for n, p in ours.named_parameters()}
+    schedule_state = json.loads(json.dumps(first.schedule_state()))
+    restored = net(seed=1)
+    restored.load_state_dict(ours.state_dict())
+    second = build(list(restored.named_parameters()), sgd_spec(schedule))
+    for n, p in restored.named_parameters():
+        assert torch.equal(p, values[n])
+        second.load_state(p, states[n])
+    second.restore(restart, schedule_state if saved else None)
+    got = ps_loop(restored, [second], start=restart)
+    torch.testing.assert_close(got, expected[restart:], rtol=1e-12, atol=1e-12)
+    assert_same_params(reference, restored)
+
+
+def test_fast_forward_of_a_million_steps():
+    spec = OptimizerSpec("SGD", {"lr": 0.1}, scheduler=warmup)
+    opt = build([("w", torch.nn.Parameter(torch.zeros(3)))], spec)
+    start = time.perf_counter()
+    opt.restore(10**6)
+    assert time.perf_counter() - start < 0.1  # a function of the step: a jump, not a million steps
+    assert opt.plain_sgd_rate(10**6) == 0.1 * warmup(10**6)
+    step_lr = build([("w", torch.nn.Parameter(torch.zeros(3)))],
+                    OptimizerSpec("SGD", {"lr": 0.1}, scheduler="StepLR", scheduler_options={"step_size": 1000}))
+    step_lr.restore(20_000)  # one scheduler step per global step
+    assert step_lr.plain_sgd_rate(20_000) == pytest.approx(0.1 * 0.1 ** 20, rel=1e-12)
+    with pytest.raises(ValueError, match="steps only go forward"):
+        step_lr.step(5)
+
+
+def test_restore_refuses_the_state_of_another_spec():
+    state = build(list(net().named_parameters()), sgd_spec("StepLR")).schedule_state()
+    other = build(list(net().named_parameters()), sgd_spec("StepLR", groups=[]))
+    with pytest.raises(ConfigError, match="restore from a checkpoint of this step and optimizer spec"):
+        other.restore(1, state)
+    assert build(list(net().named_parameters()), OptimizerSpec("SGD")).schedule_state() == {}
+
+
+# --- the plain-SGD fast path --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [
+    OptimizerSpec("SGD", {"lr": 0.1, "momentum": 0.9}), OptimizerSpec("SGD", {"lr": 0.1, "weight_decay": 1e-4}),
+    OptimizerSpec("SGD", {"lr": 0.1, "maximize": True}), OptimizerSpec("Adam"), OptimizerSpec(MyOptimizer),
+    OptimizerSpec("SGD", {"lr": 0.1}, groups=[{"params": "*.bias", "lr": 0.2}]),
+    OptimizerSpec("SGD", {"lr": 0.1}, scheduler="OneCycleLR", scheduler_options={"max_lr": 1, "total_steps": 9}),
+])
+def test_plain_sgd_rate_is_none_unless_the_update_is_plain_sgd(spec):
+    assert build(list(net().named_parameters()), spec).plain_sgd_rate(0) is None
+
+
+def test_plain_sgd_rate_follows_the_schedule():
+    reference, ours = net(), net()
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected = torch_loop(reference, torch_opt, lr_scheduler.StepLR(torch_opt, 7, 0.5))
+    opt = build(list(ours.named_parameters()),
+                OptimizerSpec("SGD", {"lr": 0.1}, scheduler="StepLR", scheduler_options={"step_size": 7, "gamma": 0.5}))
+    got = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the scheduler steps without optimizer.step(): torch's warning is not ours
+        for s in range(STEPS):
+            backward(ours, s)
+            lr = opt.plain_sgd_rate(s)
+            with torch.no_grad():  # the ps's fast path
+                torch._foreach_add_(list(ours.parameters()), [p.grad for p in ours.parameters()], alpha=-lr)
+            got.append([lr])
+    assert got == expected
+    assert_same_params(reference, ours, tol=1e-7)
+    plain = build([("w", torch.nn.Parameter(torch.zeros(2)))], OptimizerSpec("SGD", {"lr": 0.5}))
+    assert plain.plain_sgd_rate(9) == 0.5
+
+
+# --- sparse variables -------------------------------------------------------------------------------
+
+
+class Tower(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(20, 4, sparse=True)
+        self.fc = torch.nn.Linear(4, 1)
+
+    def forward(self, rows):
+        return self.fc(self.emb(rows))
+
+
+def test_sparse_embeddings_get_sparse_adam_as_torch_users_write_it():
+    torch.manual_seed(0)
+    reference = Tower()
+    ours = Tower()
+    ours.load_state_dict(reference.state_dict())
+    dense = torch.optim.Adam([{"params": [reference.fc.bias], "lr": 0.05}, {"params": [reference.fc.weight]}],
+                             lr=0.01, weight_decay=0.1)
+    sparse = torch.optim.SparseAdam([reference.emb.weight], lr=0.01)
+    spec = OptimizerSpec("Adam", {"lr": 0.01, "weight_decay": 0.1}, groups=[{"params": "*.bias", "lr": 0.05}])
+    check(ours, spec)
+    named = list(ours.named_parameters())
+    opt = build(named, spec, sparse=[n == "emb.weight" for n, _ in named])
+    assert [type(o) for o in opt.optimizers] == [torch.optim.Adam, torch.optim.SparseAdam]
+    assert "weight_decay" not in opt.optimizers[1].defaults
+    for s in range(10):
+        rows = torch.randint(0, 20, (8, 3), generator=torch.Generator().manual_seed(s))
+        for model in (reference, ours):
+            model.zero_grad(set_to_none=True)
+            model(rows).pow(2).mean().backward()
+        dense.step()
+        sparse.step()
+        opt.step(s)
+    assert_same_params(reference, ours)
+    assert set(opt.state(ours.emb.weight)) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_sparse_embeddings_refuse_optimizers_without_a_sparse_update():
+    with pytest.raises(ConfigError, match="RMSprop cannot update sparse embeddings: use SGD, Adagrad or Adam"):
+        check(Tower(), OptimizerSpec("RMSprop"))
+    opt = build(list(Tower().named_parameters()), OptimizerSpec("Adagrad", {"lr": 0.1}), sparse=[True, False, False])
+    assert [type(o) for o in opt.optimizers] == [torch.optim.Adagrad, torch.optim.Adagrad]
+    assert opt.plain_sgd_rate(0) is None
+
+
+# --- objects shipped to the ps tasks -------------------------------------------------------------------
+
+
+def notebook_class():
+    """What a notebook cell defines: a class of module __main__, which no ps can import."""
+    class ClippedSGD(torch.optim.SGD):
+        def __init__(self, params, clip: float = 1.0, **kwargs):
+            super().__init__(params, **kwargs)
+            self.clip = clip
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.clamp_(-self.clip, self.clip)
+            return super().step(closure)
+
+    ClippedSGD.__module__, ClippedSGD.__qualname__ = "__main__", "ClippedSGD"
+    return ClippedSGD
+
+
+def test_notebook_objects_are_shipped_and_resolved_by_name(monkeypatch):
+    clipped_sgd = notebook_class()
+    spec = OptimizerSpec(clipped_sgd, {"lr": 0.1, "clip": 1e-3}, scheduler=lambda step: 0.9 ** step)
+    assert spec.optimizer == "__main__:ClippedSGD" and spec.scheduler.startswith(f"{__name__}:")
+    objects = shipped(spec)
+    assert objects == {"__main__:ClippedSGD": clipped_sgd, spec.scheduler: objects[spec.scheduler]}
+    check(net(), spec)
+    data = json.dumps(spec.to_dict())
+    wire = cloudpickle.dumps(objects)  # what the controller sends through ipyparallel
+
+    monkeypatch.setattr(optim, "_registry", {})  # a ps engine: nothing registered yet
+    received = OptimizerSpec.from_dict(json.loads(data))
+    with pytest.raises(ConfigError, match="optimizer '__main__:ClippedSGD' not found.*pass the object itself"):
+        build(list(net().named_parameters()), received)
+    register(cloudpickle.loads(wire))
+    reference, ours = net(), net()
+    opt = build(list(ours.named_parameters()), received)
+    assert type(opt.optimizers[0]).__name__ == "ClippedSGD"
+    assert shipped(OptimizerSpec("torch.optim:SGD")) == {} and shipped(OptimizerSpec(MyOptimizer)) != {}
+    lrs = ps_loop(ours, [opt], steps=5)
+    for s in range(5):
+        backward(reference, s)
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.sub_(0.1 * 0.9 ** s * p.grad.clamp(-1e-3, 1e-3))
+    assert lrs == [[pytest.approx(0.1 * 0.9 ** s, rel=1e-12)] for s in range(5)]
+    assert_same_params(reference, ours)
+
+
+def test_importable_names_need_no_registry(monkeypatch):
+    monkeypatch.setattr(optim, "_registry", {})
+    spec = OptimizerSpec(f"{__name__}:MyOptimizer", {"lr": 0.1}, scheduler=f"{__name__}:warmup")
+    opt = build(list(net().named_parameters()), OptimizerSpec.from_dict(spec.to_dict()))
+    assert type(opt.optimizers[0]) is MyOptimizer and shipped(spec) == {}
+    assert opt.plain_sgd_rate(3) is None  # a subclass may do more than SGD
+    with pytest.raises(ConfigError, match="register"):
+        register({"no-colon": warmup})
+
+
+class Halving(lr_scheduler.LRScheduler):
+    """A scheduler class of the user's: its functions are rebuilt at a restore, the rest is saved."""
+
+    def __init__(self, optimizer, every: int = 5, last_epoch: int = -1):
+        self.every = every
+        self.rule = lambda step: 0.5 ** (step // every)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self):
+        return [base * self.rule(self.last_epoch) for base in self.base_lrs]
+
+
+def test_a_scheduler_class_of_the_user_restores_from_its_state():
+    spec = OptimizerSpec("SGD", {"lr": 0.1}, scheduler=Halving, scheduler_options={"every": 3})
+    assert spec.scheduler == f"{__name__}:Halving" and shipped(spec) == {spec.scheduler: Halving}
+    check(net(), spec)
+    first = build(list(net().named_parameters()), spec)
+    for s in range(10):
+        first.plain_sgd_rate(s)
+    second = build(list(net().named_parameters()), spec)
+    second.restore(10, json.loads(json.dumps(first.schedule_state())))
+    assert second.plain_sgd_rate(10) == first.plain_sgd_rate(10) == 0.1 * 0.5 ** 3
+
+
+def test_a_schedule_state_without_a_json_form_is_refused_at_check():
+    class Locked(Halving):
+        def __init__(self, optimizer, **kwargs):
+            self.when = object()
+            super().__init__(optimizer, **kwargs)
+
+    with pytest.raises(ConfigError, match=r"state of scheduler Locked\['when'\]=<object.*has no JSON form"):
+        check(net(), OptimizerSpec("SGD", {"lr": 0.1}, scheduler=Locked))
+
+
+def test_a_ps_holding_only_sparse_variables_keeps_the_schedule():
+    spec = OptimizerSpec("Adam", {"lr": 0.01}, scheduler="StepLR", scheduler_options={"step_size": 2})
+    opt = build([("emb.weight/part_1", torch.nn.Parameter(torch.zeros(4, 2)))], spec, sparse=[True])
+    assert [type(o) for o in opt.optimizers] == [torch.optim.Adam, torch.optim.SparseAdam]
+    for s in range(5):
+        opt.optimizers[1].param_groups[0]["params"][0].grad = torch.zeros(4, 2).to_sparse()
+        opt.step(s)
+    assert opt.lr == [pytest.approx(0.01 * 0.1 ** 2)] and opt.schedule_state()["step"] == 4
