@@ -139,6 +139,14 @@ def _parsers() -> dict[str, _Parser]:
                        help="each worker clips its gradients to this total 2-norm before it pushes them")
     train.add_argument("--on-nonfinite", choices=("fail", "skip"), default="fail",
                        help="a non-finite loss or gradient fails the run (default) or leaves its batch out")
+    train.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                       help="the workers' mixed precision: bf16 (CPU and GPU) or fp16 (GPU, loss scaling)")
+    train.add_argument("--scheduler", default=None, metavar="NAME",
+                       help="a torch.optim.lr_scheduler class (e.g. StepLR) or a function of the global step in the "
+                            "cell that returns the learning-rate factor")
+    train.add_argument("--scheduler-opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                       help="an option of the scheduler, as a Python literal (repeatable), e.g. --scheduler-opt "
+                            "step_size=100")
     train.add_argument("--buffers", choices=("chief", "average"), default="chief",
                        help="the buffers (BatchNorm statistics...) the ps keeps: worker 0's (default) or the mean "
                             "of every worker's")
@@ -264,7 +272,9 @@ class PSClusterMagics(Magics):
         run = cluster.train(ns["model"], ns["dataset"], None if args.step_fn else ns["loss_fn"],
                             step_fn=ns[args.step_fn] if args.step_fn else None, optimizer=args.optimizer,
                             mode=args.mode, max_grad_norm=args.max_grad_norm, on_nonfinite=args.on_nonfinite,
-                            buffers=args.buffers,
+                            buffers=args.buffers, precision=args.precision,
+                            scheduler=ns.get(args.scheduler, args.scheduler) if args.scheduler else None,
+                            scheduler_options=dict(args.scheduler_opt) or None,
                             steps=args.steps, batch_size=args.batch_size,
                             replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed,
                             log_every=args.log_every, name=args.name, code=cell,

@@ -275,7 +275,8 @@ class Cluster:
               checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
               checkpoint_secs: float | None = 600.0, keep_checkpoints: int = 5, restore: bool = True,
               shared_memory: bool = True, pipeline: bool = False, buffers: str = "chief",
-              max_grad_norm: float | None = None, on_nonfinite: str = "fail", **optimizer_kwargs) -> Run:
+              max_grad_norm: float | None = None, on_nonfinite: str = "fail", precision: str = "fp32",
+              **optimizer_kwargs) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
         ``model_fn``: a torch.nn.Module or a zero-argument callable that builds one. A batch is any structure of
@@ -288,6 +289,9 @@ class Cluster:
         ``clip_grad_norm_``). ``on_nonfinite``: a non-finite loss or gradient fails the run at that step
         (``"fail"``, naming the worker and step; nothing is pushed, so the ps keep the last good parameters) or
         leaves the batch out (``"skip"``, counted in the worker's summary and a ``nonfinite`` event).
+        ``precision``: ``"bf16"`` (CPU and GPU) or ``"fp16"`` (GPU workers, with dynamic loss scaling) runs each
+        worker's forward and loss under ``torch.autocast`` and sends the gradients in that dtype; the ps keeps
+        fp32 values and optimizer state, and the trained state is fp32.
         ``optimizer``: a ``torch.optim`` class or its name, or any optimizer class (one defined in the notebook is
         shipped to the ps tasks); extra keyword arguments go to it (anything torch takes: tuples, tensors).
         ``param_groups``: ``[{"params": ["*.bias", "*norm*"], "weight_decay": 0.0}, ...]``: a parameter joins the
@@ -340,6 +344,9 @@ class Cluster:
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise ConfigError("dataset must be a map-style dataset (len() and indexing), "
                               "e.g. pscluster.datasets.digits('train')")
+        if precision == "fp16" and not all(t.device.startswith("cuda") for t in spec.workers):
+            raise ConfigError("precision='fp16' needs CUDA workers (this cluster's workers run on the CPU): use "
+                              "precision='bf16'")
         replicas = self.num_workers if replicas_to_aggregate is None else replicas_to_aggregate
         if mode == "sync" and isinstance(replicas, int) and replicas > self.num_workers:
             raise ConfigError(f"replicas_to_aggregate={replicas} but the cluster has {self.num_workers} workers: "
@@ -364,7 +371,7 @@ class Cluster:
                              seed=seed, log_every=log_every, request_timeout=request_timeout,
                              checkpoint_every=checkpoint_every, restore=restore, shared_memory=shared_memory,
                              pipeline=pipeline, state_keys=state_keys, buffers=buffers, max_grad_norm=max_grad_norm,
-                             on_nonfinite=on_nonfinite)
+                             on_nonfinite=on_nonfinite, precision=precision)
         config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables", "state_keys")}
         run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=config,
                                        spec=spec.public_dict(), code=code or _source(model_fn))

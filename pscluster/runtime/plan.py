@@ -16,6 +16,7 @@ import torch
 from ..errors import ConfigError
 from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer
 from .placement import Variable, placement_line, shard_map
+from .steps import PRECISIONS
 
 MODES = ("sync", "async", "ssp")
 
@@ -174,6 +175,7 @@ class TrainPlan:
     buffers: str = "chief"  # how the ps keeps the buffers the workers push (BUFFER_RULES)
     max_grad_norm: float | None = None  # each worker clips its gradients to this total 2-norm before it pushes
     on_nonfinite: str = "fail"  # a non-finite loss or gradient: fail the run, or skip the batch (NONFINITE)
+    precision: str = "fp32"  # the workers' mixed precision (steps.PRECISIONS): autocast, and the gradients' dtype
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -197,6 +199,9 @@ class TrainPlan:
         if self.buffers not in BUFFER_RULES:
             raise ConfigError(f"buffers={self.buffers!r}: use 'chief' (the chief worker's buffers, as DDP's "
                               "broadcast_buffers) or 'average' (the mean of every worker's latest)")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r}: use 'fp32', 'bf16' (CPU and GPU) or 'fp16' (GPU, with "
+                              "loss scaling)")
         if self.on_nonfinite not in NONFINITE:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: use 'fail' (the run fails at that step) or "
                               "'skip' (the batch is left out)")

@@ -84,6 +84,7 @@ RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT exce
 MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
 MAX_LANES = 1024
 REJECTED = ("unsigned", "bad_signature", "replayed", "malformed")
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the gradients of fp32 variables may travel as
 
 
 @dataclass
@@ -587,10 +588,12 @@ class ParameterServer:
                                     "sparse ones, each once")
             param = run.params[i]
             if not run.sparse[i]:
-                if tensors[k].shape != param.shape or tensors[k].dtype != param.dtype:
+                grad = tensors[k]
+                if grad.shape != param.shape or not (grad.dtype == param.dtype or run.kinds[i] == "param" and
+                                                     param.dtype == torch.float32 and grad.dtype in HALF_DTYPES):
                     raise ProtocolError(f"gradients of variable {ids[k]} have the wrong shape or dtype: "
                                         "the worker's model differs from the chief's")
-                grads[i], k = tensors[k], k + 1
+                grads[i], k = (grad if grad.dtype == param.dtype else grad.float()), k + 1  # mixed precision
                 continue
             if k + 1 >= len(ids) or ids[k + 1] != ids[k]:
                 raise ProtocolError(f"sparse variable {ids[k]}: rows and values expected")

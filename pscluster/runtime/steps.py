@@ -13,6 +13,7 @@ output, the first of a tuple, or a dict's ``"logits"``), or one logit per binary
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -103,12 +104,61 @@ def forward(model: torch.nn.Module, loss_fn, step_fn, batch) -> tuple:
     return loss, output, target, {}
 
 
-def compute(model: torch.nn.Module, loss_fn, step_fn, batch, device: torch.device, step: int) -> Computed:
-    """Forward and backward of one batch on ``device``, on the parameters of global ``step``."""
+class Precision:
+    """A worker's mixed precision (``PRECISIONS``): ``bf16`` and ``fp16`` run forward and loss under
+    ``torch.autocast`` with that dtype (the parameters stay fp32: the ps keeps fp32 master values and optimizer
+    state) and send the gradients in it; ``fp16`` also scales the loss dynamically, as torch's GradScaler
+    does: ``scale`` doubles after ``GROWTH_INTERVAL`` steps with finite gradients and halves at an overflow,
+    whose batch is left out."""
+
+    GROWTH_INTERVAL = 2000
+
+    def __init__(self, name: str, device: torch.device):
+        self.name = name
+        self.dtype = PRECISIONS[name]
+        self.device_type = device.type
+        self.scale = 2.0 ** 16 if name == "fp16" else None
+        self._good = 0
+
+    def autocast(self):
+        return torch.autocast(self.device_type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module) -> None:
+        """Gradients of ``loss`` in the model's ``.grad``, unscaled."""
+        if self.scale is None:
+            loss.backward()
+            return
+        (loss.float() * self.scale).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None and not p.grad.is_sparse]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+
+    def overflowed(self, finite: bool) -> bool:
+        """Whether a step's gradients overflowed the fp16 loss scale (then the scale is halved and the batch
+        is to be left out); ``finite``: whether they were all finite."""
+        if self.scale is None:
+            return False
+        if not finite:
+            self.scale, self._good = self.scale / 2, 0
+            return True
+        self._good += 1
+        if self._good == self.GROWTH_INTERVAL:
+            self.scale, self._good = self.scale * 2, 0
+        return False
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute(model: torch.nn.Module, loss_fn, step_fn, batch, device: torch.device, step: int,
+            precision: Precision | None = None) -> Computed:
+    """Forward and backward of one batch on ``device``, on the parameters of global ``step`` (in ``precision``)."""
+    precision = precision or Precision("fp32", device)
     batch = to_device(batch, device)
     model.zero_grad(set_to_none=True)  # fresh .grad tensors: the last ones may still be in flight
-    loss, output, target, metrics = forward(model, loss_fn, step_fn, batch)
-    loss.backward()
+    with precision.autocast():
+        loss, output, target, metrics = forward(model, loss_fn, step_fn, batch)
+    precision.backward(loss, model)
     return Computed(loss, output, target, samples_in(batch), metrics, step)
 
 

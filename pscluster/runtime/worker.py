@@ -24,7 +24,7 @@ from .data import sharded_batches
 from .metrics import MetricsEmitter
 from .plan import TrainPlan, VariableSpec, model_tensors, sparse_modules
 from .protocol import Flag
-from .steps import Computed, batch_accuracy, compute, grad_norm, metric_values, nonfinite
+from .steps import Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
 
 
 def build_model(model_fn, seed: int) -> torch.nn.Module:
@@ -84,8 +84,9 @@ class _Shards:
         """Every variable's current value (sparse ones too), by ps: what the chief's INIT sends."""
         return {i: ([v.id for v in vs], [self.view(v) for v in vs]) for i, vs in self.on_ps.items()}
 
-    def grads(self) -> dict:
-        """Per ps: (ids, tensors) of its exchanged variables: a trained one's gradient, a buffer's value."""
+    def grads(self, wire_dtype: torch.dtype | None = None) -> dict:
+        """Per ps: (ids, tensors) of its exchanged variables: a trained one's gradient (as ``wire_dtype``, mixed
+        precision's, when given), a buffer's value."""
         out = {}
         for i, vs in self.dense.items():
             grads = []
@@ -94,7 +95,8 @@ class _Shards:
                     grads.append(self.view(v))
                     continue
                 g = self.params[v.parameter].grad
-                grads.append(self.view(v, g) if g is not None else torch.zeros(v.shape, dtype=getattr(torch, v.dtype)))
+                g = self.view(v, g) if g is not None else torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
+                grads.append(g.to(wire_dtype) if wire_dtype is not None and g.dtype == torch.float32 else g)
             out[i] = ([v.id for v in vs], grads)
         return out
 
@@ -178,12 +180,13 @@ MAX_SKIPS = 100  # on_nonfinite="skip": batches in a row a worker may leave out 
 
 
 class _Steps:
-    """This worker's gradients, batch after batch: the training step (``steps``), the non-finite check of
-    ``plan.on_nonfinite`` and the clipping to ``plan.max_grad_norm``."""
+    """This worker's gradients, batch after batch: the training step (``steps``) in the run's precision, the
+    non-finite check of ``plan.on_nonfinite`` and the clipping to ``plan.max_grad_norm``."""
 
     def __init__(self, model, loss_fn, step_fn, batches, device, plan: TrainPlan, index: int, emit):
         self.model, self.loss_fn, self.step_fn, self.batches = model, loss_fn, step_fn, batches
         self.device, self.plan, self.index, self.emit = device, plan, index, emit
+        self.precision = Precision(plan.precision, device)
         self.skipped = 0
 
     def gradients(self, batch, step: int, local_step: int) -> Computed:
@@ -191,8 +194,12 @@ class _Steps:
         gradient fails the run (NonFiniteError naming this worker and the step) or, with ``skip``, is left out
         for the next one."""
         for attempt in range(MAX_SKIPS + 1):
-            computed = compute(self.model, self.loss_fn, self.step_fn, batch, self.device, step)
+            computed = compute(self.model, self.loss_fn, self.step_fn, batch, self.device, step, self.precision)
             problem = nonfinite(computed, grad_norm(self.model, self.plan.max_grad_norm), self.model)
+            if self.precision.overflowed(problem is None):  # fp16: the loss scale was too high for this batch
+                self.emit("loss_scale", global_step=step, scale=self.precision.scale, problem=problem)
+                batch = next(self.batches)
+                continue
             if problem is None:
                 return computed
             if self.plan.on_nonfinite == "fail" or attempt == MAX_SKIPS:
@@ -295,7 +302,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
             computed = ahead if ahead is not None else steps.gradients(batch, reply.step, local_step)
             t1 = time.perf_counter()
-            answer = client.start_push_pull(computed.step, _merge(shards.grads(), sparse.grads()))
+            answer = client.start_push_pull(computed.step, _merge(shards.grads(steps.precision.dtype), sparse.grads()))
             sent_at = time.perf_counter()
             # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch,
             # and with pipeline its gradients, on the parameters this worker has now
