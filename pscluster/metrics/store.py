@@ -111,7 +111,7 @@ MIGRATIONS = [
     """,
 ]
 
-_METRIC_COLUMNS = ("worker", "time", "local_step", "global_step", "loss", "accuracy", "compute_s", "wait_s",
+METRIC_COLUMNS = ("worker", "time", "local_step", "global_step", "loss", "accuracy", "compute_s", "wait_s",
                    "comm_s", "bytes_sent", "bytes_received", "staleness", "dropped")
 _PS_COLUMNS = ("ps", "time", "step", "pushes", "pulls", "applied", "dropped_stale", "late", "bytes_in",
                "bytes_out", "waiting_for")
@@ -135,8 +135,9 @@ def placement_frame(variables) -> pd.DataFrame:
     return df
 
 
-_POLLED = {"metrics": _METRIC_COLUMNS, "ps_metrics": _PS_COLUMNS,
+_POLLED = {"metrics": (*METRIC_COLUMNS, "extra"), "ps_metrics": (*_PS_COLUMNS, "lr"),
            "evaluations": ("global_step", "time", "loss", "accuracy"), "events": ("time", "task", "kind", "detail")}
+_ADDED_IN = {"extra": 4, "lr": 4}  # the schema that added a polled column: a store opened read-only may be older
 
 
 def _since(run_id: int, after_row: int | None) -> tuple[str, tuple]:
@@ -248,7 +249,7 @@ class RunStore:
             kind = e.get("kind")
             try:
                 if kind == "step":
-                    steps.append((run_id, _task_index(e["task"]), *(e.get(c) for c in _METRIC_COLUMNS[1:]),
+                    steps.append((run_id, _task_index(e["task"]), *(e.get(c) for c in METRIC_COLUMNS[1:]),
                                   json.dumps(e["metrics"]) if e.get("metrics") else None))
                 elif kind == "ps":
                     ps_rows.append((run_id, _task_index(e["task"]), *(e.get(c, 0) for c in _PS_COLUMNS[1:-1]),
@@ -260,7 +261,7 @@ class RunStore:
                 continue  # a malformed event is skipped, never fatal
         with self._lock, self._db:
             if steps:
-                self._db.executemany(f"INSERT INTO metrics VALUES (?, {', '.join('?' * (len(_METRIC_COLUMNS) + 1))})",
+                self._db.executemany(f"INSERT INTO metrics VALUES (?, {', '.join('?' * (len(METRIC_COLUMNS) + 1))})",
                                      steps)
             if ps_rows:
                 self._db.executemany(f"INSERT INTO ps_metrics VALUES (?, {', '.join('?' * (len(_PS_COLUMNS) + 1))})",
@@ -300,11 +301,14 @@ class RunStore:
     def new_rows(self, table: str, run_id: int, after_row: int = 0) -> tuple[list[str], list[tuple]]:
         """What a poller reads: the rows of ``table`` (metrics, ps_metrics, evaluations or events) of run
         ``run_id`` stored after the cursor ``after_row`` (0 to start), in the order they were stored, as SQLite
-        holds them (JSON not decoded, no DataFrame). Returns the column names, ``row`` (the cursor) first, and
-        the rows as tuples."""
+        holds them (JSON not decoded, no DataFrame; a metric row's own metrics in ``extra``, a ps sample's learning
+        rate in ``lr``, from schema 4). Returns the column names, ``row`` (the cursor) first, and the rows as
+        tuples."""
         where, params = _since(run_id, after_row)
         with self._lock:
-            cur = self._db.execute(f"SELECT rowid AS row, {', '.join(_POLLED[table])} FROM {table} WHERE {where} "
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            columns = [c for c in _POLLED[table] if _ADDED_IN.get(c, 0) <= version]
+            cur = self._db.execute(f"SELECT rowid AS row, {', '.join(columns)} FROM {table} WHERE {where} "
                                    "ORDER BY rowid", params)
             return [d[0] for d in cur.description], cur.fetchall()
 
@@ -316,9 +320,11 @@ class RunStore:
         A step's own metrics (a ``step_fn``'s) follow as one column each, NaN where a row has none.
         """
         if self.schema_version < 4:
-            return self._table_rows("metrics", _METRIC_COLUMNS, "time, worker", run_id, after_row)
-        df = self._table_rows("metrics", (*_METRIC_COLUMNS, "extra"), "time, worker", run_id, after_row)
-        extra = pd.DataFrame([json.loads(x) if x else {} for x in df.pop("extra")], index=df.index)
+            return self._table_rows("metrics", METRIC_COLUMNS, "time, worker", run_id, after_row)
+        df = self._table_rows("metrics", (*METRIC_COLUMNS, "extra"), "time, worker", run_id, after_row)
+        # NULL reads as NaN when other rows have metrics
+        extra = pd.DataFrame([json.loads(x) if isinstance(x, str) else {} for x in df.pop("extra")],
+                             index=df.index)
         return df.join(extra.drop(columns=[c for c in extra.columns if c in df.columns]))
 
     def ps_metrics(self, run_id: int, after_row: int | None = None) -> pd.DataFrame:

@@ -249,3 +249,76 @@ class TrainPlan:
         d["state_keys"] = tuple(tuple(k) for k in d.get("state_keys", ()))
         d["optimizer_groups"] = tuple(d.get("optimizer_groups", ()))
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class PsConfig:
+    """What the chief tells one ps at INIT (as JSON, beside the initial values): the run's settings, taken from its
+    TrainPlan and nothing else (``for_ps``), the variables this ps holds, and for a restore the step it starts
+    from, the names of the optimizer state tensors sent after the values and the schedule's state. Checked on
+    construction, where the ps reads it too: a config out of bounds is a ValueError."""
+
+    mode: str
+    steps: int
+    replicas_to_aggregate: int
+    num_workers: int
+    optimizer: dict  # optim.OptimizerSpec.to_dict()
+    names: tuple[str, ...]
+    sparse: tuple[bool, ...] = ()
+    kinds: tuple[str, ...] = ()
+    staleness_bound: int = 2
+    buffers: str = "chief"
+    precision: str = "fp32"  # bf16 / fp16: the gradients of fp32 variables arrive in that dtype
+    metrics_address: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    attempt: int = 0
+    step: int = 0
+    state: tuple[str, ...] = ()  # a restore: the optimizer slot of each state tensor after the values
+    schedule_state: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.names)
+        object.__setattr__(self, "names", tuple(str(name) for name in self.names))
+        object.__setattr__(self, "sparse", tuple(bool(x) for x in self.sparse) or (False,) * n)
+        object.__setattr__(self, "kinds", tuple(str(k) for k in self.kinds) or ("param",) * n)
+        object.__setattr__(self, "state", tuple(str(s) for s in self.state))
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}: use sync, async or ssp")
+        if self.buffers not in BUFFER_RULES:
+            raise ValueError(f"buffers {self.buffers!r}: use one of {BUFFER_RULES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: use one of {tuple(PRECISIONS)}")
+        if len(self.sparse) != n or len(self.kinds) != n or not set(self.kinds) <= set(KINDS):
+            raise ValueError(f"{len(self.sparse)} sparse flags and kinds {list(self.kinds)} for {n} variables: one "
+                             f"each, kinds of {KINDS}")
+        limit = 0xFFFF  # worker task ids are 16 bits, one value kept for the controller
+        if not 1 <= self.num_workers < limit or not 1 <= self.replicas_to_aggregate < limit:
+            raise ValueError(f"{self.num_workers} workers, {self.replicas_to_aggregate} replicas: 1 to {limit - 1} "
+                             "each")
+        if not 0 <= self.step <= self.steps or self.staleness_bound < 0 or self.checkpoint_every < 0:
+            raise ValueError(f"step {self.step} of {self.steps}, staleness bound {self.staleness_bound}, checkpoint "
+                             f"every {self.checkpoint_every}: none may be negative, the step not past the end")
+
+    @classmethod
+    def for_ps(cls, plan: TrainPlan, ps: int) -> "PsConfig":
+        """The config of ps ``ps`` for ``plan`` (a fresh start: step 0)."""
+        mine = plan.variables_on(ps)
+        return cls(mode=plan.mode, steps=plan.steps, replicas_to_aggregate=plan.replicas_to_aggregate,
+                   num_workers=plan.num_workers, optimizer=plan.optimizer_spec.to_dict(),
+                   names=tuple(v.name for v in mine), sparse=tuple(v.sparse for v in mine),
+                   kinds=tuple(v.kind for v in mine), staleness_bound=plan.staleness_bound, buffers=plan.buffers,
+                   precision=plan.precision,
+                   metrics_address=plan.metrics_address, checkpoint_dir=plan.checkpoint_dir,
+                   checkpoint_every=plan.checkpoint_every, attempt=plan.attempt)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PsConfig":
+        """The config an INIT carries; ValueError naming what does not fit."""
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ValueError(f"INIT config: {e}") from None

@@ -70,7 +70,8 @@ from . import checkpoint, curve, protocol
 from .lanes import Lane, LaneError
 from .metrics import MetricsEmitter
 from .optim import OptimizerSpec, PsOptimizer, build
-from .plan import BUFFER_RULES, KINDS
+from .plan import PsConfig
+from .steps import PRECISIONS
 from .protocol import Flag, Message, Op
 
 # torch's sparse optimizers build sparse tensors without stating whether to check them; ours are checked
@@ -84,7 +85,6 @@ RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT exce
 MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
 MAX_LANES = 1024
 REJECTED = ("unsigned", "bad_signature", "replayed", "malformed")
-HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the gradients of fp32 variables may travel as
 
 
 @dataclass
@@ -102,6 +102,7 @@ class _RunState:
     sparse: list[bool]
     kinds: list[str] = field(default_factory=list)  # per variable: param, frozen or buffer (plan.KINDS)
     buffer_rule: str = "chief"  # plan.BUFFER_RULES
+    half: torch.dtype | None = None  # mixed precision: the dtype the gradients of fp32 variables arrive in
     buffer_values: dict = field(default_factory=dict)  # worker -> the buffer values of its latest applied push
     num_workers: int = 1
     staleness_bound: int = 0
@@ -135,6 +136,7 @@ class _RunState:
     def __post_init__(self):
         # fixed for the run: looked up on every request
         self.kinds = self.kinds or ["param"] * len(self.ids)
+        self.rules = AGGREGATION[self.mode]  # what the mode does with a push, chosen once
         self.position = {vid: i for i, vid in enumerate(self.ids)}
         # exchanged with every push and reply: trained dense variables (gradients in, values out) and buffers
         exchanged = [not sparse and kind != "frozen" for sparse, kind in zip(self.sparse, self.kinds)]
@@ -151,16 +153,8 @@ class _RunState:
                                       max_message_bytes=sum(frame) + RUN_JSON_BYTES + 4096 * (len(self.ids) + 1))
 
     def waiting_for(self) -> list[int]:
-        """Sync: the workers whose gradient for the current step has not arrived yet; SSP: the
-        slowest workers, while some worker is held for them."""
-        if self.stopped:
-            return []
-        if self.mode == "sync":
-            return sorted(set(self.live()) - set(self.contributors))
-        if self.mode == "ssp" and self.waiting:
-            slowest = min(self.clocks[w] for w in self.live())
-            return [w for w in self.live() if self.clocks[w] == slowest]
-        return []
+        """The workers the run waits for now (see the mode's ``waiting_for``)."""
+        return [] if self.stopped else self.rules.waiting_for(self)
 
     def live(self) -> list[int]:
         return [w for w in range(self.num_workers) if w not in self.lost] or [0]
@@ -400,41 +394,31 @@ class ParameterServer:
         self._reply(identity, msg, Op.OK, value=1)
 
     def _init(self, identity, msg):
-        cfg = msg.meta or {}
-        attempt = int(cfg.get("attempt", 0))
-        if self.run is not None and self.run.run_id == msg.run_id and self.run.attempt == attempt:
+        try:
+            cfg = PsConfig.from_dict(msg.meta or {})
+        except ValueError as e:
+            raise MalformedMessage(f"bad INIT: {e}") from None
+        if self.run is not None and self.run.run_id == msg.run_id and self.run.attempt == cfg.attempt:
             self._reply(identity, msg, Op.OK)  # already initialized: the chief retried
             return
         try:
-            n = len(cfg["names"])
+            n = len(cfg.names)
             if n > len(msg.tensors) or len(set(msg.ids[:n])) != n:
                 raise ValueError(f"{len(msg.tensors)} values with ids {msg.ids[:n]} for {n} distinct variables")
-            kinds = [str(k) for k in cfg.get("kinds", ["param"] * n)]
-            if len(kinds) != n or not set(kinds) <= set(KINDS):
-                raise ValueError(f"kinds {kinds} for {n} variables: one of {KINDS} each")
             # buffers (integer ones too) are plain tensors, frozen parameters take no gradient
             params = [torch.nn.Parameter(t.clone(), requires_grad=kind == "param") if kind != "buffer" else t.clone()
-                      for t, kind in zip(msg.tensors[:n], kinds)]
-            sparse = [bool(x) for x in cfg.get("sparse", [False] * len(params))]
-            if len(sparse) != len(params):
-                raise ValueError(f"{len(sparse)} sparse flags and {len(params)} values for {n} variables")
-            trained = [i for i, kind in enumerate(kinds) if kind == "param"]
-            spec = OptimizerSpec.from_dict(cfg["optimizer_spec"]) if "optimizer_spec" in cfg else \
-                OptimizerSpec(cfg["optimizer"], cfg.get("optimizer_kwargs", {}))
-            optimizer = build([(_parameter(cfg["names"][i]), params[i]) for i in trained], spec,
-                              sparse=[sparse[i] for i in trained])
-            run = _RunState(run_id=msg.run_id, mode=cfg["mode"], steps=int(cfg["steps"]),
-                            replicas=int(cfg["replicas_to_aggregate"]), ids=list(msg.ids[:n]),
-                            names=[str(name) for name in cfg["names"]], params=params, optimizer=optimizer,
-                            sparse=sparse,
-                            num_workers=int(cfg.get("num_workers", 1)),
-                            staleness_bound=int(cfg.get("staleness_bound", 0)), step=int(cfg.get("step", 0)),
-                            checkpoint_dir=cfg.get("checkpoint_dir"),
-                            checkpoint_every=int(cfg.get("checkpoint_every") or 0), attempt=attempt, kinds=kinds,
-                            buffer_rule=str(cfg.get("buffers", "chief")))
-            _check_config(run)
-            self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.get("state", []))
-            run.optimizer.restore(run.step, cfg.get("schedule_state"))  # the schedule at the starting step
+                      for t, kind in zip(msg.tensors[:n], cfg.kinds)]
+            trained = [i for i, kind in enumerate(cfg.kinds) if kind == "param"]
+            optimizer = build([(_parameter(cfg.names[i]), params[i]) for i in trained],
+                              OptimizerSpec.from_dict(cfg.optimizer), sparse=[cfg.sparse[i] for i in trained])
+            run = _RunState(run_id=msg.run_id, mode=cfg.mode, steps=cfg.steps, replicas=cfg.replicas_to_aggregate,
+                            ids=list(msg.ids[:n]), names=list(cfg.names), params=params, optimizer=optimizer,
+                            sparse=list(cfg.sparse), num_workers=cfg.num_workers, staleness_bound=cfg.staleness_bound,
+                            step=cfg.step, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
+                            attempt=cfg.attempt, kinds=list(cfg.kinds), buffer_rule=cfg.buffers,
+                            half=PRECISIONS[cfg.precision])
+            self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.state)
+            run.optimizer.restore(run.step, cfg.schedule_state)  # the schedule at the starting step
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise MalformedMessage(f"bad INIT: {e}") from None
         self._release_waiting()
@@ -443,8 +427,8 @@ class ParameterServer:
                 self._past_runs.add(self.run.run_id)
             self._close_run()
         self._lanes.clear()
-        if cfg.get("metrics_address"):
-            run.emitter = MetricsEmitter(cfg["metrics_address"], f"ps:{self.index}", self.key, context=self._ctx)
+        if cfg.metrics_address:
+            run.emitter = MetricsEmitter(cfg.metrics_address, f"ps:{self.index}", self.key, context=self._ctx)
         run.stopped = run.run_id in self._stop_requested or run.step >= run.steps
         self.run = run
         self._reply(identity, msg, Op.OK)
@@ -524,47 +508,7 @@ class ParameterServer:
             run.late += 1
             self._reply(identity, msg, reply_op, flags=Flag.DROPPED, with_params=with_params)
             return
-        staleness = run.step - msg.step
-        if run.mode != "sync":
-            run.staleness[staleness] += 1
-            _note_buffers(run, msg.task, buffers)
-            # applied before this request's frames are let go: no copy (they are writable memory of this
-            # message alone, so an optimizer that changes a gradient in place changes nothing else)
-            self._apply(run, grads, 1)
-            if run.mode == "ssp":
-                run.clocks[msg.task] += 1
-                if run.ahead(msg.task) > run.staleness_bound and not run.stopped:
-                    run.waiting.append((identity, _header(msg, value=staleness), time.monotonic()))
-                else:
-                    self._reply(identity, msg, reply_op, value=staleness, with_params=with_params)
-                self._release_waiting(lambda req: run.ahead(req.task) <= run.staleness_bound)
-                return
-            self._reply(identity, msg, reply_op, value=staleness, with_params=with_params)
-            return
-        if staleness != 0:
-            run.dropped_stale += 1
-            self._reply(identity, msg, reply_op, flags=Flag.DROPPED, value=staleness, with_params=with_params)
-            return
-        _note_buffers(run, msg.task, buffers)
-        if run.accum is None:
-            # one replica per step: applied below, before this request's frames are let go, so not copied
-            run.accum = grads if run.replicas_now() == 1 else [_owned(g) for g in grads]
-        else:
-            for a, g in zip(run.accum, grads):
-                if isinstance(g, torch.Tensor):
-                    a.add_(g)
-                else:
-                    a.extend(_owned(g))
-        run.accum_count += 1
-        run.contributors.append(msg.task)
-        if with_params:
-            run.waiting.append((identity, _header(msg), time.monotonic()))
-        if run.accum_count >= run.replicas_now():
-            self._apply(run, run.accum, run.accum_count)
-            run.accum, run.accum_count, run.contributors = None, 0, []
-            self._release_waiting()
-        if not with_params:
-            self._reply(identity, msg, Op.OK)
+        run.rules.push(self, run, identity, msg, grads, buffers, with_params)
 
     def _gradients(self, run: _RunState, msg: Message) -> tuple[list, list[torch.Tensor]]:
         """(per trained variable of this ps, in its order: a dense gradient, or for a sparse variable a list of
@@ -590,7 +534,7 @@ class ParameterServer:
             if not run.sparse[i]:
                 grad = tensors[k]
                 if grad.shape != param.shape or not (grad.dtype == param.dtype or run.kinds[i] == "param" and
-                                                     param.dtype == torch.float32 and grad.dtype in HALF_DTYPES):
+                                                     param.dtype == torch.float32 and grad.dtype == run.half):
                     raise ProtocolError(f"gradients of variable {ids[k]} have the wrong shape or dtype: "
                                         "the worker's model differs from the chief's")
                 grads[i], k = (grad if grad.dtype == param.dtype else grad.float()), k + 1  # mixed precision
@@ -694,12 +638,7 @@ class ParameterServer:
             run.num_workers = n
             run.replicas = max(1, replicas)
         run.lost.update(int(w) for w in meta.get("lost", []) if 0 <= int(w) < run.num_workers)
-        if run.mode == "sync" and run.accum is not None and run.accum_count >= run.replicas_now():
-            self._apply(run, run.accum, run.accum_count)
-            run.accum, run.accum_count, run.contributors = None, 0, []
-            self._release_waiting()
-        elif run.mode == "ssp":
-            self._release_waiting(lambda req: run.ahead(req.task) <= run.staleness_bound)
+        run.rules.members_changed(self, run)
         self._reply(identity, msg, Op.OK)
 
     def _shutdown(self, identity, msg):
@@ -774,6 +713,103 @@ class ParameterServer:
                  Op.CHECKPOINT: _checkpoint, Op.MEMBERSHIP: _membership, Op.SHARE: _share}
 
 
+class _Sync:
+    """SyncReplicasOptimizer: a gradient of the current step is summed until ``replicas_now()`` have arrived, then
+    one averaged update is applied and the held replies are answered; a gradient of an older step is dropped."""
+
+    @staticmethod
+    def push(server: ParameterServer, run: _RunState, identity, msg: Message, grads, buffers, with_params) -> None:
+        staleness = run.step - msg.step
+        if staleness != 0:
+            run.dropped_stale += 1
+            server._reply(identity, msg, Op.PARAMS if with_params else Op.OK, flags=Flag.DROPPED, value=staleness,
+                          with_params=with_params)
+            return
+        _note_buffers(run, msg.task, buffers)
+        if run.accum is None:
+            # one replica per step: applied below, before this request's frames are let go, so not copied
+            run.accum = grads if run.replicas_now() == 1 else [_owned(g) for g in grads]
+        else:
+            for a, g in zip(run.accum, grads):
+                if isinstance(g, torch.Tensor):
+                    a.add_(g)
+                else:
+                    a.extend(_owned(g))
+        run.accum_count += 1
+        run.contributors.append(msg.task)
+        if with_params:
+            run.waiting.append((identity, _header(msg), time.monotonic()))
+        _Sync.members_changed(server, run)
+        if not with_params:
+            server._reply(identity, msg, Op.OK)
+
+    @staticmethod
+    def members_changed(server: ParameterServer, run: _RunState) -> None:
+        """Apply the step once it has its gradients (fewer are needed when workers are lost)."""
+        if run.accum is not None and run.accum_count >= run.replicas_now():
+            server._apply(run, run.accum, run.accum_count)
+            run.accum, run.accum_count, run.contributors = None, 0, []
+            server._release_waiting()
+
+    @staticmethod
+    def waiting_for(run: _RunState) -> list[int]:
+        """The workers whose gradient for the current step has not arrived yet."""
+        return sorted(set(run.live()) - set(run.contributors))
+
+
+class _Async:
+    """Each gradient is applied on arrival; its staleness is counted."""
+
+    def push(self, server: ParameterServer, run: _RunState, identity, msg: Message, grads, buffers,
+             with_params) -> None:
+        staleness = run.step - msg.step
+        run.staleness[staleness] += 1
+        _note_buffers(run, msg.task, buffers)
+        # applied before this request's frames are let go: no copy (they are writable memory of this message
+        # alone, so an optimizer that changes a gradient in place changes nothing else)
+        server._apply(run, grads, 1)
+        self.answer(server, run, identity, msg, staleness, with_params)
+
+    @staticmethod
+    def answer(server: ParameterServer, run: _RunState, identity, msg: Message, staleness: int, with_params) -> None:
+        server._reply(identity, msg, Op.PARAMS if with_params else Op.OK, value=staleness, with_params=with_params)
+
+    @staticmethod
+    def members_changed(server: ParameterServer, run: _RunState) -> None:
+        pass
+
+    @staticmethod
+    def waiting_for(run: _RunState) -> list[int]:
+        return []
+
+
+class _SSP(_Async):
+    """Bounded staleness: as async, but the answer to a push is held while its worker has pushed more than
+    ``staleness_bound`` times more than the slowest live worker."""
+
+    @staticmethod
+    def answer(server: ParameterServer, run: _RunState, identity, msg: Message, staleness: int, with_params) -> None:
+        run.clocks[msg.task] += 1
+        if run.ahead(msg.task) > run.staleness_bound and not run.stopped:
+            run.waiting.append((identity, _header(msg, value=staleness), time.monotonic()))
+        else:
+            _Async.answer(server, run, identity, msg, staleness, with_params)
+        _SSP.members_changed(server, run)
+
+    @staticmethod
+    def members_changed(server: ParameterServer, run: _RunState) -> None:
+        server._release_waiting(lambda req: run.ahead(req.task) <= run.staleness_bound)
+
+    @staticmethod
+    def waiting_for(run: _RunState) -> list[int]:
+        """The slowest workers, while some worker is held for them."""
+        if not run.waiting:
+            return []
+        slowest = min(run.clocks[w] for w in run.live())
+        return [w for w in run.live() if run.clocks[w] == slowest]
+
+
+AGGREGATION = {"sync": _Sync(), "async": _Async(), "ssp": _SSP()}
 _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 
 
@@ -789,19 +825,6 @@ def _held(msg: Message) -> Message:
     return Message(op=msg.op, flags=msg.flags, task=msg.task, run_id=msg.run_id, request_id=msg.request_id,
                    nonce=msg.nonce, step=msg.step, ids=list(msg.ids), tensors=[t.clone() for t in msg.tensors],
                    meta=msg.meta)
-
-
-def _check_config(run: _RunState) -> None:
-    """A run's INIT configuration within its bounds, or ValueError."""
-    if run.mode not in ("sync", "async", "ssp"):
-        raise ValueError(f"mode {run.mode!r}: use sync, async or ssp")
-    if run.buffer_rule not in BUFFER_RULES:
-        raise ValueError(f"buffers {run.buffer_rule!r}: use one of {BUFFER_RULES}")
-    if not 1 <= run.num_workers <= MAX_WORKERS or not 1 <= run.replicas <= MAX_WORKERS:
-        raise ValueError(f"{run.num_workers} workers, {run.replicas} replicas: 1 to {MAX_WORKERS} each")
-    if not 0 <= run.step <= run.steps or run.staleness_bound < 0 or run.checkpoint_every < 0:
-        raise ValueError(f"step {run.step} of {run.steps}, staleness bound {run.staleness_bound}, "
-                         f"checkpoint every {run.checkpoint_every}: none may be negative, the step not past the end")
 
 
 def _parameter(name: str) -> str:

@@ -13,6 +13,7 @@ import copy
 import os
 import time
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +23,7 @@ from . import checkpoint
 from .client import PSClient
 from .data import sharded_batches
 from .metrics import MetricsEmitter
-from .plan import TrainPlan, VariableSpec, model_tensors, sparse_modules
+from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors, sparse_modules
 from .protocol import Flag
 from .steps import Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
 
@@ -213,22 +214,12 @@ class _Steps:
         raise AssertionError("unreachable")
 
 
-def _ps_config(plan: TrainPlan, ps: int) -> dict:
-    return {"mode": plan.mode, "steps": plan.steps, "replicas_to_aggregate": plan.replicas_to_aggregate,
-            "num_workers": plan.num_workers, "metrics_address": plan.metrics_address,
-            "optimizer_spec": plan.optimizer_spec.to_dict(),
-            "staleness_bound": plan.staleness_bound, "checkpoint_dir": plan.checkpoint_dir,
-            "checkpoint_every": plan.checkpoint_every, "attempt": plan.attempt,
-            "names": [v.name for v in plan.variables_on(ps)], "sparse": [v.sparse for v in plan.variables_on(ps)],
-            "kinds": [v.kind for v in plan.variables_on(ps)], "buffers": plan.buffers}
-
-
 def _initialize(client: PSClient, plan: TrainPlan, shards: "_Shards", emit) -> None:
     """The chief's duty before anyone trains: INIT every ps with the model's initial values, or with the
     latest checkpoint's values, optimizer state and step (re-cut to this run's placement) when the plan
     says restore and one passes its checks. Refused checkpoints are reported and the previous is tried."""
     values = shards.values()
-    configs = [_ps_config(plan, i) for i in range(len(values))]
+    configs = [PsConfig.for_ps(plan, i) for i in range(len(values))]
     ckpt = None
     if plan.restore and plan.checkpoint_dir:
         emit("state", state="restoring")
@@ -239,10 +230,11 @@ def _initialize(client: PSClient, plan: TrainPlan, shards: "_Shards", emit) -> N
         for i, (ids, _) in values.items():
             slots = [(vid, key, t) for vid in ids for key, t in checkpoint.encode_state(states[vid]).items()]
             values[i] = (ids + [vid for vid, _, _ in slots], [restored[vid] for vid in ids] + [t for *_, t in slots])
-            configs[i].update(step=ckpt.step, state=[key for _, key, _ in slots], schedule_state=ckpt.schedule)
+            configs[i] = replace(configs[i], step=ckpt.step, state=tuple(key for _, key, _ in slots),
+                                 schedule_state=ckpt.schedule)
     else:
         emit("state", state="initializing")
-    client.init(plan.run_id, values, configs)
+    client.init(plan.run_id, values, [c.to_dict() for c in configs])
     if ckpt is not None:
         emit("restored", step=ckpt.step, path=str(ckpt.path))
 

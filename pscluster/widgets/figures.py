@@ -44,10 +44,11 @@ def _drawn(panel, **frames: pd.DataFrame | None) -> go.Figure:
 
 
 def convergence_figure(metrics: pd.DataFrame, evaluations: pd.DataFrame | None = None,
-                       events: pd.DataFrame | None = None) -> go.Figure:
-    """Loss and accuracy against the global step, per worker raw and smoothed, with the test-set
-    evaluations and the run's events as marks: see ``panels.Convergence``."""
-    return _drawn(Convergence(), metrics=metrics, evaluations=evaluations, events=events)
+                       events: pd.DataFrame | None = None, ps_metrics: pd.DataFrame | None = None) -> go.Figure:
+    """Loss, accuracy and the step's own metrics (``metrics``' other columns) against the global step, per
+    worker raw and smoothed, with the test-set evaluations, the learning rate of ps 0 (from ``ps_metrics``)
+    and the run's events as marks: see ``panels.Convergence``."""
+    return _drawn(Convergence(), metrics=metrics, evaluations=evaluations, events=events, ps_metrics=ps_metrics)
 
 
 def speed_figure(metrics: pd.DataFrame, *, window: int = 10, start: float | None = None) -> go.Figure:
@@ -94,7 +95,8 @@ def placement_spec(placement: pd.DataFrame, optimizer_slots: int, *, num_ps: int
     def kind(v) -> str:
         return getattr(v, "kind", "param")
 
-    traces = [dict(type="bar", x=[f"ps:{v.ps}"], y=[int(v.bytes) * (1 + (optimizer_slots if kind(v) == "param" else 0))],
+    traces = [dict(type="bar", x=[f"ps:{v.ps}"],
+                   y=[int(v.bytes) * (1 + (optimizer_slots if kind(v) == "param" else 0))],
                    name=v.variable if kind(v) == "param" else f"{v.variable} ({kind(v)})",
                    showlegend=len(placement) <= 12, hovertext=f"{v.variable} {tuple(v.shape)} {v.dtype}"
                    + ("" if kind(v) == "param" else f", {kind(v)}"), hoverinfo="text+y")

@@ -14,6 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ..metrics.store import METRIC_COLUMNS
 from .marks import Marks
 from .series import Decimated, Ewm
 from .specs import HEIGHT, Rows, Spec, color, no_data, size, spec
@@ -22,6 +23,7 @@ Tables = Mapping[str, Rows]  # new rows by table name: metrics, ps_metrics, eval
 
 SMOOTH_SPAN = 20  # steps of the exponential moving average
 RECENT_S = 5.0  # the roles table's steps/s: over this many seconds
+STORE_COLUMNS = {"row", *METRIC_COLUMNS}  # of metric rows; the others are a step_fn's own metrics
 
 
 def groups(r: Rows, key: str):
@@ -75,65 +77,163 @@ class WorkerRates:
         return rates
 
 
-class Convergence:
-    """Loss (top) and accuracy (bottom) against the global step.
+class _WorkerLines:
+    """One worker's convergence series: its global steps (``x``) and, for each value it has reported a number
+    for (loss, accuracy, a step metric), the raw values and their moving average, thinned together."""
 
-    Per worker: the raw values (thin, translucent, named ``worker i``) and their moving average
-    (``worker i (smoothed)``); the periodic test-set evaluation as markers (``test set``); the run's
-    events (lost and replaced tasks, restores, checkpoints) as vertical marks (``marks``)."""
+    def __init__(self):
+        self.points = Decimated("x")
+        self._ewm: dict[str, Ewm] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ewm
+
+    def names(self) -> set[str]:
+        return set(self._ewm)
+
+    def extend(self, x: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        """Append rows: their global steps and their ``values`` by name. A value joins at the first row with a
+        number for it (the loss at once); one these rows lack is NaN at them."""
+        for name, v in values.items():
+            if name not in self._ewm and (name == "loss" or np.isfinite(v).any()):
+                self._ewm[name] = Ewm(SMOOTH_SPAN)
+                self.points.add(f"raw:{name}")
+                self.points.add(f"smooth:{name}")
+        columns = {"x": x}
+        for name, ewm in self._ewm.items():
+            v = values[name] if name in values else np.full(len(x), np.nan)
+            columns[f"raw:{name}"], columns[f"smooth:{name}"] = v, ewm.update(v)
+        self.points.extend(**columns)
+
+    def raw(self, name: str) -> np.ndarray:
+        return self.points[f"raw:{name}"]
+
+    def smoothed(self, name: str) -> np.ndarray:
+        return self.points[f"smooth:{name}"]
+
+
+class Convergence:
+    """Loss, accuracy, the step's own metrics and the learning rate against the global step: one plot each,
+    stacked on one x axis, each with its own y axis.
+
+    The loss is always there; accuracy and each of a ``step_fn``'s metrics (in name order) once a row has a
+    number for them (a model without class logits has no accuracy); the learning rate of ps 0 (a thin line
+    in a low plot at the bottom) once a ps sample has one. Per worker: the raw values (thin, translucent,
+    named ``worker i``) and their moving average (``worker i (smoothed)``); the periodic test-set
+    evaluation as markers (``test set``) on the loss and accuracy; the run's events (lost and replaced
+    tasks, restores, checkpoints) as vertical marks across all plots (``marks``)."""
 
     TITLE = "convergence: loss and accuracy against global step"
 
     def __init__(self):
-        self._workers: dict[int, tuple[Decimated, Ewm, Ewm]] = {}
+        self._workers: dict[int, _WorkerLines] = {}
         self._evaluations = {"global_step": np.empty(0), "loss": np.empty(0), "accuracy": np.empty(0)}
+        self._lr = Decimated("x", "lr")
         self.marks = Marks()
 
     def feed(self, new: Tables) -> bool:
-        """Take the new rows of the run's metrics, evaluations and events; whether any came."""
+        """Take the new rows of the run's metrics, evaluations, events and ps samples; whether they change
+        the figure."""
         if "events" in new:  # first: events not yet followed by metric rows are marked where those go on
             self.marks.add_events(new["events"])
         if "metrics" in new:
             self._add(new["metrics"])
         if "evaluations" in new:
             for name in self._evaluations:
-                self._evaluations[name] = np.append(self._evaluations[name], new["evaluations"][name])
-        return bool(new.keys() & {"events", "metrics", "evaluations"})
+                values = np.asarray(new["evaluations"][name], dtype=float)
+                self._evaluations[name] = np.append(self._evaluations[name], values)
+        lr = "ps_metrics" in new and self._add_lr(new["ps_metrics"])
+        return lr or bool(new.keys() & {"events", "metrics", "evaluations"})
 
     def _add(self, metrics: Rows) -> None:
+        values = ("loss", "accuracy", *(name for name in metrics if name not in STORE_COLUMNS))
         for w, rows in groups(metrics, "worker"):
-            if w not in self._workers:
-                self._workers[w] = Decimated("x", "loss", "loss_s", "acc", "acc_s"), Ewm(SMOOTH_SPAN), Ewm(SMOOTH_SPAN)
-            points, loss_ewm, acc_ewm = self._workers[w]
-            loss, acc = metrics["loss"][rows], metrics["accuracy"][rows]
-            points.extend(x=metrics["global_step"][rows], loss=loss, loss_s=loss_ewm.update(loss), acc=acc,
-                          acc_s=acc_ewm.update(acc))
+            lines = self._workers.setdefault(w, _WorkerLines())
+            lines.extend(metrics["global_step"][rows],
+                         {name: np.asarray(metrics[name][rows], dtype=float) for name in values})
         self.marks.add_metrics(metrics)
+
+    def _add_lr(self, ps_metrics: Rows) -> bool:
+        if "lr" not in ps_metrics:  # a store older than the learning rate
+            return False
+        lr = np.asarray(ps_metrics["lr"], dtype=float)
+        keep = (np.asarray(ps_metrics["ps"]) == 0) & np.isfinite(lr)
+        self._lr.extend(x=ps_metrics["step"][keep], lr=lr[keep])
+        return bool(keep.any())
+
+    def rows(self) -> list[str]:
+        """The values plotted per worker, top to bottom: loss, accuracy (when there is some), the step metrics
+        by name. The learning rate, when there is some, comes under them."""
+        reported = set().union(*(lines.names() for lines in self._workers.values())) - {"loss", "accuracy"}
+        accuracy = any("accuracy" in lines for lines in self._workers.values()) or \
+            bool(np.isfinite(self._evaluations["accuracy"]).any())
+        return ["loss", *(["accuracy"] if accuracy else []), *sorted(reported)]
 
     def spec(self) -> Spec:
         """The figure of the rows so far, as plain data."""
         if not self._workers:
             return no_data(self.TITLE)
+        rows, lr = self.rows(), len(self._lr) > 0
+        axes = {name: "y" if i == 0 else f"y{i + 1}" for i, name in enumerate(rows)}
         traces = []
-        for w, (points, _, _) in sorted(self._workers.items()):
-            x = points["x"]
-            for axis, column in (("y", "loss"), ("y2", "acc")):
-                common = dict(type="scatter", mode="lines", x=x, yaxis=axis, legendgroup=f"worker {w}",
-                              showlegend=axis == "y")
-                traces.append(dict(common, y=points[column], name=f"worker {w}", opacity=0.3,
-                                   line=dict(color=color(w), width=1)))
-                traces.append(dict(common, y=points[column + "_s"], name=f"worker {w} (smoothed)",
-                                   line=dict(color=color(w), width=2)))
+        for w, lines in sorted(self._workers.items()):
+            x = lines.points["x"]
+            for name in rows:
+                if name in lines:
+                    common = dict(type="scatter", mode="lines", x=x, yaxis=axes[name], legendgroup=f"worker {w}",
+                                  showlegend=name == "loss")
+                    traces.append(dict(common, y=lines.raw(name), name=f"worker {w}", opacity=0.3,
+                                       line=dict(color=color(w), width=1)))
+                    traces.append(dict(common, y=lines.smoothed(name), name=f"worker {w} (smoothed)",
+                                       line=dict(color=color(w), width=2)))
         evaluations = self._evaluations
         if len(evaluations["global_step"]):
-            for axis, column in (("y", "loss"), ("y2", "accuracy")):
-                traces.append(dict(type="scatter", mode="markers", yaxis=axis, x=evaluations["global_step"],
-                                   y=evaluations[column], name="test set", legendgroup="test set",
-                                   showlegend=axis == "y", marker=dict(color="black", symbol="diamond", size=8)))
-        return spec(self.TITLE, traces, height=HEIGHT + 60, xaxis=dict(anchor="y2", title_text="global step"),
-                    yaxis=dict(domain=[0.54, 1], title_text="loss"),
-                    yaxis2=dict(domain=[0, 0.46], title_text="accuracy"),
-                    shapes=self.marks.shapes())
+            for column in ("loss", "accuracy"):
+                if column in axes:
+                    traces.append(dict(type="scatter", mode="markers", yaxis=axes[column],
+                                       x=evaluations["global_step"], y=evaluations[column], name="test set",
+                                       legendgroup="test set", showlegend=column == "loss",
+                                       marker=dict(color="black", symbol="diamond", size=8)))
+        lowest = f"y{len(rows) + 1}" if lr else axes[rows[-1]]
+        if lr:
+            traces.append(dict(type="scatter", mode="lines", yaxis=lowest, x=self._lr["x"], y=self._lr["lr"],
+                               name="learning rate (ps 0)", showlegend=False, line=dict(color="#555555", width=1.5)))
+        height, layout = _stacked(rows, lr)
+        return spec(_title(rows, lr), traces, height=height, shapes=self.marks.shapes(),
+                    xaxis=dict(anchor=lowest, title_text="global step"), **layout)
+
+
+ROW_PX = 130  # the height of one plot of the convergence stack; the learning rate's is half of it
+GAP_PX = 22  # between two plots of the stack
+
+
+def _stacked(rows: list[str], lr: bool) -> tuple[int, dict]:
+    """The figure's height and its y axes: one plot per value of ``rows``, and with ``lr`` a half-height one
+    for the learning rate, stacked top to bottom."""
+    plots = [(name, 1.0, {}) for name in rows]
+    if lr:
+        plots.append(("lr", 0.5, dict(rangemode="tozero", exponentformat="e", nticks=3)))
+    weight = sum(w for _, w, _ in plots)
+    height = max(HEIGHT, round(100 + ROW_PX * weight))
+    gap = GAP_PX / (height - 85)  # of the plotting area: the height less the top and bottom margins
+    unit = (1 - gap * (len(plots) - 1)) / weight
+    top, axes = 1.0, {}
+    for i, (title, w, style) in enumerate(plots):
+        bottom = max(0.0, top - w * unit)
+        axes["yaxis" if i == 0 else f"yaxis{i + 1}"] = dict(domain=[round(bottom, 4), round(top, 4)],
+                                                            title_text=title, **style)
+        top = bottom - gap
+    return height, axes
+
+
+def _title(rows: list[str], lr: bool) -> str:
+    """``convergence: loss, accuracy and error_rate against global step``; four step metrics or more are
+    counted rather than named (their plots' axes name them)."""
+    named, metrics = rows[:1 + ("accuracy" in rows)], rows[1 + ("accuracy" in rows):]
+    named += metrics if len(metrics) < 4 else [f"{len(metrics)} step metrics"]
+    named += ["learning rate"] if lr else []
+    listed = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+    return f"convergence: {listed} against global step"
 
 
 class Speed:

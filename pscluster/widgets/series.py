@@ -37,6 +37,12 @@ class Decimated:
         last = (self.count - 1) % self.stride != 0
         self._newest = {k: float(np.asarray(v)[-1]) for k, v in columns.items()} if last else {}
 
+    def add(self, name: str) -> None:
+        """A new column, NaN at the points so far: a value first reported after them."""
+        self._kept[name] = np.full(self._kept_count(), np.nan)
+        if self._newest:
+            self._newest[name] = math.nan
+
     def _kept_count(self) -> int:
         return len(next(iter(self._kept.values())))
 

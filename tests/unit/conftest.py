@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from pscluster.runtime.client import PSClient
+from pscluster.runtime.optim import OptimizerSpec
+from pscluster.runtime.plan import PsConfig
 from pscluster.runtime.protocol import NO_TASK
 from pscluster.runtime.ps import ParameterServer
 from pscluster.spec import ClusterSpec, TaskSpec
@@ -56,8 +58,9 @@ class LocalPS:
 
 def ps_config(names, *, mode="sync", steps=100, replicas=1, optimizer="sgd", workers=1, **optimizer_kwargs) -> dict:
     """The INIT configuration of one ps task, as the chief sends it."""
-    return {"mode": mode, "steps": steps, "replicas_to_aggregate": replicas, "optimizer": optimizer,
-            "num_workers": workers, "optimizer_kwargs": optimizer_kwargs or {"lr": 0.1}, "names": list(names)}
+    return PsConfig(mode=mode, steps=steps, replicas_to_aggregate=replicas, num_workers=workers,
+                    optimizer=OptimizerSpec(optimizer, optimizer_kwargs or {"lr": 0.1}).to_dict(),
+                    names=tuple(names)).to_dict()
 
 
 @dataclass

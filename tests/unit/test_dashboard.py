@@ -28,10 +28,16 @@ VARIABLES = [SimpleNamespace(name="fc1.weight", ps=0, shape=(32, 64), dtype="flo
 
 
 class Writer:
-    """Plays the controller of one run: step events of 2 workers and ps samples, with real timestamps."""
+    """Plays the controller of one run: step events of 2 workers and ps samples, with real timestamps.
 
-    def __init__(self, store: RunStore, mode: str = "sync", optimizer: str = "Adam"):
+    ``step_metrics``: each step has a step_fn's metrics, error_rate 0.5 / step and logit_scale 10 (worker 0) or
+    20 (worker 1); ``lr``: each ps sample has the learning rate 0.1 / (1 + step // 10); ``accuracy=False``: a
+    model without class logits."""
+
+    def __init__(self, store: RunStore, mode: str = "sync", optimizer: str = "Adam", *, step_metrics: bool = False,
+                 lr: bool = False, accuracy: bool = True):
         self.store = store
+        self.step_metrics, self.lr, self.accuracy = step_metrics, lr, accuracy
         config = {"mode": mode, "steps": 100, "batch_size": 8, "optimizer": optimizer, "optimizer_kwargs": {},
                   "replicas_to_aggregate": 2, "num_workers": 2, "seed": 0, "log_every": 10}
         self.run_id = store.create_run(name=f"{mode}-run", cluster="c", mode=mode, config=config, spec=SPEC)
@@ -49,13 +55,16 @@ class Writer:
             for w in range(2):
                 events.append({"kind": "step", "task": f"worker:{w}", "time": now + 0.001 * i + 0.0001 * w,
                                "local_step": self.steps, "global_step": self.steps, "loss": 1.0 / self.steps,
-                               "accuracy": 0.5, "compute_s": 0.001, "wait_s": 0.0, "comm_s": 0.001,
-                               "bytes_sent": 10, "bytes_received": 10, "staleness": w, "dropped": False})
+                               "accuracy": 0.5 if self.accuracy else None, "compute_s": 0.001, "wait_s": 0.0,
+                               "comm_s": 0.001, "bytes_sent": 10, "bytes_received": 10, "staleness": w,
+                               "dropped": False})
+                if self.step_metrics:
+                    events[-1]["metrics"] = {"error_rate": 0.5 / self.steps, "logit_scale": 10.0 * (w + 1)}
         for ps in range(2):
             events.append({"kind": "ps", "task": f"ps:{ps}", "time": now + 0.001 * steps, "step": self.steps,
                            "pushes": 2 * self.steps, "pulls": 2, "applied": self.steps, "dropped_stale": 0,
                            "late": 0, "bytes_in": 100 * self.steps, "bytes_out": 100 * self.steps,
-                           "waiting_for": [1]})
+                           "waiting_for": [1], **({"lr": 0.1 / (1 + self.steps // 10)} if self.lr else {})})
         self.store.add_batch(self.run_id, events)
 
 
@@ -225,6 +234,65 @@ def test_marks_of_new_events_are_sent_once(store, dashboards, monkeypatch):
     d.refresh()  # new rows, no new event: the marks are not sent again
     assert [keys for w, keys in sent if w is d.figures["convergence"]] == [set()]
     assert "worker:1 lost" in d.static_html(include_plotlyjs=False)
+
+
+def plots(widget) -> dict[str, str]:
+    """The y axis of each plot of a convergence figure, by its title."""
+    layout = go.Figure(widget).to_dict()["layout"]
+    return {axis["title"]["text"]: "y" + key[len("yaxis"):] for key, axis in layout.items()
+            if key.startswith("yaxis") and "title" in axis}
+
+
+def test_step_metrics_and_the_learning_rate_are_plotted_like_the_loss(store, dashboards, fresh_plotlyjs):
+    run = Writer(store, step_metrics=True, lr=True)
+    d = dashboards(store.path, run.run_id)
+    run.write(10)
+    d.refresh()
+    time.sleep(0.01)
+    run.write(15)
+    d.refresh()
+    convergence = d.figures["convergence"]
+    assert plots(convergence) == {"loss": "y", "accuracy": "y2", "error_rate": "y3", "logit_scale": "y4", "lr": "y5"}
+    steps = np.arange(1, 26)
+    for w in (0, 1):
+        raw = [t for t in convergence.data if t.name == f"worker {w}"]
+        assert [t.yaxis for t in raw] == ["y", "y2", "y3", "y4"]
+        np.testing.assert_array_equal(raw[2].x, steps)
+        np.testing.assert_allclose(raw[2].y, 0.5 / steps)
+        np.testing.assert_allclose(raw[3].y, 10.0 * (w + 1))
+        assert names(convergence).count(f"worker {w} (smoothed)") == 4
+    (lr,) = [t for t in convergence.data if t.name == "learning rate (ps 0)"]
+    assert lr.yaxis == "y5" and list(lr.x) == [10, 25] and list(lr.y) == pytest.approx([0.05, 0.1 / 3])
+    metrics, ps_metrics = store.metrics(run.run_id), store.ps_metrics(run.run_id)
+    same_traces(convergence, figures.convergence_figure(metrics, store.evaluations(run.run_id), None, ps_metrics))
+    # still one message per refresh, to the same widget
+    before = edits(d)
+    time.sleep(0.01)
+    run.write(5)
+    d.refresh()
+    widget, traces, layouts = before["convergence"]
+    assert edits(d)["convergence"] == (widget, traces + 1, layouts + 1)
+    assert len(convergence.data[0].x) == 30 and convergence.data[-1].x[-1] == 30
+    html = d._repr_mimebundle_()["text/html"]  # the static copy an nbconvert report keeps
+    for text in ("error_rate", "logit_scale", "learning rate (ps 0)", "loss, accuracy, error_rate, logit_scale "
+                 "and learning rate against global step"):
+        assert text in html
+
+
+def test_a_run_without_step_metrics_learning_rate_or_accuracy_shows_the_loss_alone(store, dashboards):
+    run = Writer(store, accuracy=False)
+    d = dashboards(store.path, run.run_id)
+    for _ in range(2):
+        run.write(10)
+        d.refresh()
+        time.sleep(0.01)
+    convergence = d.figures["convergence"]
+    assert d.error is None and plots(convergence) == {"loss": "y"}
+    assert names(convergence) == ["worker 0", "worker 0 (smoothed)", "worker 1", "worker 1 (smoothed)"]
+    assert convergence.layout.title.text == "convergence: loss against global step"
+    assert "learning rate" not in d.static_html(include_plotlyjs=False)
+    same_traces(convergence, figures.convergence_figure(store.metrics(run.run_id), None, None,
+                                                         store.ps_metrics(run.run_id)))
 
 
 def test_each_dashboard_reads_the_rows_of_its_own_run(store, dashboards):

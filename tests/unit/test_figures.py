@@ -77,6 +77,98 @@ def test_convergence_smooths_with_a_moving_average():
     assert smooth[-1] > raw[-1]  # and lags behind it
 
 
+def step_metrics_run(store: RunStore) -> int:
+    """A run whose step_fn reports ``error_rate`` and ``logit_scale`` and whose model has no class logits
+    (accuracy None): worker w reports local step i (1..40) at global step 2 i + w. ps 0 samples every 4 global
+    steps a learning rate that halves every 20; ps 1 reports another one, which the figure leaves out."""
+    run = store.create_run(name="r", cluster="c", mode="sync", config={}, spec={})
+    store.add_batch(run, [{"kind": "step", "task": f"worker:{w}", "time": 1000.0 + i + 0.1 * w, "local_step": i,
+                           "global_step": 2 * i + w, "loss": 1.0 / i, "accuracy": None,
+                           "metrics": {"error_rate": 0.5 / i, "logit_scale": 10.0 * (w + 1)}}
+                          for i in range(1, 41) for w in (0, 1)])
+    store.add_batch(run, [{"kind": "ps", "task": f"ps:{ps}", "time": 1000.0 + k, "step": 4 * k, "waiting_for": [],
+                           "lr": 0.1 * 0.5 ** (4 * k // 20) if ps == 0 else 99.0} for k in range(21) for ps in (0, 1)])
+    return run
+
+
+def trace(fig, name: str, yaxis: str):
+    return next(t for t in fig.data if t.name == name and t.yaxis == yaxis)
+
+
+def test_convergence_stacks_the_step_metrics_and_the_learning_rate_under_the_loss(tmp_path):
+    with RunStore(tmp_path / "runs.sqlite") as store:
+        run = step_metrics_run(store)
+        metrics, ps_metrics = store.metrics(run), store.ps_metrics(run)
+    fig = figures.convergence_figure(metrics, None, None, ps_metrics)
+    layout = go.Figure(fig.to_dict()).to_dict()["layout"]  # validated: nested as the browser gets it
+    axes = [layout[k] for k in ("yaxis", "yaxis2", "yaxis3", "yaxis4")]
+    assert [a["title"]["text"] for a in axes] == ["loss", "error_rate", "logit_scale", "lr"]  # no accuracy plot
+    assert "yaxis5" not in layout and layout["xaxis"]["anchor"] == "y4"  # the global step under the lowest
+    assert layout["title"]["text"] == "convergence: loss, error_rate, logit_scale and learning rate against global step"
+    tops, bottoms = [a["domain"][1] for a in axes], [a["domain"][0] for a in axes]
+    assert tops[0] == 1 and bottoms[-1] == 0 and all(b > t for b, t in zip(bottoms, tops[1:]))  # stacked, apart
+    heights = np.subtract(tops, bottoms)
+    assert heights[3] == pytest.approx(heights[0] / 2, abs=0.01) and np.ptp(heights[:3]) < 0.01
+    assert layout["height"] > specs.HEIGHT + 60  # taller than loss and accuracy alone
+    i = np.arange(1, 41)
+    for w in (0, 1):  # each metric like the loss: every worker raw and smoothed, in its legend group
+        raw, smoothed = trace(fig, f"worker {w}", "y2"), trace(fig, f"worker {w} (smoothed)", "y2")
+        np.testing.assert_array_equal(raw.x, 2 * i + w)
+        np.testing.assert_allclose(raw.y, 0.5 / i)
+        np.testing.assert_allclose(smoothed.y, pd.Series(0.5 / i).ewm(span=figures.SMOOTH_SPAN).mean())
+        np.testing.assert_allclose(trace(fig, f"worker {w}", "y3").y, 10.0 * (w + 1))
+        assert raw.legendgroup == f"worker {w}" and not raw.showlegend
+        assert trace(fig, f"worker {w}", "y").showlegend  # the legend entries are the loss's
+    lr = trace(fig, "learning rate (ps 0)", "y4")
+    np.testing.assert_array_equal(lr.x, 4 * np.arange(21))
+    np.testing.assert_allclose(lr.y, 0.1 * 0.5 ** (4 * np.arange(21) // 20))
+    assert lr.line.width < 2 and not lr.showlegend
+
+
+def test_convergence_of_a_model_without_accuracy_shows_the_loss_alone():
+    for accuracy in (np.nan, None):  # None: what a store gives for a column that is NULL throughout
+        metrics = make_metrics().assign(accuracy=accuracy)
+        fig = figures.convergence_figure(metrics, None, None, make_ps_metrics())  # samples without lr
+        assert {t.yaxis for t in fig.data} == {"y"} and len(fig.data) == 2 * len(RATES)
+        assert "yaxis2" not in fig.to_dict()["layout"] and fig.layout.xaxis.anchor == "y"
+        assert fig.layout.title.text == "convergence: loss against global step"
+        assert fig.layout.height == specs.HEIGHT
+    evaluations = pd.DataFrame({"global_step": [30], "time": [1], "loss": [0.5], "accuracy": [None]})
+    fig = figures.convergence_figure(make_metrics().assign(accuracy=np.nan), evaluations)
+    assert [t.yaxis for t in fig.data if t.name == "test set"] == ["y"]
+
+
+def test_a_metric_that_comes_later_or_from_one_worker_is_drawn_the_same_live_and_at_once():
+    metrics = make_metrics({0: 10.0, 1: 10.0})  # 30 steps each, 1000.1 s to 1003 s
+    metrics["grad_norm"] = np.where((metrics["worker"] == 0) & (metrics["time"] > 1001.5), metrics["time"], np.nan)
+    metrics.loc[metrics.index[:10], "accuracy"] = np.nan  # accuracy from the 6th step on
+    whole = panels.Convergence()
+    whole.feed({"metrics": specs.rows(metrics)})
+    live = panels.Convergence()
+    for chunk in np.array_split(np.arange(len(metrics)), 7):
+        new = specs.rows(metrics.iloc[chunk])
+        if np.isnan(new["grad_norm"]).all():  # as the dashboard reads them: a chunk without it has no column
+            del new["grad_norm"]
+        live.feed({"metrics": new})
+    assert live.rows() == whole.rows() == ["loss", "accuracy", "grad_norm"]
+    a, b = live.spec(), whole.spec()
+    assert a.layout == b.layout and len(a.traces) == len(b.traces) == 2 * 2 + 2 * 3  # worker 1 has no grad_norm
+    for x, y in zip(a.traces, b.traces):
+        assert x.keys() == y.keys() and x["name"] == y["name"] and x["yaxis"] == y["yaxis"]
+        for key in ("x", "y"):
+            np.testing.assert_array_equal(x[key], y[key])
+    grad_norm = [t for t in b.traces if t["yaxis"] == "y3"]
+    assert [t["name"] for t in grad_norm] == ["worker 0", "worker 0 (smoothed)"]
+    assert np.isnan(grad_norm[0]["y"][:15]).all() and np.isfinite(grad_norm[0]["y"][15:]).all()
+
+
+def test_four_step_metrics_or_more_are_counted_in_the_title():
+    metrics = make_metrics().assign(a=1.0, b=2.0, c=3.0, d=4.0)
+    fig = go.Figure(figures.convergence_figure(metrics).to_dict())
+    assert fig.layout.title.text == "convergence: loss, accuracy and 4 step metrics against global step"
+    assert [fig.layout[f"yaxis{i}"].title.text for i in range(2, 7)] == ["accuracy", "a", "b", "c", "d"]
+
+
 def test_long_runs_are_thinned_but_keep_their_last_point():
     fig = figures.convergence_figure(make_metrics({0: 100.0}, steps=5 * specs.MAX_POINTS))
     x = fig.data[0].x
@@ -349,6 +441,8 @@ def test_roles_frame_without_a_run_is_empty():
 @pytest.mark.parametrize("build", [
     lambda: figures.convergence_figure(make_metrics(), None),
     lambda: figures.convergence_figure(make_metrics(), None, make_events(("controller", "checkpoint", {"step": 3}))),
+    lambda: figures.convergence_figure(make_metrics().assign(accuracy=np.nan, error_rate=0.1, scale=2.0), None, None,
+                                       make_ps_metrics().assign(lr=0.01)),
     lambda: figures.speed_figure(make_metrics()),
     lambda: figures.staleness_figure(make_metrics()),
     lambda: figures.waiting_figure(make_ps_metrics(), 2),

@@ -81,17 +81,19 @@ def test_init_retry_of_the_same_run_keeps_the_trained_values(start_run, values):
     chief = run.client(task=0)
     chief.push(0, run.split(grads(1, run.initial)))
     trained = run.values(chief)
-    chief.init(7, run.split(run.initial), [{}])  # same run id: acknowledged, nothing reset
+    chief.init(7, run.split(run.initial), [ps_config(run.names, mode="async", workers=2)])  # a retry: nothing reset
     assert_values(run.values(chief), trained, tol=0)
     assert chief.pull().step == 1
 
 
 @pytest.mark.parametrize("config, problem", [
     ({"mode": "sync"}, "bad INIT"),
-    ({"mode": "sync", "steps": 1, "replicas_to_aggregate": 1, "optimizer": "nosuch", "names": ["w", "b"]},
-     "unknown optimizer 'nosuch'"),
-    ({"mode": "sync", "steps": 1, "replicas_to_aggregate": 1, "optimizer": "sgd",
-      "optimizer_kwargs": {"lr": 0.1, "betas": [0.9, 0.9]}, "names": ["w", "b"]}, "bad INIT"),
+    ({"mode": "sync", "steps": 1, "replicas_to_aggregate": 1, "num_workers": 1, "names": ["w", "b"],
+      "optimizer": {"optimizer": "nosuch"}}, "unknown optimizer 'nosuch'"),
+    ({"mode": "sync", "steps": 1, "replicas_to_aggregate": 1, "num_workers": 1, "names": ["w", "b"],
+      "optimizer": {"optimizer": "sgd", "kwargs": {"lr": 0.1, "betas": [0.9, 0.9]}}}, "bad INIT"),
+    ({"mode": "sync", "steps": 1, "replicas_to_aggregate": 1, "num_workers": 1, "names": ["w", "b"],
+      "optimizer": {"optimizer": "sgd"}, "bogus": 1}, "bad INIT: INIT config: .*unexpected keyword argument 'bogus'"),
 ])
 def test_bad_init_is_an_error_reply(local_ps, values, config, problem):
     client = local_ps.client(local_ps.start())
@@ -472,9 +474,10 @@ def _hostile(run) -> dict:
         "checkpoint-past-the-end": (Message(op=Op.CHECKPOINT, run_id=RUN_ID, meta={"step": 10**6}), "no checkpoint"),
         "reply-op": (Message(op=Op.PARAMS, run_id=RUN_ID), "op PARAMS is not a request"),
         "init-negative-steps": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2)],
-                                        meta=ps_config(["w"], steps=-1)), "bad INIT: step 0 of -1"),
+                                        meta={**ps_config(["w"]), "steps": -1}), "bad INIT: step 0 of -1"),
         "init-a-billion-workers": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2)],
-                                           meta=ps_config(["w"], workers=10**9)), "bad INIT: 1000000000 workers"),
+                                           meta={**ps_config(["w"]), "num_workers": 10**9}),
+                                           "bad INIT: 1000000000 workers"),
         "init-more-names-than-values": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2)],
                                                 meta=ps_config(["w", "b"])), "bad INIT: 1 values"),
         "init-integer-parameters": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2, dtype=torch.int64)],
@@ -502,7 +505,7 @@ def test_a_signed_request_that_does_not_fit_is_refused_without_touching_the_opti
 def sparse_run(local_ps):
     """A run of one sparse 10 x 3 table (variable 0) and one dense bias (variable 1)."""
     spec = local_ps.start(num_workers=1)
-    config = {**ps_config(["table", "bias"], mode="async"), "sparse": [True, False]}
+    config = {**ps_config(["table", "bias"], mode="async"), "sparse": (True, False)}
     local_ps.client(spec).init(RUN_ID, {0: ([0, 1], [torch.zeros(10, 3), torch.zeros(3)])}, [config])
     return spec
 
