@@ -14,11 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from . import exchange, hidden, memory, overheads, peers, report, scaling
+from . import exchange, hidden, input_pipeline, memory, overheads, peers, report, scaling
 from .common import run_benchmark
 
 BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "peers": peers.run, "scaling": scaling.run,
-              "overheads": overheads.run, "memory": memory.run}
+              "overheads": overheads.run, "memory": memory.run, "input_pipeline": input_pipeline.run}
 HERE = Path(__file__).parent
 
 

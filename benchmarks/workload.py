@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pscluster.runtime.data import sharded_batches
+from pscluster.runtime.data import worker_batches
 
 from .procs import serve_rounds
 
@@ -50,7 +50,7 @@ def model_fn() -> torch.nn.Module:
 
 def batches(rank: int = 0, world: int = 1):
     """This worker's endless batches (the order pscluster's own workers read them in)."""
-    return sharded_batches(Synthetic(), rank, world, BATCH, seed=0)
+    return worker_batches(Synthetic(), rank, world, BATCH, seed=0)
 
 
 class Clock:

@@ -18,7 +18,7 @@ def evaluate(model: torch.nn.Module, dataset, loss_fn, *, step_fn=None, batch_si
              collate_fn=None) -> dict:
     """Mean loss, accuracy (None where it means nothing, see ``runtime.steps.batch_accuracy``) and the mean of each
     of a ``step_fn``'s metrics (under their own names) of ``model`` in eval mode over ``dataset``, a map-style or
-    iterable dataset, batched as the workers batch it (``collate_fn``: theirs)."""
+    iterable dataset batched as the workers batch it (``collate_fn``: theirs), or a DataLoader."""
     model.eval()
     total, loss_sum, correct, has_accuracy, sums = 0, 0.0, 0.0, True, {}
     for batch in _batches(dataset, batch_size, collate_fn):
@@ -38,14 +38,16 @@ def evaluate(model: torch.nn.Module, dataset, loss_fn, *, step_fn=None, batch_si
 
 
 def _batches(dataset, batch_size: int, collate_fn):
+    if isinstance(dataset, torch.utils.data.DataLoader):  # batched as it says
+        yield from dataset
+        return
     if isinstance(dataset, torch.utils.data.IterableDataset):
         items = iter(dataset)
         while chunk := list(itertools.islice(items, batch_size)):
             yield (collate_fn or default_collate)(chunk)
         return
     for start in range(0, len(dataset), batch_size):
-        indices = range(start, min(start + batch_size, len(dataset)))
-        yield fetch_batch(dataset, list(indices)) if collate_fn is None else collate_fn([dataset[i] for i in indices])
+        yield fetch_batch(dataset, list(range(start, min(start + batch_size, len(dataset)))), collate_fn)
 
 
 def auc(scores, labels) -> float:

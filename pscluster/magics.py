@@ -69,7 +69,8 @@ def _option(text: str) -> tuple[str, object]:
     None...), else as a string; an argparse type, so a bad form is a one-line usage error."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip().isidentifier():
-        raise argparse.ArgumentTypeError(f"{text!r}: use KEY=VALUE, e.g. --opt weight_decay=0.01 --opt betas=(0.9,0.98)")
+        raise argparse.ArgumentTypeError(f"{text!r}: use KEY=VALUE, e.g. --opt weight_decay=0.01 "
+                                         "--opt betas=(0.9,0.98)")
     try:
         return key.strip(), ast.literal_eval(value.strip())
     except (ValueError, SyntaxError):
@@ -125,7 +126,9 @@ def _parsers() -> dict[str, _Parser]:
                        help="split variable NAME (or every variable under a prefix) into SHARDS shards along "
                             "dim 0, across ps tasks; repeatable")
     train.add_argument("--steps", type=int, default=1000, help="global step target")
-    train.add_argument("--batch-size", type=int, default=64)
+    train.add_argument("--batch-size", type=int, default=None, help="per worker (default 64, or the DataLoader's)")
+    train.add_argument("--loader-workers", type=int, default=0, metavar="N",
+                       help="loader processes per worker that build the next batches ahead of the step")
     train.add_argument("--optimizer", default="sgd", help="a torch.optim class name")
     train.add_argument("--lr", type=float, default=0.01, help="learning rate")
     train.add_argument("--momentum", type=float, default=None, help="(optimizers that take it)")
@@ -272,7 +275,7 @@ class PSClusterMagics(Magics):
         run = cluster.train(ns["model"], ns["dataset"], None if args.step_fn else ns["loss_fn"],
                             step_fn=ns[args.step_fn] if args.step_fn else None, optimizer=args.optimizer,
                             mode=args.mode, max_grad_norm=args.max_grad_norm, on_nonfinite=args.on_nonfinite,
-                            buffers=args.buffers, precision=args.precision,
+                            buffers=args.buffers, precision=args.precision, loader_workers=args.loader_workers,
                             scheduler=ns.get(args.scheduler, args.scheduler) if args.scheduler else None,
                             scheduler_options=dict(args.scheduler_opt) or None,
                             steps=args.steps, batch_size=args.batch_size,

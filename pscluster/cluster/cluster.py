@@ -23,7 +23,7 @@ import torch
 from ..errors import ClusterStateError, ConfigError
 from ..metrics.store import RunStore
 from ..runtime import engine as remote
-from ..runtime.data import fetch_batch
+from ..runtime.data import first_batch, training_input
 from ..runtime import optim
 from ..runtime.plan import TrainPlan, describe_variables, model_tensors
 from ..runtime.steps import check_step
@@ -268,7 +268,7 @@ class Cluster:
 
     def train(self, model_fn, dataset, loss_fn=None, *, step_fn=None, optimizer="sgd", param_groups=None,
               scheduler=None, scheduler_options: dict | None = None, mode: str = "sync", steps: int = 1000,
-              batch_size: int = 64, replicas_to_aggregate: int | None = None, seed: int = 0,
+              batch_size: int | None = None, replicas_to_aggregate: int | None = None, seed: int = 0,
               log_every: int = 100, request_timeout: float = 120.0, name: str | None = None,
               code: str | None = None, test_dataset=None, eval_every: int | None = None,
               placement="round_robin", partition: dict | None = None, staleness_bound: int = 2,
@@ -276,9 +276,18 @@ class Cluster:
               checkpoint_secs: float | None = 600.0, keep_checkpoints: int = 5, restore: bool = True,
               shared_memory: bool = True, pipeline: bool = False, buffers: str = "chief",
               max_grad_norm: float | None = None, on_nonfinite: str = "fail", precision: str = "fp32",
+              collate_fn=None, loader_workers: int = 0, prefetch_factor: int | None = None, pin_memory: bool = False,
               **optimizer_kwargs) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
+        ``dataset``: a map-style dataset (each worker reads its own shard, reshuffled every epoch, as
+        ``DistributedSampler`` orders it), a ``torch.utils.data.IterableDataset`` (each worker, and each of its
+        loader processes, keeps its own part of the stream; see ``runtime.data``), or a ``DataLoader`` over one,
+        taken apart into its dataset, ``batch_size``, ``shuffle``, ``collate_fn``, ``num_workers``,
+        ``prefetch_factor``, ``pin_memory`` and ``drop_last``. ``batch_size``: per worker (default 64, or the
+        DataLoader's). ``loader_workers``: loader processes per worker that build the next batches ahead of the
+        step (DataLoader's ``num_workers``), keeping ``prefetch_factor`` each; ``collate_fn`` makes a batch of
+        items; ``pin_memory``: page-locked batches for GPU workers.
         ``model_fn``: a torch.nn.Module or a zero-argument callable that builds one. A batch is any structure of
         tensors (tuples, lists, dicts, nested); the default step takes ``batch = (inputs, target)`` and computes
         ``loss_fn(model(inputs), target)`` (``model(*inputs)`` for a tuple, ``model(**inputs)`` for a dict);
@@ -341,9 +350,8 @@ class Cluster:
         if step_fn is None and not callable(loss_fn):
             raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss(), or give "
                               "step_fn=f(model, batch) -> loss")
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-            raise ConfigError("dataset must be a map-style dataset (len() and indexing), "
-                              "e.g. pscluster.datasets.digits('train')")
+        dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
+                                                                 prefetch_factor, pin_memory)
         if precision == "fp16" and not all(t.device.startswith("cuda") for t in spec.workers):
             raise ConfigError("precision='fp16' needs CUDA workers (this cluster's workers run on the CPU): use "
                               "precision='bf16'")
@@ -359,8 +367,8 @@ class Cluster:
         optimizer_spec = optim.OptimizerSpec(optimizer, optimizer_kwargs, groups=param_groups or (),
                                              scheduler=scheduler, scheduler_options=scheduler_options or {})
         optim.check(model, optimizer_spec, steps=steps)
-        check_step(model, loss_fn, step_fn, fetch_batch(dataset, list(range(min(2, len(dataset))))))
-        payload = ship(model_fn, dataset, loss_fn, step_fn)
+        check_step(model, loss_fn, step_fn, first_batch(dataset, 2, collate_fn))
+        payload = ship(model_fn, dataset, loss_fn, step_fn, collate_fn)
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
         run_plan = TrainPlan(run_id=1, mode=mode, steps=steps,
                              batch_size=batch_size, optimizer=optimizer_spec.optimizer,
@@ -371,7 +379,7 @@ class Cluster:
                              seed=seed, log_every=log_every, request_timeout=request_timeout,
                              checkpoint_every=checkpoint_every, restore=restore, shared_memory=shared_memory,
                              pipeline=pipeline, state_keys=state_keys, buffers=buffers, max_grad_norm=max_grad_norm,
-                             on_nonfinite=on_nonfinite, precision=precision)
+                             on_nonfinite=on_nonfinite, precision=precision, loader=loader)
         config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables", "state_keys")}
         run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=config,
                                        spec=spec.public_dict(), code=code or _source(model_fn))
@@ -379,7 +387,8 @@ class Cluster:
         run_plan = replace(run_plan, run_id=run_id, checkpoint_dir=str(directory))
         self.store.record_placement(run_id, run_plan.variables)
         self._ship_to_ps(optim.shipped(optimizer_spec))
-        run = Run(spec, run_plan, model_fn, loss_fn, self.store, step_fn=step_fn, test_dataset=test_dataset,
+        run = Run(spec, run_plan, model_fn, loss_fn, self.store, step_fn=step_fn, collate_fn=collate_fn,
+                  test_dataset=test_dataset,
                   eval_every=eval_every,
                   tasks=self, checkpoints=checkpoints, payload=payload,
                   metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports)

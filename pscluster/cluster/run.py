@@ -44,6 +44,7 @@ class Run:
     """
 
     def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore, *, step_fn=None,
+                 collate_fn=None,
                  test_dataset=None, eval_every: int | None = None, tasks: recovery.Tasks | None = None,
                  checkpoints: CheckpointCoordinator | None = None, payload: bytes = b"", metrics_port: int = 0,
                  metrics_host: str = "127.0.0.1", metrics_ports: tuple[int, int] | None = None):
@@ -59,6 +60,7 @@ class Run:
         self._model_fn = model_fn
         self._loss_fn = loss_fn
         self._step_fn = step_fn
+        self._collate_fn = collate_fn
         self._state_dict: dict[str, torch.Tensor] | None = None
         self._pending_logs: queue.Queue = queue.Queue()
         self.worker_results = []  # one per worker of the spec, by index
@@ -209,7 +211,8 @@ class Run:
     def _record_evaluation(self, step: int, state: dict) -> None:
         model = build_model(self._model_fn, self.plan.seed)
         model.load_state_dict(state)
-        result = evaluate(model, self._test_dataset, self._loss_fn, step_fn=self._step_fn)
+        result = evaluate(model, self._test_dataset, self._loss_fn, step_fn=self._step_fn,
+                          collate_fn=self._collate_fn)
         self.store.add_evaluation(self.id, step, result["loss"], result["accuracy"])
 
     # --- state --------------------------------------------------------------------------
@@ -385,7 +388,8 @@ class Run:
 
     def evaluate(self, dataset, *, batch_size: int = 1024) -> dict:
         """``{"loss": ..., "accuracy": ...}`` of the trained model on ``dataset``."""
-        return evaluate(self.model(), dataset, self._loss_fn, step_fn=self._step_fn, batch_size=batch_size)
+        return evaluate(self.model(), dataset, self._loss_fn, step_fn=self._step_fn, batch_size=batch_size,
+                        collate_fn=self._collate_fn)
 
     def dashboard(self) -> None:
         """Display this run's dashboard: live while it trains, the final figures once it is over.

@@ -134,10 +134,10 @@ def register_objects(names: list[str], code: bytes) -> None:
 
 
 def train_worker(spec_json: str, index: int, plan_json: str, code: bytes, join: bool = False) -> dict:
-    """Run worker ``index`` of a plan; ``code`` is cloudpickle of (model_fn, dataset, loss_fn, step_fn) (sent over
-    the authenticated control plane); ``join``: replace a lost worker of a running run."""
+    """Run worker ``index`` of a plan; ``code`` is cloudpickle of (model_fn, dataset, loss_fn, step_fn, collate_fn)
+    (sent over the authenticated control plane); ``join``: replace a lost worker of a running run."""
     from .worker import run_worker
 
-    model_fn, dataset, loss_fn, step_fn = cloudpickle.loads(code)
+    model_fn, dataset, loss_fn, step_fn, collate_fn = cloudpickle.loads(code)
     return run_worker(ClusterSpec.from_json(spec_json), index, TrainPlan.from_json(plan_json),
-                      model_fn, dataset, loss_fn, step_fn=step_fn, join=join)
+                      model_fn, dataset, loss_fn, step_fn=step_fn, collate_fn=collate_fn, join=join)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import ConfigError
+from .data import LoaderOptions
 from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer
 from .placement import Variable, placement_line, shard_map
 from .steps import PRECISIONS
@@ -176,6 +177,7 @@ class TrainPlan:
     max_grad_norm: float | None = None  # each worker clips its gradients to this total 2-norm before it pushes
     on_nonfinite: str = "fail"  # a non-finite loss or gradient: fail the run, or skip the batch (NONFINITE)
     precision: str = "fp32"  # the workers' mixed precision (steps.PRECISIONS): autocast, and the gradients' dtype
+    loader: LoaderOptions = LoaderOptions()  # how each worker reads its batches (loader processes, prefetch...)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -248,6 +250,7 @@ class TrainPlan:
         d["variables"] = tuple(VariableSpec(**{**v, "shape": tuple(v["shape"])}) for v in d["variables"])
         d["state_keys"] = tuple(tuple(k) for k in d.get("state_keys", ()))
         d["optimizer_groups"] = tuple(d.get("optimizer_groups", ()))
+        d["loader"] = LoaderOptions(**d.get("loader", {}))
         return cls(**d)
 
 

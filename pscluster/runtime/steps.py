@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import ConfigError, TrainingError
+from ..errors import ConfigError
 
 
 class Computed(NamedTuple):

@@ -21,7 +21,7 @@ from ..errors import ConfigError, NonFiniteError, RuntimeTimeout
 from ..spec import ClusterSpec, TaskSpec
 from . import checkpoint
 from .client import PSClient
-from .data import sharded_batches
+from .data import worker_batches
 from .metrics import MetricsEmitter
 from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors, sparse_modules
 from .protocol import Flag
@@ -253,12 +253,13 @@ def _wait_for_chief(client: PSClient, timeout: float, attempt: int, emit):
 
 
 def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn,
-               *, step_fn=None, log=None, join: bool = False) -> dict:
+               *, step_fn=None, collate_fn=None, log=None, join: bool = False) -> dict:
     """Train as worker ``index`` until the run reaches its step target or is stopped.
 
-    Each step is ``step_fn(model, batch)`` or the default step (see ``steps``). ``join``: this worker replaces a
-    lost one in a running run: it starts from the current parameters (a chief that joins does not initialize
-    again). Returns a summary: local steps, last global step, dropped pushes, skipped batches, timings.
+    Each step is ``step_fn(model, batch)`` or the default step (see ``steps``) on the batches of ``dataset`` that
+    are this worker's (``data.worker_batches``, with the plan's loader options and ``collate_fn``). ``join``: this
+    worker replaces a lost one in a running run: it starts from the current parameters (a chief that joins does not
+    initialize again). Returns a summary: local steps, last global step, dropped pushes, skipped batches, timings.
     """
     task = spec.task("worker", index)
     device = local_device(task)
@@ -267,6 +268,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
     emitter = MetricsEmitter(plan.metrics_address, f"worker:{index}", spec.key)
     started = time.time()
     client = PSClient(spec, task=index, run_id=plan.run_id, timeout=plan.request_timeout)
+    batches = None
     try:
         if task.is_chief and not join:
             _initialize(client, plan, shards, emitter.emit)
@@ -281,7 +283,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         sparse = _SparseRows(model, plan, client)
         emitter.emit("state", state="training")
 
-        batches = sharded_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed)
+        batches = worker_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed, plan.loader,
+                                 collate_fn, device)
         steps = _Steps(model, loss_fn, step_fn, batches, device, plan, index, emitter.emit)
         batch = next(batches)
         ahead = None  # pipeline: the gradients of the next batch, computed while the last push-pull was in flight
@@ -294,7 +297,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
             computed = ahead if ahead is not None else steps.gradients(batch, reply.step, local_step)
             t1 = time.perf_counter()
-            answer = client.start_push_pull(computed.step, _merge(shards.grads(steps.precision.dtype), sparse.grads()))
+            pushed = _merge(shards.grads(steps.precision.dtype), sparse.grads())
+            answer = client.start_push_pull(computed.step, pushed)
             sent_at = time.perf_counter()
             # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch,
             # and with pipeline its gradients, on the parameters this worker has now
@@ -342,5 +346,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         emitter.emit("done", **{k: v for k, v in summary.items() if k not in ("task", "staleness")})
         return summary
     finally:
+        if batches is not None:
+            batches.close()  # its loader processes end
         emitter.close()
         client.close()

@@ -30,8 +30,9 @@ class BNNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+            nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
         self.head = nn.Sequential(nn.Linear(16, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
 
     def forward(self, x):
@@ -102,18 +103,19 @@ def dict_step(model, batch):
 
 # --- plain torch, the reference ----------------------------------------------------------------
 def plain_loop(model_fn, dataset, steps, *, optimizer=torch.optim.SGD, loss_fn=None, step_fn=None, clip=None,
-               scheduler=None, batch=BATCH, **options) -> nn.Module:
+               scheduler=None, batch=BATCH, collate_fn=None, **options) -> nn.Module:
     """``steps`` steps of one process, batches in the order a single pscluster worker reads them, on one thread as
     the engines of these clusters compute (another thread count sums in another order)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, scheduler, batch, options)
+        return _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, scheduler, batch, collate_fn,
+                           options)
     finally:
         torch.set_num_threads(threads)
 
 
-def _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, scheduler, batch, options):
+def _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, scheduler, batch, collate_fn, options):
     torch.manual_seed(SEED)
     model = model_fn()
     # torch's fused kernel where it has one, as the ps steps (it rounds differently from the per-tensor loop)
@@ -124,7 +126,7 @@ def _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, sch
     step, epoch = 0, 0
     while step < steps:
         sampler.set_epoch(epoch)
-        for b in DataLoader(dataset, batch_size=batch, sampler=sampler):
+        for b in DataLoader(dataset, batch_size=batch, sampler=sampler, collate_fn=collate_fn):
             if step == steps:
                 break
             opt.zero_grad()
@@ -315,6 +317,51 @@ def test_a_batch_the_default_step_cannot_take_is_refused_at_train(cluster_2ps_1w
                                           r"TypeError: .*forward\(\) missing 1 required positional argument"):
         cluster_2ps_1w.train(TwoInputs, pscluster.datasets.digits("train"), nn.CrossEntropyLoss(), steps=10)
     assert cluster_2ps_1w.active_run is None
+
+
+# --- the input pipeline: a DataLoader with loader processes, an IterableDataset ---------------------
+def features(items):
+    """A collate_fn that builds the two inputs of TwoInputs from (image, label) items, as a loader would."""
+    x = torch.stack([x for x, _ in items])
+    rows = x.view(-1, 8, 8)
+    return {"pixels": x, "stats": torch.cat([rows.mean(2), rows.amax(2)], 1)}, torch.stack([y for _, y in items])
+
+
+def test_a_dataloader_with_loader_processes_and_a_collate_fn(cluster_2ps_1w, digits_train):
+    steps = 100
+    loader = DataLoader(digits_train, batch_size=BATCH, shuffle=True, num_workers=2, prefetch_factor=3,
+                        collate_fn=features)
+    run = cluster_2ps_1w.train(TwoInputs, loader, nn.CrossEntropyLoss(), mode="sync", steps=steps, seed=SEED,
+                               lr=0.2, checkpoint_secs=None).wait(verbose=False)
+    assert run.plan.batch_size == BATCH and run.plan.loader.num_workers == 2 and run.plan.loader.prefetch_factor == 3
+    expected = plain_loop(TwoInputs, digits_train, steps, loss_fn=nn.CrossEntropyLoss(), collate_fn=features,
+                          lr=0.2)
+    assert_same_state(run.state_dict(), expected.state_dict())  # the same batches, in the same order
+    assert run.evaluate(pscluster.datasets.digits("test"))["accuracy"] > 0.85  # collated as the workers did
+    with pytest.raises(ConfigError, match="a WeightedRandomSampler cannot be split across workers"):
+        cluster_2ps_1w.train(TwoInputs, DataLoader(digits_train, batch_size=8, sampler=torch.utils.data.
+                                                   WeightedRandomSampler([1.0] * len(digits_train), 100)),
+                             nn.CrossEntropyLoss())
+
+
+class DigitStream(torch.utils.data.IterableDataset):
+    """The training digits as a stream (e.g. records read from files), in a fixed shuffled order."""
+
+    def __iter__(self):
+        base = pscluster.datasets.digits("train")
+        for i in torch.randperm(len(base), generator=torch.Generator().manual_seed(0)).tolist():
+            yield base[i]
+
+
+def test_an_iterable_dataset_read_in_parts_by_workers_and_loader_processes(start_cluster, digits_test):
+    cluster = start_cluster(ps=1, workers=2)
+    steps, mlp = 150, lambda: nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    run = cluster.train(mlp, DigitStream(), nn.CrossEntropyLoss(), mode="sync", steps=steps, batch_size=BATCH,
+                        seed=SEED, lr=0.2, loader_workers=2, checkpoint_secs=None).wait(verbose=False)
+    assert run.global_step == steps and run.local_steps == [steps, steps]
+    plain = plain_loop(mlp, list(DigitStream()), steps, loss_fn=nn.CrossEntropyLoss(), batch=2 * BATCH, lr=0.2)
+    got = run.evaluate(digits_test)["accuracy"]
+    assert got > 0.85 and abs(got - accuracy(plain, digits_test)) <= 0.03
 
 
 # --- a language model: tied weights, LSTM, clipping ---------------------------------------------

@@ -122,7 +122,8 @@ def test_a_reply_op_sent_as_a_request_is_an_error(local_ps):
 
 def test_push_of_other_variables_is_an_error(start_run, values):
     client = start_run(values).client(task=0)
-    with pytest.raises(TrainingError, match=r"push holds variables \[1\]: ps 0 takes \[0, 1\] and its sparse ones, each once"):
+    with pytest.raises(TrainingError,
+                       match=r"push holds variables \[1\]: ps 0 takes \[0, 1\] and its sparse ones, each once"):
         client.push(0, {0: ([1], [torch.zeros(4)])})
 
 
@@ -405,7 +406,8 @@ def test_replayed_frames_are_dropped_and_counted(start_run, values, peers):
     first.send(push)
     assert first.reply(5000).op is Op.OK  # applied once
     applied = run.values(run.client())
-    state = {k: v.clone() for k, v in run.servers[0].run.optimizer.optimizers[0].state[run.servers[0].run.params[0]].items()}
+    optimizer = run.servers[0].run.optimizer.optimizers[0]
+    state = {k: v.clone() for k, v in optimizer.state[run.servers[0].run.params[0]].items()}
 
     first.send(push)  # the same frames again, on the same connection
     first.send(hello)  # a HELLO again
@@ -417,7 +419,7 @@ def test_replayed_frames_are_dropped_and_counted(start_run, values, peers):
     assert wait_until(lambda: server.rejected["replayed"] == 4, 5)
     assert first.reply(300) is None and second.reply(300) is None  # replays are not answered
     assert_values(run.values(run.client()), applied, tol=0)
-    now = run.servers[0].run.optimizer.optimizers[0].state[run.servers[0].run.params[0]]
+    now = optimizer.state[run.servers[0].run.params[0]]
     assert all(torch.equal(now[k], v) for k, v in state.items())  # the optimizer never saw them
     stats = run.client().stats()[0]
     assert (stats["applied"], stats["pushes"]) == (1, 1)

@@ -18,10 +18,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from pscluster.datasets import digits
 from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
-from pscluster.runtime.data import fetch_batch, sharded_batches
+from pscluster.runtime.data import fetch_batch, worker_batches
 from pscluster.runtime.metrics import MetricsEmitter, sign_batch
 from pscluster.runtime.protocol import mac
-from pscluster.runtime.plan import TrainPlan, describe_variables, resolve_optimizer
+from pscluster.runtime.optim import resolve_optimizer
+from pscluster.runtime.plan import TrainPlan, describe_variables
 from pscluster.runtime.ps import wait_until
 from pscluster.runtime.steps import batch_accuracy
 from pscluster.runtime.worker import build_model, log_line, run_worker
@@ -271,7 +272,7 @@ class Indices(Dataset):
 def epochs(dataset, rank, world, batch, n_epochs=2, seed=SEED):
     """The indices ``rank`` reads in each of its first epochs."""
     per_epoch = math.ceil(math.ceil(len(dataset) / world) / batch)
-    batches = sharded_batches(dataset, rank, world, batch, seed)
+    batches = worker_batches(dataset, rank, world, batch, seed)
     return [[i for _ in range(per_epoch) for i in next(batches).tolist()] for _ in range(n_epochs)]
 
 
@@ -294,13 +295,13 @@ def test_uneven_data_is_padded_like_distributed_sampler():
 
 
 def test_last_short_batch_is_kept():
-    batches = sharded_batches(Indices(10), 0, 1, 4, SEED)
+    batches = worker_batches(Indices(10), 0, 1, 4, SEED)
     assert [len(next(batches)) for _ in range(6)] == [4, 4, 2, 4, 4, 2]
 
 
 def test_empty_dataset():
     with pytest.raises(ValueError, match="empty"):
-        next(sharded_batches(Indices(0), 0, 1, 4, SEED))
+        next(worker_batches(Indices(0), 0, 1, 4, SEED))
 
 
 def test_fetch_batch_uses_batched_indexing_when_the_dataset_has_it(dataset):
