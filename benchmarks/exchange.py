@@ -66,8 +66,7 @@ class PSExchange:
     def __init__(self, cluster: procs.PSProcesses, numel: int, run_id: int):
         n = len(cluster.spec.ps)
         self.grads = {i: ([0], [torch.full((numel // n,), 1.0)]) for i in range(n)}
-        configs = [{"mode": "async", "steps": 10**9, "replicas_to_aggregate": 1, "optimizer": "SGD",
-                    "num_workers": 2, "optimizer_kwargs": {"lr": LR}, "names": [f"p{i}"]} for i in range(n)]
+        configs = [procs.ps_config(f"p{i}", lr=LR, workers=2) for i in range(n)]
         self.clients = {"shared": PSClient(cluster.spec, task=0, timeout=300),
                         "socket": PSClient(cluster.spec, task=1, timeout=300)}
         self.clients["shared"].init(run_id, self.grads, configs)

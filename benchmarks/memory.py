@@ -32,8 +32,7 @@ class AdamRun:
     def __init__(self, cluster: procs.PSProcesses, nbytes: int):
         self.client = PSClient(cluster.spec, task=0, timeout=300)
         self.grads = {0: ([0], [torch.full((nbytes // 4,), 1e-3)])}
-        self.client.init(1, self.grads, [{"mode": "async", "steps": 10**9, "replicas_to_aggregate": 1,
-                                          "optimizer": "Adam", "optimizer_kwargs": {"lr": 1e-3}, "names": ["p"]}])
+        self.client.init(1, self.grads, [procs.ps_config("p", optimizer="Adam", lr=1e-3)])
         self.step = self.client.pull().step
 
     def steps(self, n: int) -> None:

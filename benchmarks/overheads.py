@@ -55,9 +55,7 @@ class Checkpointing:
         self.client = PSClient(cluster.spec, task=0, timeout=300)
         half = nbytes // 8
         self.values = {i: ([i], [torch.randn(half)]) for i in range(2)}
-        self.client.init(1, self.values, [{"mode": "async", "steps": 10**9, "replicas_to_aggregate": 1,
-                                           "optimizer": "SGD", "optimizer_kwargs": {"lr": 0.0}, "names": [f"p{i}"],
-                                           "checkpoint_dir": folder} for i in range(2)])
+        self.client.init(1, self.values, [procs.ps_config(f"p{i}", checkpoint_dir=folder) for i in range(2)])
         self.step = self.client.pull().step
         self.saves = 0
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from pscluster.errors import PeerLost
 from pscluster.runtime.client import PSClient
+from pscluster.runtime.optim import OptimizerSpec
+from pscluster.runtime.plan import PsConfig
 from pscluster.spec import ClusterSpec, TaskSpec
 
 ROOT = Path(__file__).absolute().parent.parent
@@ -170,3 +172,9 @@ class PSProcesses:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def ps_config(name: str, *, optimizer: str = "SGD", lr: float = 0.0, workers: int = 1, **fields) -> dict:
+    """The INIT config of a ps holding one variable ``name`` in an endless async run (what a chief would send)."""
+    return PsConfig(mode="async", steps=10**9, replicas_to_aggregate=1, num_workers=workers, names=(name,),
+                    optimizer=OptimizerSpec(optimizer, {"lr": lr}).to_dict(), **fields).to_dict()

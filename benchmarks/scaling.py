@@ -76,9 +76,7 @@ class SleepingWorkers:
     def __init__(self, cluster: procs.PSProcesses, most: int, numel: int):
         n = len(cluster.spec.ps)
         with PSClient(cluster.spec, run_id=RUN_ID, timeout=120) as controller:
-            controller.init(RUN_ID, _grads(n, numel), [{"mode": "async", "steps": 10**9, "replicas_to_aggregate": 1,
-                                                        "num_workers": most, "optimizer": "SGD",
-                                                        "optimizer_kwargs": {"lr": 0.0}, "names": ["p"]}] * n)
+            controller.init(RUN_ID, _grads(n, numel), [procs.ps_config("p", workers=most)] * n)
         self.hosts = procs.Rounds([procs.spawn("scaling", "host", h, HOSTS, most, numel, **cluster.worker_env(0))
                                    for h in range(HOSTS)])
 

@@ -40,6 +40,11 @@ def digits_train():
     return pscluster.datasets.digits("train")
 
 
+@pytest.fixture(scope="session")
+def digits_test():
+    return pscluster.datasets.digits("test")
+
+
 @pytest.fixture
 def own_cluster():
     """A cluster of its own for each test (it loses engines); stopped and checked dead afterwards."""

@@ -183,11 +183,6 @@ def cluster_2ps_1w(start_cluster):
     return start_cluster(ps=2, workers=1)
 
 
-@pytest.fixture(scope="module")
-def digits_test():
-    return pscluster.datasets.digits("test")
-
-
 # --- the tests ---------------------------------------------------------------------------------
 def test_a_batchnorm_cnn_trains_with_its_running_statistics(cluster_2ps_1w, digits_train, digits_test, tmp_path):
     steps, options = 200, dict(lr=0.02, momentum=0.9)
