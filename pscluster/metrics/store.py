@@ -329,7 +329,7 @@ class RunStore:
 
     def ps_metrics(self, run_id: int, after_row: int | None = None) -> pd.DataFrame:
         """The ps tasks' counters, sampled every ~0.5 s, oldest first; ``after_row`` as in ``metrics``. ``lr``:
-        the learning rate of the ps's last update (of its first parameter group)."""
+        the learning rate of the ps's last update (of its default parameter group, the last one)."""
         columns = (*_PS_COLUMNS, "lr") if self.schema_version >= 4 else _PS_COLUMNS
         df = self._table_rows("ps_metrics", columns, "time, ps", run_id, after_row)
         df["waiting_for"] = df["waiting_for"].map(json.loads)

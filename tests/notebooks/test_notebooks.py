@@ -119,3 +119,55 @@ def test_multi_node_runs_its_local_part_on_loopback_ports_of_the_range(tmp_path)
     second = text.split("second:")[1]
     assert not set(re.findall(r":(\d+)'", second)) & set(re.findall(r":(\d+)'", text.split("second:")[0]))
     assert "global step 100" in text
+
+
+def test_your_model_trains_with_a_dataloader_a_schedule_and_a_step_fn(tmp_path):
+    import base64
+
+    import numpy as np
+
+    nb = execute("06_your_model", tmp_path)
+    report = json.loads((tmp_path / "06_your_model.json").read_text())
+    cnn, two = report["runs"]
+    assert [cnn["name"], two["name"]] == ["bn-cnn", "two-tower"]
+    for run in (cnn, two):
+        assert run["status"] == "finished" and run["global_step"] == run["steps"] == report["steps"], run
+        assert run["final_lr"] is not None and run["final_lr"] > 0, run["name"]
+    # the BatchNorm CNN: its state_dict holds the running statistics, and loads strictly into a fresh model
+    assert cnn["strict_load"]
+    assert {"bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"} <= set(cnn["state_dict_keys"])
+    assert cnn["num_batches_tracked"] == cnn["steps"]  # buffers="chief": worker 0's, one batch per global step
+    assert 0 <= cnn["test_accuracy"] <= 1
+    # the step_fn run: its metrics are columns of run.metrics(), and run.evaluate() averages them
+    assert {"error_rate", "margin"} <= set(two["metric_columns"])
+    assert 0 <= two["test_error_rate"] <= 1 and two["test_margin"] is not None
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert re.search(r"global steps\), loss [\d.]+, error_rate [\d.e-]+, margin ", text), "no line with the metrics"
+    assert "(buffer)" in text and "All keys matched successfully" in text
+
+    # the dashboards' static convergence figures (traces and layout of each): the learning rate, and the metrics
+    def values(data):  # a plotly array: a list, or a typed array {"dtype": "f8", "bdata": base64}
+        if isinstance(data, dict):
+            return np.frombuffer(base64.b64decode(data["bdata"]), dtype=data["dtype"]).tolist()
+        return list(data)
+
+    decoder, convergence = json.JSONDecoder(), []
+    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
+    for at in (m.end() for m in re.finditer(re.escape("Plotly.newPlot("), html)):
+        args = html[html.index(",", at) + 1:].lstrip()  # past the div id
+        traces, end = decoder.raw_decode(args)
+        layout, _ = decoder.raw_decode(args[end:].lstrip().lstrip(",").lstrip())
+        if any(t.get("name") == "learning rate (ps 0)" for t in traces):
+            convergence.append((traces, layout))
+    assert len(convergence) == 2, "one convergence figure with the learning rate per run"
+    for traces, _ in convergence:
+        lr = values(next(t for t in traces if t.get("name") == "learning rate (ps 0)")["y"])
+        assert lr and all(v > 0 for v in lr), lr
+    traces, layout = convergence[1]  # the step_fn run's
+    titles = {"y" + key[len("yaxis"):]: (value.get("title") or {}).get("text")
+              for key, value in layout.items() if key.startswith("yaxis")}
+    for metric in ("error_rate", "margin"):
+        axis = next(a for a, title in titles.items() if title == metric)
+        plotted = [t for t in traces if t.get("yaxis") == axis and t.get("name", "").startswith("worker")]
+        assert {t["name"] for t in plotted} >= {"worker 0", "worker 1"}, metric
+        assert all(values(t["y"]) for t in plotted), metric
