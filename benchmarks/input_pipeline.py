@@ -1,13 +1,15 @@
-"""The input pipeline: a training loop fed by ``worker_batches`` with 2 loader processes against the same loop
-with batches built in its own thread, on a dataset whose batches cost about as much CPU as a training step
-(synthetic images "decoded" and augmented on every read); samples/s ratio.
+"""The input pipeline: a pscluster worker (1 ps + 1 worker of the real runtime, sync) with 2 loader processes
+against the same worker building its batches in its own thread, on a dataset whose batches cost about as much CPU as
+a training step (synthetic images "decoded" and augmented on every read); samples/s ratio.
 
-``train_step`` is the whole per-step work, so the same measurement can run through the cluster API.
+    python -m benchmarks.input_pipeline worker WORK LOADERS    a worker child (PSCLUSTER_CONFIG set), rounds on stdin
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -15,13 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from pscluster.runtime.data import LoaderOptions, worker_batches
+from pscluster.runtime.data import worker_batches
 
+from . import procs
 from .common import Result, Target, alternate, compare, repetitions
+from .procs import serve_rounds
 
 BATCH = 64
 LR = 0.01
-WARMUP = 10  # steps left out of every speed: the loader processes' start, first allocations
+WARMUP = 10  # steps left out of every speed: the loader processes' start, first allocations, the chief's INIT
+TICK = 5  # a worker's clock ticks with its progress lines, one every TICK steps
 
 
 class Augmented(Dataset):
@@ -63,21 +68,21 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) 
     return loss.item()
 
 
-def speed(dataset: Dataset, options: LoaderOptions, steps: int) -> float:
-    """Samples/s of ``steps`` training steps fed by ``worker_batches`` (after ``WARMUP`` steps)."""
-    torch.manual_seed(0)
-    model = model_fn()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    batches = worker_batches(dataset, 0, 1, BATCH, seed=0, options=options)
-    try:
-        for _ in range(WARMUP):
-            train_step(model, optimizer, next(batches))
-        start = time.perf_counter()
-        for _ in range(steps):
-            train_step(model, optimizer, next(batches))
-        return steps * BATCH / (time.perf_counter() - start)
-    finally:
-        batches.close()
+def worker_rounds(work: int, loaders: int) -> None:
+    """A pscluster worker of the real runtime (``train_from_environment``, PSCLUSTER_CONFIG set): each round a new
+    sync run of ``steps`` steps on ``Augmented(work=work)`` with ``loaders`` loader processes; its progress lines,
+    one every ``TICK`` steps, are its clock (the first ``WARMUP`` steps left out)."""
+    from pscluster.runtime.standalone import train_from_environment
+    runs = itertools.count(1)
+
+    def run(steps: int) -> dict:
+        ticks = []
+        train_from_environment(model_fn, Augmented(work=work), torch.nn.CrossEntropyLoss(), optimizer="sgd", lr=LR,
+                               steps=WARMUP + steps, batch_size=BATCH, log_every=TICK, run_id=next(runs),
+                               loader_workers=loaders, log=lambda line: ticks.append(time.perf_counter()))
+        first, last = ticks[WARMUP // TICK - 1], ticks[-1]
+        return {"samples_per_s": (len(ticks) - WARMUP // TICK) * TICK * BATCH / (last - first)}
+    serve_rounds(run)
 
 
 def _median_s(fn, n: int) -> float:
@@ -105,30 +110,41 @@ def calibrate() -> tuple[int, float, float]:
 
 def run(tiny: bool, out_dir: Path) -> Result:
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the training loop's process, as every benchmark's; loader processes have 1 too
+    torch.set_num_threads(1)  # as every benchmark process; the workers, ps and loader processes have 1 too
     try:
         work, step_s, batch_s = calibrate()
-        steps = 20 if tiny else 100
-        dataset = Augmented(work=work)
-        options = {"num_workers=2": LoaderOptions(num_workers=2), "num_workers=0": LoaderOptions()}
-        # twice the usual repetitions, each a few seconds: the loader processes need this VM's second core,
-        # which other processes take now and then
-        speeds = alternate({name: (lambda o=o: speed(dataset, o, steps)) for name, o in options.items()},
-                           2 * repetitions(tiny))
     finally:
         torch.set_num_threads(threads)
-    result = Result("input_pipeline", "Input pipeline: 2 loader processes against batches built in the training "
-                    "thread", tiny)
-    result.rows.append(compare(f"conv net, batch {BATCH}, SGD, a batch's reads ~ one step", "num_workers=2",
-                               speeds["num_workers=2"], "num_workers=0", speeds["num_workers=0"], "samples/s",
-                               Target(1.6)))
+    steps = 20 if tiny else 100
+    contenders = {}
+    for name, loaders in (("loader_workers=2", 2), ("loader_workers=0", 0)):
+        cluster = procs.PSProcesses(1, workers=1)
+        contenders[name] = procs.Rounds([procs.spawn("input_pipeline", "worker", work, loaders,
+                                                     **cluster.worker_env(0))], after=cluster.close)
+    try:
+        # twice the usual repetitions, each a few seconds: the loader processes need this VM's second core, which
+        # other processes take now and then
+        speeds = alternate({name: (lambda r=r: r.round(steps)[0]["samples_per_s"]) for name, r in contenders.items()},
+                           2 * repetitions(tiny))
+    finally:
+        for rounds in contenders.values():
+            rounds.close()
+    result = Result("input_pipeline", "Input pipeline: a worker with 2 loader processes against one building its "
+                    "batches in the training thread", tiny)
+    result.rows.append(compare(f"conv net, batch {BATCH}, 1 ps + 1 worker sync, a batch's reads ~ one step",
+                               "loader_workers=2", speeds["loader_workers=2"], "loader_workers=0",
+                               speeds["loader_workers=0"], "samples/s", Target(1.6)))
     result.extra.update(work=work, step_ms=step_s * 1e3, batch_ms=batch_s * 1e3)
-    result.notes.append(f"Calibrated in this run: a training step (forward, backward, SGD) {step_s * 1e3:.1f} ms, "
-                        f"building one batch of {BATCH} in the training thread {batch_s * 1e3:.1f} ms ({work} rounds "
-                        "of augmentation per image), so without loader processes a step costs both, and with them "
-                        "at best the larger; 2 at most on 2 cores, where the loader processes and the training loop "
-                        "share the cores.")
-    result.notes.append(f"{steps} steps per repetition after {WARMUP} left out; each repetition a fresh "
-                        "worker_batches (its loader processes forked from the benchmark process, prefetch_factor "
-                        "2); 1 torch thread in every process.")
+    result.notes.append(f"Calibrated in this run, in one process: a training step (forward, backward, SGD) "
+                        f"{step_s * 1e3:.1f} ms, building one batch of {BATCH} {batch_s * 1e3:.1f} ms ({work} rounds "
+                        "of augmentation per image). Without loader processes a worker's step costs both; with them "
+                        "at best the larger: 2 at most, on 2 cores that the worker, its loader processes and the ps "
+                        "share.")
+    result.notes.append(f"Each repetition a new run of {WARMUP} + {steps} steps through train_from_environment "
+                        f"(the runtime's worker, loader processes forked at its start, prefetch_factor 2), the first "
+                        f"{WARMUP} left out; 1 torch thread in every process.")
     return result
+
+
+if __name__ == "__main__":
+    worker_rounds(int(sys.argv[2]), int(sys.argv[3]))
