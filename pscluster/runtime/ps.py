@@ -844,9 +844,9 @@ def _keep_buffers(run: _RunState) -> None:
     """Set the buffers by the run's rule from the latest pushed values: ``chief``, those of the lowest-numbered
     live worker that pushed any (worker 0 while it lives, as DDP's broadcast_buffers takes rank 0's);
     ``average``, the mean of every live worker's latest (integer buffers rounded)."""
-    live = [w for w in run.live() if w in run.buffer_values] or sorted(run.buffer_values)
-    if not live or not run.buffers:
+    if not run.buffers or not run.buffer_values:
         return
+    live = [w for w in run.live() if w in run.buffer_values] or sorted(run.buffer_values)
     with torch.no_grad():
         if run.buffer_rule == "chief":
             for b, v in zip(run.buffers, run.buffer_values[live[0]]):

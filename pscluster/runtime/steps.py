@@ -226,9 +226,10 @@ def nonfinite(computed: Computed, norm: torch.Tensor, model: torch.nn.Module) ->
     loss = computed.loss.detach().item()
     if not math.isfinite(loss):
         return f"loss {loss}"
+    finite = bool(torch.isfinite(norm))  # of the dense gradients; sparse ones are checked below
     for name, p in model.named_parameters():
         g = p.grad
-        if g is None or not (g.is_sparse or not bool(torch.isfinite(norm))):
+        if g is None or (finite and not g.is_sparse):
             continue
         values = g.coalesce().values() if g.is_sparse else g
         if not bool(torch.isfinite(values).all()):
