@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
-from torch.utils.data import default_collate
 
 from .errors import ConfigError
-from .runtime.data import fetch_batch
+from .runtime.data import in_order
 from .runtime.steps import batch_accuracy, forward, metric_values, samples_in
 
 
@@ -21,7 +18,7 @@ def evaluate(model: torch.nn.Module, dataset, loss_fn, *, step_fn=None, batch_si
     iterable dataset batched as the workers batch it (``collate_fn``: theirs), or a DataLoader."""
     model.eval()
     total, loss_sum, correct, has_accuracy, sums = 0, 0.0, 0.0, True, {}
-    for batch in _batches(dataset, batch_size, collate_fn):
+    for batch in in_order(dataset, batch_size, collate_fn):
         loss, output, target, metrics = forward(model, loss_fn, step_fn, batch)
         n = samples_in(batch)
         loss_sum += loss.item() * n
@@ -35,19 +32,6 @@ def evaluate(model: torch.nn.Module, dataset, loss_fn, *, step_fn=None, batch_si
         return {"loss": float("nan"), "accuracy": None}
     return {"loss": loss_sum / total, "accuracy": correct / total if has_accuracy else None,
             **{name: value / total for name, value in sums.items()}}
-
-
-def _batches(dataset, batch_size: int, collate_fn):
-    if isinstance(dataset, torch.utils.data.DataLoader):  # batched as it says
-        yield from dataset
-        return
-    if isinstance(dataset, torch.utils.data.IterableDataset):
-        items = iter(dataset)
-        while chunk := list(itertools.islice(items, batch_size)):
-            yield (collate_fn or default_collate)(chunk)
-        return
-    for start in range(0, len(dataset), batch_size):
-        yield fetch_batch(dataset, list(range(start, min(start + batch_size, len(dataset)))), collate_fn)
 
 
 def auc(scores, labels) -> float:

@@ -30,6 +30,8 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .cluster.cluster import Cluster
 from .cluster.launchers import KINDS
 from .errors import ConfigError, PSClusterError
+from .runtime.plan import BUFFER_RULES, NONFINITE
+from .runtime.steps import PRECISIONS
 
 USAGE = ("usage: %pscluster start|attach|train|status|placement|checkpoint|kill|scale|stop [options]  "
          "(%pscluster <command> --help for options)")
@@ -140,9 +142,9 @@ def _parsers() -> dict[str, _Parser]:
                             "(then the cell needs no loss_fn)")
     train.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
                        help="each worker clips its gradients to this total 2-norm before it pushes them")
-    train.add_argument("--on-nonfinite", choices=("fail", "skip"), default="fail",
+    train.add_argument("--on-nonfinite", choices=NONFINITE, default="fail",
                        help="a non-finite loss or gradient fails the run (default) or leaves its batch out")
-    train.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    train.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                        help="the workers' mixed precision: bf16 (CPU and GPU) or fp16 (GPU, loss scaling)")
     train.add_argument("--scheduler", default=None, metavar="NAME",
                        help="a torch.optim.lr_scheduler class (e.g. StepLR) or a function of the global step in the "
@@ -150,7 +152,7 @@ def _parsers() -> dict[str, _Parser]:
     train.add_argument("--scheduler-opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
                        help="an option of the scheduler, as a Python literal (repeatable), e.g. --scheduler-opt "
                             "step_size=100")
-    train.add_argument("--buffers", choices=("chief", "average"), default="chief",
+    train.add_argument("--buffers", choices=BUFFER_RULES, default="chief",
                        help="the buffers (BatchNorm statistics...) the ps keeps: worker 0's (default) or the mean "
                             "of every worker's")
     train.add_argument("--reuse", action="store_true",

@@ -25,7 +25,7 @@ from ..metrics.store import RunStore
 from ..runtime import engine as remote
 from ..runtime.data import first_batch, training_input
 from ..runtime import optim
-from ..runtime.plan import TrainPlan, describe_variables, model_tensors
+from ..runtime.plan import TrainPlan, describe_variables
 from ..runtime.steps import check_step
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec, TaskSpec
@@ -362,24 +362,20 @@ class Cluster:
         model = build_model(model_fn, seed)
         if not any(True for _ in model.parameters()):
             raise ConfigError("the model has no parameters to train: check model_fn")
-        variables = describe_variables(model, self.num_ps, placement, partition)
-        state_keys = model_tensors(model)[1]
         optimizer_spec = optim.OptimizerSpec(optimizer, optimizer_kwargs, groups=param_groups or (),
                                              scheduler=scheduler, scheduler_options=scheduler_options or {})
+        run_plan = TrainPlan.for_model(model, optimizer_spec, num_ps=self.num_ps, placement=placement,
+                                       partition=partition, run_id=1, mode=mode, steps=steps, batch_size=batch_size,
+                                       replicas_to_aggregate=replicas, num_workers=self.num_workers,
+                                       staleness_bound=staleness_bound, seed=seed, log_every=log_every,
+                                       request_timeout=request_timeout, checkpoint_every=checkpoint_every,
+                                       restore=restore, shared_memory=shared_memory, pipeline=pipeline,
+                                       buffers=buffers, max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite,
+                                       precision=precision, loader=loader)
         optim.check(model, optimizer_spec, steps=steps)
         check_step(model, loss_fn, step_fn, first_batch(dataset, 2, collate_fn))
         payload = ship(model_fn, dataset, loss_fn, step_fn, collate_fn)
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
-        run_plan = TrainPlan(run_id=1, mode=mode, steps=steps,
-                             batch_size=batch_size, optimizer=optimizer_spec.optimizer,
-                             optimizer_kwargs=optimizer_spec.kwargs, optimizer_groups=optimizer_spec.groups,
-                             scheduler=optimizer_spec.scheduler, scheduler_options=optimizer_spec.scheduler_options,
-                             replicas_to_aggregate=replicas,
-                             num_workers=self.num_workers, variables=variables, staleness_bound=staleness_bound,
-                             seed=seed, log_every=log_every, request_timeout=request_timeout,
-                             checkpoint_every=checkpoint_every, restore=restore, shared_memory=shared_memory,
-                             pipeline=pipeline, state_keys=state_keys, buffers=buffers, max_grad_norm=max_grad_norm,
-                             on_nonfinite=on_nonfinite, precision=precision, loader=loader)
         config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables", "state_keys")}
         run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=config,
                                        spec=spec.public_dict(), code=code or _source(model_fn))

@@ -11,6 +11,7 @@ import html
 import os
 import queue
 import re
+import traceback
 import sys
 import threading
 import time
@@ -456,8 +457,6 @@ def _fmt(v) -> str:
 def _traceback(e: BaseException) -> str:
     """The whole traceback of a worker's exception (ipyparallel's RemoteError carries the remote one), without
     terminal colours."""
-    import traceback
-
     text = getattr(e, "traceback", None) or "".join(traceback.format_exception(e))
     return re.sub(r"\x1b\[[0-9;]*m", "", str(text))
 

@@ -43,7 +43,8 @@ from torch.utils.data._utils.pin_memory import pin_memory  # what DataLoader pin
 
 from ..errors import ConfigError, TrainingError
 
-__all__ = ["LoaderOptions", "worker_batches", "fetch_batch", "first_batch", "from_dataloader", "shard"]
+__all__ = ["LoaderOptions", "worker_batches", "fetch_batch", "in_order", "first_batch", "from_dataloader", "shard",
+           "training_input"]
 
 
 @dataclass(frozen=True)
@@ -288,17 +289,28 @@ def from_dataloader(loader: DataLoader) -> tuple[object, int, Callable | None, L
 
 
 
+def in_order(dataset, batch_size: int, collate_fn: Callable | None = None) -> Iterator:
+    """The dataset's batches once, in its order (evaluation): a DataLoader's own; an IterableDataset's items, or a
+    map-style dataset's by index, ``batch_size`` at a time, collated as the workers collate them."""
+    if isinstance(dataset, DataLoader):
+        yield from dataset
+        return
+    if isinstance(dataset, IterableDataset):
+        items = iter(dataset)
+        while chunk := list(itertools.islice(items, batch_size)):
+            yield (collate_fn or default_collate)(chunk)
+        return
+    for start in range(0, len(dataset), batch_size):
+        yield fetch_batch(dataset, list(range(start, min(start + batch_size, len(dataset)))), collate_fn)
+
+
 def first_batch(dataset, size: int = 2, collate_fn: Callable | None = None):
     """A batch of the dataset's first ``size`` items (fewer when it has fewer), as the workers collate them: what
     the controller tries the training step on at ``train()``."""
-    if isinstance(dataset, IterableDataset):
-        items = list(itertools.islice(iter(dataset), size))
-        if not items:
-            raise ConfigError("the IterableDataset yields no item: give it data")
-        return (collate_fn or default_collate)(items)
-    if len(dataset) == 0:
+    batch = next(in_order(dataset, size, collate_fn), None)
+    if batch is None:
         raise ConfigError("the dataset is empty: give the workers at least one item each")
-    return fetch_batch(dataset, list(range(min(size, len(dataset)))), collate_fn)
+    return batch
 
 
 def training_input(dataset, batch_size: int | None, collate_fn, loader_workers: int = 0, prefetch_factor=None,

@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from .data import LoaderOptions
 from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer
 from .placement import Variable, placement_line, shard_map
+from .protocol import NO_TASK
 from .steps import PRECISIONS
 
 MODES = ("sync", "async", "ssp")
@@ -230,6 +231,17 @@ class TrainPlan:
             raise ConfigError(f"{cls.__name__} cannot update sparse embeddings: use SGD, Adagrad or Adam, "
                               "or build the embedding with sparse=False")
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, optimizer: OptimizerSpec, *, num_ps: int, placement="round_robin",
+                  partition=None, **settings) -> "TrainPlan":
+        """The plan of training ``model`` with ``optimizer`` on ``num_ps`` ps tasks: its state as variables placed by
+        ``placement`` and ``partition`` (``describe_variables``), its state_dict keys, the optimizer's fields, and
+        ``settings`` for the other fields."""
+        return cls(variables=describe_variables(model, num_ps, placement, partition),
+                   state_keys=model_tensors(model)[1], optimizer=optimizer.optimizer, optimizer_kwargs=optimizer.kwargs,
+                   optimizer_groups=optimizer.groups, scheduler=optimizer.scheduler,
+                   scheduler_options=optimizer.scheduler_options, **settings)
+
     @property
     def optimizer_spec(self) -> OptimizerSpec:
         return OptimizerSpec(optimizer=self.optimizer, kwargs=self.optimizer_kwargs, groups=self.optimizer_groups,
@@ -295,10 +307,9 @@ class PsConfig:
         if len(self.sparse) != n or len(self.kinds) != n or not set(self.kinds) <= set(KINDS):
             raise ValueError(f"{len(self.sparse)} sparse flags and kinds {list(self.kinds)} for {n} variables: one "
                              f"each, kinds of {KINDS}")
-        limit = 0xFFFF  # worker task ids are 16 bits, one value kept for the controller
-        if not 1 <= self.num_workers < limit or not 1 <= self.replicas_to_aggregate < limit:
-            raise ValueError(f"{self.num_workers} workers, {self.replicas_to_aggregate} replicas: 1 to {limit - 1} "
-                             "each")
+        if not 1 <= self.num_workers <= NO_TASK or not 1 <= self.replicas_to_aggregate <= NO_TASK:
+            raise ValueError(f"{self.num_workers} workers, {self.replicas_to_aggregate} replicas: 1 to {NO_TASK} "
+                             "each")  # worker task ids are 16 bits, NO_TASK excepted
         if not 0 <= self.step <= self.steps or self.staleness_bound < 0 or self.checkpoint_every < 0:
             raise ValueError(f"step {self.step} of {self.steps}, staleness bound {self.staleness_bound}, checkpoint "
                              f"every {self.checkpoint_every}: none may be negative, the step not past the end")

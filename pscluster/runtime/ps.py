@@ -409,8 +409,8 @@ class ParameterServer:
             params = [torch.nn.Parameter(t.clone(), requires_grad=kind == "param") if kind != "buffer" else t.clone()
                       for t, kind in zip(msg.tensors[:n], cfg.kinds)]
             trained = [i for i, kind in enumerate(cfg.kinds) if kind == "param"]
-            optimizer = build([(_parameter(cfg.names[i]), params[i]) for i in trained],
-                              OptimizerSpec.from_dict(cfg.optimizer), sparse=[cfg.sparse[i] for i in trained])
+            optimizer = build([(cfg.names[i], params[i]) for i in trained], OptimizerSpec.from_dict(cfg.optimizer),
+                              sparse=[cfg.sparse[i] for i in trained])
             run = _RunState(run_id=msg.run_id, mode=cfg.mode, steps=cfg.steps, replicas=cfg.replicas_to_aggregate,
                             ids=list(msg.ids[:n]), names=list(cfg.names), params=params, optimizer=optimizer,
                             sparse=list(cfg.sparse), num_workers=cfg.num_workers, staleness_bound=cfg.staleness_bound,
@@ -825,12 +825,6 @@ def _held(msg: Message) -> Message:
     return Message(op=msg.op, flags=msg.flags, task=msg.task, run_id=msg.run_id, request_id=msg.request_id,
                    nonce=msg.nonce, step=msg.step, ids=list(msg.ids), tensors=[t.clone() for t in msg.tensors],
                    meta=msg.meta)
-
-
-def _parameter(name: str) -> str:
-    """The model parameter a variable holds: ``emb.weight`` for its shard ``emb.weight/part_1`` (parameter groups
-    match parameter names)."""
-    return str(name).rpartition("/part_")[0] if "/part_" in str(name) else str(name)
 
 
 def _note_buffers(run: _RunState, worker: int, values: list[torch.Tensor]) -> None:

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..spec import from_environment
 from .data import training_input
 from .optim import OptimizerSpec, check
-from .plan import TrainPlan, describe_variables, model_tensors
+from .plan import TrainPlan
 from .ps import ParameterServer
 from .worker import build_model, run_worker
 
@@ -67,17 +67,12 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, opt
     spec_of_optimizer = OptimizerSpec(optimizer, optimizer_kwargs, groups=param_groups or (), scheduler=scheduler,
                                       scheduler_options=scheduler_options or {})
     check(model, spec_of_optimizer, steps=steps)
-    plan = TrainPlan(run_id=run_id, mode=mode, steps=steps, batch_size=batch_size,
-                     optimizer=spec_of_optimizer.optimizer, optimizer_kwargs=spec_of_optimizer.kwargs,
-                     optimizer_groups=spec_of_optimizer.groups, scheduler=spec_of_optimizer.scheduler,
-                     scheduler_options=spec_of_optimizer.scheduler_options,
-                     replicas_to_aggregate=replicas_to_aggregate or len(spec.workers),
-                     num_workers=len(spec.workers),
-                     variables=describe_variables(model, len(spec.ps), placement, partition),
-                     staleness_bound=staleness_bound,
-                     seed=seed, log_every=log_every, request_timeout=request_timeout,
-                     shared_memory=shared_memory, pipeline=pipeline, state_keys=model_tensors(model)[1],
-                     buffers=buffers, max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite, precision=precision,
-                     loader=loader)
+    plan = TrainPlan.for_model(model, spec_of_optimizer, num_ps=len(spec.ps), placement=placement,
+                               partition=partition, run_id=run_id, mode=mode, steps=steps, batch_size=batch_size,
+                               replicas_to_aggregate=replicas_to_aggregate or len(spec.workers),
+                               num_workers=len(spec.workers), staleness_bound=staleness_bound, seed=seed,
+                               log_every=log_every, request_timeout=request_timeout, shared_memory=shared_memory,
+                               pipeline=pipeline, buffers=buffers, max_grad_norm=max_grad_norm,
+                               on_nonfinite=on_nonfinite, precision=precision, loader=loader)
     return run_worker(spec, task.index, plan, model_fn, dataset, loss_fn, step_fn=step_fn, collate_fn=collate_fn,
                       log=log)

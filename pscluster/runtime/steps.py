@@ -34,17 +34,17 @@ class Computed(NamedTuple):
     step: int  # the global step of the parameters they were computed on
 
 
-def to_device(batch, device: torch.device, non_blocking: bool = False):
+def to_device(batch, device: torch.device):
     """``batch`` with every tensor in it moved to ``device`` (tuples, named tuples, lists and dicts rebuilt)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
+        return batch.to(device)
     if isinstance(batch, Mapping):
-        return type(batch)((k, to_device(v, device, non_blocking)) for k, v in batch.items()) \
-            if type(batch) is not dict else {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+        moved = {k: to_device(v, device) for k, v in batch.items()}
+        return moved if type(batch) is dict else type(batch)(moved)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
+        return type(batch)(*(to_device(v, device) for v in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device, non_blocking) for v in batch)
+        return type(batch)(to_device(v, device) for v in batch)
     return batch
 
 
