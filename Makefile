@@ -40,6 +40,7 @@ multihost-deps:
 
 # A notebook executed headless at full size: reports/<name>.html (and whatever JSON it writes there).
 NBCONVERT := PSCLUSTER_REPORT_DIR=$(CURDIR)/reports IPP_NONINTERACTIVE=1 $(BIN)/jupyter nbconvert --to html \
+	--HTMLExporter.preprocessors=pscluster.report.InlinePlotly \
 	--execute --ExecutePreprocessor.timeout=1800 --ExecutePreprocessor.store_widget_state=False --output-dir reports
 
 demo: $(STAMP)

@@ -1,12 +1,14 @@
-"""The live dashboard of one run: ipywidgets + plotly FigureWidgets fed from the run store.
+"""The live dashboard of one run: ipywidgets and live plotly figures (``live``) fed from the run store.
 
 A daemon thread polls the store through its own read-only connection and reads only the rows that are
 new since the last poll (``reader``). The panels (``panels``, ``ps_panels``) take them and give their
-figures as plain data (``specs``); a widget is sent only what changed since it was drawn last, in one
-message, and nothing when nothing did. The poller only reads, so it never blocks training, and it stops
-by itself once the run is over. Displayed, the dashboard gives JupyterLab the live widget and gives
-nbconvert a static HTML copy of the figures that renders offline (plotly.js included once per
-process); ``show`` updates that copy when the run ends.
+figures as plain data (``specs``); each figure is sent at most one message per refresh (every
+``REFRESH_S``), holding only what changed (a growing series: its new points), and nothing when nothing did.
+The poller only reads, so it never blocks training, and it stops by itself once the run is over.
+Displayed, the dashboard gives JupyterLab the live widget and gives nbconvert a static HTML copy of the
+figures; ``show`` replaces the display with the static copy alone when the run ends, so a saved notebook
+shows the final figures with or without a kernel and holds no plotly.js (``pscluster.report`` puts it once
+into an HTML report).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import html
 import os
 import threading
 import time
-from copy import deepcopy
 
 import ipywidgets as widgets
 import numpy as np
@@ -25,7 +26,7 @@ import plotly.io as pio
 from ..errors import ConfigError
 from ..metrics.store import RunStore
 from ..runtime.placement import optimizer_slots
-from . import figures, panels, ps_panels, specs
+from . import figures, live, panels, ps_panels, specs
 from .reader import RunReader
 from .roles import FINAL, roles_frame, task_states
 
@@ -34,36 +35,13 @@ MAX_FAILURES = 10  # consecutive failed refreshes before the thread gives up
 STATUS_COLORS = {"training": "#2a7", "finished": "#36c", "failed": "#c33", "stopped": "#c80"}
 MAX_BUSY_RATIO = 4  # the poller waits at least this many times as long as a refresh takes (on average)
 
-_plotlyjs_lock = threading.Lock()
-_plotlyjs_sent = False
+def figures_html(shown) -> str:
+    """Static HTML of ``shown`` (specs), each drawing itself with plotly.js loaded once per page."""
+    return "\n".join(live.static_html(s) for s in shown)
 
 
-def plotlyjs_once(owner) -> bool:
-    """Whether ``owner``'s static HTML carries plotly.js: only the first object displayed in this process
-    does, and it keeps doing so when its display is updated, so a report holds plotly.js exactly once."""
-    global _plotlyjs_sent
-    with _plotlyjs_lock:
-        if not _plotlyjs_sent:
-            _plotlyjs_sent = owner._carries_plotlyjs = True
-    return getattr(owner, "_carries_plotlyjs", False)
-
-
-def figures_html(figs, include_plotlyjs: bool) -> str:
-    """Static plotly HTML of ``figs`` (figures or FigureWidgets), plotly.js at most once, first."""
-    parts = []
-    for fig in figs:
-        parts.append(pio.to_html(go.Figure(fig), include_plotlyjs=include_plotlyjs, full_html=False,
-                                 config={"displaylogo": False}))
-        include_plotlyjs = False
-    return "\n".join(parts)
-
-
-def widget_bundle(box: widgets.Widget, figs, static_html: str, **kwargs) -> dict:
+def widget_bundle(box: widgets.Widget, static_html: str, **kwargs) -> dict:
     """The display bundle of ``box`` (the live widget) with ``static_html`` as its text/html fallback."""
-    for fig in figs:
-        # What FigureWidget does when displayed itself: the frontend builds a new view from these.
-        fig._widget_layout = deepcopy(fig._layout_obj._props)
-        fig._widget_data = deepcopy(fig._data)
     bundle = dict(box._repr_mimebundle_(**kwargs) or {})
     bundle["text/html"] = static_html
     return bundle
@@ -71,8 +49,8 @@ def widget_bundle(box: widgets.Widget, figs, static_html: str, **kwargs) -> dict
 
 class FigureView:
     """Displays like the dashboard: ``figure`` (a plotly Figure) between two pieces of HTML (``_head_html``,
-    ``_tail_html``), as a FigureWidget in JupyterLab and as static HTML (plotly.js once per process) in
-    an nbconvert report. ``pscluster.compare`` and ``Cluster.plan`` show their results this way."""
+    ``_tail_html``), as a live figure in JupyterLab and as static HTML in an nbconvert report.
+    ``pscluster.compare`` and ``Cluster.plan`` show their results this way."""
 
     figure: go.Figure
 
@@ -82,19 +60,19 @@ class FigureView:
     def _tail_html(self) -> str:
         return ""
 
-    def static_html(self, include_plotlyjs: bool = True) -> str:
-        """The HTML before the figure, the figure as static plotly HTML, the HTML after it."""
-        return self._head_html() + figures_html([self.figure], include_plotlyjs) + self._tail_html()
+    def static_html(self) -> str:
+        """The HTML before the figure, the figure as static HTML, the HTML after it."""
+        return self._head_html() + figures_html([specs.of_figure(self.figure)]) + self._tail_html()
 
     def _repr_html_(self) -> str:
-        return self.static_html(plotlyjs_once(self))
+        return self.static_html()
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         if getattr(self, "_widget", None) is None:
-            self._widget = go.FigureWidget(self.figure)
+            self._widget = live.LiveFigure(specs.of_figure(self.figure))
             self._box = widgets.VBox([*(widgets.HTML(h) for h in [self._head_html()] if h), self._widget,
                                       *(widgets.HTML(h) for h in [self._tail_html()] if h)])
-        return widget_bundle(self._box, [self._widget], self._repr_html_(), **kwargs)
+        return widget_bundle(self._box, self.static_html(), **kwargs)
 
 
 class Dashboard:
@@ -138,8 +116,7 @@ class Dashboard:
         self.panels["ps_load"] = ps_panels.PsLoad(start=started)
         self.panels["traffic"] = ps_panels.Traffic(num_ps=len(self.record["spec"]["ps"]))
         shown = {"placement": specs.no_data("placement"), **{name: panel.spec() for name, panel in self.panels.items()}}
-        self.figures: dict[str, go.FigureWidget] = {name: go.FigureWidget(specs.figure(s)) for name, s in shown.items()}
-        self._shown = {name: _flat(s) for name, s in shown.items()}  # what each widget shows
+        self.figures: dict[str, live.LiveFigure] = {name: live.LiveFigure(s) for name, s in shown.items()}
         self.header = widgets.HTML()
         self.roles = widgets.HTML()
         self.lines = widgets.HTML()
@@ -267,26 +244,8 @@ class Dashboard:
         self._draw_header()
 
     def _show(self, name: str, spec: specs.Spec) -> None:
-        """Show ``spec`` in the widget ``name``: in place, in one message holding only what changed since
-        the spec shown last, when the traces keep their kinds, axes and properties; else (the first data,
-        a new worker...) in a new FigureWidget that takes the old one's place."""
-        widget, shown, new = self.figures[name], self._shown[name], _flat(spec)
-        self._shown[name] = new
-        if _shape(shown) == _shape(new):
-            changes = {i: c for i, (old, trace) in enumerate(zip(shown.traces, new.traces))
-                       if (c := _changes(old, trace))}
-            keys = {k for c in changes.values() for k in c}
-            layout = _changes(shown.layout, new.layout)
-            if changes or layout:
-                # plotly_update takes the spec's own (valid) values as they are: validating them again
-                # would cost more than building the spec
-                widget.plotly_update(restyle_data={k: [new.traces[i][k] for i in changes] for k in keys},
-                                     relayout_data=layout, trace_indexes=list(changes))
-            return
-        replacement = go.FigureWidget(specs.figure(spec))
-        self.box.children = tuple(replacement if child is widget else child for child in self.box.children)
-        self.figures[name] = replacement
-        widget.close()
+        """Show ``spec`` in the figure ``name``: one message at most, holding what changed."""
+        self.figures[name].show(spec)
 
     def _draw_header(self) -> None:
         record = self.record
@@ -307,51 +266,23 @@ class Dashboard:
         self.header.value = f"<div style='font-size: 14px'>{' · '.join(parts)}</div>{error}"
 
     # --- display ----------------------------------------------------------------------------
-    def static_html(self, include_plotlyjs: bool = True) -> str:
+    def static_html(self) -> str:
         """The header, roles table, placement lines and every figure as static HTML (no widgets)."""
         with self._lock:
             return (f"<div class='pscluster-dashboard'>{self.header.value}"
                     f"<div style='display: flex; gap: 3em'>{self.roles.value}{self.lines.value}</div>"
-                    f"{figures_html(self.figures.values(), include_plotlyjs)}</div>")
+                    f"{figures_html(f.spec for f in self.figures.values())}</div>")
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
+        """The live widget and its static copy while the run trains; the static copy alone once it is over
+        (what a reopened notebook shows, with or without its kernel)."""
+        if self.final:
+            return {"text/html": self.static_html(), "text/plain": repr(self)}
         with self._lock:
-            return widget_bundle(self.box, self.figures.values(), self.static_html(plotlyjs_once(self)),
-                                 **kwargs)
+            return widget_bundle(self.box, self.static_html(), **kwargs)
 
     def __repr__(self) -> str:
         return f"<pscluster Dashboard of run {self.run_id} ({'polling' if self.running else 'idle'})>"
-
-
-def _flat(spec: specs.Spec) -> specs.Spec:
-    """``spec`` with nested properties spelled as plotly key paths: ``{"line": {"width": 2}}`` becomes
-    ``{"line.width": 2}``, what ``plotly_update`` sets one by one."""
-    def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[prefix + k] = v
-        return out
-    return specs.Spec([flat(t) for t in spec.traces], flat(spec.layout))
-
-
-def _shape(spec: specs.Spec) -> list:
-    """What must match for an in-place update: the properties each trace and the layout have."""
-    return [tuple(t) for t in spec.traces] + [tuple(spec.layout), [t["type"] for t in spec.traces]]
-
-
-def _changes(old: dict, new: dict) -> dict:
-    """The properties of ``new`` that differ from ``old`` (arrays compared by value)."""
-    def same(a, b):
-        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            return np.shape(a) == np.shape(b) and np.array_equal(a, b, equal_nan=True)
-        try:
-            return bool(a == b)
-        except ValueError:  # containers holding arrays: send again
-            return False
-    return {k: v for k, v in new.items() if not same(old.get(k), v)}
 
 
 def _yield_cpu_to_training() -> None:

@@ -46,10 +46,43 @@ def no_data(title: str) -> Spec:
                                   showarrow=False, font=dict(size=14, color="gray"))])
 
 
+def _nested(props: dict) -> dict:
+    """``props`` with plotly's magic underscores spelled out, at every depth: ``title_text`` becomes
+    ``{"title": {"text": ...}}`` (plotly.js attribute names have no underscores)."""
+    out: dict = {}
+    for key, value in props.items():
+        head, _, rest = key.partition("_")
+        if rest and head:
+            value, key = _nested({rest: value}), head
+        elif isinstance(value, dict):
+            value = _nested(value)
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            value = [_nested(v) for v in value]
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _merged(a: dict, b: dict) -> dict:
+    """``a`` updated with ``b``, dicts merged at every depth."""
+    return {**a, **{k: _merged(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                    for k, v in b.items()}}
+
+
+def expanded(s: Spec) -> Spec:
+    """Spec ``s`` as plotly.js takes it: magic underscores spelled out (``_nested``)."""
+    return Spec([_nested(t) for t in s.traces], _nested(s.layout))
+
+
 def figure(s: Spec) -> go.Figure:
     """The plotly figure of spec ``s``, built without plotly's validation (which costs 5-10x the rest;
     the tests build every figure again with validation on)."""
+    s = expanded(s)
     return go.Figure(data=s.traces, layout=s.layout, _validate=False)
+
+
+def of_figure(fig: go.Figure) -> Spec:
+    """The spec of a plotly figure (``pscluster.compare`` and ``Cluster.plan`` build figures)."""
+    return Spec([t.to_plotly_json() for t in fig.data], fig.layout.to_plotly_json())
 
 
 def columns(split: float = 0.5, *, left: dict, right: dict) -> dict:

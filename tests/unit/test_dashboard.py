@@ -15,7 +15,7 @@ from pscluster.compare import Comparison, compare
 from pscluster.errors import ConfigError
 from pscluster.metrics.store import RunStore
 from pscluster.runtime.ps import wait_until
-from pscluster.widgets import Dashboard, dashboard, figures, show, specs
+from pscluster.widgets import Dashboard, figures, live, show, specs
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 SPEC = {"name": "c", "ps": [{"role": "ps", "index": i, "host": "127.0.0.1", "port": 5000 + i, "device": "cpu"}
@@ -90,14 +90,8 @@ def dashboards():
     assert not any(d.running for d in made), "a dashboard thread did not stop"
 
 
-@pytest.fixture
-def fresh_plotlyjs(monkeypatch):
-    """As in a new process: nothing displayed has carried plotly.js yet."""
-    monkeypatch.setattr(dashboard, "_plotlyjs_sent", False)
-
-
 def names(widget) -> list[str]:
-    return [t.name for t in widget.data]
+    return [t.name for t in widget.figure.data]
 
 
 def test_refresh_fills_the_figure_widgets(store, dashboards):
@@ -106,19 +100,20 @@ def test_refresh_fills_the_figure_widgets(store, dashboards):
     run.write(10)  # a second ps sample: the first rates
     d = dashboards(store.path, run.run_id)
     assert set(d.figures) == {"placement", "speed", "convergence", "waiting", "ps_load", "traffic"}
-    assert all(isinstance(f, go.FigureWidget) for f in d.figures.values())
+    assert all(isinstance(f, live.LiveFigure) for f in d.figures.values())
     assert d.refresh() is False  # still training
-    speed, convergence = d.figures["speed"], d.figures["convergence"]
-    assert len(speed.data) == 2 and any("(slowest)" in n for n in names(speed))
-    assert names(convergence).count("worker 0") == 2 and names(convergence).count("worker 1 (smoothed)") == 2
+    speed, convergence = d.figures["speed"].figure, d.figures["convergence"].figure
+    assert len(speed.data) == 2 and any("(slowest)" in n for n in [t.name for t in speed.data])
+    assert names(d.figures["convergence"]).count("worker 0") == 2
+    assert names(d.figures["convergence"]).count("worker 1 (smoothed)") == 2
     assert len(convergence.data[0].x) == 20
     assert names(d.figures["placement"]) == ["fc1.weight", "fc1.bias", "fc2.weight"]
-    assert d.figures["placement"].data[0].y[0] == 8192 * 3  # Adam: two slots per variable
-    assert len(d.figures["ps_load"].data) == 4
-    predicted, measured = d.figures["traffic"].data  # both ps tasks moved as many bytes; ps 0 holds 98.7%
+    assert d.figures["placement"].figure.data[0].y[0] == 8192 * 3  # Adam: two slots per variable
+    assert len(d.figures["ps_load"].figure.data) == 4
+    predicted, measured = d.figures["traffic"].figure.data  # both ps tasks moved as many bytes; ps 0 holds 98.7%
     assert list(predicted.y) == pytest.approx([100 * 9472 / 9600, 100 * 128 / 9600])
     assert list(measured.y) == pytest.approx([50, 50])
-    assert "waits for worker 1" in d.figures["waiting"].layout.title.text
+    assert "waits for worker 1" in d.figures["waiting"].figure.layout.title.text
     assert "fc1.weight: /job:ps/task:0" in d.lines.value
     assert "chief" in d.roles.value and "training" in d.roles.value
     assert "sync-run" in d.header.value and "20 / 100" in d.header.value
@@ -137,8 +132,8 @@ def test_a_second_refresh_appends_in_place(store, dashboards):
     run.write(15)
     d.refresh()
     assert d.figures == widgets  # the same FigureWidgets, updated in place
-    assert len(d.figures["convergence"].data[0].x) == 25
-    assert list(d.figures["staleness"].data[0].y) == [25, 25]
+    assert len(d.figures["convergence"].figure.data[0].x) == 25
+    assert list(d.figures["staleness"].figure.data[0].y) == [25, 25]
     assert "25 / 100" in d.header.value
 
 
@@ -146,18 +141,18 @@ def test_a_dashboard_opened_before_the_first_step_fills_in_as_rows_arrive(store,
     run = Writer(store)
     d = dashboards(store.path, run.run_id)
     d.refresh()  # no metric rows yet: empty frames, "no data yet" figures
-    assert [a.text for a in d.figures["convergence"].layout.annotations] == ["no data yet"]
+    assert [a.text for a in d.figures["convergence"].figure.layout.annotations] == ["no data yet"]
     for total in (3, 8):
         run.write(total - run.steps)
         d.refresh()
-        assert d.error is None and len(d.figures["convergence"].data[0].x) == total
-        assert d.figures["speed"].data[0].y.dtype.kind == "f"  # numbers, not objects, after appending
+        assert d.error is None and len(d.figures["convergence"].figure.data[0].x) == total
+        assert d.figures["speed"].figure.data[0].y.dtype.kind == "f"  # numbers, not objects, after appending
     assert d.refreshes == 3
 
 
 def edits(d) -> dict[str, tuple]:
-    """Each figure widget and the count of update messages it was sent."""
-    return {name: (w, w._last_trace_edit_id, w._last_layout_edit_id) for name, w in d.figures.items()}
+    """Each figure widget and the count of messages it was sent."""
+    return {name: (w, w.messages) for name, w in d.figures.items()}
 
 
 def test_a_refresh_without_new_rows_sends_no_widget_update(store, dashboards):
@@ -175,11 +170,12 @@ def test_a_refresh_without_new_rows_sends_no_widget_update(store, dashboards):
     after = edits(d)
     assert after["placement"] == before["placement"]  # drawn once
     for name in ("convergence", "speed", "ps_load"):  # the same widget, one message more
-        widget, traces, layouts = before[name]
-        assert after[name] == (widget, traces + 1, layouts + 1)
+        widget, messages = before[name]
+        assert after[name] == (widget, messages + 1)
 
 
 def same_traces(widget, fig) -> None:
+    widget = widget.figure
     assert widget.layout.title.text == fig.layout.title.text
     assert len(widget.data) == len(fig.data)
     for live, static in zip(widget.data, fig.data):
@@ -207,7 +203,7 @@ def test_live_figures_are_those_of_all_the_rows_at_once(store, dashboards, mode)
         same_traces(d.figures["waiting"], figures.waiting_figure(ps_metrics, 2, start=started))
     else:
         same_traces(d.figures["staleness"], figures.staleness_figure(metrics))
-    assert len(d.figures["convergence"].data[0].x) <= specs.MAX_POINTS + 1
+    assert len(d.figures["convergence"].figure.data[0].x) <= specs.MAX_POINTS + 1
 
 
 def test_marks_of_new_events_are_sent_once(store, dashboards, monkeypatch):
@@ -216,34 +212,36 @@ def test_marks_of_new_events_are_sent_once(store, dashboards, monkeypatch):
     d = dashboards(store.path, run.run_id)
     d.refresh()
     sent = []
-    update = go.FigureWidget.plotly_update
-    monkeypatch.setattr(go.FigureWidget, "plotly_update", lambda self, restyle_data, relayout_data, **kw: (
-        sent.append((self, set(relayout_data))), update(self, restyle_data, relayout_data, **kw)))
+    monkeypatch.setattr(live.LiveFigure, "send", lambda self, message: sent.append((self, message)))
     time.sleep(0.02)  # after the rows written so far
     store.add_event(run.run_id, "worker:1", "lost")
     store.add_event(run.run_id, "controller", "checkpoint", {"step": 5})
     time.sleep(0.01)
     run.write(5)
     d.refresh()
-    shapes = go.Figure(d.figures["convergence"]).layout.shapes  # as the frontend and static copies have them
+    shapes = d.figures["convergence"].figure.layout.shapes  # as the frontend and static copies have them
     assert [(s.x0, s.name) for s in shapes] == [(10, "task lost"), (5, "checkpoint")]
     assert shapes[0].label.text == "worker:1 lost"
-    assert [keys for w, keys in sent if w is d.figures["convergence"]] == [{"shapes"}]
+    layouts = [m.get("layout", {}) for w, m in sent if w is d.figures["convergence"]]
+    assert len(layouts) == 1 and "shapes" in layouts[0]
     sent.clear()
     run.write(5)
     d.refresh()  # new rows, no new event: the marks are not sent again
-    assert [keys for w, keys in sent if w is d.figures["convergence"]] == [set()]
-    assert "worker:1 lost" in d.static_html(include_plotlyjs=False)
+    (message,) = [m for w, m in sent if w is d.figures["convergence"]]
+    assert message["type"] == "patch" and "shapes" not in message.get("layout", {})
+    # the new points only: each series keeps the points it had and gets the 5 new ones
+    assert all(v["x"]["keep"] >= 15 and len(v["x"]["append"]) <= 6 for v in message["traces"].values() if "x" in v)
+    assert "worker:1 lost" in d.static_html()
 
 
 def plots(widget) -> dict[str, str]:
     """The y axis of each plot of a convergence figure, by its title."""
-    layout = go.Figure(widget).to_dict()["layout"]
+    layout = widget.figure.to_dict()["layout"]
     return {axis["title"]["text"]: "y" + key[len("yaxis"):] for key, axis in layout.items()
             if key.startswith("yaxis") and "title" in axis}
 
 
-def test_step_metrics_and_the_learning_rate_are_plotted_like_the_loss(store, dashboards, fresh_plotlyjs):
+def test_step_metrics_and_the_learning_rate_are_plotted_like_the_loss(store, dashboards):
     run = Writer(store, step_metrics=True, lr=True)
     d = dashboards(store.path, run.run_id)
     run.write(10)
@@ -251,8 +249,8 @@ def test_step_metrics_and_the_learning_rate_are_plotted_like_the_loss(store, das
     time.sleep(0.01)
     run.write(15)
     d.refresh()
-    convergence = d.figures["convergence"]
-    assert plots(convergence) == {"loss": "y", "accuracy": "y2", "error_rate": "y3", "logit_scale": "y4", "lr": "y5"}
+    convergence = d.figures["convergence"].figure
+    assert plots(d.figures["convergence"]) == {"loss": "y", "accuracy": "y2", "error_rate": "y3", "logit_scale": "y4", "lr": "y5"}
     steps = np.arange(1, 26)
     for w in (0, 1):
         raw = [t for t in convergence.data if t.name == f"worker {w}"]
@@ -260,18 +258,20 @@ def test_step_metrics_and_the_learning_rate_are_plotted_like_the_loss(store, das
         np.testing.assert_array_equal(raw[2].x, steps)
         np.testing.assert_allclose(raw[2].y, 0.5 / steps)
         np.testing.assert_allclose(raw[3].y, 10.0 * (w + 1))
-        assert names(convergence).count(f"worker {w} (smoothed)") == 4
+        assert names(d.figures["convergence"]).count(f"worker {w} (smoothed)") == 4
     (lr,) = [t for t in convergence.data if t.name == "learning rate (ps 0)"]
     assert lr.yaxis == "y5" and list(lr.x) == [10, 25] and list(lr.y) == pytest.approx([0.05, 0.1 / 3])
     metrics, ps_metrics = store.metrics(run.run_id), store.ps_metrics(run.run_id)
-    same_traces(convergence, figures.convergence_figure(metrics, store.evaluations(run.run_id), None, ps_metrics))
+    same_traces(d.figures["convergence"], figures.convergence_figure(metrics, store.evaluations(run.run_id), None,
+                                                                     ps_metrics))
     # still one message per refresh, to the same widget
     before = edits(d)
     time.sleep(0.01)
     run.write(5)
     d.refresh()
-    widget, traces, layouts = before["convergence"]
-    assert edits(d)["convergence"] == (widget, traces + 1, layouts + 1)
+    widget, messages = before["convergence"]
+    assert edits(d)["convergence"] == (widget, messages + 1)
+    convergence = d.figures["convergence"].figure
     assert len(convergence.data[0].x) == 30 and convergence.data[-1].x[-1] == 30
     html = d._repr_mimebundle_()["text/html"]  # the static copy an nbconvert report keeps
     for text in ("error_rate", "logit_scale", "learning rate (ps 0)", "loss, accuracy, error_rate, logit_scale "
@@ -289,8 +289,8 @@ def test_a_run_without_step_metrics_learning_rate_or_accuracy_shows_the_loss_alo
     convergence = d.figures["convergence"]
     assert d.error is None and plots(convergence) == {"loss": "y"}
     assert names(convergence) == ["worker 0", "worker 0 (smoothed)", "worker 1", "worker 1 (smoothed)"]
-    assert convergence.layout.title.text == "convergence: loss against global step"
-    assert "learning rate" not in d.static_html(include_plotlyjs=False)
+    assert convergence.figure.layout.title.text == "convergence: loss against global step"
+    assert "learning rate" not in d.static_html()
     same_traces(convergence, figures.convergence_figure(store.metrics(run.run_id), None, None,
                                                          store.ps_metrics(run.run_id)))
 
@@ -303,8 +303,8 @@ def test_each_dashboard_reads_the_rows_of_its_own_run(store, dashboards):
         b.write(2 * steps)
         da.refresh()
         db.refresh()
-    assert list(da.figures["convergence"].data[0].x) == list(range(1, 8))
-    assert list(db.figures["convergence"].data[0].x) == list(range(1, 15))
+    assert list(da.figures["convergence"].figure.data[0].x) == list(range(1, 8))
+    assert list(db.figures["convergence"].figure.data[0].x) == list(range(1, 15))
 
 
 def test_the_thread_stops_by_itself_when_the_run_is_over(store, dashboards):
@@ -317,7 +317,7 @@ def test_the_thread_stops_by_itself_when_the_run_is_over(store, dashboards):
     store.set_status(run.run_id, "finished")
     assert wait_until(lambda: not d.running, 5)
     assert "finished" in d.header.value and "10 / 100" in d.header.value
-    assert len(d.figures["convergence"].data[0].x) == 10  # the last refresh read everything
+    assert len(d.figures["convergence"].figure.data[0].x) == 10  # the last refresh read everything
 
 
 def test_errors_show_in_the_header_and_never_raise(store, dashboards, monkeypatch):
@@ -334,21 +334,22 @@ def test_unknown_run_is_a_clear_error(store, dashboards):
         dashboards(store.path, 42)
 
 
-def test_display_bundle_has_the_widget_and_static_html_with_plotlyjs_once(store, dashboards, fresh_plotlyjs):
+def test_display_bundle_is_the_widget_and_small_static_html_then_the_static_html_alone(store, dashboards):
     run = Writer(store)
     run.write(10)
-    first, second = dashboards(store.path, run.run_id), dashboards(store.path, run.run_id)
-    first.refresh()
-    second.refresh()
-    bundle = first._repr_mimebundle_()
-    assert bundle[WIDGET]["model_id"] == first.box.model_id
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    bundle = d._repr_mimebundle_()
+    assert bundle[WIDGET]["model_id"] == d.box.model_id
     html = bundle["text/html"]
-    assert html.count("plotly.js v") == 1 and html.count("Plotly.newPlot") == 6
+    assert html.count("Plotly.newPlot") == 6 and "plotly.js v" not in html  # the page loads plotly.js
     assert "fc1.weight: /job:ps/task:0" in html and "chief" in html and "sync-run" in html
-    assert "plotly.js v" in first._repr_mimebundle_()["text/html"]  # an update of its display keeps it
-    other = second._repr_mimebundle_()
-    assert WIDGET in other and "plotly.js v" not in other["text/html"]
-    assert "plotly.js v" not in second.static_html(include_plotlyjs=False)
+    # each figure's widget state holds no plotly.js: a few KB (a plotly FigureWidget's holds 5 MB)
+    assert all(len(str(f.get_state())) < 10_000 for f in d.figures.values())
+    store.set_status(run.run_id, "finished")
+    d.refresh()
+    final = d._repr_mimebundle_()  # a run that is over: what a reopened notebook shows, kernel or not
+    assert WIDGET not in final and "finished" in final["text/html"] and final["text/html"].count("Plotly.newPlot") == 6
 
 
 def test_a_writer_is_never_disturbed_by_a_polling_dashboard(store, dashboards):
@@ -374,7 +375,7 @@ def test_a_writer_is_never_disturbed_by_a_polling_dashboard(store, dashboards):
     assert d.running and d.error is None
     store.set_status(run.run_id, "finished")
     assert wait_until(lambda: not d.running, 5)
-    assert d.figures["convergence"].data[0].x[-1] == 1 + 5 * batches  # it read every row in the end
+    assert d.figures["convergence"].figure.data[0].x[-1] == 1 + 5 * batches  # it read every row in the end
 
 
 def test_show_displays_and_updates_the_display_when_the_run_ends(store, monkeypatch):
@@ -385,7 +386,7 @@ def test_show_displays_and_updates_the_display_when_the_run_ends(store, monkeypa
     monkeypatch.setattr("IPython.display.display", lambda obj, display_id: shown.append(obj) or handle)
     d = show(store.path, run.run_id, refresh_s=0.05)
     try:
-        assert shown == [d] and d.running and len(d.figures["convergence"].data[0].x) == 3
+        assert shown == [d] and d.running and len(d.figures["convergence"].figure.data[0].x) == 3
         run.write(4)
         store.set_status(run.run_id, "finished")
         assert wait_until(lambda: not d.running, 5)
@@ -394,7 +395,7 @@ def test_show_displays_and_updates_the_display_when_the_run_ends(store, monkeypa
         d.close()
 
 
-def test_compare_runs_by_id_and_by_run_object(store, fresh_plotlyjs):
+def test_compare_runs_by_id_and_by_run_object(store):
     a, b = Writer(store, "sync"), Writer(store, "async")
     a.write(10)
     b.write(20)
@@ -404,7 +405,7 @@ def test_compare_runs_by_id_and_by_run_object(store, fresh_plotlyjs):
     assert [t.name for t in result.figure.data][:2] == labels
     assert list(result.table["run"]) == labels and list(result.table["global steps"]) == [10, 20]
     bundle = result._repr_mimebundle_()
-    assert WIDGET in bundle and bundle["text/html"].count("plotly.js v") == 1
+    assert WIDGET in bundle and bundle["text/html"].count("Plotly.newPlot") == 1
     with pytest.raises(ConfigError, match="no run 99"):
         compare([99], store=store.path)
     with pytest.raises(ConfigError, match="Run objects or run ids"):
