@@ -14,18 +14,97 @@ function applyPatch(figure, patch) {
   Object.assign(figure.layout, patch.layout || {});
 }
 
+// TensorBoard's smoothing: an exponential moving average with weight `w`, debiased at the start.
+function smoothed(values, w) {
+  let last = 0;
+  let n = 0;
+  return values.map(v => {
+    if (v === null || !Number.isFinite(v)) {
+      return null;
+    }
+    last = last * w + (1 - w) * v;
+    n += 1;
+    return last / (1 - Math.pow(w, n));
+  });
+}
+
+// What a figure with controls (`layout.meta.controls`: {smoothing, start}) shows for the viewer's choices:
+// smoothed traces (`meta.smooths`: the index of their raw trace) at the chosen weight, a log loss axis, and
+// x as the global step, the seconds since the run started or the wall time (traces with the time of each
+// point in `customdata`; the others, and the step marks, hidden).
+function viewed(figure, choice) {
+  const controls = (figure.layout.meta || {}).controls;
+  if (!controls) {
+    return figure;
+  }
+  const raw = figure.data;
+  let data = raw.map(trace => {
+    const smooths = (trace.meta || {}).smooths;
+    return smooths === undefined || choice.smoothing === controls.smoothing
+      ? trace
+      : { ...trace, y: smoothed(raw[smooths].y, choice.smoothing) };
+  });
+  const layout = { ...figure.layout, yaxis: { ...figure.layout.yaxis, type: choice.log ? 'log' : 'linear' } };
+  if (choice.x !== 'step') {
+    const wall = choice.x === 'wall';
+    data = data.map(trace =>
+      trace.customdata
+        ? { ...trace, x: trace.customdata.map(t => (wall ? new Date(t * 1000).toISOString() : t - controls.start)) }
+        : { ...trace, visible: false }
+    );
+    layout.shapes = [];
+    layout.xaxis = {
+      ...layout.xaxis,
+      type: wall ? 'date' : 'linear',
+      title: { text: wall ? 'wall time' : 'seconds since the run started' }
+    };
+  }
+  return { data, layout };
+}
+
+function toolbar(controls, choice, changed) {
+  const bar = document.createElement('div');
+  bar.className = 'pscluster-controls';
+  bar.style.cssText = 'display: flex; gap: 1.5em; align-items: center; font-size: 12px; margin: 4px 0 0 55px';
+  bar.innerHTML =
+    '<label>smoothing <input type="range" min="0" max="0.999" step="0.001"> <span></span></label>' +
+    '<label><input type="checkbox"> log scale (loss)</label>' +
+    '<label>x axis <select><option value="step">global step</option>' +
+    '<option value="relative">relative time</option><option value="wall">wall time</option></select></label>';
+  const [slider, log] = bar.querySelectorAll('input');
+  const weight = bar.querySelector('span');
+  const x = bar.querySelector('select');
+  slider.value = String(controls.smoothing);
+  weight.textContent = Number(controls.smoothing).toFixed(3);
+  slider.addEventListener('input', () => {
+    choice.smoothing = Number(slider.value);
+    weight.textContent = choice.smoothing.toFixed(3);
+    changed();
+  });
+  log.addEventListener('change', () => {
+    choice.log = log.checked;
+    changed();
+  });
+  x.addEventListener('change', () => {
+    choice.x = x.value;
+    changed();
+  });
+  return bar;
+}
+
 function render({ model, el }) {
   const div = document.createElement('div');
   div.className = 'pscluster-figure';
   el.appendChild(div);
   let figure = null;
+  let choice = null; // the viewer's smoothing, log scale and x axis, once the figure has controls
   let drawing = Promise.resolve();
   const draw = () => {
-    const data = figure.data;
-    const layout = { uirevision: 'pscluster', ...figure.layout };
+    const { data, layout } = viewed(figure, choice);
+    const revision = choice ? `${choice.x}/${choice.log}` : 'pscluster';
     drawing = drawing
       .then(loadPlotly)
-      .then(Plotly => Plotly.react(div, data, layout, { displaylogo: false, responsive: true }))
+      .then(Plotly => Plotly.react(div, data, { uirevision: revision, ...layout }, { displaylogo: false, responsive: true }))
       .catch(error => {
         div.textContent = String(error.message || error);
       });
@@ -33,11 +112,17 @@ function render({ model, el }) {
   const onMessage = message => {
     if (message.type === 'figure') {
       figure = message.figure;
-      draw();
     } else if (message.type === 'patch' && figure) {
       applyPatch(figure, message);
-      draw();
+    } else {
+      return;
     }
+    const controls = (figure.layout.meta || {}).controls;
+    if (controls && !choice) {
+      choice = { smoothing: controls.smoothing, log: false, x: 'step' };
+      el.insertBefore(toolbar(controls, choice, draw), div);
+    }
+    draw();
   };
   model.on('msg:custom', onMessage);
   model.send({ type: 'ready' });

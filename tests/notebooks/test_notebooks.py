@@ -31,8 +31,23 @@ def test_committed_notebooks_have_no_outputs():
         assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), path.name
 
 
+def report_html(nb) -> str:
+    """The HTML report of an executed notebook, as ``make demo`` exports it."""
+    from nbconvert import HTMLExporter
+
+    from pscluster.report import InlinePlotly
+
+    return HTMLExporter(preprocessors=[InlinePlotly]).from_notebook_node(nb)[0]
+
+
 def test_quickstart_runs_and_reports_both_runs(tmp_path):
     nb = execute("01_quickstart", tmp_path)
+    # saved with its widget state (as nbconvert --to notebook does), the executed notebook stays small:
+    # no plotly.js in the figures' state or outputs
+    nbformat.write(nb, tmp_path / "executed.ipynb")
+    assert (tmp_path / "executed.ipynb").stat().st_size <= 2_000_000
+    assert nb.metadata.get("widgets") and "plotly.js v" not in (tmp_path / "executed.ipynb").read_text()
+    assert report_html(nb).count("* plotly.js v") == 1
     report = json.loads((tmp_path / "01_quickstart.json").read_text())
     assert [r["mode"] for r in report["runs"]] == ["sync", "async"]
     for run in report["runs"]:
@@ -73,8 +88,7 @@ def test_sync_vs_async_shows_static_figures_per_worker(tmp_path):
         for name in ("worker 0", "worker 1"):
             trace = next(t for t in traces if t.get("name") == name)
             assert len(trace.get("x", [])) > 0 and len(trace.get("y", [])) > 0
-    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
-    assert html.count("* plotly.js v") == 1  # the library is embedded once per report, so it renders offline
+    assert report_html(nb).count("* plotly.js v") == 1  # the library is embedded once per report: offline
 
 
 def test_placement_and_embeddings_compares_placements_and_shows_shards(tmp_path):
@@ -89,7 +103,7 @@ def test_placement_and_embeddings_compares_placements_and_shows_shards(tmp_path)
     figures = plotly_figures(nb)
     placement = [f for f in figures if any(t.get("type") == "bar" and "ps:1" in (t.get("x") or []) for t in f)]
     assert placement, "no placement figure with both ps tasks"
-    assert html.count("* plotly.js v") == 1
+    assert report_html(nb).count("* plotly.js v") == 1
 
 
 def test_fault_tolerance_recovers_from_a_lost_worker_and_a_lost_ps(tmp_path):

@@ -1,0 +1,120 @@
+"""A live async run of 100,000 global steps followed in a real JupyterLab: the notebook's dashboard stays
+drawn, within its message budget, through a page reload mid-run and to the end; the side panel's run view
+of the run draws its charts within a second of the click. Screenshots go to ``reports/``."""
+
+import re
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+pytestmark = pytest.mark.browser
+
+NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+TAB = '.jp-SideBar.jp-mod-left .lm-TabBar-tab[data-id="pscluster-panel"]'
+REPORTS = Path(__file__).resolve().parents[2] / "reports"
+STEPS = 100_000
+FIGURES = 6  # placement, speed, convergence, staleness, ps load, traffic
+WIDGETS = FIGURES + 3  # and the header, roles table and placement lines
+REFRESH_HZ = 2.5
+CELLS = [
+    "%load_ext pscluster\nimport torch\nimport pscluster",
+    "%pscluster start --ps 1 --workers 2 --name long",
+    f"%%pscluster train --mode async --steps {STEPS} --batch-size 8 --lr 0.01 --log-every 1000000 --name long-async\n"
+    "model = torch.nn.Linear(8, 1)\n"
+    "loss_fn = torch.nn.MSELoss()\n"
+    "g = torch.Generator().manual_seed(0)\n"
+    "dataset = torch.utils.data.TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))",
+]
+# each drawn pscluster figure (a plotly graph div): how many of its traces have points
+DRAWN = """() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .pscluster-figure')]
+    .map(div => (div.data || []).filter(t => (t.x && t.x.length) || (t.y && t.y.length)).length)"""
+
+
+class CommCounter:
+    """Counts the kernel's widget messages (``comm_msg``) that reach the page over its websockets."""
+
+    def __init__(self, page):
+        self.times: list[float] = []
+        page.on("websocket", lambda ws: ws.on("framereceived", self._frame))
+
+    def _frame(self, payload) -> None:
+        text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
+        first = re.search(r'"msg_type":\s*"(\w+)"', text)  # the message's own header comes first
+        if first and first.group(1) == "comm_msg":
+            self.times.append(time.monotonic())
+
+    def rate(self, since: float) -> float:
+        """Messages per second since ``since``."""
+        return sum(t >= since for t in self.times) / (time.monotonic() - since)
+
+
+def open_notebook(page, name: str):
+    page.locator(".jp-DirListing-itemText", has_text=name).dblclick()
+    page.locator(NOTEBOOK).wait_for()
+    return page.locator(NOTEBOOK)
+
+
+def drawn(page) -> list[int]:
+    return page.evaluate(DRAWN)
+
+
+def wait_drawn(page, timeout: float) -> list[int]:
+    """The figures once all of them are drawn with data."""
+    deadline = time.monotonic() + timeout
+    while (counts := drawn(page)).count(0) or len(counts) < FIGURES:
+        assert time.monotonic() < deadline, f"figures drawn with data: {counts}"
+        page.wait_for_timeout(300)
+    return counts
+
+
+def header_step(page) -> int:
+    text = page.locator(NOTEBOOK).get_by_text(re.compile(r"global step \d+ / \d+")).first.inner_text()
+    return int(re.search(r"global step (\d+) /", text).group(1))
+
+
+def test_a_long_async_run_stays_drawn_within_budget_through_a_reload(page, lab, home):
+    REPORTS.mkdir(exist_ok=True)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS], metadata={
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}),
+        lab.root / "files" / "long_run.ipynb")
+    counter = CommCounter(page)
+    open_notebook(page, "long_run.ipynb")
+    deadline = time.monotonic() + 90
+    while not any(k["execution_state"] == "idle" and k["connections"] for k in lab.kernels()):
+        assert time.monotonic() < deadline, "the kernel did not start"
+        time.sleep(0.3)
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Run All Cells$")).click()
+
+    wait_drawn(page, 120)
+    began = time.monotonic()
+    while header_step(page) < 15_000:
+        page.wait_for_timeout(500)
+    live_rate = counter.rate(began)
+    assert live_rate <= REFRESH_HZ * WIDGETS, f"{live_rate:.1f} widget messages/s"
+    page.screenshot(path=str(REPORTS / "long_run_live.png"))
+
+    page.keyboard.press("Control+s")  # what autosave does: the outputs name the live widgets
+    page.wait_for_timeout(1000)
+    page.reload()
+    page.locator(".jp-LauncherCard, .jp-NotebookPanel").first.wait_for(timeout=60_000)
+    if not page.locator(NOTEBOOK).count():
+        open_notebook(page, "long_run.ipynb")
+    wait_drawn(page, 60)  # the widgets come back from the kernel, and their views ask for their figures
+    reloaded_at = header_step(page)
+    assert reloaded_at >= 15_000
+    page.screenshot(path=str(REPORTS / "long_run_reloaded.png"))
+    page.wait_for_timeout(3000)
+    assert header_step(page) > reloaded_at, "the reloaded dashboard is not live"
+
+    page.locator(NOTEBOOK).get_by_text(f"global step {STEPS} / {STEPS}").first.wait_for(timeout=240_000)
+    page.locator(NOTEBOOK).get_by_text("finished", exact=True).first.wait_for(timeout=30_000)
+    final = wait_drawn(page, 30)  # the static copy that replaced the widgets
+    assert len(final) == FIGURES and min(final) > 0
+    page.screenshot(path=str(REPORTS / "long_run_finished.png"))
+    text = page.locator("body").inner_text()
+    assert "IOPub message rate exceeded" not in text and "IOPub data rate exceeded" not in text
+    log = (lab.root / "server.log").read_text(errors="replace")
+    assert "rate exceeded" not in log and "WebSocket ping timeout" not in log
