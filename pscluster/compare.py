@@ -40,8 +40,9 @@ def _source(run, store) -> tuple[str, int]:
 
 def compare(runs, *, store=None) -> Comparison:
     """Overlay the convergence and speed of ``runs`` (Run objects, or run ids in ``store``: a path or a
-    RunStore, default ``$PSCLUSTER_HOME/runs.sqlite``). Each run is labelled by name, mode and workers."""
-    pairs, stores = [], {}
+    RunStore, default ``$PSCLUSTER_HOME/runs.sqlite``). Each run is labelled by name, mode and workers; the
+    table (``figures.compare_table``) gives its times, its steps/s and its final loss."""
+    compared, stores = [], {}
     try:
         for run in runs:
             path, run_id = _source(run, store)
@@ -52,10 +53,11 @@ def compare(runs, *, store=None) -> Comparison:
                 raise ConfigError(f"no run {run_id} in the run store {path}: see pscluster.runs()")
             workers = len((record["spec"] or {}).get("worker", []))
             label = f"{record['name']} ({record['mode']}, {workers} worker{'s' * (workers != 1)})"
-            if any(label == seen for seen, _ in pairs):
+            if any(label == seen.label for seen in compared):
                 label += f" #{run_id}"
-            pairs.append((label, stores[path].metrics(run_id)))
+            compared.append(figures.ComparedRun(label, stores[path].metrics(run_id), record["started"],
+                                                record["ended"]))
     finally:
         for s in stores.values():
             s.close()
-    return Comparison(figures.compare_figure(pairs), figures.compare_table(pairs))
+    return Comparison(figures.compare_figure(compared), figures.compare_table(compared))

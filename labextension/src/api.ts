@@ -51,7 +51,10 @@ export interface RunInfo {
   steps: number | null;
   global_step: number;
   steps_per_s: number | null;
+  wall_s: number | null;
   loss: number | null;
+  final: Record<string, number | null>;
+  hyperparameters: Record<string, string | number | boolean>;
   sparkline: number[];
 }
 
@@ -60,15 +63,18 @@ export interface RunList {
   message: string | null;
 }
 
-export interface MetricRows {
+/** A worker's columns of a series: `x`, `time_last`, `local_last`, `{name}_mean`... (null for NaN). */
+export type Columns = Record<string, (number | null)[]>;
+
+export interface SeriesData {
   run: RunInfo;
-  cursor: number;
-  more: boolean;
-  worker: number[];
-  time: number[];
-  local_step: number[];
-  global_step: number[];
-  loss: (number | null)[];
+  x: string;
+  start: number | null;
+  stop: number | null;
+  names: string[];
+  available: string[];
+  resolution: number;
+  workers: { worker: number; columns: Columns }[];
 }
 
 export interface ActionResult {
@@ -101,10 +107,15 @@ export function runKey(run: RunInfo): string {
   return `${run.store}\n${run.id}`;
 }
 
+/** The URL of `/pscluster/api/<path>` (a download link). */
+export function apiUrl(path: string): string {
+  return URLExt.join(ServerConnection.makeSettings().baseUrl, 'pscluster', 'api', path);
+}
+
 /** GET (or POST with `method: 'POST'`) `/pscluster/api/<path>` and decode its JSON. */
 export async function requestAPI<T>(path: string, init: RequestInit = {}): Promise<T> {
   const settings = ServerConnection.makeSettings();
-  const url = URLExt.join(settings.baseUrl, 'pscluster', 'api', path);
+  const url = apiUrl(path);
   let response: Response;
   try {
     response = await ServerConnection.makeRequest(url, init, settings);

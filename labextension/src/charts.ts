@@ -1,4 +1,8 @@
-/** Small SVG charts: a sparkline for the run list, line charts for the run view. */
+/**
+ * Charts: an SVG sparkline for the run list; plotly.js charts (see `plotly.ts`) for the run view and the
+ * comparison of runs, with TensorBoard's smoothing.
+ */
+import { PlotDiv, PlotlyStatic } from './plotly';
 
 const SVG = 'http://www.w3.org/2000/svg';
 
@@ -10,14 +14,7 @@ function element(tag: string, attributes: Record<string, string | number>): SVGE
   return node;
 }
 
-/** A series of a line chart: its label and its points. */
-export interface Series {
-  label: string;
-  x: number[];
-  y: number[];
-}
-
-const COLORS = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f'];
+export const COLORS = ['#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f'];
 
 function extent(values: number[]): [number, number] {
   let lo = Infinity;
@@ -61,40 +58,148 @@ export function sparkline(values: number[], width = 80, height = 18): SVGElement
   return svg;
 }
 
-/** A line chart with axes' ranges, a title and a legend. */
-export function lineChart(title: string, xLabel: string, series: Series[], width = 520, height = 260): SVGElement {
-  const m = { left: 56, right: 12, top: 24, bottom: 34 };
-  const svg = element('svg', { width, height, class: 'jp-pscluster-chart' });
-  const [x0, x1] = extent(series.flatMap(s => s.x));
-  const [y0, y1] = extent(series.flatMap(s => s.y));
-  const sx = (v: number) => m.left + ((v - x0) / (x1 - x0)) * (width - m.left - m.right);
-  const sy = (v: number) => height - m.bottom - ((v - y0) / (y1 - y0)) * (height - m.top - m.bottom);
-  const text = (x: number, y: number, content: string, anchor = 'start') => {
-    const node = element('text', { x, y, 'text-anchor': anchor, class: 'jp-pscluster-chart-text' });
-    node.textContent = content;
-    svg.appendChild(node);
-  };
-  svg.appendChild(
-    element('rect', {
-      x: m.left,
-      y: m.top,
-      width: width - m.left - m.right,
-      height: height - m.top - m.bottom,
-      class: 'jp-pscluster-chart-frame'
-    })
-  );
-  text(m.left, 16, title);
-  text(width - m.right, height - 6, xLabel, 'end');
-  text(m.left, height - m.bottom + 14, x0.toPrecision(3));
-  text(width - m.right, height - m.bottom + 14, x1.toPrecision(3), 'end');
-  text(m.left - 4, m.top + 10, y1.toPrecision(3), 'end');
-  text(m.left - 4, height - m.bottom, y0.toPrecision(3), 'end');
-  series.forEach((s, i) => {
-    const color = COLORS[i % COLORS.length];
-    svg.appendChild(element('path', { d: path(s.x, s.y, sx, sy), fill: 'none', stroke: color, 'stroke-width': 1.5 }));
-    const legend = element('text', { x: width - m.right - 4, y: m.top + 14 + 14 * i, 'text-anchor': 'end', fill: color });
-    legend.textContent = s.label;
-    svg.appendChild(legend);
+
+/**
+ * TensorBoard's scalar smoothing: an exponential moving average of weight `weight` (0: none, up to 0.999),
+ * debiased like Adam's moments so the first points are not pulled towards 0. Missing values stay missing;
+ * a constant series stays as it is.
+ */
+export function smooth(ys: (number | null)[], weight: number): (number | null)[] {
+  const finite = ys.filter((y): y is number => y !== null && Number.isFinite(y));
+  if (weight <= 0 || finite.every(y => y === finite[0])) {
+    return ys;
+  }
+  let last = 0;
+  let n = 0;
+  return ys.map(y => {
+    if (y === null || !Number.isFinite(y)) {
+      return y;
+    }
+    last = last * weight + (1 - weight) * y;
+    n++;
+    return last / (1 - Math.pow(weight, n));
   });
-  return svg;
+}
+
+/** A curve of a chart: its points, and optionally the band of the values each point stands for. */
+export interface Line {
+  name: string;
+  x: number[];
+  y: (number | null)[];
+  lo?: (number | null)[];
+  hi?: (number | null)[];
+}
+
+/**
+ * A chart: `key` names its div among the charts; `log` makes its y axis logarithmic, `zero` starts it at 0;
+ * `smoothed` smooths its lines.
+ */
+export interface ChartSpec {
+  key: string;
+  title: string;
+  lines: Line[];
+  log?: boolean;
+  zero?: boolean;
+  smoothed?: boolean;
+}
+
+/** The plotly traces of `lines`: a faint min..max band, the values, and with smoothing the smoothed values. */
+function traces(lines: Line[], weight: number): object[] {
+  return lines.flatMap((line, i) => {
+    const color = COLORS[i % COLORS.length];
+    const group = { legendgroup: line.name, x: line.x, type: 'scatter', mode: 'lines' };
+    const out: object[] = [];
+    if (line.lo && line.hi) {
+      const edge = { ...group, line: { width: 0, color }, showlegend: false, hoverinfo: 'skip' };
+      out.push({ ...edge, y: line.lo, name: `${line.name} min` });
+      out.push({ ...edge, y: line.hi, name: `${line.name} max`, fill: 'tonexty', opacity: 0.15 });
+    }
+    const raw = { ...group, y: line.y, name: line.name, line: { color, width: 1.5 } };
+    if (weight <= 0) {
+      return [...out, raw];
+    }
+    return [
+      ...out,
+      { ...raw, name: `${line.name} (raw)`, opacity: 0.3, showlegend: false },
+      { ...group, y: smooth(line.y, weight), name: line.name, line: { color, width: 1.8 } }
+    ];
+  });
+}
+
+/**
+ * Plotly charts in `node`, one div per chart key, redrawn in place (`draw`): a zoom the user made survives a
+ * redraw until `xaxis` changes it. `onZoom` gets the x range a user zoomed any chart to, or null when they
+ * reset it (a double click).
+ */
+export class Charts {
+  constructor(
+    readonly node: HTMLElement,
+    private readonly onZoom: (range: [unknown, unknown] | null) => void
+  ) {}
+
+  async draw(plotly: PlotlyStatic, specs: ChartSpec[], xaxis: object, weight: number): Promise<void> {
+    const keep = new Set(specs.map(s => s.key));
+    for (const [key, div] of this.divs) {
+      if (!keep.has(key)) {
+        plotly.purge(div);
+        div.remove();
+        this.divs.delete(key);
+      }
+    }
+    for (const spec of specs) {
+      let div = this.divs.get(spec.key);
+      const fresh = !div;
+      if (!div) {
+        div = document.createElement('div') as PlotDiv;
+        div.className = 'jp-pscluster-plot';
+        div.dataset.chart = spec.key;
+        this.divs.set(spec.key, div);
+      }
+      this.node.append(div); // in the order of specs
+      const layout = {
+        title: { text: spec.title, font: { size: 13 } },
+        xaxis: { automargin: true, ...xaxis },
+        yaxis: {
+          type: spec.log ? 'log' : 'linear',
+          rangemode: spec.zero ? 'tozero' : 'normal',
+          exponentformat: 'power',
+          automargin: true
+        },
+        hovermode: 'x unified',
+        margin: { l: 60, r: 20, t: 36, b: 40 },
+        height: 280,
+        showlegend: true,
+        legend: { orientation: 'h', y: -0.3 },
+        uirevision: 'keep'
+      };
+      await plotly.react(div, traces(spec.lines, spec.smoothed ? weight : 0), layout, {
+        displaylogo: false,
+        responsive: true
+      });
+      if (fresh) {
+        div.on('plotly_relayout', event => this.relayout(event));
+      }
+    }
+  }
+
+  private relayout(event: Record<string, unknown>): void {
+    const range = (event['xaxis.range'] as [unknown, unknown] | undefined) ?? [
+      event['xaxis.range[0]'],
+      event['xaxis.range[1]']
+    ];
+    if (event['xaxis.autorange']) {
+      this.onZoom(null);
+    } else if (range[0] !== undefined) {
+      this.onZoom(range);
+    }
+  }
+
+  /** Free plotly's resources of every chart. */
+  purge(plotly: PlotlyStatic): void {
+    for (const div of this.divs.values()) {
+      plotly.purge(div);
+    }
+  }
+
+  private readonly divs = new Map<string, PlotDiv>();
 }

@@ -1,4 +1,4 @@
-/** pscluster's JupyterLab plugin: the side panel, and a main-area view per run opened from it. */
+/** pscluster's JupyterLab plugin: the side panel, and main-area views of a run or of runs compared, opened from it. */
 import { ILabShell, ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { MainAreaWidget } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
@@ -24,20 +24,21 @@ const plugin: JupyterFrontEndPlugin<void> = {
   activate: (app: JupyterFrontEnd, shell: ILabShell, restorer: ILayoutRestorer | null) => {
     const views = new Map<string, MainAreaWidget<RunView>>();
     let opened = 0;
-    const openRun = (run: RunInfo) => {
-      let view = views.get(runKey(run));
+    const openRuns = (runs: RunInfo[]) => {
+      const key = runs.map(runKey).join('\n\n');
+      let view = views.get(key);
       if (!view || view.isDisposed) {
-        view = new MainAreaWidget({ content: new RunView(run) });
+        view = new MainAreaWidget({ content: new RunView(runs) });
         view.id = `pscluster-run-${++opened}`;
-        view.title.label = run.name;
+        view.title.label = runs.length === 1 ? runs[0].name : `compare ${runs.map(r => r.name).join(', ')}`;
         view.title.icon = icon;
         view.title.closable = true;
-        views.set(runKey(run), view);
+        views.set(key, view);
         shell.add(view, 'main');
       }
       shell.activateById(view.id);
     };
-    const panel = new ClusterPanel(openRun);
+    const panel = new ClusterPanel(openRuns);
     panel.title.icon = icon;
     shell.add(panel, 'left', { rank: 600 });
     restorer?.add(panel, panel.id);

@@ -1,6 +1,7 @@
 /**
- * The left side panel: running clusters with their tasks, and every run of the store with its
- * status, global step, speed and a loss sparkline. It refreshes while it is visible only.
+ * The left side panel: running clusters with their tasks, and a table of every run of the stores with its
+ * status, global step, steps/s, final loss (and sparkline), wall time and hyperparameters; runs checked
+ * there open compared. It refreshes while it is visible only.
  */
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 
@@ -11,11 +12,14 @@ import {
   ClusterList,
   RunInfo,
   RunList,
+  apiUrl,
   requestAPI,
   runKey,
   runPath
 } from './api';
 import { sparkline } from './charts';
+import { duration, settings, sig } from './format';
+import { loadPlotly } from './plotly';
 import { PollingWidget } from './polling';
 
 /** The statuses of a run that can still be stopped. */
@@ -26,11 +30,6 @@ function el<K extends keyof HTMLElementTagNameMap>(tag: K, className = '', text 
   node.className = className;
   node.textContent = text;
   return node;
-}
-
-/** `value` with `digits` decimals, or an en dash when there is none. */
-export function fmt(value: number | null, digits = 1): string {
-  return value === null || !Number.isFinite(value) ? '–' : value.toFixed(digits);
 }
 
 /** Ask for confirmation (the accept button says `label`), then POST `path`; errors are shown, never thrown. */
@@ -57,7 +56,8 @@ export async function confirmAndPost(
 }
 
 export class ClusterPanel extends PollingWidget {
-  constructor(private readonly openRun: (run: RunInfo) => void) {
+  /** `openRuns` opens the view of one run, or the comparison of several. */
+  constructor(private readonly openRuns: (runs: RunInfo[]) => void) {
     super();
     this.id = 'pscluster-panel';
     this.addClass('jp-pscluster-panel');
@@ -66,11 +66,15 @@ export class ClusterPanel extends PollingWidget {
       el('h2', 'jp-pscluster-heading', 'Clusters'),
       this.clustersNode,
       el('h2', 'jp-pscluster-heading', 'Runs'),
+      this.compareButton,
       this.runsMessage,
       this.runsTable
     );
     this.runsTable.createTHead().append(this.headerRow());
     this.runsTable.append(this.runsBody);
+    this.compareButton.title = 'Overlay the loss curves of the checked runs';
+    this.compareButton.onclick = () => this.openRuns([...this.checked].map(key => this.runs.get(key)!));
+    this.updateCompare();
   }
 
   /** Ask the server for the clusters and the runs and show them (or why not). */
@@ -90,6 +94,11 @@ export class ClusterPanel extends PollingWidget {
     } else {
       this.showMessage((runs.reason as ApiError).message, true);
     }
+  }
+
+  protected onAfterShow(): void {
+    void loadPlotly().catch(() => undefined); // now, so that a run view opens drawn (a view shows the error)
+    super.onAfterShow();
   }
 
   private showMessage(text: string, error = false): void {
@@ -172,7 +181,7 @@ export class ClusterPanel extends PollingWidget {
 
   private headerRow(): HTMLTableRowElement {
     const row = document.createElement('tr');
-    for (const name of ['run', 'status', 'step', 'steps/s', 'loss', '']) {
+    for (const name of ['', 'run', 'status', 'step', 'steps/s', 'loss', 'wall', 'hyperparameters', '']) {
       row.append(el('th', '', name));
     }
     return row;
@@ -184,6 +193,7 @@ export class ClusterPanel extends PollingWidget {
     for (const run of list.runs) {
       const key = runKey(run);
       seen.add(key);
+      this.runs.set(key, run);
       let row = this.runRows.get(key);
       if (!row) {
         row = this.runRow(run);
@@ -196,8 +206,16 @@ export class ClusterPanel extends PollingWidget {
       if (!seen.has(key)) {
         row.remove();
         this.runRows.delete(key);
+        this.runs.delete(key);
+        this.checked.delete(key);
       }
     }
+    this.updateCompare();
+  }
+
+  private updateCompare(): void {
+    this.compareButton.disabled = this.checked.size < 2;
+    this.compareButton.textContent = this.checked.size ? `Compare ${this.checked.size} runs` : 'Compare checked runs';
   }
 
   private runRow(run: RunInfo): HTMLTableRowElement {
@@ -205,25 +223,45 @@ export class ClusterPanel extends PollingWidget {
     row.className = 'jp-pscluster-run';
     row.dataset.runId = String(run.id);
     row.dataset.store = run.store;
-    for (const cell of ['name', 'status', 'step', 'speed', 'loss', 'actions']) {
+    for (const cell of ['check', 'name', 'status', 'step', 'speed', 'loss', 'wall', 'settings', 'actions']) {
       row.append(el('td', `jp-pscluster-run-${cell}`));
     }
+    const check = el('input', 'jp-pscluster-run-checkbox');
+    check.type = 'checkbox';
+    check.title = 'Check two or more runs to compare them';
+    check.onclick = event => event.stopPropagation(); // a run row opens its view on click
+    check.onchange = () => {
+      const key = runKey(run);
+      check.checked ? this.checked.add(key) : this.checked.delete(key);
+      this.updateCompare();
+    };
+    row.cells[0].append(check);
+    const csv = el('a', 'jp-pscluster-download', 'CSV');
+    csv.href = apiUrl(runPath(run, 'metrics.csv'));
+    csv.title = `Download the metrics of ${run.name} (raw rows)`;
+    csv.onclick = event => event.stopPropagation();
+    row.cells[8].append(csv);
     return row;
   }
 
   private updateRun(row: HTMLTableRowElement, run: RunInfo): void {
-    const [name, status, step, speed, loss, actions] = Array.from(row.cells);
+    const [, name, status, step, speed, loss, wall, config, actions] = Array.from(row.cells);
     name.textContent = run.name;
     name.title = `${run.name} on ${run.cluster} (${run.mode}): open its plots`;
     status.textContent = run.status;
     status.className = `jp-pscluster-run-status jp-pscluster-status-${run.status}`;
     step.textContent = run.steps ? `${run.global_step}/${run.steps}` : String(run.global_step);
-    speed.textContent = fmt(run.steps_per_s);
-    loss.replaceChildren(sparkline(run.sparkline));
-    loss.title = `latest loss ${fmt(run.loss, 4)}`;
-    row.onclick = () => this.openRun(run);
+    speed.textContent = sig(run.steps_per_s, 3);
+    loss.replaceChildren(el('span', 'jp-pscluster-run-final', sig(run.loss)), sparkline(run.sparkline));
+    loss.title = Object.entries(run.final)
+      .map(([k, v]) => `final ${k} ${sig(v, 6)}`)
+      .join('\n');
+    wall.textContent = duration(run.wall_s);
+    config.textContent = settings(run.hyperparameters);
+    config.title = config.textContent;
+    row.onclick = () => this.openRuns([run]);
     const live = LIVE.has(run.status);
-    if (live && !actions.firstChild) {
+    if (live && !actions.querySelector('.jp-pscluster-stop-run')) {
       const title = `Stop ${run.name} at the next step of every worker`;
       actions.append(
         this.actionButton('Stop', 'jp-pscluster-stop-run', title, () =>
@@ -235,7 +273,7 @@ export class ClusterPanel extends PollingWidget {
         )
       );
     } else if (!live) {
-      actions.replaceChildren();
+      actions.querySelector('.jp-pscluster-stop-run')?.remove();
     }
   }
 
@@ -263,5 +301,8 @@ export class ClusterPanel extends PollingWidget {
   private readonly runsTable = el('table', 'jp-pscluster-runs');
   private readonly runsBody = document.createElement('tbody');
   private readonly runRows = new Map<string, HTMLTableRowElement>();
+  private readonly runs = new Map<string, RunInfo>(); // by runKey: the latest listed
+  private readonly checked = new Set<string>(); // runKeys
+  private readonly compareButton = el('button', 'jp-Button jp-mod-styled jp-mod-accept jp-pscluster-compare');
   private clustersSignature = '';
 }

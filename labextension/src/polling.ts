@@ -1,4 +1,4 @@
-// A widget that refreshes itself every REFRESH_MS while it is visible, and not at all while hidden.
+// A widget that refreshes itself every `interval` ms while it is visible, and not at all while hidden.
 
 import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
@@ -6,11 +6,11 @@ import { Widget } from '@lumino/widgets';
 export const REFRESH_MS = 1500;
 
 export abstract class PollingWidget extends Widget {
-  constructor() {
+  constructor(interval = REFRESH_MS) {
     super();
     this.poll = new Poll({
       factory: () => this.refresh(),
-      frequency: { interval: REFRESH_MS, backoff: false },
+      frequency: { interval, backoff: false },
       standby: () => !this.isVisible || 'when-hidden'
     });
   }

@@ -2,11 +2,15 @@
 
 In a kernel the bar is one display output updated in place through its display
 id, so JupyterLab shows it moving and nbconvert keeps its final state; on a
-terminal it is a plain tqdm bar. Both use tqdm's own formatting.
+terminal it is a plain tqdm bar. Both use tqdm's own formatting, with the rate
+the caller gives (the run's steps/s by ``metrics.speed``) rather than tqdm's
+steps over the time since the bar was made, which is wrong for a bar made after
+the run started, or a run that starts at a step above 0.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -21,11 +25,21 @@ def _in_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
+class _Bar(tqdm):
+    """A terminal tqdm bar that shows the rate it is given (``rate``; 0: unknown, shown as ``?``)."""
+
+    rate = 0.0
+
+    @property
+    def format_dict(self):
+        return {**super().format_dict, "rate": self.rate}
+
+
 class StepProgress:
     """Progress of a run towards its global step target."""
 
     def __init__(self, total: int, desc: str):
-        self.total, self.desc, self.n = total, desc, 0
+        self.total, self.desc, self.n, self.rate = total, desc, 0, 0.0
         self._started = self._shown = time.monotonic()
         self._bar = None
         self._handle = None
@@ -34,15 +48,18 @@ class StepProgress:
 
             self._handle = display({"text/plain": self._line()}, raw=True, display_id=True)
         else:
-            self._bar = tqdm(total=total, desc=desc, unit="step", file=sys.stdout)
+            self._bar = _Bar(total=total, desc=desc, unit="step", file=sys.stdout)
 
     def _line(self) -> str:
         return tqdm.format_meter(self.n, self.total, time.monotonic() - self._started, prefix=self.desc,
-                                 unit="step", ncols=80)
+                                 unit="step", ncols=80, rate=self.rate)
 
-    def update(self, n: int, *, force: bool = False) -> None:
-        """Move to global step ``n`` (redrawn at most every UPDATE_S seconds unless ``force``)."""
+    def update(self, n: int, steps_per_s: float, *, force: bool = False) -> None:
+        """Move to global step ``n`` at ``steps_per_s`` (the run's; NaN: not known yet), redrawn at most
+        every UPDATE_S seconds unless ``force``."""
+        self.rate = steps_per_s if math.isfinite(steps_per_s) else 0.0
         if self._bar is not None:
+            self._bar.rate = self.rate
             self._bar.update(n - self._bar.n)
             return
         self.n = n
@@ -61,4 +78,4 @@ class StepProgress:
         if self._bar is not None:
             self._bar.close()
         else:
-            self.update(self.n, force=True)
+            self.update(self.n, self.rate, force=True)

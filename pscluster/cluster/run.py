@@ -8,6 +8,7 @@ parameters, so nothing trained is lost when the cluster stops afterwards.
 from __future__ import annotations
 
 import html
+import math
 import os
 import queue
 import re
@@ -21,6 +22,7 @@ import torch
 
 from ..errors import RuntimeTimeout, TrainingError
 from ..evaluate import evaluate
+from ..metrics import speed
 from ..metrics.collector import Collector
 from ..metrics.store import RunStore
 from ..runtime import checkpoint
@@ -71,6 +73,8 @@ class Run:
         self._test_dataset = test_dataset
         self.eval_every = eval_every or max(1, plan.steps // 10)
         self._latest_step = 0
+        self._rates, self._rates_row = speed.RunRates(), 0  # from the store's metric rows up to that row
+        self._rates_lock = threading.Lock()
         self._done = threading.Event()
         self.started = time.time()
         self.finished: float | None = None
@@ -252,12 +256,12 @@ class Run:
             while not self._done.wait(0.1):
                 self._print_pending(verbose, bar)
                 if bar is not None:
-                    bar.update(self._latest_step)
+                    bar.update(self._latest_step, self.rates().run(live=True))
                 if deadline is not None and time.monotonic() > deadline:
                     raise RuntimeTimeout(f"{self.name} still training after {timeout:.0f}s: "
                                          "call run.wait() again, or run.stop() to end it")
             if bar is not None:
-                bar.update(self.global_step, force=True)
+                bar.update(self.global_step, self.rates().run(live=False), force=True)
         finally:
             self._print_pending(verbose, bar)
             if bar is not None:
@@ -416,11 +420,27 @@ class Run:
         stats = self.ps_stats or self._read_ps_stats(5.0) or [{}]
         return {int(k): v for k, v in stats[0].get("staleness", {}).items()}
 
+    def rates(self) -> speed.RunRates:
+        """The run's steps/s (global and each worker's, by ``speed.rate``) and the span of its reported steps,
+        from the metric rows the run store holds so far."""
+        with self._rates_lock:
+            new = self.store.metrics(self.id, after_row=self._rates_row)
+            if len(new):
+                self._rates.add(new)
+                self._rates_row = int(new["row"].max())
+            return self._rates
+
     def summary(self) -> dict:
-        """The run as plain data (for reports): mode, sizes, steps, speed."""
+        """The run as plain data (for reports): mode, sizes, steps, speed, times.
+
+        ``steps_per_s`` (global) and ``worker_steps_per_s`` (local, by worker index) by ``speed.rate``: over
+        the last ``speed.RECENT_S`` seconds while the run trains, over all its rows once it ended; None
+        where there is no rate. ``wall_s``, ``startup_s`` (to the first reported step) and ``training_s``
+        (from the first reported step to the last) by ``speed.phases``."""
         results = self.results or []
         samples = sum(r["samples"] for r in results)
         stats = self.ps_stats or [{}]
+        rates, live = self.rates(), self.finished is None
         return {"name": self.name, "run_id": self.plan.run_id, "mode": self.mode,
                 "ps": len(self.spec.ps), "workers": len(self.spec.workers),
                 "replicas_to_aggregate": self.plan.replicas_to_aggregate, "steps": self.plan.steps,
@@ -428,7 +448,9 @@ class Run:
                 "dropped_stale": stats[0].get("dropped_stale"), "late": stats[0].get("late"),
                 "staleness": self.staleness() if self.mode == "async" else None,
                 "samples_per_sec": samples / self.wall_s if self.done and self.wall_s > 0 else None,
-                "wall_s": self.wall_s, "status": self.status}
+                "steps_per_s": _number(rates.run(live=live)),
+                "worker_steps_per_s": {w: _number(r) for w, r in rates.workers(live=live).items()},
+                **speed.phases(self.started, self.finished, rates.span(), time.time()), "status": self.status}
 
     @property
     def status(self) -> str:
@@ -448,6 +470,11 @@ class Run:
                        f"<td style='text-align:left'>{html.escape(_fmt(v))}</td></tr>"
                        for k, v in s.items() if k != "staleness" or v)
         return f"<table>{rows}</table>"
+
+
+def _number(v: float) -> float | None:
+    """``v``, or None for NaN (a summary is JSON)."""
+    return None if math.isnan(v) else v
 
 
 def _fmt(v) -> str:

@@ -1,4 +1,5 @@
-"""Thin tornado handlers under ``<base_url>/pscluster/api/``: parse, call LabService, answer JSON.
+"""Thin tornado handlers under ``<base_url>/pscluster/api/``: parse, call LabService, answer JSON (or a file:
+a run's metrics as CSV or Parquet); and plotly.js at ``<base_url>/pscluster/static/plotly.min.js``.
 
 A run is named by its id and, as the query argument ``store``, the path of its run store (the
 ``store`` of its RunInfo; default: the default store).
@@ -9,16 +10,22 @@ Every verb is authenticated like any Jupyter API handler. Store and control call
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
 
-from jupyter_server.base.handlers import APIHandler
+import plotly
+from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.ioloop import IOLoop
 
 from .models import ErrorReply, to_json
-from .service import ApiError, LabService
+from .service import MAX_POINTS, ApiError, LabService
 
+SERIES_POINTS = 2000        # points per worker of a series when the request does not say
+CSV_CHUNK = 20_000          # rows per chunk of a streamed CSV download
+PLOTLY_CACHE_S = 7 * 86400  # plotly.js changes with the plotly package only
 TASK = r"clusters/(?P<name>[^/]+)/tasks/(?P<role>ps|chief|worker)/(?P<index>\d+)"
 
 
@@ -33,6 +40,15 @@ class _Handler(APIHandler):
             self.set_status(e.status)
             payload = ErrorReply(e.message)
         self.finish(json.dumps(to_json(payload)))
+
+    def points(self, default: int | None) -> int | None:
+        """The query argument ``points``: how many points per worker (2 to MAX_POINTS); ``default`` without it."""
+        value = self.get_query_argument("points", "")
+        if not value:
+            return default
+        if not value.isdigit() or not 2 <= int(value) <= MAX_POINTS:
+            raise web.HTTPError(400, reason=f"points={value!r}: give a number of points from 2 to {MAX_POINTS}")
+        return int(value)
 
     def write_error(self, status_code: int, **kwargs) -> None:
         """Errors that tornado raises (a bad route argument...) as ``{"error": ...}`` too."""
@@ -63,13 +79,62 @@ class RunsHandler(_Handler):
         await self.answer(self.service.runs)
 
 
-class MetricsHandler(_Handler):
+class SeriesHandler(_Handler):
     @web.authenticated
     async def get(self, run_id: str):
-        after = self.get_query_argument("after", "0")
-        if not after.isdigit():
-            raise web.HTTPError(400, reason=f"after={after!r}: give the cursor of the previous answer (0 to start)")
-        await self.answer(self.service.metrics, int(run_id), int(after), self.get_query_argument("store", None))
+        names = self.get_query_argument("names", "")
+        x = self.get_query_argument("x", "step")
+        if x not in ("step", "time"):
+            raise web.HTTPError(400, reason=f"x={x!r}: give x=step (global step) or x=time (seconds)")
+        await self.answer(self.service.series, int(run_id), self.get_query_argument("store", None),
+                          names.split(",") if names else None, x, self.number("start"), self.number("stop"),
+                          self.points(SERIES_POINTS))
+
+    def number(self, name: str) -> float | None:
+        value = self.get_query_argument(name, "")
+        try:
+            return float(value) if value else None
+        except ValueError:
+            raise web.HTTPError(400, reason=f"{name}={value!r}: give a number, or leave it out") from None
+
+
+class DownloadHandler(_Handler):
+    """The run's metrics as a file: raw rows, or with ``?points=N`` the whole run decimated; the header
+    ``X-Pscluster-Content`` says which."""
+
+    @web.authenticated
+    async def get(self, run_id: str, kind: str):
+        if kind == "parquet" and importlib.util.find_spec("pyarrow") is None:
+            raise web.HTTPError(400, reason="metrics.parquet needs pyarrow where the Jupyter server runs: "
+                                            "pip install pyarrow (or download metrics.csv)")
+        points = self.points(None)
+        try:
+            df, content = await IOLoop.current().run_in_executor(
+                None, self.service.download, int(run_id), self.get_query_argument("store", None), points)
+        except ApiError as e:
+            raise web.HTTPError(e.status, reason=e.message) from None
+        self.set_header("Content-Type", "text/csv" if kind == "csv" else "application/vnd.apache.parquet")
+        self.set_header("Content-Disposition", f'attachment; filename="run-{run_id}-metrics.{kind}"')
+        self.set_header("X-Pscluster-Content", content)
+        if kind == "parquet":
+            self.finish(df.to_parquet(index=False))
+            return
+        for first in range(0, max(len(df), 1), CSV_CHUNK):  # streamed: the header, then a chunk at a time
+            self.write(df.iloc[first:first + CSV_CHUNK].to_csv(index=False, header=first == 0))
+            await self.flush()
+        self.finish()
+
+
+class PlotlyHandler(JupyterHandler, web.StaticFileHandler):
+    """plotly.js of the installed plotly package, for the side panel and the notebook's live figures;
+    cached by the browser for PLOTLY_CACHE_S."""
+
+    @web.authenticated
+    def get(self, path: str, include_body: bool = True):
+        return web.StaticFileHandler.get(self, path, include_body)
+
+    def get_cache_time(self, path, modified, mime_type) -> int:
+        return PLOTLY_CACHE_S
 
 
 class StopRunHandler(_Handler):
@@ -86,6 +151,8 @@ def routes(base_url: str, service: LabService) -> list:
         (r"clusters/(?P<name>[^/]+)/stop", StopClusterHandler),
         (TASK + r"/(?P<action>kill|restart)", TaskActionHandler),
         ("runs", RunsHandler),
-        (r"runs/(?P<run_id>\d+)/metrics", MetricsHandler),
+        (r"runs/(?P<run_id>\d+)/series", SeriesHandler),
+        (r"runs/(?P<run_id>\d+)/metrics\.(?P<kind>csv|parquet)", DownloadHandler),
         (r"runs/(?P<run_id>\d+)/stop", StopRunHandler),
-    )]
+    )] + [(url_path_join(base_url, "pscluster", "static", r"(plotly\.min\.js)"), PlotlyHandler,
+           {"path": str(pathlib.Path(plotly.__file__).parent / "package_data")})]

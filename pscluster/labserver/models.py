@@ -6,7 +6,7 @@ fields (a test compares them): change both together.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass
@@ -54,9 +54,12 @@ class ClusterList:
 
 @dataclass
 class RunInfo:
-    """A run of the run store at path ``store`` (ids are unique within one store): ``global_step`` of
-    ``steps``, ``steps_per_s`` over the last seconds (over the whole run once it ended), ``loss`` the latest,
-    ``sparkline`` the loss over the run (at most 40 points)."""
+    """A run of the run store at path ``store`` (ids are unique within one store), summarized from its rollups
+    (never all its metric rows): ``global_step`` reached of ``steps``; ``steps_per_s`` the run's global steps/s as
+    ``metrics.speed.rate`` defines it (its last seconds while it trains, all its rows once it ended);
+    ``wall_s`` from its start to its end (to now while it trains); ``loss`` the last loss reported,
+    ``final`` the last value of each of its metrics; ``hyperparameters`` the optimizer, its arguments and the
+    run's settings from its config; ``sparkline`` the loss over the run (at most 40 points)."""
 
     id: int
     store: str
@@ -69,7 +72,10 @@ class RunInfo:
     steps: int | None
     global_step: int
     steps_per_s: float | None
+    wall_s: float | None
     loss: float | None
+    final: dict[str, float | None]
+    hyperparameters: dict[str, str | float | int | bool]
     sparkline: list[float]
 
 
@@ -83,18 +89,22 @@ class RunList:
 
 
 @dataclass
-class MetricRows:
-    """The worker metrics stored after cursor ``after``, column by column; ``cursor`` is the ``after``
-    of the next request. ``more`` is true when rows were left for the next request."""
+class SeriesData:
+    """A run's metrics ``names`` decimated to at most ``points`` per worker (``RunStore.series``), by ``x``
+    (``step``: global step, ``time``: seconds since the epoch) from ``start`` to ``stop`` (null: the run's
+    first or last). ``workers``: per worker, its index and its ``columns`` (``x``, ``x_end``, ``time_first``,
+    ``time_last``, ``step_first``, ``step_last``, ``local_first``, ``local_last``, ``count`` and, per name,
+    ``{name}_mean``, ``_min``, ``_max``, ``_last``; NaN as null). ``resolution``: the bucket width in x
+    units, 0 for raw rows. ``available``: every metric name the run has."""
 
     run: RunInfo
-    cursor: int
-    more: bool
-    worker: list[int] = field(default_factory=list)
-    time: list[float] = field(default_factory=list)
-    local_step: list[int] = field(default_factory=list)
-    global_step: list[int] = field(default_factory=list)
-    loss: list[float | None] = field(default_factory=list)
+    x: str
+    start: float | None
+    stop: float | None
+    names: list[str]
+    available: list[str]
+    resolution: float
+    workers: list[dict]
 
 
 @dataclass
@@ -113,7 +123,7 @@ class ErrorReply:
     error: str
 
 
-PAYLOADS = (TaskInfo, ClusterInfo, SkippedCluster, ClusterList, RunInfo, RunList, MetricRows, ActionResult,
+PAYLOADS = (TaskInfo, ClusterInfo, SkippedCluster, ClusterList, RunInfo, RunList, SeriesData, ActionResult,
             ErrorReply)
 
 

@@ -7,20 +7,28 @@ one-line message; the handlers only translate. Actions go to the kernel that own
 
 from __future__ import annotations
 
+import math
 import os
 import sqlite3
+import time
 
+import numpy as np
 import pandas as pd
 
 from ..cluster import control, registry
-from ..metrics.store import RunStore, default_path
-from .models import ActionResult, ClusterInfo, ClusterList, MetricRows, RunInfo, RunList, SkippedCluster, TaskInfo
+from ..metrics import speed
+from ..metrics.store import RAW_WINDOW, RunStore, default_path
+from .models import ActionResult, ClusterInfo, ClusterList, RunInfo, RunList, SeriesData, SkippedCluster, TaskInfo
 
 ENDED = ("finished", "failed", "stopped")
 LOCK_WAIT_S = 1.0      # a query waits this long for another process's lock before the answer is 503
-SPEED_WINDOW_S = 5.0   # steps/s of a live run: over its last seconds
 SPARK_POINTS = 40
-MAX_ROWS = 20_000      # metric rows per answer; the rest come with the next cursor
+SUMMARY_POINTS = 4 * SPARK_POINTS  # buckets per worker a run's summary reads: a sparkline's worth, whatever their width
+RATE_POINTS = 500      # buckets per worker a live run's steps/s is read from (raw rows when it has fewer)
+MAX_POINTS = 10_000    # the most points per worker a series answer may ask for
+DEFAULT_NAMES = ("loss", "accuracy")
+HYPERPARAMETERS = ("batch_size", "mode", "num_workers", "steps", "replicas_to_aggregate", "staleness_bound",
+                   "scheduler", "max_grad_norm", "precision", "seed")
 CONTROL_STATUS = {"not_found": 404, "conflict": 409, "invalid": 400, "unavailable": 504, "forbidden": 502}
 
 
@@ -62,16 +70,40 @@ class LabService:
                                             "cluster trains.")
         return RunList(runs=sorted(runs, key=lambda r: (r.started, r.id), reverse=True))
 
-    def metrics(self, run_id: int, after: int, store_path: str | None = None) -> MetricRows:
+    def series(self, run_id: int, store_path: str | None, names: list[str] | None, x: str, start: float | None,
+               stop: float | None, points: int) -> SeriesData:
+        """Run ``run_id``'s metrics ``names`` (default: those of DEFAULT_NAMES it has) by ``x`` from ``start`` to
+        ``stop``, at most ``points`` per worker; 400 for a metric the run does not have."""
         live = {e["name"] for e in registry.read_all()[0]}
         with self._store_with(run_id, store_path) as store, _readable(store.path):
             row = _run_row(store, run_id)
-            df = store.metrics(run_id, after_row=after).sort_values("row").head(MAX_ROWS)
+            available = store.series_names(run_id)
+            if names is None:
+                names = [n for n in DEFAULT_NAMES if n in available]
+            elif missing := [n for n in names if n not in available]:
+                raise ApiError(400, f"run {run_id} has no metric {', '.join(missing)}: ask for some of "
+                                    f"{', '.join(available) or 'none yet'}")
+            df = store.series(run_id, tuple(names), x=x, start=start, stop=stop, max_points=points)
             info = self._run_info(store, row, live)
-        more = len(df) == MAX_ROWS
-        columns = {c: [None if pd.isna(v) else v for v in df[c].tolist()] for c in
-                   ("worker", "time", "local_step", "global_step", "loss")}
-        return MetricRows(run=info, cursor=int(df["row"].max()) if len(df) else after, more=more, **columns)
+        workers = [{"worker": int(w), "columns": {c: _nulls(rows[c]) for c in rows.columns if c != "worker"}}
+                   for w, rows in df.groupby("worker", sort=True)]
+        return SeriesData(run=info, x=x, start=start, stop=stop, names=names, available=available,
+                          resolution=float(df.attrs.get("resolution", 0)), workers=workers)
+
+    def download(self, run_id: int, store_path: str | None, points: int | None) -> tuple[pd.DataFrame, str]:
+        """Run ``run_id``'s metrics as a frame to download, and a line that says what it holds: the raw rows
+        the store keeps (``points`` None: its newest ``RAW_WINDOW`` per run), or every metric over the whole
+        run decimated to at most ``points`` rows per worker."""
+        with self._store_with(run_id, store_path) as store, _readable(store.path):
+            _run_row(store, run_id)
+            if points is None:
+                df = store.metrics(run_id)
+                first = int(df["global_step"].min()) if len(df) else 0
+                return df, (f"raw rows: the newest {len(df)} (the store keeps {RAW_WINDOW} per run), from global "
+                            f"step {first}; ?points=N for the whole run decimated")
+            df = store.series(run_id, tuple(store.series_names(run_id)), max_points=points)
+        return df, (f"the whole run decimated to at most {points} rows per worker (bucket width "
+                    f"{df.attrs.get('resolution', 0)} global steps, 0: raw rows)")
 
     def _open(self, path: str) -> RunStore:
         with _readable(path):
@@ -91,20 +123,25 @@ class LabService:
             raise ApiError(404, f"no run {run_id}: there is no run store yet ({path})") from None
 
     def _run_info(self, store: RunStore, row, live: set[str]) -> RunInfo:
+        """The run of ``row`` (of ``store.runs()``) from a sparkline-sized ``store.series`` (and, while it trains,
+        one of its last seconds), whatever its length; kept once it ended."""
         key = (store.path, int(row.id))
         if key in self._ended:
             return self._ended[key]
-        m = store.metrics(row.id)
         config = (store.run(row.id) or {}).get("config") or {}
         status = row.status
         if status not in ENDED and row.cluster not in live:
             status = "lost"  # its kernel is gone: nobody will finish it
+        ended = None if pd.isna(row.ended) else float(row.ended)
+        names = store.series_names(row.id)
+        spark = store.series(row.id, tuple(names), max_points=SUMMARY_POINTS)
         info = RunInfo(id=int(row.id), store=store.path, name=row.name, cluster=row.cluster, mode=row.mode,
-                       status=status, started=float(row.started),
-                       ended=None if pd.isna(row.ended) else float(row.ended),
-                       steps=config.get("steps"), global_step=int(m["global_step"].max()) if len(m) else 0,
-                       steps_per_s=_speed(m, ended=status in ENDED), loss=_last(m["loss"]),
-                       sparkline=_sparkline(m))
+                       status=status, started=float(row.started), ended=ended, steps=config.get("steps"),
+                       global_step=int(spark["step_last"].max()) if len(spark) else 0,
+                       steps_per_s=_speed(store, row.id, spark, live=status not in (*ENDED, "lost")),
+                       wall_s=speed.phases(float(row.started), ended, None, now=time.time())["wall_s"],
+                       loss=_final(spark, "loss"), final={n: _final(spark, n) for n in names},
+                       hyperparameters=_hyperparameters(config), sparkline=_sparkline(spark))
         if status in ENDED:
             self._ended[key] = info
         return info
@@ -210,24 +247,45 @@ def _cluster_info(entry: dict) -> ClusterInfo:
                        tasks=tasks)
 
 
-def _last(series: pd.Series) -> float | None:
-    series = series.dropna()
-    return float(series.iloc[-1]) if len(series) else None
+def _hyperparameters(config: dict) -> dict:
+    """What tells runs apart, from a run's config: the optimizer and its arguments, then HYPERPARAMETERS
+    (settings that are None are left out)."""
+    found = {"optimizer": config.get("optimizer")} | dict(config.get("optimizer_kwargs") or {})
+    found |= {k: config.get(k) for k in HYPERPARAMETERS}
+    return {k: v if isinstance(v, (int, float, bool)) else str(v) for k, v in found.items() if v is not None}
 
 
-def _speed(m: pd.DataFrame, *, ended: bool) -> float | None:
-    """Global steps per second: over the whole run once it ended, else over its last SPEED_WINDOW_S."""
-    if len(m) < 2:
+def _nulls(column: pd.Series) -> list:
+    """A column as JSON values: NaN and infinities (a loss that diverged) as None."""
+    return [None if isinstance(v, float) and not math.isfinite(v) else v for v in column.tolist()]
+
+
+def _final(spark: pd.DataFrame, name: str) -> float | None:
+    """Metric ``name``'s last value reported: that of the worker that reported last."""
+    if f"{name}_last" not in spark:
         return None
-    recent = m if ended else m[m["time"] >= m["time"].max() - SPEED_WINDOW_S]
-    span = recent["time"].max() - recent["time"].min()
-    return float((recent["global_step"].max() - recent["global_step"].min()) / span) if span > 0 else None
+    rows = spark.dropna(subset=[f"{name}_last"])
+    value = float(rows.loc[rows["time_last"].idxmax(), f"{name}_last"]) if len(rows) else math.nan
+    return value if math.isfinite(value) else None
 
 
-def _sparkline(m: pd.DataFrame) -> list[float]:
+def _speed(store: RunStore, run_id: int, spark: pd.DataFrame, *, live: bool) -> float | None:
+    """The run's global steps/s by ``speed.rate``: over all its rows once it ended (exact from any buckets: they
+    keep their rows' first and last time and step), else over its last RECENT_S seconds, read by time."""
+    if live and len(spark):
+        spark = store.series(run_id, (), x="time", start=float(spark["time_last"].max()) - speed.RECENT_S,
+                             max_points=RATE_POINTS)
+    times = pd.concat([spark["time_first"], spark["time_last"]])
+    value = speed.rate(times, pd.concat([spark["step_first"], spark["step_last"]]), live=live)
+    return None if math.isnan(value) else value
+
+
+def _sparkline(spark: pd.DataFrame) -> list[float]:
     """The loss averaged over at most SPARK_POINTS equal spans of global steps."""
-    m = m.dropna(subset=["loss"])
-    if m.empty:
+    if "loss_mean" not in spark:
         return []
-    buckets = pd.cut(m["global_step"], bins=min(SPARK_POINTS, m["global_step"].nunique()), labels=False)
-    return [float(v) for v in m.groupby(buckets)["loss"].mean().tolist()]
+    spark = spark[np.isfinite(spark["loss_mean"])]
+    if spark.empty:
+        return []
+    bins = pd.cut(spark["x"], bins=min(SPARK_POINTS, spark["x"].nunique()), labels=False)
+    return [float(v) for v in spark.groupby(bins)["loss_mean"].mean().tolist()]

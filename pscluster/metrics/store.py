@@ -13,10 +13,13 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import pandas as pd
 
 from .. import environ
+from . import rollup
 
 STORE_FILE = "runs.sqlite"
 
@@ -109,12 +112,35 @@ MIGRATIONS = [
     ALTER TABLE metrics ADD COLUMN extra TEXT;
     ALTER TABLE ps_metrics ADD COLUMN lr REAL;
     """,
+    # 5: metrics at bounded cost (see ``rollup``): a run's metrics rolled up per worker by global step (axis 0) and by
+    # time (axis 1) at several levels; the raw row's metrics in columns of their own, a step_fn's in rollup_extra
+    """
+    CREATE TABLE rollups (
+        run_id INTEGER NOT NULL, axis INTEGER NOT NULL, level INTEGER NOT NULL, worker INTEGER NOT NULL,
+        bucket INTEGER NOT NULL, count INTEGER NOT NULL, time_first REAL, time_last REAL, step_first INTEGER,
+        step_last INTEGER, local_first INTEGER, local_last INTEGER, row_first INTEGER, row_last INTEGER,
+    """ + "".join(f"{m}_n INTEGER, {m}_sum REAL, {m}_min REAL, {m}_max REAL, {m}_last REAL, "
+                  for m in ("loss", "accuracy", "compute_s", "wait_s", "comm_s", "bytes_sent", "bytes_received",
+                            "staleness", "dropped")) + """
+        PRIMARY KEY (run_id, axis, level, worker, bucket)
+    );
+    CREATE TABLE rollup_extra (
+        run_id INTEGER NOT NULL, axis INTEGER NOT NULL, level INTEGER NOT NULL, worker INTEGER NOT NULL,
+        bucket INTEGER NOT NULL, name TEXT NOT NULL, n INTEGER, sum REAL, min REAL, max REAL, last REAL,
+        PRIMARY KEY (run_id, axis, level, worker, bucket, name)
+    );
+    """,
 ]
 
 METRIC_COLUMNS = ("worker", "time", "local_step", "global_step", "loss", "accuracy", "compute_s", "wait_s",
                    "comm_s", "bytes_sent", "bytes_received", "staleness", "dropped")
 _PS_COLUMNS = ("ps", "time", "step", "pushes", "pulls", "applied", "dropped_stale", "late", "bytes_in",
                "bytes_out", "waiting_for")
+ROLLED = METRIC_COLUMNS[4:]  # the metrics of a raw row that rollups hold in columns of their own (schema 5)
+RAW_WINDOW = 100_000  # the newest metric rows of a run kept raw; older ones live on in the rollups only
+RAW_SLACK = RAW_WINDOW // 10  # rows past the window before the oldest are deleted, in one go
+RAW_MERGED = 8  # series merges raw rows when a range has at most RAW_MERGED * max_points of them
+SERIES_SPAN = rollup.FRAME_SPAN
 PLACEMENT_COLUMNS = ("variable", "ps", "shape", "dtype", "bytes", "start", "stop", "part", "sparse", "kind")
 
 
@@ -158,6 +184,68 @@ def _task_index(task: str) -> int:
     return int(task.rsplit(":", 1)[1])
 
 
+def _numbers(values) -> np.ndarray:
+    """Values as floats, NaN for None and for anything that is not a number."""
+    try:
+        return np.asarray(values, dtype=float)
+    except (TypeError, ValueError):
+        return pd.to_numeric(pd.Series(values, dtype=object), errors="coerce").to_numpy(float)
+
+
+def _columns(rows: list[tuple]) -> list:
+    """Raw metric rows ``(rowid, worker, time, local_step, global_step, *ROLLED, extra)`` as columns."""
+    return list(zip(*rows)) or [()] * (6 + len(ROLLED))
+
+
+def _raw_buckets(columns: list, names: Sequence[str] | None = None) -> tuple[rollup.Buckets, list[str]]:
+    """Raw metric rows as ``_columns`` (``extra`` a dict, its JSON or None) as one-row buckets of the metrics ``names``;
+    None: every metric of ``ROLLED`` and every name with a number in ``extra``. Returns the buckets and the names."""
+    extras = [json.loads(x) if isinstance(x, str) else x or {} for x in columns[-1]]
+    if names is None:
+        found = {k for d in extras for k, v in d.items() if isinstance(v, (int, float))}
+        names = [*ROLLED, *sorted(found - set(ROLLED))]
+    values = [_numbers(columns[5 + ROLLED.index(name)]) if name in ROLLED else _numbers([d.get(name) for d in extras])
+              for name in names]
+    span = np.column_stack([_numbers(columns[i]) for i in (2, 4, 3, 0)]).reshape(-1, len(rollup.SPAN))
+    values = np.column_stack(values) if values else np.empty((len(span), 0))
+    return rollup.from_rows(_numbers(columns[1]).astype(np.int64), span, values), list(names)
+
+
+def _newest(b: rollup.Buckets) -> tuple[list[int], list[int]]:
+    """Each worker of ``b`` and its newest bucket."""
+    at = np.flatnonzero(np.r_[b.worker[1:] != b.worker[:-1], True])
+    return b.worker[at].tolist(), b.bucket[at].tolist()
+
+
+def _merge_sql(prefixes: Sequence[str], later: str) -> str:
+    """The SET clause that merges a bucket's new rows (``excluded``) into the stored bucket: the stats of each
+    ``{prefix}n/sum/min/max/last``; ``later``: the condition under which the new rows come after the stored ones."""
+    return ", ".join(
+        f"{p}n = {p}n + excluded.{p}n, {p}sum = {p}sum + excluded.{p}sum, "
+        f"{p}min = coalesce(min({p}min, excluded.{p}min), {p}min, excluded.{p}min), "
+        f"{p}max = coalesce(max({p}max, excluded.{p}max), {p}max, excluded.{p}max), "
+        f"{p}last = CASE WHEN excluded.{p}n > 0 AND ({p}n = 0 OR {later}) "
+        f"THEN excluded.{p}last ELSE {p}last END" for p in prefixes)
+
+
+def _upserts() -> tuple[str, str]:
+    """The statements that add bucket rows to ``rollups`` and ``rollup_extra``."""
+    key = "run_id, axis, level, worker, bucket"
+    spans = ", ".join(f"{c}_first = min({c}_first, excluded.{c}_first), {c}_last = max({c}_last, excluded.{c}_last)"
+                      for c in rollup.SPAN)
+    xs = {ladder.code: rollup.SPAN[ladder.column] for ladder in rollup.LADDERS.values()}
+    later = f"CASE axis {' '.join(f'WHEN {code} THEN excluded.{x}_last >= {x}_last' for code, x in xs.items())} END"
+    main = (f"INSERT INTO rollups VALUES ({', '.join('?' * (14 + 5 * len(ROLLED)))}) ON CONFLICT ({key}) DO UPDATE "
+            f"SET count = count + excluded.count, {spans}, {_merge_sql([f'{m}_' for m in ROLLED], later)}")
+    # rollup_extra keeps no span: a batch's values of a step_fn's metric are taken as the later ones
+    extra = (f"INSERT INTO rollup_extra VALUES ({', '.join('?' * 11)}) ON CONFLICT ({key}, name) DO UPDATE SET "
+             f"{_merge_sql([''], '1')}")
+    return main, extra
+
+
+_UPSERT_MAIN, _UPSERT_EXTRA = _upserts()
+
+
 class RunStore:
     """The run store. ``readonly=True`` opens a reader that never writes or blocks the writer.
     ``timeout``: how long a query waits for a lock another process holds before it fails."""
@@ -166,6 +254,7 @@ class RunStore:
         self.path = os.fspath(path or default_path())
         self.readonly = readonly
         self._lock = threading.Lock()
+        self._raw: dict[int, list[int]] = {}  # run -> [its raw metric rows, the rowid its oldest is at or after]
         if readonly:
             if not os.path.exists(self.path):
                 raise FileNotFoundError(f"no run store at {self.path}: train a run first, or set PSCLUSTER_HOME")
@@ -183,6 +272,19 @@ class RunStore:
         for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
             with self._db:
                 self._db.executescript(f"BEGIN; {script}; PRAGMA user_version = {number}; COMMIT;")
+        if version < 5 <= len(MIGRATIONS):
+            self._backfill()
+
+    def _backfill(self, chunk: int = 50_000) -> None:
+        """Roll up the metric rows stored before schema 5, in one pass over them (every one is kept raw)."""
+        after = 0
+        while rows := self._db.execute(
+                f"SELECT rowid, run_id, worker, time, local_step, global_step, {', '.join(ROLLED)}, extra "
+                "FROM metrics WHERE rowid > ? ORDER BY rowid LIMIT ?", (after, chunk)).fetchall():
+            after = rows[-1][0]
+            for run_id in {row[1] for row in rows}:
+                with self._db:
+                    self._roll(run_id, _columns([(row[0], *row[2:]) for row in rows if row[1] == run_id]), trim=True)
 
     @property
     def schema_version(self) -> int:
@@ -244,13 +346,14 @@ class RunStore:
 
     def add_batch(self, run_id: int, events: list[dict]) -> None:
         """Store one batch of runtime events: 'step' -> metrics, 'ps' -> ps_metrics, the rest -> events."""
-        steps, ps_rows, other = [], [], []
+        steps, extras, ps_rows, other = [], [], [], []
         for e in events:
             kind = e.get("kind")
             try:
                 if kind == "step":
                     steps.append((run_id, _task_index(e["task"]), *(e.get(c) for c in METRIC_COLUMNS[1:]),
                                   json.dumps(e["metrics"]) if e.get("metrics") else None))
+                    extras.append(e.get("metrics"))
                 elif kind == "ps":
                     ps_rows.append((run_id, _task_index(e["task"]), *(e.get(c, 0) for c in _PS_COLUMNS[1:-1]),
                                     json.dumps(e.get("waiting_for", [])), e.get("lr")))
@@ -263,11 +366,59 @@ class RunStore:
             if steps:
                 self._db.executemany(f"INSERT INTO metrics VALUES (?, {', '.join('?' * (len(METRIC_COLUMNS) + 1))})",
                                      steps)
+                # inside this transaction no one else writes: the rows just stored have the greatest rowids
+                first = self._db.execute("SELECT max(rowid) FROM metrics").fetchone()[0] - len(steps) + 1
+                trimmed = self._trim_raw(run_id, len(steps))
+                self._roll(run_id, [range(first, first + len(steps)), *list(zip(*steps))[1:-1], extras], trim=trimmed)
             if ps_rows:
                 self._db.executemany(f"INSERT INTO ps_metrics VALUES (?, {', '.join('?' * (len(_PS_COLUMNS) + 1))})",
                                      ps_rows)
             if other:
                 self._db.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?)", other)
+
+    def _roll(self, run_id: int, columns: list, trim: bool) -> None:
+        """Add raw metric rows (``_columns``) of run ``run_id`` to its rollups at every level; with ``trim``, then
+        drop the buckets its levels keep no more: below the top, those older than the newest ``KEEP`` bucket widths of
+        each worker (in the caller's transaction)."""
+        rows, names = _raw_buckets(columns)
+        found = [(ladder.code, level, b) for ladder in rollup.LADDERS.values()
+                 for level, b in rollup.levels(rows, ladder)]
+        if trim:
+            old = [(run_id, axis, level, w, newest - rollup.KEEP) for axis, level, b in found if level < rollup.TOP
+                   for w, newest in zip(*_newest(b))]
+            for table in ("rollups", "rollup_extra"):
+                self._db.executemany(f"DELETE FROM {table} WHERE run_id = ? AND axis = ? AND level = ? AND worker = ? "
+                                     "AND bucket <= ?", old)
+        b = rollup.concat([b for *_, b in found])
+        sizes = [len(b) for *_, b in found]
+        keys = np.column_stack([np.full(len(b), run_id), np.repeat([axis for axis, *_ in found], sizes),
+                                np.repeat([level for _, level, _ in found], sizes), b.worker, b.bucket])
+        stats = np.stack([b.n, b.sum, b.min, b.max, b.last], axis=2)  # (buckets, metrics, STATS)
+        self._db.executemany(_UPSERT_MAIN, np.column_stack([keys, b.count, np.stack([b.lo, b.hi], axis=2).reshape(
+            len(b), -1), stats[:, :len(ROLLED)].reshape(len(b), -1)]).tolist())
+        for j, name in enumerate(names[len(ROLLED):], start=len(ROLLED)):
+            has = b.n[:, j] > 0
+            self._db.executemany(_UPSERT_EXTRA, [(*key, name, *stat) for key, stat in
+                                                 zip(keys[has].tolist(), stats[has, j].tolist())])
+
+    def _trim_raw(self, run_id: int, added: int) -> bool:
+        """Count ``added`` new raw rows of run ``run_id`` and, once it has ``RAW_SLACK`` more than ``RAW_WINDOW``,
+        delete its oldest down to the window (in the caller's transaction); whether it did."""
+        if run_id not in self._raw:
+            count, oldest = self._db.execute("SELECT count(*), min(rowid) FROM metrics WHERE run_id = ?",
+                                             (run_id,)).fetchone()
+            self._raw[run_id] = [count - added, oldest or 0]
+        state = self._raw[run_id]
+        state[0] += added
+        if state[0] <= RAW_WINDOW + RAW_SLACK:
+            return False
+        # a scan in rowid order from the oldest row kept: the run's rows to delete come first
+        cut = self._db.execute("SELECT rowid FROM metrics WHERE rowid >= ? AND +run_id = ? ORDER BY rowid "
+                               "LIMIT 1 OFFSET ?", (state[1], run_id, state[0] - RAW_WINDOW - 1)).fetchone()[0]
+        state[0] -= self._db.execute("DELETE FROM metrics WHERE rowid BETWEEN ? AND ? AND +run_id = ?",
+                                     (state[1], cut, run_id)).rowcount
+        state[1] = cut + 1
+        return True
 
     # --- reading (anyone) ------------------------------------------------------------------
     def _frame(self, sql: str, params=()) -> pd.DataFrame:
@@ -303,7 +454,7 @@ class RunStore:
         ``run_id`` stored after the cursor ``after_row`` (0 to start), in the order they were stored, as SQLite
         holds them (JSON not decoded, no DataFrame; a metric row's own metrics in ``extra``, a ps sample's learning
         rate in ``lr``, from schema 4). Returns the column names, ``row`` (the cursor) first, and the rows as
-        tuples."""
+        tuples. Metric rows are those of the raw window (see ``metrics``)."""
         where, params = _since(run_id, after_row)
         with self._lock:
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
@@ -318,6 +469,9 @@ class RunStore:
         With ``after_row``, only the rows stored after that cursor, with a ``row`` column whose maximum
         is the cursor to give next time (0 to start): rows are numbered in the order they are stored.
         A step's own metrics (a ``step_fn``'s) follow as one column each, NaN where a row has none.
+
+        Only the raw window: the newest ``RAW_WINDOW`` rows of a run (up to ``RAW_SLACK`` more), which is every row of
+        a shorter run; ``series`` reads a run of any length, decimated.
         """
         if self.schema_version < 4:
             return self._table_rows("metrics", METRIC_COLUMNS, "time, worker", run_id, after_row)
@@ -326,6 +480,153 @@ class RunStore:
         extra = pd.DataFrame([json.loads(x) if isinstance(x, str) else {} for x in df.pop("extra")],
                              index=df.index)
         return df.join(extra.drop(columns=[c for c in extra.columns if c in df.columns]))
+
+    def series(self, run_id: int, names: Sequence[str] = ("loss",), *, x: str = "step", start: float | None = None,
+               stop: float | None = None, max_points: int = 2000, workers: Sequence[int] | None = None
+               ) -> pd.DataFrame:
+        """Metrics ``names`` of run ``run_id`` along ``x`` ("step": the global step; "time": unix seconds) in
+        [``start``, ``stop``) (None: open), at most ``max_points`` rows per worker (of ``workers``; None: all): a run of
+        ten million steps costs what one of ten thousand does.
+
+        One row per bucket per worker, sorted by worker then x: ``SERIES_SPAN`` (``x``/``x_end``: the bucket's
+        bounds; the first and last time, global and local step of its rows; ``count``: its rows), then per name
+        ``{name}_mean``, ``_min``, ``_max`` and ``_last`` (NaN where a bucket has no value of it; a name no row has
+        gives NaN columns, an unknown run no rows). ``attrs["resolution"]``: the buckets' width in x units, 0 for raw
+        rows.
+
+        Raw rows (``count`` 1, ``x_end`` = ``x``, mean = min = max = last = the value) when the range holds at most
+        ``max_points`` of each worker and the raw window still has them all; buckets merged from them when it holds at
+        most ``RAW_MERGED * max_points``; else the buckets of the finest rollup level that covers the range in at most
+        ``2 * max_points`` buckets a worker. Adjacent buckets are merged into wider ones, the same for every worker,
+        while a worker has more than ``max_points`` (counts add, min of mins, max of maxes, mean weighted by count, the
+        later last: a spike stays). A rollup bucket at either end of the range may hold rows beyond it (its
+        ``x``/``x_end`` say so); a bucket is never split."""
+        ladder = rollup.LADDERS.get(x)
+        if ladder is None:
+            raise ValueError(f"x={x!r}: choose 'step' (the global step) or 'time' (unix seconds)")
+        if max_points < 1:
+            raise ValueError(f"max_points={max_points}: give 1 or more")
+        names = list(names)
+        with self._lock:
+            if self.schema_version < 5:  # a store opened read-only before its upgrade: from the raw rows
+                rows = self._db.execute(f"SELECT rowid, worker, time, local_step, global_step, {', '.join(ROLLED)}, "
+                                        f"{'extra' if self.schema_version >= 4 else 'NULL'} FROM metrics "
+                                        "WHERE run_id = ?", (run_id,)).fetchall()
+                raw = _raw_buckets(_columns(rows), names)[0]
+                found = rollup.from_raw(raw, ladder, start, stop, max_points, workers)
+            else:
+                found = self._series(run_id, names, ladder, start, stop, max_points, workers)
+        return rollup.frame(*found, names, ladder)
+
+    def _series(self, run_id, names, ladder, start, stop, max_points, workers):
+        """``series`` from the rollups (and the raw rows when few enough): the buckets, their width, and the x
+        range they are clipped to (as ``rollup.frame`` takes them)."""
+        x = rollup.SPAN[ladder.column]
+        ends = [row for row in self._db.execute(
+            f"SELECT worker, min({x}_first), max({x}_last) FROM rollups WHERE run_id = ? AND axis = ? AND level = ? "
+            "GROUP BY worker", (run_id, ladder.code, rollup.TOP)) if workers is None or row[0] in workers]
+        if not ends:
+            return rollup.empty(len(names)), 0, (start, stop)
+        lo = min(first for _, first, _ in ends) if start is None else max(start, min(first for _, first, _ in ends))
+        hi = max(last for *_, last in ends) if stop is None else min(stop, max(last for *_, last in ends))
+        for level in range(rollup.LEVELS):
+            width = ladder.width_of(level)
+            if level == rollup.TOP or ((hi - lo) / width <= 2 * max_points and all(
+                    self._covers(run_id, ladder, level, worker, -np.inf if start is None else start, first)
+                    for worker, first, _ in ends)):
+                break
+        b = self._buckets(run_id, ladder, level, [worker for worker, *_ in ends], names, start, stop)
+        if len(b) and b.count.sum() <= RAW_MERGED * max_points:
+            raw = self._raw_rows(run_id, b, width, names, ladder)
+            if raw is not None:
+                return rollup.from_raw(raw, ladder, start, stop, max_points, np.unique(b.worker))
+        first, last = (start if start is None else np.floor(start / width) * width,
+                       stop if stop is None else np.ceil(stop / width) * width)
+        b, factor = rollup.decimate(b, width, max_points)
+        return b, width * factor, (first, last)
+
+    def _covers(self, run_id: int, ladder: rollup.Ladder, level: int, worker: int, start: float, first: float) -> bool:
+        """Whether ``level`` still has the buckets of ``worker`` from ``start`` on (``first``: its first x)."""
+        oldest = self._db.execute("SELECT min(bucket) FROM rollups WHERE run_id = ? AND axis = ? AND level = ? "
+                                  "AND worker = ?", (run_id, ladder.code, level, worker)).fetchone()[0]
+        return oldest is not None and oldest * ladder.width_of(level) <= max(start, first)
+
+    def _buckets(self, run_id, ladder, level, workers, names, start, stop) -> rollup.Buckets:
+        """The buckets of ``level`` that reach into [start, stop), of ``workers``, with the metrics ``names``."""
+        width = ladder.width_of(level)
+        where = (f"run_id = ? AND axis = ? AND level = ? AND worker IN ({', '.join('?' * len(workers))}) "
+                 "AND bucket >= ? AND bucket < ? ORDER BY worker, bucket")
+        params = (run_id, ladder.code, level, *workers, -2 ** 62 if start is None else int(np.floor(start / width)),
+                  2 ** 62 if stop is None else int(np.ceil(stop / width)))
+        rolled = [name for name in names if name in ROLLED]
+        span = ", ".join(f"{c}_{end}" for c in rollup.SPAN for end in ("first", "last"))
+        stats = "".join(f", {name}_{stat}" for name in rolled for stat in rollup.STATS)
+        rows = np.array(self._db.execute(f"SELECT worker, bucket, count, {span}{stats} FROM rollups WHERE {where}",
+                                         params).fetchall(), dtype=float).reshape(-1, 3 + 2 * len(rollup.SPAN)
+                                                                                   + len(rollup.STATS) * len(rolled))
+        g, per = len(rows), len(rollup.SPAN)
+        worker, bucket = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
+        n, stat = np.zeros((g, len(names)), np.int64), np.full((4, g, len(names)), np.nan)
+        stat[0] = 0.0
+        values = rows[:, 3 + 2 * per:].reshape(g, len(rolled), len(rollup.STATS))
+        for j, name in enumerate(names):
+            if name in ROLLED:
+                i = rolled.index(name)
+                n[:, j], stat[:, :, j] = values[:, i, 0], values[:, i, 1:].T
+        extras = [name for name in names if name not in ROLLED]
+        if extras and g:
+            at = {key: i for i, key in enumerate(zip(worker.tolist(), bucket.tolist()))}
+            for w, k, name, *values in self._db.execute(
+                    f"SELECT worker, bucket, name, {', '.join(rollup.STATS)} FROM rollup_extra WHERE "
+                    f"name IN ({', '.join('?' * len(extras))}) AND {where}", (*extras, *params)):
+                i, j = at[w, k], names.index(name)
+                n[i, j], stat[:, i, j] = values[0], np.array(values[1:], dtype=float)
+        return rollup.Buckets(worker, bucket, rows[:, 2].astype(np.int64), rows[:, 3:3 + 2 * per:2],
+                              rows[:, 4:4 + 2 * per:2], n, *stat)
+
+    def _raw_rows(self, run_id, b, width, names, ladder) -> rollup.Buckets | None:
+        """The raw rows of buckets ``b`` (of ``width``), with others, or None when the raw window no longer holds
+        every one of them."""
+        rows = self._db.execute(f"SELECT rowid, worker, time, local_step, global_step, {', '.join(ROLLED)}, extra "
+                                "FROM metrics WHERE rowid BETWEEN ? AND ? AND +run_id = ?",
+                                (int(b.lo[:, 3].min()), int(b.hi[:, 3].max()), run_id)).fetchall()
+        raw = _raw_buckets(_columns(rows), names)[0]
+        x = raw.lo[:, ladder.column]
+        mine = np.isin(raw.worker, b.worker) & (x >= b.bucket.min() * width) & (x < (b.bucket.max() + 1) * width)
+        return raw if mine.sum() == b.count.sum() else None
+
+    def series_names(self, run_id: int) -> list[str]:
+        """The metrics run ``run_id`` has values of: those of ``ROLLED`` first, then a step_fn's, sorted."""
+        if self.schema_version < 5:
+            df = self.metrics(run_id)
+            return [c for c in df.columns[len(METRIC_COLUMNS) - len(ROLLED):] if df[c].notna().any()]
+        with self._lock:
+            counts = self._db.execute(f"SELECT {', '.join(f'sum({m}_n)' for m in ROLLED)} FROM rollups "
+                                      "WHERE run_id = ? AND axis = 0 AND level = ?", (run_id, rollup.TOP)).fetchone()
+            extras = self._db.execute("SELECT DISTINCT name FROM rollup_extra WHERE run_id = ? AND axis = 0 "
+                                      "AND level = ? ORDER BY name", (run_id, rollup.TOP)).fetchall()
+        return [m for m, count in zip(ROLLED, counts) if count] + [name for name, in extras]
+
+    def latest(self, run_id: int) -> dict:
+        """Where run ``run_id`` stands, without reading its rows: ``first_time``, ``first_step`` (of its first metric
+        row; None without any) and ``workers``: {worker: {time, global_step, local_step, loss}} of each worker's newest
+        row (the one at its greatest global step; ``loss``: its last loss reported)."""
+        with self._lock:
+            if self.schema_version >= 5:  # the top level of the step axis: a bucket or two per worker
+                rows = self._db.execute(
+                    "SELECT worker, time_first, step_first, time_last, step_last, local_last, loss_last FROM rollups "
+                    "WHERE run_id = ? AND axis = 0 AND level = ? ORDER BY worker, bucket",
+                    (run_id, rollup.TOP)).fetchall()
+            else:
+                rows = self._db.execute(
+                    "SELECT worker, (SELECT min(time) FROM metrics WHERE run_id = ?), "
+                    "(SELECT min(global_step) FROM metrics WHERE run_id = ?), time, global_step, local_step, loss "
+                    "FROM metrics WHERE rowid IN (SELECT max(rowid) FROM metrics WHERE run_id = ? GROUP BY worker)",
+                    (run_id,) * 3).fetchall()
+        return {"first_time": min((row[1] for row in rows), default=None),
+                "first_step": min((row[2] for row in rows), default=None),
+                "workers": {worker: {"time": t, "global_step": step, "local_step": local, "loss": loss}
+                            for worker, _, _, t, step, local, loss in rows}}
 
     def ps_metrics(self, run_id: int, after_row: int | None = None) -> pd.DataFrame:
         """The ps tasks' counters, sampled every ~0.5 s, oldest first; ``after_row`` as in ``metrics``. ``lr``:

@@ -24,6 +24,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from ..errors import ConfigError
+from ..metrics import speed
 from ..metrics.store import RunStore
 from ..runtime.placement import optimizer_slots
 from . import figures, live, panels, ps_panels, specs
@@ -108,7 +109,7 @@ class Dashboard:
         self._steps = {"metrics": 0, "ps_metrics": 0}  # the latest global step each table has reported
 
         started = self.record["started"]
-        self.panels = {"speed": panels.Speed(start=started), "convergence": panels.Convergence()}
+        self.panels = {"speed": panels.Speed(start=started, live=not self.final), "convergence": panels.Convergence()}
         if self.mode == "sync":
             self.panels["waiting"] = ps_panels.Waiting(self._num_workers(), start=started)
         else:
@@ -230,8 +231,9 @@ class Dashboard:
                 html.escape("\n".join(figures.placement_lines(self._placement))))
         if "waiting" in self.panels:
             self.panels["waiting"].num_workers = self._num_workers()  # workers come and go with scaling
+        self.panels["speed"].live = not self.final  # its rates: lately while the run trains, then of all of it
         for name, panel in self.panels.items():
-            if panel.feed(new):
+            if panel.feed(new) or (name == "speed" and record_changed):
                 self._show(name, panel.spec())
         if "events" in new:
             self._states.update(task_states(new["events"]))
@@ -239,7 +241,7 @@ class Dashboard:
             if table in new:
                 self._steps[table] = int(np.max(new[table][column]))
         if new or record_changed:
-            rates = self.panels["speed"].rates.recent()
+            rates = self.panels["speed"].worker_rates()
             self.roles.value = figures.table_html(roles_frame(self.record, rates, self._states))
         self._draw_header()
 
@@ -254,14 +256,17 @@ class Dashboard:
             self.header.value = f"<b>run {self.run_id}</b>{error}"
             return
         step, target = max(self._steps.values()), (record["config"] or {}).get("steps", 0)
-        elapsed = (record["ended"] or time.time()) - record["started"]
+        times = speed.phases(record["started"], record["ended"], self.panels["speed"].rates.span(), time.time())
+        elapsed = f"elapsed {times['wall_s']:.1f} s" + ("" if times["startup_s"] is None else
+                                                      f" (startup {times['startup_s']:.1f} s, training "
+                                                      f"{times['training_s']:.1f} s)")
         spec = record["spec"] or {}
         parts = [f"<b>{html.escape(record['name'])}</b>", html.escape(record["mode"]),
                  f"<span style='color: {STATUS_COLORS.get(record['status'], '#888')}; font-weight: bold'>"
                  f"{html.escape(record['status'])}</span>",
                  f"global step {step} / {target} <progress value='{step}' max='{max(target, 1)}' "
                  "style='width: 8em; vertical-align: middle'></progress>",
-                 f"elapsed {elapsed:.1f} s",
+                 elapsed,
                  f"{len(spec.get('ps', []))} ps, {len(spec.get('worker', []))} workers"]
         self.header.value = f"<div style='font-size: 14px'>{' · '.join(parts)}</div>{error}"
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import html
 import math
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from ..metrics import speed
 from ..runtime.placement import placement_line
-from .panels import SMOOTH_SPAN, Convergence, Speed, Staleness, WorkerRates
+from .panels import SMOOTH_SPAN, Convergence, Speed, Staleness
 from .ps_panels import PsLoad, Traffic, Waiting
 from .series import Decimated, Ewm
 from .specs import Spec, color, columns, figure, no_data, rows, spec
@@ -28,13 +30,11 @@ def no_data_figure(title: str) -> go.Figure:
     return figure(no_data(title))
 
 
-def steps_per_second(metrics: pd.DataFrame, *, recent_s: float | None = None) -> pd.Series:
-    """Local steps per second of each worker (a Series by worker index): its increase of ``local_step``
-    over the time span of its rows, or of its rows in the last ``recent_s`` seconds of the run (NaN
-    for a worker with fewer than two rows there: a stalled or lost one)."""
-    rates = WorkerRates(recent_s or 0.0)
-    rates.add(rows(metrics))
-    return pd.Series(rates.overall() if recent_s is None else rates.recent(), dtype=float)
+def steps_per_second(metrics: pd.DataFrame, *, live: bool = False) -> pd.Series:
+    """Local steps/s of each worker by ``speed.rate`` (a Series by worker index): over the run's last
+    ``speed.RECENT_S`` seconds when ``live`` (NaN for a worker with fewer than two rows there: a stalled or
+    lost one), else over all its rows."""
+    return pd.Series(speed.of(metrics).workers(live=live), dtype=float)
 
 
 def _drawn(panel, **frames: pd.DataFrame | None) -> go.Figure:
@@ -51,9 +51,9 @@ def convergence_figure(metrics: pd.DataFrame, evaluations: pd.DataFrame | None =
     return _drawn(Convergence(), metrics=metrics, evaluations=evaluations, events=events, ps_metrics=ps_metrics)
 
 
-def speed_figure(metrics: pd.DataFrame, *, window: int = 10, start: float | None = None) -> go.Figure:
+def speed_figure(metrics: pd.DataFrame, *, start: float | None = None, live: bool = False) -> go.Figure:
     """Local steps/s of each worker over time, the slowest highlighted: see ``panels.Speed``."""
-    return _drawn(Speed(window=window, start=start), metrics=metrics)
+    return _drawn(Speed(start=start, live=live), metrics=metrics)
 
 
 def staleness_figure(metrics: pd.DataFrame) -> go.Figure:
@@ -125,11 +125,17 @@ def placement_lines(placement: pd.DataFrame) -> list[str]:
             for v in placement.itertuples(index=False)]
 
 
+def number(v: float, digits: int) -> str:
+    """``v`` with ``digits`` decimals, or below 1 with ``digits + 1`` significant digits, so that a small
+    number shows as itself (0.00032, not 0.00)."""
+    return f"{v:.{digits}f}" if v == 0 or abs(v) >= 1 else f"{v:.{digits + 1}g}"
+
+
 def table_html(frame: pd.DataFrame, digits: int = 1) -> str:
-    """A small HTML table of ``frame`` (floats with ``digits`` decimals, NaN blank)."""
+    """A small HTML table of ``frame`` (floats as ``number`` with ``digits``, NaN blank)."""
     def cell(v):
         if isinstance(v, float):
-            return "" if math.isnan(v) else f"{v:.{digits}f}"
+            return "" if math.isnan(v) else number(v, digits)
         return html.escape(str(v))
     style = "padding: 1px 10px; text-align: left"
     head = "".join(f"<th style='{style}'>{html.escape(str(c))}</th>" for c in frame.columns)
@@ -139,48 +145,53 @@ def table_html(frame: pd.DataFrame, digits: int = 1) -> str:
 
 
 # --- comparing runs -----------------------------------------------------------------------------
-def _run_rates(metrics: pd.DataFrame) -> tuple[float, float]:
-    """(global steps/s, local steps/s summed over workers) of one run."""
-    if metrics.empty:
-        return np.nan, np.nan
-    span = metrics["time"].max() - metrics["time"].min()
-    global_rate = (metrics["global_step"].max() - metrics["global_step"].min()) / span if span > 0 else np.nan
-    return float(global_rate), float(steps_per_second(metrics).sum(min_count=1))
+class ComparedRun(NamedTuple):
+    """One run of a comparison: its label, its metric rows (``RunStore.metrics``), and when it started and
+    ended (its run-store record's; ``ended`` None while it trains)."""
+
+    label: str
+    metrics: pd.DataFrame
+    started: float
+    ended: float | None
 
 
-def compare_figure(runs: list[tuple[str, pd.DataFrame]]) -> go.Figure:
+def compare_figure(runs: list[ComparedRun]) -> go.Figure:
     """Several runs side by side: loss against global step (mean over workers, smoothed; left) and
-    global and local steps per second of each run (bars; right). ``runs``: (label, metrics) pairs."""
+    the global and the local steps/s (summed over workers) of each run by ``speed.rate`` (bars; right)."""
     title = "compare runs: convergence and speed"
-    runs = [(label, m) for label, m in runs if not m.empty]
+    runs = [r for r in runs if not r.metrics.empty]
     if not runs:
         return no_data_figure(title)
     traces = []
-    for i, (label, m) in enumerate(runs):
+    for i, (label, m, *_) in enumerate(runs):
         loss = m.groupby("global_step")["loss"].mean()
         points = Decimated("x", "y")
         points.extend(x=loss.index.to_numpy(), y=Ewm(SMOOTH_SPAN).update(loss.to_numpy()))
         traces.append(dict(type="scatter", mode="lines", x=points["x"], y=points["y"], name=label,
                            line_color=color(i)))
-    labels = [label for label, _ in runs]
-    rates = [_run_rates(m) for _, m in runs]
-    for k, (name, bar_color) in enumerate((("global steps/s", "#636efa"), ("local steps/s (all workers)", "#b6bcfb"))):
-        traces.append(dict(type="bar", xaxis="x2", yaxis="y2", x=labels, y=[r[k] for r in rates], name=name,
-                           marker_color=bar_color))
+    table = compare_table(runs)
+    for name, column, bar_color in (("global steps/s", "global steps/s", "#636efa"),
+                                    ("local steps/s (all workers)", "local steps/s", "#b6bcfb")):
+        traces.append(dict(type="bar", xaxis="x2", yaxis="y2", x=list(table["run"]),
+                           y=table[column].to_numpy(dtype=float), name=name, marker_color=bar_color))
     return figure(spec(title, traces, barmode="group", **columns(
         0.62, left=dict(title_text="loss (mean over workers)", x=dict(title_text="global step")),
         right=dict(title_text="steps/s"))))
 
 
-def compare_table(runs: list[tuple[str, pd.DataFrame]]) -> pd.DataFrame:
-    """One row per run: workers, global and local steps, wall time, steps/s and the final loss
-    (mean of the last ``SMOOTH_SPAN`` rows)."""
+def compare_table(runs: list[ComparedRun]) -> pd.DataFrame:
+    """One row per run: workers, global step, local steps (rows), its times by ``speed.phases`` (wall s:
+    ``RunStore.runs()``'s ``wall_s``, blank while it trains; startup s; training s), global and local
+    steps/s (summed over workers) by ``speed.rate`` (live while it trains), and the final loss: the mean
+    loss of its last ``SMOOTH_SPAN`` metric rows (by time, of any worker)."""
     table = []
-    for label, m in runs:
-        global_rate, local_rate = _run_rates(m)
-        last = m.sort_values("time").tail(SMOOTH_SPAN)
-        table.append([label, m["worker"].nunique(), int(m["global_step"].max()) if len(m) else 0, len(m),
-                     float(m["time"].max() - m["time"].min()) if len(m) else 0.0, global_rate, local_rate,
-                     float(last["loss"].mean()) if len(m) else np.nan])
-    return pd.DataFrame(table, columns=["run", "workers", "global steps", "local steps", "wall s",
-                                       "global steps/s", "local steps/s", "final loss"])
+    for run in runs:
+        m, rates, live = run.metrics, speed.of(run.metrics), run.ended is None
+        times = speed.phases(run.started, run.ended, rates.span())
+        local = [r for r in rates.workers(live=live).values() if not math.isnan(r)]
+        table.append([run.label, m["worker"].nunique(), int(m["global_step"].max()) if len(m) else 0, len(m),
+                      *(math.nan if times[k] is None else times[k] for k in ("wall_s", "startup_s", "training_s")),
+                      rates.run(live=live), sum(local) if local else math.nan,
+                      float(m.sort_values("time").tail(SMOOTH_SPAN)["loss"].mean()) if len(m) else math.nan])
+    return pd.DataFrame(table, columns=["run", "workers", "global steps", "local steps", "wall s", "startup s",
+                                        "training s", "global steps/s", "local steps/s", "final loss"])

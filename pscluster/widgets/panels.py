@@ -14,6 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ..metrics.speed import RECENT_S, RunRates
 from ..metrics.store import METRIC_COLUMNS
 from .marks import Marks
 from .series import Decimated, Ewm
@@ -22,7 +23,6 @@ from .specs import HEIGHT, Rows, Spec, color, no_data, size, spec
 Tables = Mapping[str, Rows]  # new rows by table name: metrics, ps_metrics, evaluations, events, placement
 
 SMOOTH_SPAN = 20  # steps of the exponential moving average
-RECENT_S = 5.0  # the roles table's steps/s: over this many seconds
 STORE_COLUMNS = {"row", *METRIC_COLUMNS}  # of metric rows; the others are a step_fn's own metrics
 
 
@@ -34,55 +34,12 @@ def groups(r: Rows, key: str):
             yield int(value), column == value
 
 
-def _rate(t_min: float, t_max: float, step_min: float, step_max: float) -> float:
-    return (step_max - step_min) / (t_max - t_min) if t_max > t_min else math.nan
-
-
-class WorkerRates:
-    """Local steps per second of each worker (the increase of its ``local_step`` over the time span of its
-    rows): over all its rows, and over its rows in the last ``recent_s`` seconds of the run (NaN for a
-    worker with fewer than two rows there: a stalled or lost one)."""
-
-    def __init__(self, recent_s: float = RECENT_S):
-        self.recent_s = recent_s
-        self._extent: dict[int, list[float]] = {}  # worker: first and last time, lowest and highest step
-        self._recent: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # worker: its times and steps lately
-        self._latest = -math.inf
-
-    def add(self, metrics: Rows) -> None:
-        """Take new metric rows (columns ``worker``, ``time``, ``local_step``)."""
-        if size(metrics):
-            self._latest = max(self._latest, float(metrics["time"].max()))
-        for w, rows in groups(metrics, "worker"):
-            t, steps = metrics["time"][rows], metrics["local_step"][rows]
-            extent = self._extent.setdefault(w, [math.inf, -math.inf, math.inf, -math.inf])
-            extent[:] = [min(extent[0], t.min()), max(extent[1], t.max()), min(extent[2], steps.min()),
-                         max(extent[3], steps.max())]
-            old_t, old_steps = self._recent.get(w, (t[:0], steps[:0]))
-            t, steps = np.concatenate([old_t, t]), np.concatenate([old_steps, steps])
-            keep = t >= self._latest - self.recent_s
-            self._recent[w] = t[keep], steps[keep]
-
-    def overall(self) -> dict[int, float]:
-        """Steps/s of each worker over all its rows, by worker index."""
-        return {w: _rate(*extent) for w, extent in sorted(self._extent.items())}
-
-    def recent(self) -> dict[int, float]:
-        """Steps/s of each worker over the last ``recent_s`` seconds of the run, by worker index."""
-        rates = {}
-        for w, (t, steps) in sorted(self._recent.items()):
-            keep = t >= self._latest - self.recent_s
-            t, steps = t[keep], steps[keep]
-            rates[w] = _rate(t.min(), t.max(), steps.min(), steps.max()) if len(t) else math.nan
-        return rates
-
-
 class _WorkerLines:
     """One worker's convergence series: its global steps (``x``) and, for each value it has reported a number
     for (loss, accuracy, a step metric), the raw values and their moving average, thinned together."""
 
     def __init__(self):
-        self.points = Decimated("x")
+        self.points = Decimated("x", "t")
         self._ewm: dict[str, Ewm] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -91,15 +48,15 @@ class _WorkerLines:
     def names(self) -> set[str]:
         return set(self._ewm)
 
-    def extend(self, x: np.ndarray, values: dict[str, np.ndarray]) -> None:
-        """Append rows: their global steps and their ``values`` by name. A value joins at the first row with a
+    def extend(self, x: np.ndarray, t: np.ndarray, values: dict[str, np.ndarray]) -> None:
+        """Append rows: their global steps, their times and their ``values`` by name. A value joins at the first row with a
         number for it (the loss at once); one these rows lack is NaN at them."""
         for name, v in values.items():
             if name not in self._ewm and (name == "loss" or np.isfinite(v).any()):
                 self._ewm[name] = Ewm(SMOOTH_SPAN)
                 self.points.add(f"raw:{name}")
                 self.points.add(f"smooth:{name}")
-        columns = {"x": x}
+        columns = {"x": x, "t": t}
         for name, ewm in self._ewm.items():
             v = values[name] if name in values else np.full(len(x), np.nan)
             columns[f"raw:{name}"], columns[f"smooth:{name}"] = v, ewm.update(v)
@@ -121,7 +78,11 @@ class Convergence:
     in a low plot at the bottom) once a ps sample has one. Per worker: the raw values (thin, translucent,
     named ``worker i``) and their moving average (``worker i (smoothed)``); the periodic test-set
     evaluation as markers (``test set``) on the loss and accuracy; the run's events (lost and replaced
-    tasks, restores, checkpoints) as vertical marks across all plots (``marks``)."""
+    tasks, restores, checkpoints) as vertical marks across all plots (``marks``).
+
+    For the live view's controls (``live.js``): each point's time in ``customdata``, each smoothed trace's raw
+    trace in ``meta.smooths``, and the layout's ``meta.controls`` (the smoothing weight and the run's first
+    time)."""
 
     TITLE = "convergence: loss and accuracy against global step"
 
@@ -130,6 +91,7 @@ class Convergence:
         self._evaluations = {"global_step": np.empty(0), "loss": np.empty(0), "accuracy": np.empty(0)}
         self._lr = Decimated("x", "lr")
         self.marks = Marks()
+        self._start = math.inf  # the first row's time: where relative time starts
 
     def feed(self, new: Tables) -> bool:
         """Take the new rows of the run's metrics, evaluations, events and ps samples; whether they change
@@ -147,9 +109,11 @@ class Convergence:
 
     def _add(self, metrics: Rows) -> None:
         values = ("loss", "accuracy", *(name for name in metrics if name not in STORE_COLUMNS))
+        if size(metrics):
+            self._start = min(self._start, float(np.min(metrics["time"])))
         for w, rows in groups(metrics, "worker"):
             lines = self._workers.setdefault(w, _WorkerLines())
-            lines.extend(metrics["global_step"][rows],
+            lines.extend(metrics["global_step"][rows], np.asarray(metrics["time"][rows], dtype=float),
                          {name: np.asarray(metrics[name][rows], dtype=float) for name in values})
         self.marks.add_metrics(metrics)
 
@@ -177,15 +141,15 @@ class Convergence:
         axes = {name: "y" if i == 0 else f"y{i + 1}" for i, name in enumerate(rows)}
         traces = []
         for w, lines in sorted(self._workers.items()):
-            x = lines.points["x"]
+            x, t = lines.points["x"], lines.points["t"]
             for name in rows:
                 if name in lines:
-                    common = dict(type="scatter", mode="lines", x=x, yaxis=axes[name], legendgroup=f"worker {w}",
-                                  showlegend=name == "loss")
+                    common = dict(type="scatter", mode="lines", x=x, customdata=t, yaxis=axes[name],
+                                  legendgroup=f"worker {w}", showlegend=name == "loss")
                     traces.append(dict(common, y=lines.raw(name), name=f"worker {w}", opacity=0.3,
                                        line=dict(color=color(w), width=1)))
                     traces.append(dict(common, y=lines.smoothed(name), name=f"worker {w} (smoothed)",
-                                       line=dict(color=color(w), width=2)))
+                                       meta=dict(smooths=len(traces) - 1), line=dict(color=color(w), width=2)))
         evaluations = self._evaluations
         if len(evaluations["global_step"]):
             for column in ("loss", "accuracy"):
@@ -199,7 +163,9 @@ class Convergence:
             traces.append(dict(type="scatter", mode="lines", yaxis=lowest, x=self._lr["x"], y=self._lr["lr"],
                                name="learning rate (ps 0)", showlegend=False, line=dict(color="#555555", width=1.5)))
         height, layout = _stacked(rows, lr)
-        return spec(_title(rows, lr), traces, height=height, shapes=self.marks.shapes(),
+        # the live view's controls: TensorBoard's smoothing weight (this EMA's), log scale, x by step or time
+        controls = dict(smoothing=round(1 - 2 / (SMOOTH_SPAN + 1), 4), start=self._start)
+        return spec(_title(rows, lr), traces, height=height, shapes=self.marks.shapes(), meta=dict(controls=controls),
                     xaxis=dict(anchor=lowest, title_text="global step"), **layout)
 
 
@@ -237,18 +203,21 @@ def _title(rows: list[str], lr: bool) -> str:
 
 
 class Speed:
-    """Local steps/s of each worker over time: its rate over its last ``window`` steps (fewer at its start).
+    """Local steps/s of each worker over time: at each of its rows, the rise of its local step over its
+    last ``RECENT_S`` seconds (fewer at its start) per second, as ``speed.rate`` counts it; so a line ends
+    at the number the roles table shows while the run trains (for a worker that reported last).
 
-    The slowest worker (lowest steps/s over the whole run) is drawn thicker and named ``worker i
-    (slowest)``. Time is in seconds since ``start`` (default: the first row). ``rates`` has each worker's
-    steps/s over the run and lately."""
+    The slowest worker by ``worker_rates`` is drawn thicker and named ``worker i (slowest)``; the title
+    gives its steps/s. ``live``: whether the run trains still (its rates over its last ``RECENT_S``
+    seconds), else over all its rows; the dashboard sets it. Time is in seconds since ``start`` (default:
+    the first row). ``rates``: the run's ``speed.RunRates``."""
 
     TITLE = "speed: local steps/s per worker"
 
-    def __init__(self, *, window: int = 10, start: float | None = None):
-        self.window, self.start = window, start
-        self.rates = WorkerRates()
-        self._workers: dict[int, tuple[Decimated, np.ndarray, np.ndarray, int]] = {}  # points, last rows, count
+    def __init__(self, *, start: float | None = None, live: bool = False):
+        self.start, self.live = start, live
+        self.rates = RunRates()
+        self._workers: dict[int, tuple[Decimated, np.ndarray, np.ndarray]] = {}  # points, last RECENT_S s of rows
 
     def feed(self, new: Tables) -> bool:
         """Take the new rows of the run's metrics; whether any came."""
@@ -261,22 +230,26 @@ class Speed:
             self.start = float(metrics["time"].min())
         self.rates.add(metrics)
         for w, rows in groups(metrics, "worker"):
-            points, last_t, last_steps, seen = self._workers.get(w) or (Decimated("t", "rate"), np.empty(0),
-                                                                       np.empty(0), 0)
-            t = np.concatenate([last_t, metrics["time"][rows]])
+            points, last_t, last_steps = self._workers.get(w) or (Decimated("t", "rate"), np.empty(0), np.empty(0))
+            t = np.concatenate([last_t, metrics["time"][rows].astype(float)])
             steps = np.concatenate([last_steps, metrics["local_step"][rows].astype(float)])
             new = np.arange(len(last_t), len(t))
-            back = np.minimum(self.window, seen + new - len(last_t))  # how far back each new row's rate looks
-            new, back = new[back > 0], back[back > 0]
+            back = np.searchsorted(t, t[new] - RECENT_S)  # the first row of each new row's window
             with np.errstate(divide="ignore", invalid="ignore"):
-                rate = (steps[new] - steps[new - back]) / (t[new] - t[new - back])
+                rate = (steps[new] - steps[back]) / (t[new] - t[back])
             ok = np.isfinite(rate)
             points.extend(t=t[new][ok], rate=rate[ok])
-            self._workers[w] = points, t[-self.window:], steps[-self.window:], seen + len(t) - len(last_t)
+            keep = t >= t[-1] - RECENT_S
+            self._workers[w] = points, t[keep], steps[keep]
+
+    def worker_rates(self) -> dict[int, float]:
+        """Each worker's steps/s by ``speed.rate`` (live or not, as ``live`` says), by worker index: the
+        roles table's numbers."""
+        return self.rates.workers(live=self.live)
 
     def slowest(self) -> tuple[int, float] | None:
-        """The slowest worker and its steps/s over the run, when there are several with a rate."""
-        rates = {w: r for w, r in self.rates.overall().items() if not math.isnan(r)}
+        """The slowest worker and its steps/s, when there are several with a rate."""
+        rates = {w: r for w, r in self.worker_rates().items() if not math.isnan(r)}
         if len(rates) < 2:
             return None
         w = min(rates, key=rates.get)
@@ -295,13 +268,19 @@ class Speed:
                        line=dict(color=color(w), width=4 if w == slowest else 1.5))
                   for w, (points, *_) in sorted(self._workers.items())]
         return spec(title, traces, xaxis=dict(title_text="time (s)"),
-                    yaxis=dict(title_text="steps/s", rangemode="tozero"))
+                    yaxis=dict(title_text=f"steps/s (over {RECENT_S:g} s)", rangemode="tozero"))
 
 
 class Staleness:
-    """Histogram of the staleness of applied pushes (dropped pushes have none), for async training."""
+    """Histogram of the staleness of applied pushes (dropped pushes have none), for async training.
+
+    A few far outliers would squash the others into one bar at the left, so the x axis ends at ``q``: one
+    more than the highest staleness below the top ``TAIL`` of the pushes (one push at least), when the
+    highest staleness is more than twice ``q``; the pushes from ``q`` up are counted in one bar named
+    ``≥ q``. The title gives the mean and the highest."""
 
     TITLE = "staleness of applied pushes"
+    TAIL = 0.01
 
     def __init__(self):
         self._counts: dict[int, int] = {}
@@ -321,10 +300,18 @@ class Staleness:
         """The figure of the rows so far, as plain data."""
         if not self._counts:
             return no_data(self.TITLE)
-        values = np.array(sorted(self._counts), dtype=float)
-        counts = np.array([self._counts[v] for v in sorted(self._counts)], dtype=float)
-        mean = float((values * counts).sum() / counts.sum())
-        return spec(f"{self.TITLE} (mean {mean:.2f}, max {int(values[-1])})",
-                    [dict(type="bar", x=values, y=counts, name="applied pushes", marker_color=color(0))],
-                    xaxis=dict(title_text="staleness (global steps)", dtick=1 if values[-1] <= 20 else None),
+        values = np.array(sorted(self._counts))
+        counts = np.array([self._counts[v] for v in values])
+        mean, highest = float((values * counts).sum() / counts.sum()), int(values[-1])
+        tail = np.cumsum(counts[::-1])[::-1] <= max(1.0, self.TAIL * counts.sum())  # few pushes at or above
+        q = int(values[np.argmax(tail) - 1]) + 1 if tail[1:].any() else highest + 1
+        q = q if highest > 2 * q else highest + 1  # no tail bar when nothing is far out
+        below = values < q
+        traces = [dict(type="bar", x=values[below].astype(float), y=counts[below].astype(float),
+                       name="applied pushes", marker_color=color(0))]
+        if not below.all():
+            traces.append(dict(type="bar", x=[float(q)], y=[float(counts[~below].sum())], name=f"≥ {q}",
+                               text=[f"≥ {q}"], textposition="outside", marker_color="#888888"))
+        return spec(f"{self.TITLE} (mean {mean:.2f}, max {highest})", traces,
+                    xaxis=dict(title_text="staleness (global steps)", dtick=1 if q <= 20 else None),
                     yaxis=dict(title_text="pushes"))

@@ -18,8 +18,9 @@ class Waiting:
     """Sync training: which workers the current step still waits for, as a worker × time heat strip over
     the last ``last_s`` seconds (seconds since ``start``, default: the first sample).
 
-    A cell is lit when a ps sample in that ``PS_SAMPLE_S`` slot waited for the worker; the title names
-    the workers the latest samples wait for and counts the stale gradients dropped so far."""
+    A cell is lit when a ps sample in that ``PS_SAMPLE_S`` slot waited for the worker (the legend at the
+    right says so); the title names the workers the latest samples wait for and counts the stale
+    gradients dropped so far."""
 
     TITLE = "sync: waiting for workers"
 
@@ -58,9 +59,11 @@ class Waiting:
         dropped, step = max(d for _, _, d, _ in latest), max(s for _, s, _, _ in latest)
         workers = range(max([self.num_workers, *[w + 1 for s in waiting.values() for w in s]]))
         heat = dict(type="heatmap", x=np.array(slots, dtype=float) * PS_SAMPLE_S, y=[f"worker {w}" for w in workers],
-                    z=[[int(w in waiting[s]) for s in slots] for w in workers], zmin=0, zmax=1, showscale=False,
-                    colorscale=[[0, "#eeeeee"], [1, "#ef553b"]], xgap=1, ygap=3, name="waiting for",
-                    hovertemplate="%{y} at %{x:.1f} s: %{z}<extra></extra>")
+                    z=[[int(w in waiting[s]) for s in slots] for w in workers], zmin=0, zmax=1,
+                    colorscale=[[0, "#eeeeee"], [0.5, "#eeeeee"], [0.5, "#ef553b"], [1, "#ef553b"]],
+                    colorbar=dict(tickvals=[0.25, 0.75], ticktext=["not waited for", "waited for"],
+                                  thickness=12, len=0.6, outlinewidth=0),
+                    xgap=1, ygap=3, name="waiting for", hovertemplate="%{y} at %{x:.1f} s: %{z}<extra></extra>")
         return spec(f"sync: step {step} waits for {who} · {dropped} stale gradients dropped", [heat],
                     xaxis=dict(title_text="time (s)"), yaxis=dict(autorange="reversed"))
 

@@ -2,9 +2,12 @@
 magics and shows the run's live dashboard; the panel lists the cluster's roles and the run, shows its
 global step advancing, stops the run, then the cluster (each after a confirmation); hidden, it asks the
 server nothing. A restarted server lists again a cluster that kept running in another process, with
-the runs of that cluster's own store."""
+the runs of that cluster's own store. The view of a 200k-step run draws its plotly charts within a
+second of the click (hover, log axis, smoothing, zoom at a finer resolution, x modes), two runs compare,
+and the view of a training run follows it. Screenshots go to ``reports/``."""
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -16,6 +19,8 @@ import torch
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 import pscluster
+from pscluster.cluster import registry
+from pscluster.metrics.store import RunStore
 
 pytestmark = pytest.mark.browser
 
@@ -23,7 +28,8 @@ TAB = '.jp-SideBar.jp-mod-left .lm-TabBar-tab[data-id="pscluster-panel"]'
 PANEL = "#pscluster-panel"
 NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 ROOT = Path(__file__).resolve().parents[2]
-SCREENSHOT = ROOT / "reports" / "side_panel.png"
+REPORTS = ROOT / "reports"
+SCREENSHOT = REPORTS / "side_panel.png"
 CELLS = [
     "%load_ext pscluster\nimport torch\nimport pscluster",
     "%pscluster start --ps 1 --workers 2 --name lab-demo",
@@ -32,6 +38,20 @@ CELLS = [
     "loss_fn = torch.nn.CrossEntropyLoss()\n"
     "dataset = pscluster.datasets.digits('train')",
 ]
+
+
+# the time from the click on a run to its loss chart drawn with data, measured in the page
+CLICKED = """() => document.addEventListener('click', () => { window.psclusterClickedAt = performance.now(); },
+    {capture: true, once: true})"""
+DRAWN_MS = """(selector) => { const plot = document.querySelector(selector);
+    return plot && plot.querySelector('.main-svg .scatterlayer .trace')
+        && performance.now() - window.psclusterClickedAt; }"""
+# what a plotly chart draws: its y axis type and the names of its traces in the legend
+CHART = """(div) => ({yaxis: div._fullLayout.yaxis.type, xtype: div._fullLayout.xaxis.type,
+    xrange: div._fullLayout.xaxis.range, legend: div._fullData.filter(t => t.showlegend).map(t => t.name)})"""
+# worker 0's values and its smoothed values as drawn (null without smoothing)
+SMOOTHED = """(div) => { const raw = div.data.find(t => t.name === 'worker 0 (raw)');
+    return raw ? [raw.y, div.data.find(t => t.name === 'worker 0').y] : null; }"""
 
 
 def mlp():
@@ -134,7 +154,7 @@ def test_a_notebook_trains_with_its_dashboard_and_the_panel_follows_and_stops_it
 
     row.locator(".jp-pscluster-run-name").click()  # the run's view in the main area
     view = page.locator(f'.jp-pscluster-runview[data-run-id="{row.get_attribute("data-run-id")}"]')
-    view.locator(".jp-pscluster-chart").nth(1).wait_for()
+    view.locator('.jp-pscluster-plot[data-chart="speed"] .main-svg').wait_for()
     view.locator('[data-status="stopped"]').wait_for()
 
     page.locator(TAB).click()  # hidden: no polling
@@ -173,3 +193,106 @@ def test_a_restarted_server_lists_again_a_cluster_that_kept_running(page, lab, h
         page.locator(f'.jp-pscluster-runview[data-store="{store}"] [data-status="finished"]').wait_for()
         assert "own-store-run" in page.locator(".jp-pscluster-runview-header").last.inner_text()
     panel.get_by_text("No cluster running").wait_for(timeout=30_000)
+
+
+def synthetic_run(store: RunStore, name: str, steps: int, lr: float) -> int:
+    """A finished run of ``steps`` global steps by 2 workers in turn at 1000 steps/s from now, its loss falling as
+    lr/step."""
+    t0 = time.time()
+    run = store.create_run(name=name, cluster="gone", mode="async", spec={}, config={
+        "mode": "async", "steps": steps, "batch_size": 32, "optimizer": "SGD", "optimizer_kwargs": {"lr": lr},
+        "num_workers": 2})
+    for first in range(1, steps + 1, 50_000):
+        store.add_batch(run, [{"kind": "step", "task": f"worker:{g % 2}", "time": t0 + g / 1000,
+                               "local_step": (g + 1) // 2, "global_step": g, "loss": lr / g}
+                              for g in range(first, min(first + 50_000, steps + 1))])
+    store.set_status(run, "finished")
+    return run
+
+
+def test_the_view_of_a_long_run_draws_within_a_second_and_runs_compare(page, lab, home):
+    with RunStore() as store:
+        long, short = synthetic_run(store, "long-200k", 200_000, 0.1), synthetic_run(store, "short-50k", 50_000, 1.0)
+        path = store.path
+    panel = open_panel(page)
+    rows = {run: panel.locator(f'.jp-pscluster-run[data-run-id="{run}"][data-store="{path}"]') for run in (long, short)}
+    rows[long].get_by_text("finished").wait_for(timeout=30_000)
+    assert rows[long].locator(".jp-pscluster-run-final").inner_text() == "5.000e-7"  # 0.1 / 200k, not 0.0000
+    assert "lr=0.1" in rows[long].locator(".jp-pscluster-run-settings").inner_text()
+
+    view = f'.jp-pscluster-runview[data-run-id="{long}"][data-store="{path}"]'
+    loss = f'{view} .jp-pscluster-plot[data-chart="loss"]'
+    page.evaluate(CLICKED)
+    rows[long].locator(".jp-pscluster-run-name").click()
+    drawn_ms = page.wait_for_function(DRAWN_MS, arg=loss, polling="raf", timeout=30_000).json_value()
+    print(f"run view of 200k steps x 2 workers: loss chart drawn {drawn_ms:.0f} ms after the click")
+    assert drawn_ms < 1000
+    header = page.locator(f"{view} .jp-pscluster-runview-header")
+    assert "1000 steps/s" in header.inner_text() and "loss 5.000e-7" in header.inner_text()
+    page.locator(f'{view} .jp-pscluster-plot[data-chart="speed"] .scatterlayer .trace').first.wait_for(state="attached")
+    plot = page.locator(loss)
+    assert plot.evaluate(CHART)["legend"] == ["worker 0", "worker 1"]
+
+    box = plot.locator(".nsewdrag").first.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] / 2)
+    hover = plot.locator(".hoverlayer")
+    eventually(lambda: "worker 0" in hover.text_content(), 5)  # the values under the mouse
+
+    page.locator(f"{view} .jp-pscluster-log").check()
+    eventually(lambda: plot.evaluate(CHART)["yaxis"] == "log", 5)
+    REPORTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(REPORTS / "run_view_long.png"))
+
+    with page.expect_response(lambda r: "/series?" in r.url and "start=" in r.url) as zoomed:
+        page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + 40)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] * 0.8, box["y"] + 40, steps=5)
+        page.mouse.up()
+    answer = zoomed.value.json()
+    xs = [x for w in answer["workers"] for x in w["columns"]["x"]]
+    lo, hi = plot.evaluate(CHART)["xrange"]
+    assert answer["start"] == pytest.approx(lo) and lo - answer["resolution"] <= min(xs) and max(xs) <= hi
+
+    raw, smoothed = plot.evaluate(SMOOTHED)  # TensorBoard's debiased EMA (weight 0.6): from the first value on
+    assert smoothed[0] == pytest.approx(raw[0]) and smoothed[1] == pytest.approx((0.6 * 0.4 * raw[0] + 0.4 * raw[1])
+                                                                                 / (1 - 0.6 ** 2))
+    page.locator(f"{view} .jp-pscluster-smoothing").evaluate(
+        "(s) => { s.value = '0'; s.dispatchEvent(new Event('input')); }")
+    eventually(lambda: plot.evaluate(SMOOTHED) is None, 5)  # no smoothing: the values alone
+    page.locator(f"{view} .jp-pscluster-xmode").select_option("relative")
+    eventually(lambda: plot.evaluate(CHART)["xrange"][1] < 250, 5)  # seconds since the run started
+    page.locator(f"{view} .jp-pscluster-xmode").select_option("wall")
+    eventually(lambda: plot.evaluate(CHART)["xtype"] == "date", 5)
+
+    for run in (long, short):
+        rows[run].locator(".jp-pscluster-run-checkbox").check()
+    panel.locator(".jp-pscluster-compare").click()
+    compare = page.locator('.jp-pscluster-runview[data-compare="2"] .jp-pscluster-plot[data-chart="loss"]')
+    compare.locator(".scatterlayer .trace").first.wait_for(timeout=10_000)
+    assert sorted(compare.evaluate(CHART)["legend"]) == ["long-200k", "short-50k"]  # a curve per run
+    page.screenshot(path=str(REPORTS / "run_compare.png"))
+
+
+def steps_now(first: int, last: int) -> list[dict]:
+    """Steps ``first`` to ``last`` of worker 0, reported now."""
+    return [{"kind": "step", "task": "worker:0", "time": time.time(), "local_step": g, "global_step": g,
+             "loss": 1 / g} for g in range(first, last + 1)]
+
+
+def test_the_view_of_a_training_run_follows_it(page, lab, home):
+    registry.write({"name": "live", "owner_pid": os.getpid(), "tasks": []})  # its kernel: this process
+    try:
+        with RunStore() as store:
+            run = store.create_run(name="live-run", cluster="live", mode="async", config={"steps": 10_000}, spec={})
+            store.set_status(run, "training")
+            store.add_batch(run, steps_now(1, 100))
+            panel = open_panel(page)
+            panel.locator(f'.jp-pscluster-run[data-run-id="{run}"] .jp-pscluster-run-name').click()
+            header = page.locator(f'.jp-pscluster-runview[data-run-id="{run}"] .jp-pscluster-runview-header')
+            header.get_by_text("global step 100/10000").wait_for(timeout=10_000)
+            store.add_batch(run, steps_now(101, 250))
+            began = time.monotonic()
+            header.get_by_text("global step 250/10000").wait_for(timeout=10_000)  # the series asked again
+            print(f"a training run's view showed its new steps {time.monotonic() - began:.1f} s after they were stored")
+    finally:
+        registry.remove("live")

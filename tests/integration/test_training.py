@@ -27,6 +27,10 @@ def test_sync_global_step_is_local_steps_over_replicas(cluster_1ps_2w, digits_tr
     assert s["global_step"] == 120
     assert run.local_steps == [120, 120]  # each worker contributes once per global step
     assert s["dropped_stale"] == 0
+    # steps/s over the whole run once it ended; each worker steps once per global step
+    assert s["steps_per_s"] > 0 and s["steps_per_s"] == pytest.approx(s["worker_steps_per_s"][0], rel=0.1)
+    assert set(s["worker_steps_per_s"]) == {0, 1}
+    assert s["startup_s"] > 0 and 0 < s["training_s"] < s["wall_s"] - s["startup_s"]
     assert len(run.logs) == 6 and run.logs[0].startswith("[worker:")
     assert "After 40 training steps (40 global steps), loss" in " ".join(run.logs)
     last = run.metrics().groupby("worker")["local_step"].max()

@@ -82,7 +82,7 @@ async def test_stop_a_run_from_the_server(api, cluster):
     run = digits_run(cluster, 10**6)
 
     async def training():
-        status, body = await api("GET", "runs", str(run.id), "metrics")
+        status, body = await api("GET", "runs", str(run.id), "series")
         return body["run"]["global_step"] > 5 and body
 
     body = await eventually(training)

@@ -1,19 +1,25 @@
 """The read endpoints over a real SQLite run store, and what they answer when it is missing,
 locked or broken; authentication of every route."""
 
+import io
+import json
 import os
 import sqlite3
+import time
 
+import pandas as pd
 import pytest
 
 from pscluster.cluster import registry
 from pscluster.labserver.service import SPARK_POINTS
+from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
 
 ROUTES = [("GET", ("clusters",)), ("POST", ("clusters", "c", "stop")),
           ("POST", ("clusters", "c", "tasks", "worker", "1", "kill")),
           ("POST", ("clusters", "c", "tasks", "worker", "1", "restart")),
-          ("GET", ("runs",)), ("GET", ("runs", "1", "metrics")), ("POST", ("runs", "1", "stop"))]
+          ("GET", ("runs",)), ("GET", ("runs", "1", "series")), ("GET", ("runs", "1", "metrics.csv")),
+          ("POST", ("runs", "1", "stop"))]
 
 
 def steps(worker: int, first: int, last: int, t0: float = 1000.0) -> list[dict]:
@@ -22,8 +28,13 @@ def steps(worker: int, first: int, last: int, t0: float = 1000.0) -> list[dict]:
              "global_step": s, "loss": 2.0 / (1 + s)} for s in range(first, last + 1)]
 
 
+CONFIG = {"mode": "sync", "steps": 500, "batch_size": 64, "optimizer": "SGD", "optimizer_kwargs": {"lr": 0.1},
+          "num_workers": 2, "scheduler": None, "seed": 0}
+
+
 def new_run(store: RunStore, cluster: str = "gone-cluster", steps_target: int = 500) -> int:
-    return store.create_run(name=None, cluster=cluster, mode="sync", config={"steps": steps_target}, spec={})
+    return store.create_run(name=None, cluster=cluster, mode="sync", config={**CONFIG, "steps": steps_target},
+                            spec={})
 
 
 @pytest.mark.parametrize("method,path", ROUTES)
@@ -40,7 +51,7 @@ async def test_nothing_yet_is_an_empty_list_with_a_message(api, home):
     status, body = await api("GET", "runs")
     assert status == 200 and body["runs"] == []
     assert "No run store yet" in body["message"] and str(home) in body["message"]
-    status, body = await api("GET", "runs", "1", "metrics")
+    status, body = await api("GET", "runs", "1", "series")
     assert status == 404 and "no run store yet" in body["error"]
 
 
@@ -57,11 +68,31 @@ async def test_runs_newest_first_with_step_speed_loss_and_sparkline(api, home):
     assert [r["id"] for r in body["runs"]] == [lost, done]
     second, first = body["runs"]
     assert first["status"] == "finished" and first["global_step"] == 200 and first["steps"] == 500
-    assert first["steps_per_s"] == pytest.approx(10.0)
-    assert first["loss"] == pytest.approx(2.0 / 201)
+    with RunStore() as store:
+        m, wall = store.metrics(done), store.runs().set_index("id").loc[done, "wall_s"]
+    assert first["steps_per_s"] == speed.rate(m["time"], m["global_step"], live=False) == pytest.approx(10.0)
+    assert first["wall_s"] == pytest.approx(wall)
+    assert first["loss"] == first["final"]["loss"] == 2.0 / 201
+    assert first["hyperparameters"] == {"optimizer": "SGD", "lr": 0.1, "batch_size": 64, "mode": "sync",
+                                        "num_workers": 2, "steps": 500, "seed": 0}
     assert len(first["sparkline"]) == SPARK_POINTS and first["sparkline"][0] > first["sparkline"][-1]
     # training, but its cluster is in no registry: nobody will finish it
     assert second["status"] == "lost" and second["global_step"] == 10
+
+
+async def test_a_training_run_s_speed_is_that_of_its_last_seconds(api, home):
+    registry.write({"name": "live", "owner_pid": os.getpid(), "tasks": []})
+    with RunStore() as store:
+        run = new_run(store, cluster="live")
+        slow = [{**e, "time": 1000.0 + 0.1 * e["global_step"]} for e in steps(0, 1, 100)]
+        fast = [{**e, "time": 1010.0 + 0.05 * (e["global_step"] - 100)} for e in steps(0, 101, 300)]
+        store.add_batch(run, slow + fast)
+        store.set_status(run, "training")
+        m = store.metrics(run)
+    status, body = await api("GET", "runs")
+    (listed,) = body["runs"]
+    assert listed["status"] == "training" and listed["wall_s"] > 0
+    assert listed["steps_per_s"] == speed.rate(m["time"], m["global_step"], live=True) == pytest.approx(20.0)
 
 
 async def test_hundreds_of_runs(api, home):
@@ -75,21 +106,105 @@ async def test_hundreds_of_runs(api, home):
     assert {r["global_step"] for r in body["runs"]} == set(range(5, 12))
 
 
-async def test_metrics_from_a_cursor(api, home):
+def long_run(store: RunStore, steps: int, workers: int = 2, t0: float = 1000.0) -> int:
+    """A finished run of ``steps`` global steps by ``workers`` workers in turn, 1000 global steps/s, a loss
+    that falls as 1/step with a spike at step steps // 2, written in batches as the collector does."""
+    run = new_run(store, steps_target=steps)
+    for first in range(1, steps + 1, 50_000):
+        s = pd.RangeIndex(first, min(first + 50_000, steps + 1))
+        store.add_batch(run, [{"kind": "step", "task": f"worker:{g % workers}", "time": t0 + g / 1000,
+                               "local_step": (g + workers - 1) // workers, "global_step": g,
+                               "loss": 50.0 if g == steps // 2 else 1.0 / g} for g in s])
+    store.set_status(run, "finished")
+    return run
+
+
+async def test_the_series_of_a_long_run_is_decimated_and_keeps_its_spikes(api, home):
+    with RunStore() as store:
+        run = long_run(store, 300_000)
+    began = time.monotonic()
+    status, body = await api("GET", "runs", str(run), "series", names="loss", points="1000")
+    elapsed = time.monotonic() - began
+    assert status == 200 and body["names"] == ["loss"] and "loss" in body["available"] and body["resolution"] > 0
+    assert [w["worker"] for w in body["workers"]] == [0, 1]
+    for w in body["workers"]:
+        c = w["columns"]
+        assert 100 <= len(c["x"]) <= 1000 and c["x"] == sorted(c["x"])
+        assert {"x", "x_end", "time_last", "local_last", "count", "loss_mean", "loss_min", "loss_max"} <= set(c)
+    assert max(max(w["columns"]["loss_max"]) for w in body["workers"]) == 50.0  # the spike survives
+    assert body["run"]["loss"] == 1.0 / 300_000 and body["run"]["global_step"] == 300_000
+    assert elapsed < 2, f"{elapsed:.2f}s"
+
+    status, zoomed = await api("GET", "runs", str(run), "series", names="loss", start="1000", stop="2000")
+    xs = [x for w in zoomed["workers"] for x in w["columns"]["x"]]
+    assert status == 200 and zoomed["resolution"] < body["resolution"]
+    assert min(xs) >= 1000 - zoomed["resolution"] and max(xs) <= 2000
+
+    status, by_time = await api("GET", "runs", str(run), "series", x="time", points="50")
+    assert status == 200 and all(len(w["columns"]["x"]) <= 50 for w in by_time["workers"])
+    assert 1000 <= by_time["workers"][0]["columns"]["x"][0] < 1001
+
+
+async def test_a_small_run_answers_its_raw_rows_and_nan_as_null(api, home):
     with RunStore() as store:
         run = new_run(store)
         store.add_batch(run, steps(0, 1, 5) + steps(1, 1, 3))
-        status, body = await api("GET", "runs", str(run), "metrics", after="0")
-        assert status == 200 and not body["more"]
-        assert sorted(zip(body["worker"], body["local_step"])) == [(0, s) for s in range(1, 6)] + [
-            (1, s) for s in range(1, 4)]
-        cursor = body["cursor"]
-        store.add_batch(run, steps(1, 4, 6))
-    status, body = await api("GET", "runs", str(run), "metrics", after=str(cursor))
-    assert (body["worker"], body["local_step"]) == ([1, 1, 1], [4, 5, 6])
-    assert body["run"]["id"] == run and body["cursor"] > cursor
-    status, same = await api("GET", "runs", str(run), "metrics", after=str(body["cursor"]))
-    assert same["worker"] == [] and same["cursor"] == body["cursor"]
+        store.add_batch(run, [{"kind": "step", "task": "worker:1", "time": 2000.0, "local_step": 4,
+                               "global_step": 6, "loss": None}])
+    status, body = await api("GET", "runs", str(run), "series")
+    assert status == 200 and body["names"] == ["loss"] and body["resolution"] == 0
+    one = body["workers"][1]["columns"]
+    assert one["x"] == [1, 2, 3, 6] and one["loss_mean"][:3] == [2.0 / 2, 2.0 / 3, 2.0 / 4]
+    assert one["loss_mean"][3] is None
+
+
+async def test_a_diverged_loss_is_null_never_invalid_json(home, jp_fetch):
+    with RunStore() as store:
+        run = new_run(store)
+        store.add_batch(run, steps(0, 1, 5) + [{"kind": "step", "task": "worker:0", "time": 2000.0, "local_step": 6,
+                                                "global_step": 6, "loss": float("inf")}])
+    response = await jp_fetch("pscluster", "api", "runs", str(run), "series")
+    body = json.loads(response.body, parse_constant=pytest.fail)  # JSON.parse knows no Infinity or NaN
+    assert body["workers"][0]["columns"]["loss_last"][-1] is None
+    assert body["run"]["loss"] is None and len(body["run"]["sparkline"]) >= 2
+
+
+async def test_download_the_metrics_as_csv(api, home, jp_fetch):
+    with RunStore() as store:
+        run = long_run(store, 20_000)
+        raw = store.metrics(run)
+    response = await jp_fetch("pscluster", "api", "runs", str(run), "metrics.csv")
+    assert response.headers["Content-Type"].startswith("text/csv")
+    assert "raw rows" in response.headers["X-Pscluster-Content"]
+    pd.testing.assert_frame_equal(pd.read_csv(io.BytesIO(response.body)), raw.apply(pd.to_numeric), check_dtype=False)
+    response = await jp_fetch("pscluster", "api", "runs", str(run), "metrics.csv", params={"points": "100"})
+    df = pd.read_csv(io.BytesIO(response.body))
+    assert "decimated" in response.headers["X-Pscluster-Content"]
+    assert sorted(df["worker"].unique()) == [0, 1] and df.groupby("worker").size().max() <= 100
+    assert {"loss_mean", "loss_min", "loss_max", "loss_last"} <= set(df.columns)
+
+
+async def test_download_as_parquet_or_a_message_that_names_pyarrow(api, home, jp_fetch):
+    with RunStore() as store:
+        run = long_run(store, 1000)
+        raw = store.metrics(run)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        status, body = await api("GET", "runs", str(run), "metrics.parquet")
+        assert status == 400 and "pip install pyarrow" in body["error"] and "\n" not in body["error"]
+        return
+    response = await jp_fetch("pscluster", "api", "runs", str(run), "metrics.parquet")
+    pd.testing.assert_frame_equal(pd.read_parquet(io.BytesIO(response.body)), raw, check_dtype=False)
+
+
+async def test_plotly_js_is_served_once_and_cached(jp_fetch, jp_base_url):
+    import plotly
+
+    response = await jp_fetch("pscluster", "static", "plotly.min.js")
+    assert response.body.startswith(b"/**") and b"plotly.js" in response.body[:2000]
+    assert len(response.body) > 1_000_000 and plotly.__version__
+    assert "max-age=604800" in response.headers["Cache-Control"]
 
 
 async def test_runs_of_the_stores_of_running_clusters_too_each_store_once(api, home):
@@ -104,11 +219,11 @@ async def test_runs_of_the_stores_of_running_clusters_too_each_store_once(api, h
     status, body = await api("GET", "runs")
     assert status == 200
     assert [(r["id"], r["store"], r["cluster"]) for r in body["runs"]] == [(1, str(own), "b"), (1, str(default), "a")]
-    status, body = await api("GET", "runs", "1", "metrics", store=str(own))
-    assert status == 200 and body["run"]["cluster"] == "b" and body["local_step"] == [1, 2, 3]
-    status, body = await api("GET", "runs", "1", "metrics")  # no store: the default one
-    assert status == 200 and body["run"]["cluster"] == "a" and body["local_step"] == []
-    status, body = await api("GET", "runs", "1", "metrics", store=str(home / "other.sqlite"))
+    status, body = await api("GET", "runs", "1", "series", store=str(own))
+    assert status == 200 and body["run"]["cluster"] == "b" and body["workers"][0]["columns"]["local_last"] == [1, 2, 3]
+    status, body = await api("GET", "runs", "1", "series")  # no store: the default one
+    assert status == 200 and body["run"]["cluster"] == "a" and body["workers"] == []
+    status, body = await api("GET", "runs", "1", "series", store=str(home / "other.sqlite"))
     assert status == 404 and "neither the default run store nor the store of a running cluster" in body["error"]
     status, body = await api("POST", "runs", "1", "stop", store=str(home / "other.sqlite"))
     assert status == 404
@@ -117,12 +232,16 @@ async def test_runs_of_the_stores_of_running_clusters_too_each_store_once(api, h
 async def test_unknown_run_and_bad_cursor(api, home):
     with RunStore() as store:
         run = new_run(store)
-    status, body = await api("GET", "runs", str(run + 1), "metrics")
+    status, body = await api("GET", "runs", str(run + 1), "series")
     assert status == 404 and f"no run {run + 1}" in body["error"]
-    status, body = await api("GET", "runs", str(run), "metrics", after="-3")
-    assert status == 400 and "cursor" in body["error"]
+    status, body = await api("GET", "runs", str(run + 1), "metrics.csv")
+    assert status == 404 and f"no run {run + 1}" in body["error"]
     status, body = await api("POST", "runs", str(run + 1), "stop")
     assert status == 404
+    for args, message in [({"x": "row"}, "x=step"), ({"points": "1"}, "from 2 to"), ({"points": "many"}, "from 2"),
+                          ({"start": "soon"}, "give a number"), ({"names": "perplexity"}, "no metric perplexity")]:
+        status, body = await api("GET", "runs", str(run), "series", **args)
+        assert status == 400 and message in body["error"] and "\n" not in body["error"], (args, body)
 
 
 async def test_a_locked_store_answers_503_then_recovers(api, home):

@@ -195,7 +195,7 @@ def test_live_figures_are_those_of_all_the_rows_at_once(store, dashboards, mode)
     metrics, ps_metrics = store.metrics(run.run_id), store.ps_metrics(run.run_id)
     started = store.run(run.run_id)["started"]
     same_traces(d.figures["convergence"], figures.convergence_figure(metrics))
-    same_traces(d.figures["speed"], figures.speed_figure(metrics, start=started))
+    same_traces(d.figures["speed"], figures.speed_figure(metrics, start=started, live=True))
     same_traces(d.figures["ps_load"], figures.ps_load_figure(ps_metrics, start=started))
     same_traces(d.figures["traffic"], figures.traffic_share_figure(store.placement(run.run_id), ps_metrics,
                                                                     num_ps=2))

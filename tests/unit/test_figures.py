@@ -247,13 +247,13 @@ def test_speed_of_a_single_worker_has_no_slowest():
     assert names(figures.speed_figure(make_metrics({3: 5.0}))) == ["worker 3"]
 
 
-def test_steps_per_second_overall_and_recent():
-    metrics = make_metrics()
+def test_steps_per_second_over_the_run_or_lately():
+    metrics = make_metrics(steps=200)  # worker 0 ends at 10 s, worker 2 at 12.5 s, worker 1 at 20 s
     np.testing.assert_allclose(figures.steps_per_second(metrics).to_numpy(), list(RATES.values()))
-    # worker 1 stops after 0.9 s: at most one row of it in the last second of the run (to 1001.875 s)
-    cut = metrics[(metrics["worker"] != 1) | (metrics["time"] < 1001.0)]
-    recent = figures.steps_per_second(cut, recent_s=1.0)
-    assert math.isnan(recent[1]) and recent[0] == pytest.approx(20.0)
+    # without worker 1's rows from 5 s on, the run's last RECENT_S seconds are 7.5 s to 12.5 s: none of them
+    cut = metrics[(metrics["worker"] != 1) | (metrics["time"] < 1005.0)]
+    recent = figures.steps_per_second(cut, live=True)
+    assert math.isnan(recent[1]) and recent[0] == pytest.approx(20.0) and recent[2] == pytest.approx(16.0)
 
 
 @pytest.mark.parametrize("slots", [0, 1, 2])
@@ -332,6 +332,17 @@ def test_staleness_histogram_counts_applied_pushes_only():
     assert f"max {int(applied['staleness'].max())}" in fig.layout.title.text
 
 
+def test_far_stale_pushes_go_to_one_tail_bar_and_keep_the_others_readable():
+    metrics = make_metrics()  # 90 pushes of staleness 0 to 3, some dropped
+    metrics.loc[metrics.index[-1], ["staleness", "dropped"]] = [343, 0]
+    fig = figures.staleness_figure(metrics)
+    bars, tail = fig.data
+    assert list(bars.x) == [0, 1, 2, 3] and (tail.name, list(tail.x), list(tail.y)) == ("≥ 4", [4], [1])
+    assert "max 343" in fig.layout.title.text and fig.layout.xaxis.dtick == 1
+    metrics.loc[metrics.index[-1], "staleness"] = 5  # not far out: drawn as it is
+    assert [t.name for t in figures.staleness_figure(metrics).data] == ["applied pushes"]
+
+
 def test_waiting_strip_shows_who_the_latest_step_waits_for():
     fig = figures.waiting_figure(make_ps_metrics(), num_workers=3, start=1000.0)
     (heat,) = fig.data
@@ -339,6 +350,7 @@ def test_waiting_strip_shows_who_the_latest_step_waits_for():
     assert [row[-1] for row in heat.z] == [0, 1, 0]  # the last slot waits for worker 1 only
     assert [row[1] for row in heat.z] == [1, 1, 0]  # slot 1 waited for workers 0 and 1
     assert list(heat.x) == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    assert list(heat.colorbar.ticktext) == ["not waited for", "waited for"]  # the strip's legend
     assert "waits for worker 1" in fig.layout.title.text and "2 stale gradients dropped" in fig.layout.title.text
 
 
@@ -371,7 +383,7 @@ def test_roles_frame_lists_ps_chief_and_workers_with_their_state():
                          ("worker:0", "state", {"state": "initializing"}), ("worker:0", "state", {"state": "training"}),
                          ("worker:2", "lost", {}))
     record = {"status": "training", "spec": SPEC}
-    rates, states = figures.steps_per_second(make_metrics(), recent_s=5.0), roles.task_states(events)
+    rates, states = figures.steps_per_second(make_metrics(), live=True), roles.task_states(events)
     frame = roles.roles_frame(record, rates, states)
     assert list(frame.columns) == roles.ROLE_COLUMNS
     assert list(frame["role"]) == ["ps", "ps", "chief", "worker", "worker"]
@@ -397,11 +409,17 @@ def test_table_html_escapes_and_blanks_nan():
     text = figures.table_html(pd.DataFrame({"a": ["<b>"], "b": [np.nan], "c": [1.25]}))
     assert "&lt;b&gt;" in text and "<td style='padding: 1px 10px; text-align: left'></td>" in text
     assert ">1.2<" in text or ">1.3<" in text
+    small = figures.table_html(pd.DataFrame({"loss": [3.2e-4, 0.0, 0.125, 2.5]}), digits=2)
+    assert all(f">{v}<" in small for v in ("0.00032", "0.00", "0.125", "2.50"))
+
+
+def compared(label, metrics, wall_s=10.0) -> figures.ComparedRun:
+    return figures.ComparedRun(label, metrics, 990.0, 990.0 + wall_s)
 
 
 def test_compare_overlays_runs_and_tabulates_them():
-    runs = [("sync", make_metrics({0: 10.0, 1: 10.0})), ("async", make_metrics({0: 20.0})),
-            ("empty", make_metrics().iloc[:0])]
+    runs = [compared("sync", make_metrics({0: 10.0, 1: 10.0})), compared("async", make_metrics({0: 20.0})),
+            compared("empty", make_metrics().iloc[:0])]
     fig = figures.compare_figure(runs)
     assert names(fig) == ["sync", "async", "global steps/s", "local steps/s (all workers)"]
     assert list(fig.data[2].x) == ["sync", "async"]
@@ -409,6 +427,9 @@ def test_compare_overlays_runs_and_tabulates_them():
     table = figures.compare_table(runs[:2])
     assert list(table["run"]) == ["sync", "async"] and list(table["workers"]) == [2, 1]
     assert list(table["local steps"]) == [2 * STEPS, STEPS]
+    np.testing.assert_allclose(table["wall s"], 10.0)  # the record's, from start to end
+    np.testing.assert_allclose(table["startup s"], [10.1, 10.05])  # to the first step, at 1000 + 1 / rate
+    np.testing.assert_allclose(table["training s"], [2.9, 1.45])
 
 
 EMPTY_METRICS = make_metrics().iloc[:0]
@@ -450,7 +471,7 @@ def test_roles_frame_without_a_run_is_empty():
     lambda: figures.placement_figure(PLACEMENT, 1),
     lambda: figures.placement_figure(SHARDED, 1),
     lambda: figures.traffic_share_figure(SHARDED.assign(sparse=[1, 1, 0, 0]), make_ps_metrics(), num_ps=3),
-    lambda: figures.compare_figure([("a", make_metrics())]),
+    lambda: figures.compare_figure([compared("a", make_metrics())]),
     lambda: figures.no_data_figure("x"),
 ])
 def test_figures_pass_plotly_validation(build):

@@ -110,3 +110,25 @@ def test_static_html_draws_with_plotly_loaded_once_and_a_report_carries_it_once(
     assert report.count("* plotly.js v") == 1 and report.count("Plotly.newPlot(") == 4
     assert report.index("* plotly.js v") < report.index("Plotly.newPlot(")
     assert "plotly.js v" not in json.dumps(nb)  # the notebook itself is left as it was
+
+
+def test_the_convergence_figure_gives_the_view_its_controls():
+    """Smoothed traces name their raw trace, every worker point carries its time, and the layout the
+    smoothing weight of the kernel's own moving average (the slider's start) and the run's first time."""
+    panel = panels.Convergence()
+    steps = np.arange(1, 41, dtype=float)
+    rows = {"worker": np.repeat([0.0, 1.0], 20), "time": 100 + steps / 10, "local_step": steps,
+            "global_step": steps, "loss": 1 / steps, "accuracy": np.full(40, np.nan)}
+    for name in ("compute_s", "wait_s", "comm_s", "bytes_sent", "bytes_received", "staleness", "dropped"):
+        rows[name] = np.zeros(40)
+    panel.feed({"metrics": rows})
+    s = specs.expanded(panel.spec())
+    controls = s.layout["meta"]["controls"]
+    assert controls == {"smoothing": round(1 - 2 / (panels.SMOOTH_SPAN + 1), 4), "start": 100.1}
+    smoothed = [t for t in s.traces if t["name"].endswith("(smoothed)")]
+    assert len(smoothed) == 2
+    for trace in smoothed:
+        raw = s.traces[trace["meta"]["smooths"]]
+        assert raw["name"] + " (smoothed)" == trace["name"]
+        np.testing.assert_array_equal(raw["customdata"], trace["customdata"])
+    np.testing.assert_allclose(s.traces[0]["customdata"], 100 + steps[:20] / 10)
