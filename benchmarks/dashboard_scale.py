@@ -6,8 +6,8 @@ controller's ``Collector``, ``RunStore.add_batch``); then what reading it costs 
                                                                                worker WORKER, RATE a second
 
 ``run`` goes through ``SECTIONS`` in order, each adding rows and notes to the result from a shared context (the
-stores built, their paths): a later section (the live dashboard's bytes and messages to the browser) is one more
-function there.
+stores built, their paths); the last measures what a live dashboard sends the browser a second, following a slow
+and a fast run.
 """
 
 from __future__ import annotations
@@ -188,7 +188,71 @@ def query_section(tiny: bool, ctx: dict, result: Result) -> None:
         small.close()
 
 
-SECTIONS = {"write": write_section, "query": query_section}
+LIVE_S = 20.0  # seconds a live dashboard is measured
+LIVE_RATES = (1_000, 20_000)  # global steps a second of the live runs it follows (4 workers)
+
+
+def follow_live_run(path: str, steps_per_s: int, seconds: float) -> tuple[list[float], list[float]]:
+    """A dashboard following a run written at ``steps_per_s`` for ``seconds`` (in 0.1 s batches, as the collector
+    stores them), refreshing in its own thread as in a notebook; returns the widget messages and bytes it sent
+    the browser in each second: its figures' (counted by ``LiveFigure``) and its HTML widgets' value changes."""
+    from pscluster.widgets import Dashboard
+
+    store = RunStore(path)
+    tasks = {"ps": [{"role": "ps", "index": 0, "host": "127.0.0.1", "port": 1, "device": "cpu"}],
+             "worker": [{"role": "worker", "index": w, "host": "127.0.0.1", "port": 0, "device": "cpu"}
+                        for w in range(WORKERS)]}
+    run = store.create_run(**{**RUN, "config": {"steps": 10**9}, "spec": tasks})
+    store.set_status(run, "training")
+    dashboard = Dashboard(path, run)
+    html = [0, 0]  # messages, bytes
+
+    def changed(change):
+        html[0] += 1
+        html[1] += len(change["new"])
+
+    for widget in (dashboard.header, dashboard.roles, dashboard.lines):
+        widget.observe(changed, "value")
+    messages, sizes, step = [], [], 0
+    began = time.monotonic()
+    dashboard.start()
+    try:
+        for second in range(int(seconds)):
+            m0 = sum(f.messages for f in dashboard.figures.values()) + html[0]
+            b0 = sum(f.bytes_sent for f in dashboard.figures.values()) + html[1]
+            for tenth in range(10):
+                now = time.time()
+                events = [{"kind": "step", "task": f"worker:{(step + i) % WORKERS}", "time": now,
+                           **step_event((step + i) % WORKERS, (step + i) // WORKERS + 1)}
+                          for i in range(steps_per_s // 10)]
+                step += steps_per_s // 10
+                store.add_batch(run, events)
+                time.sleep(max(0.0, began + second + (tenth + 1) / 10 - time.monotonic()))
+            messages.append(sum(f.messages for f in dashboard.figures.values()) + html[0] - m0)
+            sizes.append(sum(f.bytes_sent for f in dashboard.figures.values()) + html[1] - b0)
+    finally:
+        dashboard.close()
+        store.close()
+    return messages[2:], sizes[2:]  # after the first figures are drawn
+
+
+def dashboard_section(tiny: bool, ctx: dict, result: Result) -> None:
+    """What a live dashboard sends the browser each second, following a slow and a fast run."""
+    seconds = 5.0 if tiny else LIVE_S
+    slow, fast = (follow_live_run(os.path.join(ctx["dir"], f"live-{r}.sqlite"), r, seconds) for r in LIVE_RATES)
+    labels = [f"{r:,} steps/s" for r in LIVE_RATES]
+    result.rows.append(compare("live dashboard: widget messages a second", labels[1], fast[0], labels[0], slow[0],
+                               "msg/s", Target(1.25, higher=False),
+                               note="budget: 2.5 refreshes a second, one message per widget at most"))
+    result.rows.append(compare("live dashboard: bytes to the browser a second", labels[1],
+                               [b / 1e3 for b in fast[1]], labels[0], [b / 1e3 for b in slow[1]], "kB/s",
+                               Target(2.0, higher=False)))
+    result.extra.update(live={label: {"messages_per_s": statistics.median(m), "kb_per_s": statistics.median(b) / 1e3,
+                                      "max_messages_per_s": max(m)}
+                              for label, (m, b) in zip(labels, (slow, fast))})
+
+
+SECTIONS = {"write": write_section, "query": query_section, "dashboard": dashboard_section}
 
 
 def run(tiny: bool, out_dir: Path) -> Result:

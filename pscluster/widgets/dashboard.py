@@ -21,7 +21,6 @@ import time
 import ipywidgets as widgets
 import numpy as np
 import plotly.graph_objects as go
-import plotly.io as pio
 
 from ..errors import ConfigError
 from ..metrics import speed

@@ -13,7 +13,6 @@ import html
 import math
 from typing import NamedTuple
 
-import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 

@@ -49,8 +49,8 @@ class _WorkerLines:
         return set(self._ewm)
 
     def extend(self, x: np.ndarray, t: np.ndarray, values: dict[str, np.ndarray]) -> None:
-        """Append rows: their global steps, their times and their ``values`` by name. A value joins at the first row with a
-        number for it (the loss at once); one these rows lack is NaN at them."""
+        """Append rows: their global steps, their times and their ``values`` by name. A value joins at the first
+        row with a number for it (the loss at once); one these rows lack is NaN at them."""
         for name, v in values.items():
             if name not in self._ewm and (name == "loss" or np.isfinite(v).any()):
                 self._ewm[name] = Ewm(SMOOTH_SPAN)

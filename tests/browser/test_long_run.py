@@ -9,6 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from .test_panel import CLICKED, DRAWN_MS
+
 pytestmark = pytest.mark.browser
 
 NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
@@ -118,3 +120,15 @@ def test_a_long_async_run_stays_drawn_within_budget_through_a_reload(page, lab, 
     assert "IOPub message rate exceeded" not in text and "IOPub data rate exceeded" not in text
     log = (lab.root / "server.log").read_text(errors="replace")
     assert "rate exceeded" not in log and "WebSocket ping timeout" not in log
+
+    # the side panel's view of the run: its charts within a second of the click
+    page.locator(TAB).click()
+    row = page.locator(".jp-pscluster-run", has_text="long-async")
+    row.get_by_text("finished").wait_for(timeout=30_000)
+    page.evaluate(CLICKED)
+    row.locator(".jp-pscluster-run-name").click()
+    view = f'.jp-pscluster-runview[data-run-id="{row.get_attribute("data-run-id")}"]'
+    drawn_ms = page.wait_for_function(DRAWN_MS, arg=f'{view} .jp-pscluster-plot[data-chart="loss"]', polling="raf",
+                                      timeout=30_000).json_value()
+    page.screenshot(path=str(REPORTS / "long_run_panel.png"))
+    assert drawn_ms < 1000, f"the run view drew its loss chart {drawn_ms:.0f} ms after the click"

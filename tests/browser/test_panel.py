@@ -150,11 +150,14 @@ def test_a_notebook_trains_with_its_dashboard_and_the_panel_follows_and_stops_it
     row.locator(".jp-pscluster-stop-run").click()
     confirm(page, "Stop run digits-mlp?")
     row.get_by_text("stopped").wait_for(timeout=60_000)
-    header.get_by_text("stopped", exact=True).wait_for(timeout=30_000)  # the notebook's dashboard saw it too
+    # the notebook's dashboard saw it too, and became its static copy: the final figures, drawn
+    static = notebook.locator(".pscluster-dashboard")
+    static.get_by_text("stopped", exact=True).first.wait_for(timeout=30_000)
+    static.locator(".js-plotly-plot").nth(5).wait_for(timeout=30_000)
 
     row.locator(".jp-pscluster-run-name").click()  # the run's view in the main area
     view = page.locator(f'.jp-pscluster-runview[data-run-id="{row.get_attribute("data-run-id")}"]')
-    view.locator('.jp-pscluster-plot[data-chart="speed"] .main-svg').wait_for()
+    view.locator('.jp-pscluster-plot[data-chart="speed"] .main-svg').first.wait_for()
     view.locator('[data-status="stopped"]').wait_for()
 
     page.locator(TAB).click()  # hidden: no polling

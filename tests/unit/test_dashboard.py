@@ -8,7 +8,6 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
-import plotly.graph_objects as go
 import pytest
 
 from pscluster.compare import Comparison, compare
@@ -178,10 +177,10 @@ def same_traces(widget, fig) -> None:
     widget = widget.figure
     assert widget.layout.title.text == fig.layout.title.text
     assert len(widget.data) == len(fig.data)
-    for live, static in zip(widget.data, fig.data):
-        assert live.name == static.name
+    for shown, static in zip(widget.data, fig.data):
+        assert shown.name == static.name
         for axis in ("x", "y", "z"):
-            np.testing.assert_equal(np.asarray(getattr(live, axis, None)), np.asarray(getattr(static, axis, None)))
+            np.testing.assert_equal(np.asarray(getattr(shown, axis, None)), np.asarray(getattr(static, axis, None)))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -250,7 +249,8 @@ def test_step_metrics_and_the_learning_rate_are_plotted_like_the_loss(store, das
     run.write(15)
     d.refresh()
     convergence = d.figures["convergence"].figure
-    assert plots(d.figures["convergence"]) == {"loss": "y", "accuracy": "y2", "error_rate": "y3", "logit_scale": "y4", "lr": "y5"}
+    assert plots(d.figures["convergence"]) == {"loss": "y", "accuracy": "y2", "error_rate": "y3", "logit_scale": "y4",
+                                               "lr": "y5"}
     steps = np.arange(1, 26)
     for w in (0, 1):
         raw = [t for t in convergence.data if t.name == f"worker {w}"]

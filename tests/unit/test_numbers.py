@@ -66,7 +66,8 @@ def expected(metrics, *, live: bool) -> tuple[dict[int, float], float]:
 
 
 def slowest_in_title(speed_panel) -> tuple[int, float]:
-    worker, rate = re.search(r"slowest: worker (\d+) \(([\d.]+) steps/s\)", speed_panel.spec().layout["title"]["text"]).groups()
+    title = speed_panel.spec().layout["title"]["text"]
+    worker, rate = re.search(r"slowest: worker (\d+) \(([\d.]+) steps/s\)", title).groups()
     return int(worker), float(rate)
 
 

@@ -79,7 +79,7 @@ def test_every_level_of_both_axes_holds_the_bucket_stats_of_the_raw_rows(tmp_pat
     with RunStore(tmp_path / "runs.sqlite") as store:  # a new instance goes on, into the open buckets
         if reopen:
             write(store, run, df.iloc[3001:], seed=2)
-        for name, ladder in rollup.LADDERS.items():
+        for ladder in rollup.LADDERS.values():
             for level in range(rollup.LEVELS):
                 want = expected(df, ladder.x, ladder.width_of(level))
                 got = stored(store, run, ladder.code, level)
