@@ -32,11 +32,14 @@ def test_committed_notebooks_have_no_outputs():
 
 
 def report_html(nb) -> str:
-    """The HTML report of an executed notebook, as ``make demo`` exports it."""
+    """The HTML report of an executed notebook, as ``make demo`` exports it: without widget state
+    (``--ExecutePreprocessor.store_widget_state=False``), so each output's static HTML is what shows."""
     from nbconvert import HTMLExporter
 
     from pscluster.report import InlinePlotly
 
+    nb = nbformat.from_dict(nb)
+    nb.metadata.pop("widgets", None)
     return HTMLExporter(preprocessors=[InlinePlotly]).from_notebook_node(nb)[0]
 
 
