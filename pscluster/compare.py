@@ -1,7 +1,7 @@
 """Compare runs from the run store: convergence and speed overlaid, and a short table.
 
 ``compare([run_a, run_b])`` takes Run objects or run ids. The result displays like the dashboard: a
-plotly FigureWidget in JupyterLab, static HTML (plotly.js once per process) in an nbconvert report.
+live figure (``widgets.live``) in JupyterLab, static HTML in an nbconvert report.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from .errors import ConfigError
+from .metrics import speed
 from .metrics.store import RunStore, default_path
 from .widgets import figures
 from .widgets.dashboard import FigureView
+
+POINTS = 2000  # per worker and run: what a run of any length is read as
 
 
 class Comparison(FigureView):
@@ -41,7 +44,8 @@ def _source(run, store) -> tuple[str, int]:
 def compare(runs, *, store=None) -> Comparison:
     """Overlay the convergence and speed of ``runs`` (Run objects, or run ids in ``store``: a path or a
     RunStore, default ``$PSCLUSTER_HOME/runs.sqlite``). Each run is labelled by name, mode and workers; the
-    table (``figures.compare_table``) gives its times, its steps/s and its final loss."""
+    table (``figures.compare_table``) gives its times, its steps/s and its final loss. A run of any length
+    costs the same: its metrics are read as ``RunStore.series``."""
     compared, stores = [], {}
     try:
         for run in runs:
@@ -55,8 +59,10 @@ def compare(runs, *, store=None) -> Comparison:
             label = f"{record['name']} ({record['mode']}, {workers} worker{'s' * (workers != 1)})"
             if any(label == seen.label for seen in compared):
                 label += f" #{run_id}"
-            compared.append(figures.ComparedRun(label, stores[path].metrics(run_id), record["started"],
-                                                record["ended"]))
+            series = stores[path].series(run_id, ["loss"], max_points=POINTS)
+            last = float(series["time_last"].max()) if len(series) else 0.0
+            recent = stores[path].series(run_id, ["loss"], x="time", start=last - speed.RECENT_S, max_points=POINTS)
+            compared.append(figures.ComparedRun(label, series, recent, record["started"], record["ended"]))
     finally:
         for s in stores.values():
             s.close()

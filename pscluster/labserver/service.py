@@ -272,11 +272,11 @@ def _final(spark: pd.DataFrame, name: str) -> float | None:
 def _speed(store: RunStore, run_id: int, spark: pd.DataFrame, *, live: bool) -> float | None:
     """The run's global steps/s by ``speed.rate``: over all its rows once it ended (exact from any buckets: they
     keep their rows' first and last time and step), else over its last RECENT_S seconds, read by time."""
+    recent = None
     if live and len(spark):
-        spark = store.series(run_id, (), x="time", start=float(spark["time_last"].max()) - speed.RECENT_S,
-                             max_points=RATE_POINTS)
-    times = pd.concat([spark["time_first"], spark["time_last"]])
-    value = speed.rate(times, pd.concat([spark["step_first"], spark["step_last"]]), live=live)
+        recent = store.series(run_id, (), x="time", start=float(spark["time_last"].max()) - speed.RECENT_S,
+                              max_points=RATE_POINTS)
+    value = speed.of_buckets(spark, recent).run(live=live)
     return None if math.isnan(value) else value
 
 

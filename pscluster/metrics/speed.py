@@ -103,6 +103,18 @@ def of(metrics: Mapping, recent_s: float = RECENT_S) -> RunRates:
     return rates
 
 
+def of_buckets(*frames) -> RunRates:
+    """``RunRates`` of ``RunStore.series`` frames (None or empty: skipped; of either axis, raw rows or rollup
+    buckets, overlapping or not): exact, as a bucket keeps the first and last time, global and local step of
+    its rows."""
+    rates = RunRates()
+    for f in frames:
+        for end in ("first", "last") if f is not None and len(f) else ():
+            rates.add({"worker": f["worker"].to_numpy(), "time": f[f"time_{end}"], "local_step": f[f"local_{end}"],
+                       "global_step": f[f"step_{end}"]})
+    return rates
+
+
 def phases(started: float, ended: float | None, span: tuple[float, float] | None,
            now: float | None = None) -> dict:
     """A run's times in seconds: ``wall_s`` (from its start to its end, as ``RunStore.runs()`` gives it; while

@@ -426,9 +426,10 @@ class RunStore:
             return pd.read_sql_query(sql, self._db, params=params)
 
     def runs(self) -> pd.DataFrame:
-        """One row per run, newest first: id, name, cluster, mode, status, started, ended, wall_s."""
+        """One row per run, newest first: id, name, cluster, mode, status, started, ended, wall_s (to its end, or
+        to now while it has none, as ``speed.phases`` counts it)."""
         df = self._frame("SELECT id, name, cluster, mode, status, started, ended FROM runs ORDER BY id DESC")
-        df["wall_s"] = df["ended"] - df["started"]
+        df["wall_s"] = df["ended"].fillna(time.time()) - df["started"]
         return df
 
     def run(self, run_id: int) -> dict | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import math
+import time
 from typing import NamedTuple
 
 import pandas as pd
@@ -145,11 +146,14 @@ def table_html(frame: pd.DataFrame, digits: int = 1) -> str:
 
 # --- comparing runs -----------------------------------------------------------------------------
 class ComparedRun(NamedTuple):
-    """One run of a comparison: its label, its metric rows (``RunStore.metrics``), and when it started and
-    ended (its run-store record's; ``ended`` None while it trains)."""
+    """One run of a comparison: its label; ``series``, its loss by global step for every worker
+    (``RunStore.series``: raw rows or rollup buckets, whatever the run's length); ``recent``, the same by
+    time over its last ``speed.RECENT_S`` seconds; when it started and ended (its run-store record's;
+    ``ended`` None while it trains)."""
 
     label: str
-    metrics: pd.DataFrame
+    series: pd.DataFrame
+    recent: pd.DataFrame
     started: float
     ended: float | None
 
@@ -158,15 +162,15 @@ def compare_figure(runs: list[ComparedRun]) -> go.Figure:
     """Several runs side by side: loss against global step (mean over workers, smoothed; left) and
     the global and the local steps/s (summed over workers) of each run by ``speed.rate`` (bars; right)."""
     title = "compare runs: convergence and speed"
-    runs = [r for r in runs if not r.metrics.empty]
+    runs = [r for r in runs if len(r.series)]
     if not runs:
         return no_data_figure(title)
     traces = []
-    for i, (label, m, *_) in enumerate(runs):
-        loss = m.groupby("global_step")["loss"].mean()
+    for i, run in enumerate(runs):
+        loss = _weighted_mean(run.series.dropna(subset=["loss_mean"]), "x")
         points = Decimated("x", "y")
         points.extend(x=loss.index.to_numpy(), y=Ewm(SMOOTH_SPAN).update(loss.to_numpy()))
-        traces.append(dict(type="scatter", mode="lines", x=points["x"], y=points["y"], name=label,
+        traces.append(dict(type="scatter", mode="lines", x=points["x"], y=points["y"], name=run.label,
                            line_color=color(i)))
     table = compare_table(runs)
     for name, column, bar_color in (("global steps/s", "global steps/s", "#636efa"),
@@ -178,19 +182,30 @@ def compare_figure(runs: list[ComparedRun]) -> go.Figure:
         right=dict(title_text="steps/s"))))
 
 
+def _weighted_mean(series: pd.DataFrame, by: str | None = None):
+    """The mean loss of the rows ``series`` holds (each bucket's mean weighted by its rows), by ``by``."""
+    weighted = series.assign(total=series["loss_mean"] * series["count"])
+    if by is None:
+        return weighted["total"].sum() / weighted["count"].sum() if len(weighted) else math.nan
+    sums = weighted.groupby(by)[["total", "count"]].sum()
+    return sums["total"] / sums["count"]
+
+
 def compare_table(runs: list[ComparedRun]) -> pd.DataFrame:
     """One row per run: workers, global step, local steps (rows), its times by ``speed.phases`` (wall s:
-    ``RunStore.runs()``'s ``wall_s``, blank while it trains; startup s; training s), global and local
+    ``RunStore.runs()``'s ``wall_s``, to now while it trains; startup s; training s), global and local
     steps/s (summed over workers) by ``speed.rate`` (live while it trains), and the final loss: the mean
-    loss of its last ``SMOOTH_SPAN`` metric rows (by time, of any worker)."""
+    loss of the rows of its last ``speed.RECENT_S`` seconds (of any worker)."""
     table = []
     for run in runs:
-        m, rates, live = run.metrics, speed.of(run.metrics), run.ended is None
-        times = speed.phases(run.started, run.ended, rates.span())
+        s, live = run.series, run.ended is None
+        rates = speed.of_buckets(s, run.recent)
+        times = speed.phases(run.started, run.ended, rates.span(), time.time())
         local = [r for r in rates.workers(live=live).values() if not math.isnan(r)]
-        table.append([run.label, m["worker"].nunique(), int(m["global_step"].max()) if len(m) else 0, len(m),
+        table.append([run.label, s["worker"].nunique(), int(s["step_last"].max()) if len(s) else 0,
+                      int(s["count"].sum()),
                       *(math.nan if times[k] is None else times[k] for k in ("wall_s", "startup_s", "training_s")),
                       rates.run(live=live), sum(local) if local else math.nan,
-                      float(m.sort_values("time").tail(SMOOTH_SPAN)["loss"].mean()) if len(m) else math.nan])
+                      _weighted_mean(run.recent.dropna(subset=["loss_mean"]))])
     return pd.DataFrame(table, columns=["run", "workers", "global steps", "local steps", "wall s", "startup s",
                                         "training s", "global steps/s", "local steps/s", "final loss"])

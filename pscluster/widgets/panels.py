@@ -94,18 +94,19 @@ class Convergence:
         self._start = math.inf  # the first row's time: where relative time starts
 
     def feed(self, new: Tables) -> bool:
-        """Take the new rows of the run's metrics, evaluations, events and ps samples; whether they change
-        the figure."""
+        """Take the new rows of the run's metrics (after its ``history``: rollup buckets as rows, see
+        ``reader.RunReader``), evaluations, events and ps samples; whether they change the figure."""
         if "events" in new:  # first: events not yet followed by metric rows are marked where those go on
             self.marks.add_events(new["events"])
-        if "metrics" in new:
-            self._add(new["metrics"])
+        for table in ("history", "metrics"):
+            if table in new:
+                self._add(new[table])
         if "evaluations" in new:
             for name in self._evaluations:
                 values = np.asarray(new["evaluations"][name], dtype=float)
                 self._evaluations[name] = np.append(self._evaluations[name], values)
         lr = "ps_metrics" in new and self._add_lr(new["ps_metrics"])
-        return lr or bool(new.keys() & {"events", "metrics", "evaluations"})
+        return lr or bool(new.keys() & {"events", "history", "metrics", "evaluations"})
 
     def _add(self, metrics: Rows) -> None:
         values = ("loss", "accuracy", *(name for name in metrics if name not in STORE_COLUMNS))
@@ -220,10 +221,11 @@ class Speed:
         self._workers: dict[int, tuple[Decimated, np.ndarray, np.ndarray]] = {}  # points, last RECENT_S s of rows
 
     def feed(self, new: Tables) -> bool:
-        """Take the new rows of the run's metrics; whether any came."""
-        if "metrics" in new:
-            self._add(new["metrics"])
-        return "metrics" in new
+        """Take the new rows of the run's metrics (after its ``history``); whether any came."""
+        for table in ("history", "metrics"):
+            if table in new:
+                self._add(new[table])
+        return bool(new.keys() & {"history", "metrics"})
 
     def _add(self, metrics: Rows) -> None:
         if self.start is None and size(metrics):
@@ -277,16 +279,20 @@ class Staleness:
     A few far outliers would squash the others into one bar at the left, so the x axis ends at ``q``: one
     more than the highest staleness below the top ``TAIL`` of the pushes (one push at least), when the
     highest staleness is more than twice ``q``; the pushes from ``q`` up are counted in one bar named
-    ``≥ q``. The title gives the mean and the highest."""
+    ``≥ q``. The title gives the mean and the highest. Rollups keep no histogram: of a run read after its
+    oldest rows left the raw window (given a ``history``), the histogram counts the pushes since, as its title
+    says."""
 
     TITLE = "staleness of applied pushes"
     TAIL = 0.01
 
     def __init__(self):
         self._counts: dict[int, int] = {}
+        self._partial = False  # whether older pushes were in rows no longer held raw
 
     def feed(self, new: Tables) -> bool:
         """Take the new rows of the run's metrics; whether any came."""
+        self._partial |= "history" in new
         if "metrics" not in new:
             return False
         metrics = new["metrics"]
@@ -312,6 +318,7 @@ class Staleness:
         if not below.all():
             traces.append(dict(type="bar", x=[float(q)], y=[float(counts[~below].sum())], name=f"≥ {q}",
                                text=[f"≥ {q}"], textposition="outside", marker_color="#888888"))
-        return spec(f"{self.TITLE} (mean {mean:.2f}, max {highest})", traces,
+        of = f", of the last {counts.sum():,}" if self._partial else ""
+        return spec(f"{self.TITLE} (mean {mean:.2f}, max {highest}{of})", traces,
                     xaxis=dict(title_text="staleness (global steps)", dtick=1 if q <= 20 else None),
                     yaxis=dict(title_text="pushes"))

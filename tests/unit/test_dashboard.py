@@ -12,6 +12,7 @@ import pytest
 
 from pscluster.compare import Comparison, compare
 from pscluster.errors import ConfigError
+from pscluster.metrics import store as store_module
 from pscluster.metrics.store import RunStore
 from pscluster.runtime.ps import wait_until
 from pscluster.widgets import Dashboard, figures, live, show, specs
@@ -410,3 +411,49 @@ def test_compare_runs_by_id_and_by_run_object(store):
         compare([99], store=store.path)
     with pytest.raises(ConfigError, match="Run objects or run ids"):
         compare(["run-1"], store=store.path)
+
+
+@pytest.fixture
+def short_raw_window(monkeypatch):
+    """A run store that keeps the newest 1,000 metric rows of a run raw (100,000 in use): runs of a few
+    thousand steps are as long as a million-step one is for the real window."""
+    monkeypatch.setattr(store_module, "RAW_WINDOW", 1000)
+    monkeypatch.setattr(store_module, "RAW_SLACK", 100)
+
+
+def loss_trace(d, worker: int = 0):
+    return next(t for t in d.figures["convergence"].figure.data if t.name == f"worker {worker}")
+
+
+def test_a_dashboard_opened_on_a_run_past_the_raw_window_draws_all_of_it(store, dashboards, short_raw_window):
+    run = Writer(store, mode="async")
+    for _ in range(12):
+        run.write(500)  # 6,000 steps of 2 workers: 12,000 rows
+    assert len(store.metrics(run.run_id)) <= 1100  # the older rows live in the rollups only
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    for w in (0, 1):
+        x, y = np.asarray(loss_trace(d, w).x), np.asarray(loss_trace(d, w).y)
+        assert x[0] < 100 and x[-1] == 6000  # from the first buckets on, not from the raw window's first (5,500)
+        assert np.all(np.diff(x) > 0)
+        early = x < 200
+        assert y[early].max() > 0.05  # the early loss (1 / step), as the rollups average it
+    assert "of the last 1," in d.figures["staleness"].figure.layout.title.text  # its histogram: the raw rows only
+    table = compare([run.run_id], store=store.path).table.iloc[0]
+    assert (table["global steps"], table["local steps"]) == (6000, 12000)
+    every = np.mean(1 / np.arange(1, 6001))  # the mean loss of all the steps: of the last seconds, no more
+    assert 1 / 6000 < table["final loss"] <= every * 1.001
+
+
+def test_a_dashboard_that_fell_behind_the_raw_window_fills_the_gap(store, dashboards, short_raw_window):
+    run = Writer(store, mode="async")
+    run.write(500)
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    for _ in range(10):
+        run.write(500)  # 5,000 more steps while the dashboard did not read: 4,000 of them no longer raw
+    d.refresh()
+    x = np.asarray(loss_trace(d).x)
+    assert x[0] == 1 and x[-1] == 5500
+    # no hole where the missed rows were: rollup buckets (64 steps at the finest), thinned with the rest
+    assert np.all(np.diff(x) > 0) and np.diff(x).max() <= 4 * 64

@@ -1,12 +1,15 @@
 """The dashboard's figures, from small hand-made DataFrames shaped like the run store's answers."""
 
 import math
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
+from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
 from pscluster.runtime.placement import optimizer_slots
 from pscluster.widgets import figures, panels, roles, specs
@@ -414,12 +417,20 @@ def test_table_html_escapes_and_blanks_nan():
 
 
 def compared(label, metrics, wall_s=10.0) -> figures.ComparedRun:
-    return figures.ComparedRun(label, metrics, 990.0, 990.0 + wall_s)
+    """The run of ``metrics`` as ``compare`` reads it back from a real run store (started at 990 s)."""
+    with tempfile.TemporaryDirectory() as home, RunStore(Path(home) / "runs.sqlite") as store:
+        run_id = store.create_run(name=label, cluster="c", mode="async", config={}, spec={})
+        store.add_batch(run_id, [{"kind": "step", "task": f"worker:{int(row.pop('worker'))}", **row}
+                                 for row in metrics.to_dict("records")])
+        last = metrics["time"].max() if len(metrics) else 0.0
+        return figures.ComparedRun(label, store.series(run_id, ["loss"]),
+                                   store.series(run_id, ["loss"], x="time", start=last - speed.RECENT_S),
+                                   990.0, 990.0 + wall_s)
 
 
 def test_compare_overlays_runs_and_tabulates_them():
-    runs = [compared("sync", make_metrics({0: 10.0, 1: 10.0})), compared("async", make_metrics({0: 20.0})),
-            compared("empty", make_metrics().iloc[:0])]
+    metrics = [make_metrics({0: 10.0, 1: 10.0}), make_metrics({0: 20.0}), make_metrics().iloc[:0]]
+    runs = [compared(label, m) for label, m in zip(("sync", "async", "empty"), metrics)]
     fig = figures.compare_figure(runs)
     assert names(fig) == ["sync", "async", "global steps/s", "local steps/s (all workers)"]
     assert list(fig.data[2].x) == ["sync", "async"]
@@ -430,6 +441,9 @@ def test_compare_overlays_runs_and_tabulates_them():
     np.testing.assert_allclose(table["wall s"], 10.0)  # the record's, from start to end
     np.testing.assert_allclose(table["startup s"], [10.1, 10.05])  # to the first step, at 1000 + 1 / rate
     np.testing.assert_allclose(table["training s"], [2.9, 1.45])
+    np.testing.assert_allclose(table["global steps"], [2 * STEPS + 1, STEPS])
+    last = [m[m["time"] >= m["time"].max() - speed.RECENT_S]["loss"].mean() for m in metrics[:2]]
+    np.testing.assert_allclose(table["final loss"], last)  # of the rows of its last seconds
 
 
 EMPTY_METRICS = make_metrics().iloc[:0]

@@ -1,7 +1,7 @@
 """The numbers a run shows, pinned on one synthetic run in a real run store: every steps/s pscluster shows is
 ``speed.rate``'s (the roles table, the speed chart's title, ``figures.steps_per_second``, ``compare``), while
 the run trains and once it ended; ``compare``'s times are those of ``RunStore.runs()`` and its final loss is
-the mean of the last ``SMOOTH_SPAN`` rows, shown with its significant digits."""
+the mean loss of the rows of the last ``speed.RECENT_S`` seconds, shown with its significant digits."""
 
 import math
 import re
@@ -86,7 +86,9 @@ def test_every_steps_per_second_is_speed_rate(run, live):
     np.testing.assert_allclose(table["steps/s"][1:], list(local.values()))
     assert slowest_in_title(speed_panel) == (slowest, round(local[slowest], 1))
     np.testing.assert_allclose(figures.steps_per_second(metrics, live=live), list(local.values()))
-    compared = figures.compare_table([figures.ComparedRun("n", metrics, record["started"], record["ended"])])
+    compared = compare([run_id], store=store.path).table
+    wall = store.runs().set_index("id").loc[run_id, "wall_s"]  # to now while it trains
+    assert wall > 0 and compared["wall s"][0] == pytest.approx(wall, abs=1.0)
     assert compared["global steps/s"][0] == pytest.approx(global_)
     assert compared["local steps/s"][0] == pytest.approx(sum(local.values()))
     assert global_ == pytest.approx(sum(local.values()), rel=0.2)  # one global step per local step (async)
@@ -114,7 +116,7 @@ def test_compare_gives_the_run_stores_times_and_the_final_loss_it_claims(run):
     assert row["wall s"] == listed["wall_s"]  # from start to end, as runs() has it
     assert row["startup s"] == pytest.approx(STARTUP_S, abs=0.05)
     assert row["training s"] == pytest.approx(metrics["time"].max() - metrics["time"].min())
-    last = metrics.sort_values("time").tail(panels.SMOOTH_SPAN)["loss"]
+    last = metrics[metrics["time"] >= metrics["time"].max() - speed.RECENT_S]["loss"]
     assert row["final loss"] == pytest.approx(last.mean()) == pytest.approx(FLOOR)
     assert ">0.00032<" in comparison._repr_html_()  # its significant digits, not 0.00
     rates = speed.of(metrics)
