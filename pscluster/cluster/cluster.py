@@ -464,7 +464,7 @@ class Cluster:
                 scaling.grow(run, self, self.spec)
         elif n < len(spec.workers):
             if run is not None:
-                scaling.shrink(run, n)
+                scaling.shrink(run, self, n)
             self.spec = replace(spec, workers=spec.workers[:n])
             self._engines.remove_engines([(t.engine_id, t.pid) for t in spec.workers[n:]])
         self.num_workers = n

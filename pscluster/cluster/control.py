@@ -12,9 +12,8 @@ workers to end) goes on in a background thread, and the reply says what was star
 
 from __future__ import annotations
 
-import os
+import json
 import secrets
-import signal
 import threading
 from typing import TYPE_CHECKING
 
@@ -22,12 +21,12 @@ import zmq
 
 from ..errors import ClusterStateError, PSClusterError
 from ..runtime.ps import wait_until
-from .reaper import alive
 
 if TYPE_CHECKING:
     from .cluster import Cluster
 
 POLL_MS = 200
+MAX_REQUEST_BYTES = 64 * 1024  # a request is a small JSON object: ZeroMQ drops a peer that sends more
 RESTART_S = 120.0  # how long a restart during a run waits for the run's recovery to replace the task
 _replacing = threading.Lock()  # one restart at a time: a cluster adds one engine at a time
 
@@ -49,6 +48,7 @@ class ControlServer:
         self._cluster = cluster
         self._sock = zmq.Context.instance().socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self.address = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"pscluster-control-{cluster.name}", daemon=True)
@@ -63,26 +63,37 @@ class ControlServer:
     def _serve(self) -> None:
         try:
             while not self._closed.is_set():
-                if not self._sock.poll(POLL_MS):
-                    continue
-                try:
-                    message = self._sock.recv_json()
-                except ValueError:
-                    self._sock.send_json({"ok": False, "kind": "invalid", "error": "not JSON"})
-                    continue
-                self._sock.send_json(self._answer(message))
+                if self._sock.poll(POLL_MS):
+                    self._sock.send_json(self._reply(self._sock.recv_multipart()))
         finally:
             self._sock.close(linger=0)
 
+    def _reply(self, frames: list[bytes]) -> dict:
+        """The answer to one request, whatever arrived: never raises, so one bad request cannot stop the loop."""
+        if len(frames) != 1:
+            return {"ok": False, "kind": "invalid", "error": f"{len(frames)} frames: send one JSON object"}
+        try:
+            message = json.loads(frames[0])
+        except ValueError:  # not UTF-8, not JSON
+            return {"ok": False, "kind": "invalid", "error": "not JSON"}
+        try:
+            return self._answer(message)
+        except Exception as e:  # a bug in an action: the caller hears of it, the server goes on
+            return {"ok": False, "kind": "invalid", "error": f"{type(e).__name__}: {e}"}
+
     def _answer(self, message) -> dict:
-        if not isinstance(message, dict) or not secrets.compare_digest(str(message.get("token", "")), self.token):
+        token = message.get("token") if isinstance(message, dict) else None
+        if not isinstance(token, str) or not secrets.compare_digest(token.encode(), self.token.encode()):
             return {"ok": False, "kind": "forbidden", "error": "wrong control token"}
         action = ACTIONS.get(message.get("action"))
         if action is None:
             return {"ok": False, "kind": "invalid",
                     "error": f"unknown action {message.get('action')!r}: use one of {', '.join(ACTIONS)}"}
+        args = message.get("args", {})
+        if not isinstance(args, dict):
+            return {"ok": False, "kind": "invalid", "error": f"args must be a JSON object, not {type(args).__name__}"}
         try:
-            return {"ok": True, **action(self._cluster, **message.get("args", {}))}
+            return {"ok": True, **action(self._cluster, **args)}
         except ControlError as e:
             return {"ok": False, "kind": e.kind, "error": str(e)}
         except (TypeError, ValueError) as e:
@@ -123,11 +134,15 @@ def _task(cluster: "Cluster", role: str, index: int) -> dict:
 
 
 def _kill_task(cluster: "Cluster", role: str, index: int) -> dict:
-    task = _task(cluster, role, index)
-    if not alive(task["pid"]):
-        raise ControlError("conflict", f"{role} task {index} (pid {task['pid']}) is already dead")
-    os.kill(task["pid"], signal.SIGKILL)
-    return {"state": "killed", "pid": task["pid"]}
+    pid = _task(cluster, role, index)["pid"]
+    task = cluster.spec.task("worker" if role == "chief" else role, int(index))
+    try:
+        if cluster.lost(task):
+            raise ProcessLookupError
+        cluster.kill_task(task)
+    except ProcessLookupError:
+        raise ControlError("conflict", f"{role} task {index} (pid {pid}) is already dead") from None
+    return {"state": "killed", "pid": pid}
 
 
 def _restart_task(cluster: "Cluster", role: str, index: int) -> dict:
@@ -146,8 +161,14 @@ def _restart(cluster: "Cluster", role: str, index: int, pid: int) -> None:
     def replaced() -> bool:
         return not cluster.running or cluster.spec.task(role, index).pid != pid
 
-    if alive(pid):
-        os.kill(pid, signal.SIGKILL)
+    try:
+        task = cluster.spec.task(role, index)
+        if task.pid == pid and not cluster.lost(task):
+            cluster.kill_task(task)
+    except ProcessLookupError:  # it died meanwhile
+        pass
+    except PSClusterError:  # the cluster stopped meanwhile: nothing to restart
+        return
     run = cluster.active_run
     if run is not None:
         wait_until(lambda: run.done or replaced(), RESTART_S, interval=0.1)

@@ -11,8 +11,6 @@ it grows and shrinks with the workers (at least 1). A new worker draws its batch
 
 from __future__ import annotations
 
-import os
-import signal
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -47,20 +45,17 @@ def grow(run: "Run", tasks: "Tasks", spec: ClusterSpec) -> None:
             run.worker_results.append(tasks.launch_worker(spec, i, run, join=True))
 
 
-def shrink(run: "Run", workers: int) -> list[TaskSpec]:
-    """End workers ``workers``.. of ``run`` at their next request (killed if they do not end within
-    ``RETIRE_S``); returns their tasks, whose engines the caller may now stop."""
+def shrink(run: "Run", tasks: "Tasks", workers: int) -> list[TaskSpec]:
+    """End workers ``workers``.. of ``run`` at their next request (killed through ``tasks``, on whichever host,
+    if they do not end within ``RETIRE_S``); returns their tasks, whose engines the caller may now stop."""
     with run.membership:
         removed = list(run.spec.workers[workers:])
         _resize(run, replace(run.spec, workers=run.spec.workers[:workers]))
         results = run.worker_results[workers:]
         if not wait_until(lambda: all(r.ready() for r in results), RETIRE_S):
             for task, result in zip(removed, results):
-                if not result.ready():
-                    try:
-                        os.kill(task.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                if not result.ready() and not tasks.lost(task):
+                    tasks.kill_task(task)
         run.retired_results += results
         del run.worker_results[workers:]
         return removed
