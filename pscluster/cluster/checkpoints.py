@@ -10,13 +10,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, RuntimeTimeout
+from ..errors import ConfigError, RuntimeTimeout, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.client import PSClient
 from ..runtime.plan import TrainPlan
-from ..runtime.ps import wait_until
+from ..runtime.ps import PASSED, wait_until
 from ..spec import ClusterSpec
+
+REQUEST_ATTEMPTS = 6  # steps ahead: 1, 4, 16, ... 1024
 
 
 class CheckpointCoordinator:
@@ -53,17 +55,28 @@ class CheckpointCoordinator:
         return self.every_s is not None and time.monotonic() - self._last_request >= self.every_s
 
     def request(self, spec: ClusterSpec, plan: TrainPlan, *, timeout: float = 10.0) -> int:
-        """Ask every ps to write its shard of the next global step (or of the last one, at the step
-        target); returns that step."""
+        """Ask every ps to write its shard of a coming global step (or of the last one, at the step target);
+        returns that step. The step is chosen from the ps tasks' steps a moment ago: when a ps has passed it
+        meanwhile (a fast async run), it is asked again further ahead, ``REQUEST_ATTEMPTS`` times at most (a ps
+        that took the passed step writes a shard no manifest commits)."""
         if not plan.checkpoint_dir:
             raise ConfigError("this run has no checkpoint directory: train with checkpoint_dir=...")
         self._last_request = time.monotonic()
-        with PSClient(spec, run_id=plan.run_id, timeout=timeout) as client:
-            steps = [s.get("step", 0) for s in client.stats()]
-            step = min(max(steps) + 1, plan.steps)
-            if step > max(steps):
-                client.checkpoint(step)
-        return step
+        ahead = 1
+        for attempt in range(REQUEST_ATTEMPTS):
+            with PSClient(spec, run_id=plan.run_id, timeout=timeout) as client:
+                steps = [s.get("step", 0) for s in client.stats()]
+                step = min(max(steps) + ahead, plan.steps)
+                if step <= max(steps):
+                    return step
+                try:
+                    client.checkpoint(step)
+                    return step
+                except TrainingError as e:
+                    if PASSED not in str(e) or attempt == REQUEST_ATTEMPTS - 1:
+                        raise
+            ahead *= 4
+        raise AssertionError("unreachable")
 
     def wait_for(self, plan: TrainPlan, step: int, timeout: float, done) -> Path:
         """The manifest of ``step`` once committed (``done()``: the run ended, stop waiting)."""

@@ -85,6 +85,7 @@ RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT exce
 MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
 MAX_LANES = 1024
 REJECTED = ("unsigned", "bad_signature", "replayed", "malformed")
+PASSED = "has passed"  # in the refusal of a CHECKPOINT at a step the ps is past: the controller asks again
 
 
 @dataclass
@@ -612,7 +613,7 @@ class ParameterServer:
         if step > run.steps:
             raise ProtocolError(f"step {step} is beyond the run's {run.steps} steps")
         if step < run.step:
-            raise ProtocolError(f"step {step} has passed: ps {self.index} is at step {run.step}")
+            raise ProtocolError(f"step {step} {PASSED}: ps {self.index} is at step {run.step}")
         if step == run.step:
             if not self._save(run):
                 raise ProtocolError(f"ps {self.index} could not write its shard of step {step}")

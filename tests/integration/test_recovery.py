@@ -73,3 +73,20 @@ def test_stop_ends_on_one_step_with_a_final_checkpoint_and_export(own_cluster, d
     model.load_state_dict(torch.load(exported, weights_only=True))
     for name, value in model.state_dict().items():
         assert torch.equal(value, run.state_dict()[name]), name
+
+
+def test_fifty_checkpoints_on_demand_during_a_fast_async_run_all_commit(own_cluster, digits_train):
+    c = own_cluster(ps=2, workers=2)
+    run = c.train(mlp, digits_train, LOSS, lr=0.1, mode="async", steps=10**6, batch_size=8, checkpoint_secs=None,
+                  keep_checkpoints=100)
+    wait_for_step(run, 30)
+    steps = []
+    for _ in range(50):
+        path = run.checkpoint()
+        saved = checkpoint.Checkpoint.load(path)
+        assert len(saved.shards) == 2 and (not steps or saved.step > steps[-1])
+        steps.append(saved.step)
+    run.stop()
+    assert run.status == "stopped" and run.error is None
+    assert set(steps) <= set(checkpoint.committed_steps(run.plan.checkpoint_dir))
+    assert len(events(run, "checkpoint")) >= 51  # the 50 and the final one
