@@ -242,8 +242,8 @@ def _cluster_info(entry: dict) -> ClusterInfo:
     tasks = [TaskInfo(role=t["role"], task=t["task"], engine=t.get("engine"), host=t["host"], pid=t.get("pid"),
                       device=t["device"], state=t["state"]) for t in entry.get("tasks", [])]
     return ClusterInfo(name=entry["name"], owner_pid=entry["owner_pid"], owner_kernel=entry.get("owner_kernel"),
-                       started=entry.get("started", 0.0), state=entry.get("state", "running"), ps=entry["ps"],
-                       workers=entry["workers"], hosts=entry.get("hosts", []), devices=entry.get("devices", []),
+                       started=entry.get("started", 0.0), state=entry.get("state", "running"), ps=entry.get("ps", 0),
+                       workers=entry.get("workers", 0), hosts=entry.get("hosts", []), devices=entry.get("devices", []),
                        tasks=tasks)
 
 

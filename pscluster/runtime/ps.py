@@ -118,6 +118,7 @@ class _RunState:
     clocks: Counter = field(default_factory=Counter)  # ssp: pushes per worker
     pushes: int = 0
     pulls: int = 0
+    pulled: set = field(default_factory=set)  # the workers that pulled the parameters (the chief's start barrier)
     applied: int = 0
     dropped_stale: int = 0
     late: int = 0
@@ -464,6 +465,8 @@ class ParameterServer:
                             tensors=[run.params[i].detach().clone() for i in chosen])
             self._send(identity, reply)
             return
+        if msg.task != protocol.NO_TASK:
+            run.pulled.add(msg.task)
         self._reply(identity, msg, Op.PARAMS, with_params=True)
 
     def _pull_rows(self, identity, msg):
@@ -558,7 +561,7 @@ class ParameterServer:
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
         if run is not None:
             meta.update(run_id=run.run_id, mode=run.mode, step=run.step, stopped=run.stopped,
-                        pushes=run.pushes, pulls=run.pulls, applied=run.applied,
+                        pushes=run.pushes, pulls=run.pulls, pulled=sorted(run.pulled), applied=run.applied,
                         dropped_stale=run.dropped_stale, late=run.late,
                         staleness={str(k): v for k, v in sorted(run.staleness.items())},
                         waiting_on=sorted(set(run.contributors)),

@@ -2,8 +2,11 @@
 
 Worker 0 is the chief: it builds the model, sends the initial values and the
 run's configuration to every ps (INIT) before anyone trains; the other workers
-wait for that (state "waiting for chief"), polling with a backoff, never a fixed
-sleep. Each step is one fused push-then-pull round trip to every ps at once, during which the next batch is
+wait for that (state "waiting for chief"), polling every few ms, never a fixed
+sleep. Each worker prepares its model and its first batch before that. The chief then waits for every
+worker's first pull (state "waiting for workers", ``START_WAIT_S`` at most), so that a worker slower to start
+does not find the run over, as an async run of a few hundred steps would be.
+Each step is one fused push-then-pull round trip to every ps at once, during which the next batch is
 read; the dense values go through shared memory to a ps on the same host (``PSClient.share``).
 """
 
@@ -177,6 +180,8 @@ def _merge(dense: dict, sparse: dict) -> dict:
     return merged
 
 
+MAX_POLL_S = 0.02  # the longest pause between two polls of a worker waiting to start
+START_WAIT_S = 10.0  # how long the chief waits for the other workers' first pull
 MAX_SKIPS = 100  # on_nonfinite="skip": batches in a row a worker may leave out before it fails anyway
 
 
@@ -242,14 +247,25 @@ def _initialize(client: PSClient, plan: TrainPlan, shards: "_Shards", emit) -> N
 def _wait_for_chief(client: PSClient, timeout: float, attempt: int, emit):
     emit("state", state="waiting for chief")
     deadline = time.monotonic() + timeout
-    delay = 0.01
+    delay = 0.002
     while (reply := client.pull(attempt)) is None:
         if time.monotonic() > deadline:
             raise RuntimeTimeout(f"the chief did not initialize the variables within {timeout:.0f}s: "
                                  "see worker 0's error")
         time.sleep(delay)
-        delay = min(delay * 2, 0.5)
+        delay = min(delay * 2, MAX_POLL_S)
     return reply
+
+
+def _wait_for_workers(client: PSClient, num_workers: int, emit) -> None:
+    """The chief's start barrier: until every worker has pulled the initial values (``START_WAIT_S`` at most:
+    a worker that never comes is the recovery's business, not a reason to wait)."""
+    if num_workers < 2:
+        return
+    emit("state", state="waiting for workers")
+    deadline = time.monotonic() + START_WAIT_S
+    while time.monotonic() < deadline and min(len(s.get("pulled", ())) for s in client.stats()) < num_workers:
+        time.sleep(MAX_POLL_S)
 
 
 def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn,
@@ -270,8 +286,13 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
     client = PSClient(spec, task=index, run_id=plan.run_id, timeout=plan.request_timeout)
     batches = None
     try:
+        batches = worker_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed, plan.loader,
+                                 collate_fn, device)
+        batch = next(batches)
         if task.is_chief and not join:
             _initialize(client, plan, shards, emitter.emit)
+            client.pull()
+            _wait_for_workers(client, plan.num_workers, emitter.emit)
             reply = client.pull()
         else:
             reply = _wait_for_chief(client, plan.request_timeout, plan.attempt, emitter.emit)
@@ -282,11 +303,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             client.share(reply)
         sparse = _SparseRows(model, plan, client)
         emitter.emit("state", state="training")
-
-        batches = worker_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed, plan.loader,
-                                 collate_fn, device)
         steps = _Steps(model, loss_fn, step_fn, batches, device, plan, index, emitter.emit)
-        batch = next(batches)
         ahead = None  # pipeline: the gradients of the next batch, computed while the last push-pull was in flight
         local_step, samples, dropped = 0, 0, 0
         compute_s = comm_s = wait_s = window_s = 0.0

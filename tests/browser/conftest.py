@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -66,9 +67,16 @@ class LabServer:
                 time.sleep(0.3)
 
     def kernels(self) -> list[dict]:
-        """The server's kernels (``GET /api/kernels``): id, execution_state, connections..."""
-        with urllib.request.urlopen(f"{self.url}/api/kernels?token={self.token}", timeout=10) as answer:
-            return json.load(answer)
+        """The server's kernels (``GET /api/kernels``): id, execution_state, connections...; none while the server
+        cannot list them: jupyter_server answers 500 (KeyError 'last_activity') when asked while a kernel starts,
+        and callers poll again, as the page's own polling does."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/kernels?token={self.token}", timeout=10) as answer:
+                return json.load(answer)
+        except urllib.error.HTTPError as e:
+            if e.code != 500:
+                raise
+            return []
 
     def stop(self) -> None:
         """SIGTERM (the server shuts its kernels down), SIGKILL after 20 s; then SIGKILL whatever it had

@@ -128,3 +128,16 @@ def test_two_ps_tasks_hold_disjoint_variables(start_cluster, digits_train):
     assert pids and not [p for p in pids if alive(p)]
     with pytest.raises(ClusterStateError, match="not running"):
         cluster.train(mlp, digits_train, LOSS, steps=10)
+
+
+def test_a_short_async_run_on_fresh_engines_is_shared_by_every_worker(start_cluster, digits_train):
+    # The quickstart's async run, first on new engines: each worker imports and builds at its own pace, and
+    # 600 steps take well under a second; the chief waits for every worker's first pull before it steps.
+    c = start_cluster(ps=1, workers=3)
+    run = c.train(mlp, digits_train, LOSS, optimizer="sgd", lr=0.1, mode="async", steps=600, batch_size=64)
+    run.wait(timeout=120, verbose=False)
+    assert run.status == "finished" and run.global_step == 600
+    mean = sum(run.local_steps) / len(run.local_steps)
+    assert min(run.local_steps) >= 0.6 * mean, run.local_steps
+    states = run.events().query("kind == 'state' and task == 'worker:0'")["detail"].map(lambda d: d["state"])
+    assert "waiting for workers" in list(states)
