@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
+from ..runtime import checkpoint
 from ..runtime.client import PSClient
 from ..runtime.ps import wait_until
 from ..spec import ClusterSpec, TaskSpec
@@ -110,5 +111,15 @@ def _restart_from_checkpoint(run: "Run", tasks: Tasks, lost_ps: list[TaskSpec],
         new = run.spec.task(t.role, t.index)
         run.note("replaced", f"{t.role}:{t.index}", {"pid": new.pid, "engine": new.engine_id, "host": new.host})
     run.plan = replace(run.plan, attempt=run.plan.attempt + 1, restore=True)
-    run.note("restarting", "controller", {"attempt": run.plan.attempt, "from_step": run.latest_checkpoint_step()})
+    run.note("restarting", "controller", {"attempt": run.plan.attempt, "from_step": _restorable_step(run)})
     run.restart([tasks.launch_worker(run.spec, i, run) for i in range(len(run.spec.workers))])
+
+
+def _restorable_step(run: "Run") -> int | None:
+    """The step of the newest checkpoint that passes its checks, where the chief will restore from (None: from
+    the initial values); each refused one is recorded and set aside, as the chief would."""
+    if not run.plan.checkpoint_dir:
+        return None
+    found = checkpoint.latest(run.plan.checkpoint_dir,
+                              on_refused=lambda error: run.note("checkpoint_refused", "controller", {"error": error}))
+    return None if found is None else found.step

@@ -330,6 +330,9 @@ class Run:
                 errors.append(f"worker {i} failed: {_one_line(e)}{_last_frame(e)}")
                 tracebacks.append(f"worker {i}:\n{_traceback(e)}")
         results += [r.get(0) for r in self.retired_results if r.ready() and r.successful()]
+        if errors:  # before ``finished``: ``status`` never reads "finished" on its way to "failed"
+            self.error_line = "; ".join(errors) + ": fix the cause and train again"
+            self.error = "\n".join(tracebacks)
         self.finished = time.time()
         self.commit_checkpoints()  # the final one
         # a worker's last metrics batch may still be in flight when its result arrives
@@ -342,8 +345,6 @@ class Run:
             if self._test_dataset is not None:
                 self._record_evaluation(step, self._state_dict)
         else:
-            self.error_line = "; ".join(errors) + ": fix the cause and train again"
-            self.error = "\n".join(tracebacks)
             self._state_dict = self._last_state()
         self.store.set_status(self.id, self.status, self.summary())
         self.store.add_event(self.id, "controller", "end", {"status": self.status, "error": self.error_line,

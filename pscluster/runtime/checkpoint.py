@@ -446,11 +446,18 @@ def _join(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def latest(directory, *, on_refused=None) -> Checkpoint | None:
     """The newest checkpoint in ``directory`` that passes its checks, or None. Each refused one is
-    reported to ``on_refused(error_message)`` and the previous one is tried."""
+    reported to ``on_refused(error_message)``, leaves the committed set (its manifest is renamed
+    ``*.refused``: a later commit of the same step is a new checkpoint, not refused again) and the previous
+    one is tried."""
     for step in reversed(committed_steps(directory)):
+        path = manifest_path(directory, step)
         try:
-            return Checkpoint.load(manifest_path(directory, step))
+            return Checkpoint.load(path)
         except CheckpointError as e:
+            try:
+                os.replace(path, path.with_name(path.name + ".refused"))
+            except FileNotFoundError:  # another reader refused it first
+                pass
             if on_refused is not None:
                 on_refused(str(e))
     return None

@@ -7,6 +7,8 @@ One worker in sync mode sees exactly the batches of the plain loop (same sampler
 
 import inspect
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -499,10 +501,21 @@ def test_a_nan_loss_fails_the_run_at_that_step_and_keeps_what_was_trained(cluste
     assert 5 < bad_step < 40
     run = cluster_2ps_1w.train(frozen_stem, data, nn.CrossEntropyLoss(), mode="sync", steps=60, batch_size=BATCH,
                                seed=SEED, lr=0.1, checkpoint_secs=None)
+    seen = set()
+
+    def watch():
+        while not run.done:
+            seen.add(run.status)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     with pytest.raises(TrainingError) as failure:
         run.wait(timeout=120, verbose=False)
+    watcher.join()
     line = str(failure.value)
     assert "\n" not in line and run.status == "failed"
+    assert "finished" not in seen  # not even while the run ends
     assert f"worker 0 failed: NonFiniteError: worker 0 computed a non-finite loss nan at global step {bad_step}" in line
     assert "on_nonfinite='skip'" in line and "(at worker.py:" in line  # the last frame of the traceback
     assert "Traceback" in run.error and "NonFiniteError" in run.error and "_Steps.gradients" in run.error

@@ -11,26 +11,30 @@ from pscluster.runtime import checkpoint
 from .conftest import events, mlp, wait_for_step
 
 LOSS = torch.nn.CrossEntropyLoss()
+STEPS = 15_000
 
 
 @pytest.mark.parametrize("mode, victim", [("sync", "worker:1"), ("async", "worker:0")])
 def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(own_cluster, digits_train, mode, victim):
     c = own_cluster(ps=1, workers=2)
-    run = c.train(mlp, digits_train, LOSS, lr=0.1, mode=mode, steps=600, batch_size=32, checkpoint_secs=None)
-    wait_for_step(run, 100)
     with pytest.raises(ConfigError, match="task 'worker': name it role:index, e.g. worker:1 or ps:0"):
         c.kill("worker")
     with pytest.raises(ConfigError, match="no worker task 9: this cluster has 2"):
         c.kill("worker:9")
+    # long enough that the run still trains when the replacement's new engine is ready (about 5 s here): this
+    # model takes about 1 ms a step
+    run = c.train(mlp, digits_train, LOSS, lr=0.1, mode=mode, steps=STEPS, batch_size=32, checkpoint_secs=None)
+    wait_for_step(run, 100)
     old_pid = c.kill(victim)
     run.wait(timeout=180, verbose=False)
     assert run.status == "finished" and run.error is None
-    assert run.global_step == 600  # exactly the target
+    assert run.global_step == STEPS  # exactly the target
     lost, replaced = events(run, "lost"), events(run, "replaced")
     assert list(lost["task"]) == [victim] and list(replaced["task"]) == [victim]
     role, index = victim.split(":")
     assert c.spec.task(role, int(index)).pid != old_pid
     assert not alive(old_pid)
+    assert run.local_steps[int(index)] > 0, run.local_steps  # the replacement trained
 
 
 def test_a_lost_ps_rolls_back_to_the_last_checkpoint_and_the_run_goes_on(own_cluster, digits_train):

@@ -8,10 +8,12 @@ import sys
 import textwrap
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from pscluster.cluster import recovery
 from pscluster.errors import CheckpointError
 from pscluster.runtime import checkpoint
 from pscluster.runtime.plan import assemble
@@ -136,15 +138,23 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_is_use
     refused = []
     assert checkpoint.latest(tmp_path, on_refused=refused.append).step == 10
     assert refused == [f"{shard} fails its SHA-256 checksum: the shard is damaged"]
+    manifest = checkpoint.manifest_path(tmp_path, 20)
+    set_aside = manifest.with_name(manifest.name + ".refused")
+    assert checkpoint.committed_steps(tmp_path) == [10] and set_aside.exists()  # out of the committed set
+    assert checkpoint.latest(tmp_path, on_refused=refused.append).step == 10 and len(refused) == 1
+    set_aside.rename(manifest)
     shard.write_bytes(bytes(data[:100]))  # truncated
     refused.clear()
     assert checkpoint.latest(tmp_path, on_refused=refused.append).step == 10
     assert refused[0].startswith(f"{shard} has 100 bytes, its manifest says")
-    # the chief's restore takes the previous one, and says why
-    _, params, _ = train(local_ps, bags, num_ps=2, partition=None, steps=10, directory=tmp_path, restore=True,
-                         attempt=1)
-    for name, value in checkpoint.Checkpoint.load(checkpoint.manifest_path(tmp_path, 10)).state_dict().items():
-        assert torch.equal(params[name], value)
+    # the chief's restore takes the previous one; step 20, written again, is a checkpoint again
+    committed, params, _ = train(local_ps, bags, num_ps=2, partition=None, steps=20, directory=tmp_path, every=10,
+                                 restore=True, attempt=1)
+    assert list(committed) == [20]
+    again = checkpoint.latest(tmp_path, on_refused=refused.append)
+    assert again.step == 20 and len(refused) == 1
+    for name, value in again.state_dict().items():
+        assert torch.equal(params[name], value), name
 
 
 def test_a_checkpoint_of_another_model_is_refused(local_ps, bags, tmp_path):
@@ -206,3 +216,16 @@ def test_a_process_killed_while_writing_leaves_no_checkpoint_that_restore_accept
         for leftover in tmp_path.rglob("*"):  # start the next round afresh
             if leftover.is_file():
                 leftover.unlink()
+
+
+def test_a_restart_after_a_lost_ps_names_the_step_it_restores_not_a_damaged_one(local_ps, bags, tmp_path):
+    train(local_ps, bags, num_ps=2, partition=None, steps=20, directory=tmp_path, every=10)
+    notes = []
+    run = SimpleNamespace(plan=SimpleNamespace(checkpoint_dir=str(tmp_path)),
+                          note=lambda kind, task, detail: notes.append((kind, task, detail["error"])))
+    (tmp_path / "step-000000020" / "ps-0.tensors").write_bytes(b"")
+    assert recovery._restorable_step(run) == 10
+    assert [(kind, task) for kind, task, _ in notes] == [("checkpoint_refused", "controller")]
+    (tmp_path / "step-000000010" / "ps-1.tensors").unlink()
+    assert recovery._restorable_step(run) is None  # from the initial values, and said so: not "from step 20"
+    assert len(notes) == 2 and "is missing" in notes[1][2]
