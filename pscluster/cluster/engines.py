@@ -29,6 +29,9 @@ from .roles import EngineInfo
 RECOUNT_S = 2.0  # how often a start that waits for engines compares the client's count with the hub's
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no progress bars from ipyparallel itself
 
+SHUTDOWN_S = 2.0  # how long stop() waits for engines to end when asked (a client broken by hostile traffic asks in
+# vain), then after SIGTERM, before SIGKILL: stop() ends within a few times this
+
 
 class EngineSet:
     """An ipyparallel controller with ``n`` engines started by ``launcher``, and a reaper that kills the local
@@ -245,7 +248,7 @@ class EngineSet:
         self.pids = reaper.with_descendants(self.pids)
         if self.client is not None:
             self._shutdown(list(self.engines))
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + SHUTDOWN_S
             while time.monotonic() < deadline and any(not self.lost(e, p) for e, p in self.engines.items()):
                 time.sleep(0.05)
             self.client.close()
@@ -256,7 +259,7 @@ class EngineSet:
             except Exception:
                 pass
             self._ipp = None
-        reaper.kill_all(self.pids, grace=5.0)
+        reaper.kill_all(self.pids, grace=SHUTDOWN_S)
         deadline = time.monotonic() + 5
         while self.alive_pids() and time.monotonic() < deadline:
             time.sleep(0.05)

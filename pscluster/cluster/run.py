@@ -36,6 +36,8 @@ from . import recovery
 from .checkpoints import CheckpointCoordinator
 from .progress import StepProgress
 
+RESULT_GRACE_S = 2.0  # how long a worker's ipyparallel result may trail its "done" event before the event stands in
+
 
 class Run:
     """A training run on a cluster. ``cluster.train(...)`` returns one; it trains in the background.
@@ -78,7 +80,7 @@ class Run:
         self._done = threading.Event()
         self.started = time.time()
         self.finished: float | None = None
-        self._workers_done: set[str] = set()
+        self._workers_done: dict[str, tuple[float, dict]] = {}  # task: (when, summary) of its "done" event
         self.tasks = tasks
         self.payload = payload  # the shipped (model_fn, dataset, loss_fn), for replacement workers
         self.checkpoints = checkpoints or CheckpointCoordinator(store)
@@ -113,7 +115,8 @@ class Run:
             if event.get("kind") == "step":
                 self._latest_step = max(self._latest_step, event.get("global_step", 0))
             elif event.get("kind") == "done":
-                self._workers_done.add(event.get("task"))
+                summary = {k: v for k, v in event.items() if k not in ("kind", "task", "time")}
+                self._workers_done[event.get("task")] = (time.monotonic(), summary)
             elif event.get("kind") == "log":
                 line = f"[{event['task']}] {event['line']}"
                 self.logs.append(line)
@@ -130,7 +133,7 @@ class Run:
         next_eval, next_check = self.eval_every, 0.0
         try:
             while True:
-                failed, ended = self._any_failed(), all(ar.ready() for ar in self.worker_results)
+                failed, ended = self._any_failed(), all(map(self._worker_ended, range(len(self.worker_results))))
                 if self.tasks is not None and (failed or (not ended and time.monotonic() >= next_check)):
                     # a failure may be a lost engine (seen by ipyparallel, or by workers of a lost ps)
                     # a moment before its process is seen gone: give that a second
@@ -156,6 +159,20 @@ class Run:
             self.store.set_status(self.id, "failed")
         finally:
             self._done.set()
+
+    def _worker_ended(self, i: int) -> bool:
+        """Whether worker ``i`` is over: its ipyparallel result is in, or its "done" event came ``RESULT_GRACE_S``
+        ago without it (a controller or client that hostile traffic broke never delivers it)."""
+        if self.worker_results[i].ready():
+            return True
+        done = self._workers_done.get(f"worker:{i}")
+        return done is not None and time.monotonic() - done[0] > RESULT_GRACE_S
+
+    def _reported_summary(self, i: int) -> dict:
+        """Worker ``i``'s summary as its "done" event reported it (JSON: staleness by string keys)."""
+        summary = dict(self._workers_done[f"worker:{i}"][1], task=i)
+        summary["staleness"] = {int(k): n for k, n in (summary.get("staleness") or {}).items()}
+        return summary
 
     def _any_failed(self) -> bool:
         return any(ar.ready() and not ar.successful() for ar in self.worker_results)
@@ -325,7 +342,7 @@ class Run:
         errors, tracebacks, results = [], [], []
         for i, ar in enumerate(self.worker_results):
             try:
-                results.append(ar.get(0))
+                results.append(ar.get(0) if ar.ready() else self._reported_summary(i))
             except Exception as e:  # a RemoteError: its one-line form, and the whole remote traceback
                 errors.append(f"worker {i} failed: {_one_line(e)}{_last_frame(e)}")
                 tracebacks.append(f"worker {i}:\n{_traceback(e)}")

@@ -360,7 +360,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
                    "staleness": dict(staleness),
                    "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
                    "metrics_dropped": emitter.dropped}
-        emitter.emit("done", **{k: v for k, v in summary.items() if k not in ("task", "staleness")})
+        # the summary again on the run's own channel: the run ends on it if ipyparallel never delivers the result
+        emitter.emit("done", **{k: v for k, v in summary.items() if k != "task"})
         return summary
     finally:
         if batches is not None:

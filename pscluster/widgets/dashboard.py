@@ -290,10 +290,11 @@ class Dashboard:
 
 
 def _yield_cpu_to_training() -> None:
-    """Run the calling thread only when a core is idle (Linux SCHED_IDLE; threads have their own policy),
-    so the dashboard never delays the ps and workers, which share this machine in local clusters."""
+    """Give the calling thread the lowest priority (nice 19: on Linux a thread has its own), so that the dashboard
+    yields to the ps and workers that share this machine in local clusters and still refreshes when they keep
+    every core busy (SCHED_IDLE would starve it until training ends)."""
     try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux, or not allowed: refresh at normal priority
         pass
 

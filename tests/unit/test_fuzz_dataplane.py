@@ -69,6 +69,7 @@ def train(spec, server: ParameterServer, gate: Gated, fuzz=None) -> dict[int, to
             errors.append(e)
 
     workers = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(2)]
+    gate.tokens.release(2)  # each worker draws its first batch before the run starts
     workers[0].start()
     # worker 1 builds its model once the chief has sent its own: both seed and draw from torch's global RNG
     assert wait_until(lambda: server.run is not None or errors, 30) and not errors, errors
