@@ -14,7 +14,6 @@ into an HTML report).
 from __future__ import annotations
 
 import html
-import os
 import threading
 import time
 
@@ -179,7 +178,6 @@ class Dashboard:
     def _poll(self) -> None:
         failures, final, cost = 0, False, 0.0
         store = None
-        _yield_cpu_to_training()
         try:
             store = RunStore(self.store_path, readonly=True)
             while not self._stop.is_set():
@@ -287,16 +285,6 @@ class Dashboard:
 
     def __repr__(self) -> str:
         return f"<pscluster Dashboard of run {self.run_id} ({'polling' if self.running else 'idle'})>"
-
-
-def _yield_cpu_to_training() -> None:
-    """Give the calling thread the lowest priority (nice 19: on Linux a thread has its own), so that the dashboard
-    yields to the ps and workers that share this machine in local clusters and still refreshes when they keep
-    every core busy (SCHED_IDLE would starve it until training ends)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not allowed: refresh at normal priority
-        pass
 
 
 def show(store_path, run_id: int, *, refresh_s: float = REFRESH_S) -> Dashboard:
