@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, RuntimeTimeout, TrainingError
 from ..metrics.store import RunStore
-from ..runtime import checkpoint
+from ..runtime import checkpoint, rescue
 from ..runtime.client import PSClient
 from ..runtime.plan import TrainPlan
 from ..runtime.ps import PASSED, wait_until
@@ -46,6 +46,22 @@ class CheckpointCoordinator:
         for step, path in written.items():
             self.store.add_event(plan.run_id, "controller", "checkpoint", {"step": step, "path": str(path)})
         return list(written.values())
+
+    def rescue(self, plan: TrainPlan, num_ps: int) -> rescue.Assembled | None:
+        """After a ps was lost: commit the newest state of the failed attempt (the survivors' shards, the
+        workers' copies, see ``rescue``) when it is newer than the newest checkpoint; recorded as a
+        'checkpoint' event that names each shard's source."""
+        if not plan.checkpoint_dir:
+            return None
+        assembled = rescue.assemble(plan.checkpoint_dir, num_ps=num_ps, run_id=plan.run_id, attempt=plan.attempt,
+                                    variables=list(plan.variables), optimizer=plan.optimizer,
+                                    optimizer_kwargs=plan.optimizer_kwargs, keep=self.keep,
+                                    state_keys=plan.state_keys)
+        if assembled is not None:
+            self.store.add_event(plan.run_id, "controller", "checkpoint",
+                                 {"step": assembled.step, "path": str(assembled.path),
+                                  "rescued": [s.to_dict() for s in assembled.sources]})
+        return assembled
 
     def latest_step(self, plan: TrainPlan) -> int | None:
         steps = checkpoint.committed_steps(plan.checkpoint_dir) if plan.checkpoint_dir else []

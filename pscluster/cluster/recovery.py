@@ -6,9 +6,11 @@ link); the workers notice a lost ps at once, by its dropped connection. Then:
 
 - a lost worker: every ps stops waiting for it (sync aggregates the gradients of the live workers, SSP
   measures the slowest live one), a new engine takes its place and joins with the current parameters;
-- a lost ps: the other ps tasks stop the run, the workers end, a new engine takes the lost ps's place,
-  and the run starts again as a new attempt whose chief restores the latest checkpoint onto every ps:
-  all ps roll back together, to the same step.
+- a lost ps: the other ps tasks stop the run (each writes its shard), the workers end (each leaves its copy
+  of the parameters), a new engine takes the lost ps's place, and the run starts again as a new attempt whose
+  chief restores the newest state there is onto every ps: the checkpoint assembled from those shards and
+  copies (``runtime.rescue``: a few steps back, the lost ps's optimizer state reset), or the latest committed
+  checkpoint when that is as new.
 """
 
 from __future__ import annotations
@@ -106,12 +108,16 @@ def _restart_from_checkpoint(run: "Run", tasks: Tasks, lost_ps: list[TaskSpec],
                     pass
                 lost_workers.append(task)
     run.commit_checkpoints()  # shards of the failed attempt that all ps had written
+    assembled = run.checkpoints.rescue(run.plan, len(run.spec.ps))
     for t in [*lost_ps, *lost_workers]:
         run.spec = tasks.replace_task(t.role, t.index)
         new = run.spec.task(t.role, t.index)
         run.note("replaced", f"{t.role}:{t.index}", {"pid": new.pid, "engine": new.engine_id, "host": new.host})
     run.plan = replace(run.plan, attempt=run.plan.attempt + 1, restore=True)
-    run.note("restarting", "controller", {"attempt": run.plan.attempt, "from_step": _restorable_step(run)})
+    detail = {"attempt": run.plan.attempt, "from_step": _restorable_step(run)}
+    if assembled is not None and detail["from_step"] == assembled.step:
+        detail["sources"] = [s.to_dict() for s in assembled.sources]
+    run.note("restarting", "controller", detail)
     run.restart([tasks.launch_worker(run.spec, i, run) for i in range(len(run.spec.workers))])
 
 

@@ -159,8 +159,16 @@ def _write_file(path: Path, pieces, *, fsync: bool = True) -> tuple[int, str]:
     return size, sha.result()
 
 
-def _write_json(path: Path, obj, *, fsync: bool = True) -> None:
+def write_json(path: Path, obj, *, fsync: bool = True) -> None:
     _write_file(path, [json.dumps(obj, indent=1).encode()], fsync=fsync)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
@@ -263,7 +271,7 @@ def write_shard(directory, step: int, ps: int, tensors: dict[str, torch.Tensor],
     size, sha = write_tensors(folder / f"ps-{ps}.tensors", tensors)
     receipt = {"ps": ps, "step": step, "run_id": run_id, "attempt": attempt, "file": f"{folder.name}/ps-{ps}.tensors",
                "bytes": size, "sha256": sha, "schedule": schedule or {}}
-    _write_json(folder / f"ps-{ps}.json", receipt, fsync=False)  # the commit fsyncs the folder
+    write_json(folder / f"ps-{ps}.json", receipt, fsync=False)  # the commit fsyncs the folder
     return receipt
 
 
@@ -297,9 +305,10 @@ def uncommitted_steps(directory) -> list[int]:
 
 
 def commit(directory, step: int, run_id: int, variables, optimizer: str, optimizer_kwargs: dict,
-           shard_receipts: list[dict], *, keep: int | None = None, state_keys=()) -> Path:
+           shard_receipts: list[dict], *, keep: int | None = None, state_keys=(), rescued=None) -> Path:
     """Write the manifest of ``step`` (the commit), then delete all but the newest ``keep`` checkpoints.
-    ``state_keys``: the model's state_dict keys and the variable each holds (``plan.model_tensors``)."""
+    ``state_keys``: the model's state_dict keys and the variable each holds (``plan.model_tensors``);
+    ``rescued``: where each shard came from, for a checkpoint assembled after a lost ps (``rescue``)."""
     directory = Path(directory)
     manifest = {"format_version": FORMAT_VERSION, "run_id": run_id, "step": step, "time": time.time(),
                 "optimizer": optimizer, "optimizer_kwargs": optimizer_kwargs,
@@ -310,9 +319,11 @@ def commit(directory, step: int, run_id: int, variables, optimizer: str, optimiz
                 "schedule": min(shard_receipts, key=lambda r: r["ps"]).get("schedule", {}),
                 "shards": [{"ps": r["ps"], "file": r["file"], "bytes": r["bytes"], "sha256": r["sha256"]}
                            for r in sorted(shard_receipts, key=lambda r: r["ps"])]}
+    if rescued:
+        manifest["rescued"] = rescued
     path = manifest_path(directory, step)
     _fsync_dir(step_dir(directory, step))  # the shards' and receipts' renames, on disk before the commit
-    _write_json(path, manifest)
+    write_json(path, manifest)
     _fsync_dir(directory)
     if keep is not None:
         prune(directory, keep)
@@ -400,17 +411,14 @@ class Checkpoint:
         if size != shard["bytes"]:
             raise CheckpointError(f"{file} has {size} bytes, its manifest says {shard['bytes']}: "
                                   "the shard is truncated or damaged")
-        digest = hashlib.sha256()
-        with open(file, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
-        if digest.hexdigest() != shard["sha256"]:
+        if file_sha256(file) != shard["sha256"]:
             raise CheckpointError(f"{file} fails its SHA-256 checksum: the shard is damaged")
 
     def tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         """(whole parameters by parameter name, optimizer state by parameter name): the shards of a
         partitioned parameter joined in row order, per-row optimizer slots likewise; other slots (step
-        counts) are those of the first shard."""
+        counts) are those of the first shard. A parameter some of whose parts carry no optimizer state (a
+        rescued checkpoint's, see ``rescue``) has none: it restarts from a fresh state."""
         values, states = {}, {}
         for shard in self.shards:
             v, s = split_state(read_tensors(self.path.parent / shard["file"]))
@@ -421,7 +429,7 @@ class Checkpoint:
             parts = sorted((v for v in self.variables if v.parameter == parameter), key=lambda v: v.start)
             params[parameter] = _join([values[v.name] for v in parts])
             per_slot: dict[str, list] = {}
-            for v in parts:
+            for v in parts if all(states.get(v.name) for v in parts) else ():
                 for slot, value in states.get(v.name, {}).items():
                     per_slot.setdefault(slot, []).append(value)
             slots[parameter] = {slot: _join(vs) if all(_per_row(t, v.shape) for t, v in zip(vs, parts)) else vs[0]

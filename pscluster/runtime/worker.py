@@ -22,7 +22,7 @@ import torch
 
 from ..errors import ConfigError, NonFiniteError, RuntimeTimeout
 from ..spec import ClusterSpec, TaskSpec
-from . import checkpoint
+from . import checkpoint, rescue
 from .client import PSClient
 from .data import worker_batches
 from .metrics import MetricsEmitter
@@ -103,6 +103,10 @@ class _Shards:
                 grads.append(g.to(wire_dtype) if wire_dtype is not None and g.dtype == torch.float32 else g)
             out[i] = ([v.id for v in vs], grads)
         return out
+
+    def dense_values(self) -> dict[str, torch.Tensor]:
+        """Every dense variable's current value by variable name (a worker holds a sparse one only in part)."""
+        return {v.name: self.view(v) for v in self.by_id.values() if not v.sparse}
 
     @torch.no_grad()
     def load(self, reply) -> None:
@@ -268,6 +272,17 @@ def _wait_for_workers(client: PSClient, num_workers: int, emit) -> None:
         time.sleep(MAX_POLL_S)
 
 
+def _leave_copy(shards: _Shards, plan: TrainPlan, index: int, step: int) -> None:
+    """On the way out of a failed attempt: this worker's copy of the parameters it last pulled (of global step
+    ``step``), from which recovery rebuilds a lost ps (``rescue``)."""
+    if plan.checkpoint_dir:
+        try:
+            rescue.write_copy(plan.checkpoint_dir, index, step, shards.dense_values(), run_id=plan.run_id,
+                              attempt=plan.attempt)
+        except OSError:
+            pass  # the checkpoints on disk remain
+
+
 def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn,
                *, step_fn=None, collate_fn=None, log=None, join: bool = False) -> dict:
     """Train as worker ``index`` until the run reaches its step target or is stopped.
@@ -309,50 +324,54 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         compute_s = comm_s = wait_s = window_s = 0.0
         staleness = Counter()
         loss_value, accuracy, metrics = float("nan"), None, {}
-        while not (reply.flags & Flag.STOPPED) and reply.step < plan.steps:
-            t0 = time.perf_counter()
-            sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
-            computed = ahead if ahead is not None else steps.gradients(batch, reply.step, local_step)
-            t1 = time.perf_counter()
-            pushed = _merge(shards.grads(steps.precision.dtype), sparse.grads())
-            answer = client.start_push_pull(computed.step, pushed)
-            sent_at = time.perf_counter()
-            # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch,
-            # and with pipeline its gradients, on the parameters this worker has now
-            loss_value = computed.loss.item()
-            accuracy = batch_accuracy(computed.output, computed.target)
-            metrics = metric_values(computed.metrics)
-            batch = next(batches)
-            ahead = steps.gradients(batch, reply.step, local_step + 1) if plan.pipeline else None
-            overlapped = time.perf_counter() - sent_at
-            reply = answer()
-            shards.load(reply)
-            t2 = time.perf_counter()
+        try:
+            while not (reply.flags & Flag.STOPPED) and reply.step < plan.steps:
+                t0 = time.perf_counter()
+                sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
+                computed = ahead if ahead is not None else steps.gradients(batch, reply.step, local_step)
+                t1 = time.perf_counter()
+                pushed = _merge(shards.grads(steps.precision.dtype), sparse.grads())
+                answer = client.start_push_pull(computed.step, pushed)
+                sent_at = time.perf_counter()
+                # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch,
+                # and with pipeline its gradients, on the parameters this worker has now
+                loss_value = computed.loss.item()
+                accuracy = batch_accuracy(computed.output, computed.target)
+                metrics = metric_values(computed.metrics)
+                batch = next(batches)
+                ahead = steps.gradients(batch, reply.step, local_step + 1) if plan.pipeline else None
+                overlapped = time.perf_counter() - sent_at
+                reply = answer()
+                shards.load(reply)
+                t2 = time.perf_counter()
 
-            local_step += 1
-            samples += computed.samples
-            step_compute = t1 - t0 + overlapped
-            step_wait = min(reply.wait_s, t2 - t1 - overlapped)
-            step_comm = t2 - t1 - overlapped - step_wait
-            compute_s += step_compute
-            wait_s += step_wait
-            comm_s += step_comm
-            window_s += t2 - t0
-            was_dropped = bool(reply.flags & Flag.DROPPED)
-            dropped += was_dropped
-            if not was_dropped:
-                staleness[reply.value] += 1
-            emitter.emit("step", local_step=local_step, global_step=reply.step, loss=loss_value,
-                         accuracy=accuracy, compute_s=step_compute, wait_s=step_wait, comm_s=step_comm,
-                         bytes_sent=client.bytes_sent - sent, bytes_received=client.bytes_received - received,
-                         staleness=None if was_dropped else reply.value, dropped=was_dropped,
-                         **({"metrics": metrics} if metrics else {}))
-            if local_step % plan.log_every == 0:
-                line = log_line(local_step, reply.step, loss_value, accuracy, window_s / plan.log_every, metrics)
-                window_s = 0.0
-                emitter.emit("log", line=line)
-                if log is not None:
-                    log(line)
+                local_step += 1
+                samples += computed.samples
+                step_compute = t1 - t0 + overlapped
+                step_wait = min(reply.wait_s, t2 - t1 - overlapped)
+                step_comm = t2 - t1 - overlapped - step_wait
+                compute_s += step_compute
+                wait_s += step_wait
+                comm_s += step_comm
+                window_s += t2 - t0
+                was_dropped = bool(reply.flags & Flag.DROPPED)
+                dropped += was_dropped
+                if not was_dropped:
+                    staleness[reply.value] += 1
+                emitter.emit("step", local_step=local_step, global_step=reply.step, loss=loss_value,
+                             accuracy=accuracy, compute_s=step_compute, wait_s=step_wait, comm_s=step_comm,
+                             bytes_sent=client.bytes_sent - sent, bytes_received=client.bytes_received - received,
+                             staleness=None if was_dropped else reply.value, dropped=was_dropped,
+                             **({"metrics": metrics} if metrics else {}))
+                if local_step % plan.log_every == 0:
+                    line = log_line(local_step, reply.step, loss_value, accuracy, window_s / plan.log_every, metrics)
+                    window_s = 0.0
+                    emitter.emit("log", line=line)
+                    if log is not None:
+                        log(line)
+        except Exception:
+            _leave_copy(shards, plan, index, reply.step)
+            raise
         summary = {"task": index, "local_steps": local_step, "global_step": reply.step,
                    "dropped": dropped, "samples": samples, "wall_s": time.time() - started,
                    "compute_s": compute_s, "wait_s": wait_s, "comm_s": comm_s, "final_loss": loss_value,

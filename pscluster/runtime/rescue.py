@@ -1,0 +1,159 @@
+"""A lost ps costs a few steps, never the run: the newest state there is, committed as a checkpoint.
+
+When a ps is lost, the checkpoint on disk may be old (by default one every 10 minutes) or missing, yet the
+state of the run is still nearly all there:
+
+- every surviving ps writes its shard when it is stopped (values and optimizer state, at its own step);
+- every worker of the failed attempt leaves, on its way out, its copy of the dense variables it last pulled
+  (``write_copy``: ``copies/worker-<i>.tensors`` in the checkpoint directory, and its receipt).
+
+``assemble`` takes for each ps the newest of these sources (its own shard first on a tie: it carries the
+optimizer state) and commits them as the checkpoint of the newest step among them, when that is newer than
+the newest committed one. A ps rebuilt from a worker's copy restarts with its optimizer state reset (the
+manifest's ``rescued`` entry and the returned sources say so); a lost ps that held a sparse variable cannot be
+rebuilt that way (a worker holds only the rows it touched), and then nothing is assembled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from . import checkpoint
+from .plan import VariableSpec
+
+_RECEIPT = re.compile(r"^ps-(\d+)\.json$")
+
+
+def copies_dir(directory) -> Path:
+    return Path(directory) / "copies"
+
+
+def write_copy(directory, worker: int, step: int, values: dict[str, torch.Tensor], *, run_id: int,
+               attempt: int) -> None:
+    """Keep worker ``worker``'s copy of the variables (by variable name) it pulled at global step ``step``."""
+    folder = copies_dir(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    size, sha = checkpoint.write_tensors(folder / f"worker-{worker}.tensors", values)
+    checkpoint.write_json(folder / f"worker-{worker}.json", {"worker": worker, "step": step, "run_id": run_id,
+                                                             "attempt": attempt, "bytes": size, "sha256": sha})
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one ps's part of an assembled checkpoint came from."""
+
+    ps: int
+    step: int
+    origin: str  # "ps 0" (its own shard) or "worker 1" (a worker's copy)
+    optimizer_state: bool
+
+    def to_dict(self) -> dict:
+        return {"ps": self.ps, "step": self.step, "from": self.origin, "optimizer_state": self.optimizer_state}
+
+
+@dataclass(frozen=True)
+class Assembled:
+    step: int
+    path: Path
+    sources: tuple[Source, ...]
+
+
+def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: list[VariableSpec], optimizer: str,
+             optimizer_kwargs: dict, keep: int | None = None, state_keys=()) -> Assembled | None:
+    """Commit the newest state of attempt ``attempt`` of run ``run_id`` (see the module docstring); None when
+    some ps has no source of its own, or the result is not newer than the newest committed checkpoint."""
+    directory = Path(directory)
+    shards = _own_shards(directory, run_id, attempt)
+    copies = _worker_copies(directory, run_id, attempt)
+    chosen: dict[int, tuple[Source, dict | None, dict | None]] = {}  # ps -> (source, its receipt, or values)
+    for ps in range(num_ps):
+        held = [v for v in variables if v.ps == ps]
+        candidates = []
+        if ps in shards:
+            candidates.append((Source(ps, shards[ps]["step"], f"ps {ps}", True), shards[ps], None))
+        if not any(v.sparse for v in held):
+            for worker, (step, values) in copies.items():
+                if all(v.name in values for v in held):
+                    candidates.append((Source(ps, step, f"worker {worker}", False), None,
+                                       {v.name: values[v.name] for v in held}))
+        if not candidates:
+            return None
+        chosen[ps] = max(candidates, key=lambda c: (c[0].step, c[0].optimizer_state))
+    step = max(source.step for source, _, _ in chosen.values())
+    committed = checkpoint.committed_steps(directory)
+    if committed and committed[-1] >= step:
+        return None
+    folder = checkpoint.step_dir(directory, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    found = []
+    for ps, (_, receipt, values) in chosen.items():
+        found.append(_place_shard(directory, receipt, step, attempt) if receipt is not None else
+                     checkpoint.write_shard(directory, step, ps, values, run_id=run_id, attempt=attempt))
+    sources = tuple(source for source, _, _ in chosen.values())
+    path = checkpoint.commit(directory, step, run_id, variables, optimizer, optimizer_kwargs, found, keep=keep,
+                             state_keys=state_keys, rescued=[s.to_dict() for s in sources])
+    return Assembled(step=step, path=path, sources=sources)
+
+
+def _own_shards(directory: Path, run_id: int, attempt: int) -> dict[int, dict]:
+    """Each ps's newest shard receipt written in ``attempt`` of run ``run_id`` (committed or not)."""
+    newest: dict[int, dict] = {}
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        if not (entry.is_dir() and re.fullmatch(r"step-\d{9}", entry.name)):
+            continue
+        for receipt_path in entry.iterdir():
+            if not _RECEIPT.match(receipt_path.name):
+                continue
+            try:
+                receipt = json.loads(receipt_path.read_text())
+            except (OSError, ValueError):
+                continue
+            if receipt.get("run_id") == run_id and receipt.get("attempt") == attempt:
+                ps = receipt.get("ps")
+                if ps not in newest or receipt["step"] > newest[ps]["step"]:
+                    newest[ps] = receipt
+    return newest
+
+
+def _worker_copies(directory: Path, run_id: int, attempt: int) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
+    """The workers' copies of ``attempt`` of run ``run_id`` that read back whole: worker -> (step, values)."""
+    copies = {}
+    folder = copies_dir(directory)
+    for receipt_path in sorted(folder.glob("worker-*.json")) if folder.is_dir() else ():
+        try:
+            receipt = json.loads(receipt_path.read_text())
+            if receipt.get("run_id") != run_id or receipt.get("attempt") != attempt:
+                continue
+            file = receipt_path.with_suffix(".tensors")
+            if file.stat().st_size != receipt["bytes"] or checkpoint.file_sha256(file) != receipt["sha256"]:
+                continue  # overwritten or damaged since
+            copies[int(receipt["worker"])] = (int(receipt["step"]), checkpoint.read_tensors(file))
+        except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+            continue
+    return copies
+
+
+def _place_shard(directory: Path, receipt: dict, step: int, attempt: int) -> dict:
+    """A ps's own shard (written at its step) as its shard of ``step``: linked (or copied) into that step's
+    folder with a receipt of its own."""
+    if receipt["step"] == step:
+        return receipt
+    source = directory / receipt["file"]
+    target = checkpoint.step_dir(directory, step) / f"ps-{receipt['ps']}.tensors"
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(source, target)
+    placed = {**receipt, "step": step, "attempt": attempt, "file": f"{target.parent.name}/{target.name}",
+              "schedule": {}}  # the schedule is fast-forwarded to the checkpoint's step
+    checkpoint.write_json(target.with_name(f"ps-{receipt['ps']}.json"), placed, fsync=False)
+    return placed

@@ -1,0 +1,92 @@
+"""After a lost ps: the checkpoint assembled from the survivors' shards and the workers' copies."""
+
+import torch
+
+from pscluster.runtime import checkpoint, rescue
+from pscluster.runtime.plan import VariableSpec
+
+RUN_ID, ATTEMPT = 7, 0
+# a whole weight on each ps, and a table split by rows across both
+VARIABLES = [VariableSpec(id=0, name="w0", shape=(4, 3), dtype="float32", ps=0),
+             VariableSpec(id=1, name="w1", shape=(3,), dtype="float32", ps=1),
+             VariableSpec(id=2, name="table/part_0", variable="table", shape=(5, 2), dtype="float32", ps=0),
+             VariableSpec(id=3, name="table/part_1", variable="table", shape=(3, 2), dtype="float32", ps=1, start=5)]
+
+
+def values(seed: float) -> dict[str, torch.Tensor]:
+    return {v.name: torch.full(v.shape, seed + v.id) for v in VARIABLES}
+
+
+def write_own_shard(directory, ps: int, step: int, seed: float, *, attempt=ATTEMPT):
+    names = [v.name for v in VARIABLES if v.ps == ps]
+    params = [values(seed)[n] for n in names]
+    states = [{"exp_avg": torch.full_like(p, -seed), "step": 3} for p in params]
+    checkpoint.write_shard(directory, step, ps, checkpoint.shard_tensors(names, params, states), run_id=RUN_ID,
+                           attempt=attempt)
+
+
+def assemble(directory):
+    return rescue.assemble(directory, num_ps=2, run_id=RUN_ID, attempt=ATTEMPT, variables=VARIABLES,
+                           optimizer="adam", optimizer_kwargs={"lr": 0.01}, keep=5)
+
+
+def test_a_lost_ps_comes_back_from_the_freshest_worker_copy_and_the_survivor_keeps_its_optimizer_state(tmp_path):
+    write_own_shard(tmp_path, 0, 600, 0.0)
+    write_own_shard(tmp_path, 1, 600, 0.0)
+    checkpoint.commit_ready(tmp_path, num_ps=2, run_id=RUN_ID, attempt=ATTEMPT, variables=VARIABLES,
+                            optimizer="adam", optimizer_kwargs={})
+    write_own_shard(tmp_path, 0, 705, 100.0)  # the survivor, stopped at 705
+    rescue.write_copy(tmp_path, 0, 703, values(200.0), run_id=RUN_ID, attempt=ATTEMPT)
+    rescue.write_copy(tmp_path, 1, 704, values(300.0), run_id=RUN_ID, attempt=ATTEMPT)
+    rescue.write_copy(tmp_path, 2, 900, values(400.0), run_id=RUN_ID, attempt=ATTEMPT - 1)  # another attempt's
+
+    assembled = assemble(tmp_path)
+
+    assert assembled.step == 705
+    sources = {s.ps: s for s in assembled.sources}
+    assert (sources[0].origin, sources[0].step, sources[0].optimizer_state) == ("ps 0", 705, True)
+    assert (sources[1].origin, sources[1].step, sources[1].optimizer_state) == ("worker 1", 704, False)
+    ckpt = checkpoint.latest(tmp_path)
+    assert ckpt.step == 705
+    restored, states = checkpoint.reshard(ckpt, VARIABLES)
+    assert torch.equal(restored[0], values(100.0)["w0"])  # the survivor's own values
+    assert torch.equal(restored[1], values(300.0)["w1"])  # the newest worker copy
+    assert torch.equal(restored[3], values(300.0)["table/part_1"])
+    assert torch.equal(states[0]["exp_avg"], torch.full((4, 3), -100.0))
+    assert states[1] == {}
+    # a table split across the survivor and the rebuilt ps restarts its optimizer state whole, not in part
+    assert states[2] == {} and states[3] == {}
+
+
+def test_nothing_is_assembled_when_the_committed_checkpoint_is_as_new(tmp_path):
+    write_own_shard(tmp_path, 0, 700, 0.0)
+    write_own_shard(tmp_path, 1, 700, 0.0)
+    checkpoint.commit_ready(tmp_path, num_ps=2, run_id=RUN_ID, attempt=ATTEMPT, variables=VARIABLES,
+                            optimizer="adam", optimizer_kwargs={})
+    rescue.write_copy(tmp_path, 0, 699, values(1.0), run_id=RUN_ID, attempt=ATTEMPT)
+    assert assemble(tmp_path) is None
+    assert checkpoint.committed_steps(tmp_path) == [700]
+
+
+def test_a_lost_ps_that_held_a_sparse_table_is_not_rebuilt_from_worker_copies(tmp_path):
+    sparse = [VariableSpec(**{**v.__dict__, "sparse": v.name.startswith("table")}) for v in VARIABLES]
+    write_own_shard(tmp_path, 0, 705, 1.0)
+    rescue.write_copy(tmp_path, 0, 704, {k: t for k, t in values(2.0).items() if not k.startswith("table")},
+                      run_id=RUN_ID, attempt=ATTEMPT)
+    assert rescue.assemble(tmp_path, num_ps=2, run_id=RUN_ID, attempt=ATTEMPT, variables=sparse,
+                           optimizer="adam", optimizer_kwargs={}) is None
+    assert checkpoint.committed_steps(tmp_path) == []
+
+
+def test_a_damaged_worker_copy_is_passed_over(tmp_path):
+    write_own_shard(tmp_path, 0, 705, 1.0)
+    rescue.write_copy(tmp_path, 0, 705, values(2.0), run_id=RUN_ID, attempt=ATTEMPT)
+    rescue.write_copy(tmp_path, 1, 702, values(3.0), run_id=RUN_ID, attempt=ATTEMPT)
+    damaged = rescue.copies_dir(tmp_path) / "worker-0.tensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    assembled = assemble(tmp_path)
+    assert {s.ps: s.origin for s in assembled.sources} == {0: "ps 0", 1: "worker 1"}
+    restored, _ = checkpoint.reshard(checkpoint.latest(tmp_path), VARIABLES)
+    assert torch.equal(restored[1], values(3.0)["w1"])
