@@ -60,6 +60,17 @@ class CheckpointError(PSClusterError, RuntimeError):
     """A checkpoint is missing, damaged, or does not fit the model."""
 
 
+class FencedOff(ProtocolError):
+    """A request of a session of a worker the run declared lost (it hung, and was replaced): refused with an
+    answer that ends the stale worker, so it never trains beside its replacement."""
+
+    counter = "fenced"
+
+
+class StaleTask(TrainingError):
+    """This task was declared lost and replaced while it did not answer: it must end (see ``FencedOff``)."""
+
+
 class PeerLost(TrainingError):
     """A ps task's connection dropped while a request waited on it."""
 

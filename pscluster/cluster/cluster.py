@@ -176,9 +176,11 @@ class Cluster:
 
     @property
     def loss_grace_s(self) -> float:
+        # a local engine's death is seen at once, and a hung one is lost (HEARTBEAT_DEADLINE_S) before its
+        # workers' connections time out (client.HEARTBEAT_TIMEOUT_MS); a remote death takes the deadline
         if self.launcher.local:
             return 1.0
-        return launchers.CONTROLLER_HB_MISSES * launchers.HB_PERIOD_MS / 1000 + 2.0
+        return launchers.HEARTBEAT_DEADLINE_S + 2.0
 
     def stop(self) -> None:
         """Stop training, the ps servers and every engine; leaves no process behind."""

@@ -195,10 +195,10 @@ class EngineSet:
         return set(self.client.ids) if self.client is not None else set()
 
     def lost(self, engine_id: int, pid: int | None) -> bool:
-        """Whether the engine is gone: its process is dead (local engines), or it missed the controller's
-        heartbeats."""
-        if self.launcher.local:
-            return pid is not None and not reaper.alive(pid)
+        """Whether the engine is gone: its process is dead (local engines, seen at once), or it missed the
+        controller's heartbeats for ``launchers.HEARTBEAT_DEADLINE_S`` (hung, or its host unreachable)."""
+        if self.launcher.local and pid is not None and not reaper.alive(pid):
+            return True
         return engine_id not in self.registered()
 
     def kill(self, engine_id: int, pid: int) -> None:

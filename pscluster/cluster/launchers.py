@@ -29,16 +29,18 @@ from ..runtime.engine import route_address
 
 KINDS = ("local", "ssh", "mpi", "slurm")
 LOOPBACK = "127.0.0.1"
-# Remote engines are declared lost after CONTROLLER_HB_MISSES missed heartbeats (HB_PERIOD_MS apart). (They end
-# themselves when the controller goes away through runtime.engine.watch_controller: ipyparallel 9's own
+# An engine that misses its heartbeats for HEARTBEAT_DEADLINE_S is lost, as a dead one is: a hung process
+# (SIGSTOP, a long pause) or a cut link is replaced like a killed one. (Remote engines end themselves when the
+# controller goes away through runtime.engine.watch_controller: ipyparallel 9's own
 # IPEngine.max_heartbeat_misses check never runs under ipykernel 7.)
+HEARTBEAT_DEADLINE_S = 4.0
 HB_PERIOD_MS = 1000
-CONTROLLER_HB_MISSES = 4
+CONTROLLER_HB_MISSES = round(HEARTBEAT_DEADLINE_S * 1000 / HB_PERIOD_MS)
 # The controller counts an engine registered one heartbeat after the first one it answers: ipyparallel's
-# default period (3 s) makes every start wait 3 to 6 s for nothing. Local engines are watched by pid; the
-# misses allowed keep ipyparallel's default 30 s of silence before the controller drops one.
+# default period (3 s) makes every start wait 3 to 6 s for nothing. A local engine that dies is seen at once by
+# its pid; one that hangs misses the same deadline.
 LOCAL_HB_PERIOD_MS = 200
-LOCAL_HB_MISSES = 150
+LOCAL_HB_MISSES = round(HEARTBEAT_DEADLINE_S * 1000 / LOCAL_HB_PERIOD_MS)
 _IPP_CLASS = {"local": "local", "ssh": "ssh", "mpi": "mpi", "slurm": "slurm"}
 
 

@@ -1,8 +1,11 @@
 """Recovery of tasks lost during a run, without the user doing anything.
 
 Detection: a task whose engine is gone (checked every ``HEALTH_S`` seconds by the run's monitor): a local
-engine whose process ended, or a remote one that missed the controller's heartbeats (a dead host, a cut
-link); the workers notice a lost ps at once, by its dropped connection. Then:
+engine whose process ended, or any engine that missed the controller's heartbeats for
+``launchers.HEARTBEAT_DEADLINE_S`` (a hung process, a dead host, a cut link); the workers notice a lost ps by
+its dropped connection. A lost task is killed first, wherever it runs, so a hung one cannot wake into the run;
+where that fails (its host unreachable) it is fenced off: a lost worker's sessions are refused by every ps
+(``protocol.Sessions.fence``), a lost ps belongs to a finished attempt that nobody talks to. Then:
 
 - a lost worker: every ps stops waiting for it (sync aggregates the gradients of the live workers, SSP
   measures the slowest live one), a new engine takes its place and joins with the current parameters;
@@ -62,6 +65,10 @@ def recover(run: "Run", tasks: Tasks) -> bool:
         return False
     for t in lost:
         run.note("lost", f"{t.role}:{t.index}", {"pid": t.pid, "engine": t.engine_id, "host": t.host})
+        try:
+            tasks.kill_task(t)
+        except Exception:  # dead already, or its host unreachable: fenced off below
+            pass
     lost_ps = [t for t in lost if t.role == "ps"]
     lost_workers = [t for t in lost if t.role == "worker"]
     if lost_ps:

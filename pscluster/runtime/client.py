@@ -17,7 +17,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import ConfigError, PeerLost, ProtocolError, RuntimeTimeout, TrainingError
+from ..errors import ConfigError, PeerLost, ProtocolError, RuntimeTimeout, StaleTask, TrainingError
 from ..spec import ClusterSpec
 from . import curve, protocol
 from .lanes import Lane, LaneError
@@ -187,7 +187,8 @@ class PSClient:
                     self._nonces[i] = msg.nonce
                     self._max_frame[i] = int((msg.meta or {}).get("max_frame_bytes", 0)) or 2**63
                 if msg.op is Op.ERROR:
-                    raise TrainingError(f"ps {i}: {(msg.meta or {}).get('error', 'error')}")
+                    error = StaleTask if (msg.meta or {}).get("fenced") else TrainingError
+                    raise error(f"ps {i}: {(msg.meta or {}).get('error', 'error')}")
                 replies[i] = msg
         return [replies[i] for i in sorted(replies)]
 

@@ -68,7 +68,7 @@ import blake3
 import torch
 import zmq
 
-from ..errors import BadSignature, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
+from ..errors import BadSignature, FencedOff, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
 
 PROTOCOL_VERSION = 7
 MAGIC = b"PSCL"
@@ -313,12 +313,14 @@ def remember(entries: OrderedDict, key, value, capacity: int) -> None:
 
 
 class Sessions:
-    """A ps's sessions: which requests are fresh (see the module docstring)."""
+    """A ps's sessions: which requests are fresh (see the module docstring), and which are fenced off: the
+    sessions a lost worker opened, whose requests are refused once it is declared lost (``fence``)."""
 
     def __init__(self, capacity: int = MAX_SESSIONS):
         self.capacity = capacity
-        self._last: OrderedDict[bytes, int] = OrderedDict()  # session nonce -> last request id accepted
+        self._last: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # nonce -> (last request id, task)
         self._challenges: OrderedDict[bytes, None] = OrderedDict()
+        self._fenced: OrderedDict[bytes, int] = OrderedDict()  # nonce -> the task it belonged to
 
     def open(self, hello: Message) -> bytes:
         """A new session for ``hello``: its nonce, the client's challenge followed by a fresh tag.
@@ -330,18 +332,28 @@ class Sessions:
             raise ReplayedMessage("HELLO with a challenge seen before: a replayed HELLO")
         remember(self._challenges, challenge, None, self.capacity)
         nonce = challenge + secrets.token_bytes(NONCE_SIZE // 2)
-        remember(self._last, nonce, hello.request_id, self.capacity)
+        remember(self._last, nonce, (hello.request_id, hello.task), self.capacity)
         return nonce
 
     def admit(self, msg: Message) -> None:
-        """Accept ``msg`` as the next request of its session, or raise ReplayedMessage."""
-        last = self._last.get(msg.nonce)
+        """Accept ``msg`` as the next request of its session, or raise ReplayedMessage (or FencedOff)."""
+        last, task = self._last.get(msg.nonce, (None, None))
         if last is None:
             raise ReplayedMessage("request of a session this ps did not open: a frame from another connection, "
                                   "ps process or run")
         if msg.request_id <= last:
             raise ReplayedMessage(f"request id {msg.request_id} not after {last}: a frame sent before")
-        remember(self._last, msg.nonce, msg.request_id, self.capacity)
+        remember(self._last, msg.nonce, (msg.request_id, task), self.capacity)
+        if msg.nonce in self._fenced:
+            raise FencedOff(f"worker {task} was declared lost and replaced while it did not answer: "
+                            "this process is fenced off and must end")
+
+    def fence(self, task: int) -> int:
+        """Refuse every request of the sessions ``task`` opened so far; how many there were."""
+        nonces = [nonce for nonce, (_, t) in self._last.items() if t == task]
+        for nonce in nonces:
+            remember(self._fenced, nonce, task, self.capacity)
+        return len(nonces)
 
 
 def challenge() -> bytes:

@@ -41,7 +41,9 @@ next push or pull is answered STOPPED, so it ends.
 
 Hostile input: every message is checked before it is served (``protocol``: limits, HMAC-SHA256 signature, wire
 format, session freshness); one that fails is dropped and counted in ``rejected`` by reason (unsigned,
-bad_signature, replayed, malformed), and never reaches the optimizer. A signed request that does not fit the
+bad_signature, replayed, malformed), and never reaches the optimizer. A signed, fresh request of a worker the
+run declared lost (MEMBERSHIP "lost": it hung, and has a replacement) is refused with an ERROR reply that ends
+it (counted as fenced): a worker that wakes up never trains beside its replacement. A signed request that does not fit the
 run (variables, shapes, dtypes, rows, steps, worker counts out of range) is refused with an ERROR reply and
 counted as malformed. Nothing is unpickled, and nothing is allocated from a size field before it is bounded:
 ZeroMQ refuses frames over ``max_frame_bytes`` at the transport (``MAXMSGSIZE``: libzmq fixes it when the
@@ -65,7 +67,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from ..errors import MalformedMessage, ProtocolError
+from ..errors import FencedOff, MalformedMessage, ProtocolError
 from . import checkpoint, curve, protocol
 from .lanes import Lane, LaneError
 from .metrics import MetricsEmitter
@@ -84,7 +86,7 @@ MAX_FRAME_BYTES = 4 << 30  # the largest frame a ps receives: one variable (or i
 RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT excepted)
 MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
 MAX_LANES = 1024
-REJECTED = ("unsigned", "bad_signature", "replayed", "malformed")
+REJECTED = ("unsigned", "bad_signature", "replayed", "malformed", "fenced")
 PASSED = "has passed"  # in the refusal of a CHECKPOINT at a step the ps is past: the controller asks again
 
 
@@ -301,6 +303,10 @@ class ParameterServer:
                 msg.nonce = self._sessions.open(msg)
             else:
                 self._sessions.admit(msg)
+        except FencedOff as e:  # signed and fresh, from a worker replaced while it hung: told to end
+            self.rejected[e.counter] += 1
+            self._reply(identity, msg, Op.ERROR, meta={"error": str(e), "fenced": True})
+            return
         except ProtocolError as e:
             self.rejected[e.counter] += 1
             return
@@ -641,7 +647,10 @@ class ParameterServer:
                 run.clocks.pop(w, None)
             run.num_workers = n
             run.replicas = max(1, replicas)
-        run.lost.update(int(w) for w in meta.get("lost", []) if 0 <= int(w) < run.num_workers)
+        lost = [int(w) for w in meta.get("lost", []) if 0 <= int(w) < run.num_workers]
+        for w in lost:
+            self._sessions.fence(w)  # the lost worker may only hang: it must not come back beside its replacement
+        run.lost.update(lost)
         run.rules.members_changed(self, run)
         self._reply(identity, msg, Op.OK)
 

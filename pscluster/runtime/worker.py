@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError, RuntimeTimeout
+from ..errors import ConfigError, NonFiniteError, RuntimeTimeout, StaleTask
 from ..spec import ClusterSpec, TaskSpec
 from . import checkpoint, rescue
 from .client import PSClient
@@ -369,6 +369,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
                     emitter.emit("log", line=line)
                     if log is not None:
                         log(line)
+        except StaleTask:
+            raise  # its copy is older than its replacement's
         except Exception:
             _leave_copy(shards, plan, index, reply.step)
             raise

@@ -40,7 +40,8 @@ def test_rejected_frames_reach_the_run_and_training_goes_on(cluster_1ps_2w, digi
     finally:
         dealer.close(linger=0)
     assert run.status == "finished" and run.global_step == STEPS  # the forged STOP stopped nothing
-    assert run.ps_stats[0]["rejected"] == {"unsigned": 3, "bad_signature": 1, "replayed": 0, "malformed": 0}
+    assert run.ps_stats[0]["rejected"] == {"unsigned": 3, "bad_signature": 1, "replayed": 0, "malformed": 0,
+                                             "fenced": 0}
     reported = events(run, "rejected")
     assert len(reported) and reported["task"].iloc[-1] == "ps:0"
     assert reported["detail"].iloc[-1] == run.ps_stats[0]["rejected"]

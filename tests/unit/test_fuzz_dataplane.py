@@ -260,7 +260,8 @@ def test_a_live_ps_survives_fuzzing_and_trains_as_without_it(dataset):
         assert fuzzer.sent == total >= 10_000
         assert wait_until(lambda: sum(server.rejected.values()) >= total, 30)
         assert dict(server.rejected) == fuzzer.expected
-        assert all(fuzzer.expected.values())  # every reason was exercised
+        # every reason was exercised (but fencing, which needs a worker declared lost: test_ps_server's)
+        assert all(n for reason, n in fuzzer.expected.items() if reason != "fenced")
         assert server.running and server.failed_requests == 0
 
         def answered():

@@ -10,7 +10,7 @@ import pytest
 import torch
 import zmq
 
-from pscluster.errors import ConfigError, PeerLost, RuntimeTimeout, TrainingError
+from pscluster.errors import ConfigError, PeerLost, RuntimeTimeout, StaleTask, TrainingError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime import protocol
 from pscluster.runtime.client import PSClient
@@ -200,6 +200,34 @@ def test_workers_added_count_from_their_first_request_and_removed_ones_are_stopp
     assert w1.pull().flags & Flag.STOPPED
     assert w0.push_pull(2, run.split(grads(6, run.initial))).step == 3  # the chief alone makes the steps
     assert controller.stats()[0]["applied"] == 3
+
+
+def test_a_worker_declared_lost_while_it_hung_is_fenced_off_and_its_replacement_trains(start_run, values):
+    """Sync, 2 workers: worker 1 hangs; the controller declares it lost; the chief goes on alone; then the hung
+    process wakes and pushes: refused with an answer that ends it, its gradient never applied. Its replacement
+    (a new session of worker 1) trains."""
+    run = start_run(values, mode="sync", replicas=2)
+    chief, hung, controller = run.client(task=0), run.client(task=1), run.client()
+    hung.pull()
+    controller.lost_workers([1])
+    assert chief.push_pull(0, run.split(grads(0, run.initial))).step == 1
+    with pytest.raises(StaleTask, match="worker 1 was declared lost and replaced .* fenced off"):
+        hung.push_pull(1, run.split(grads(9, run.initial)))
+    stats = controller.stats()[0]
+    assert (stats["step"], stats["applied"], stats["rejected"]["fenced"]) == (1, 1, 1)
+    replacement = run.client(task=1)
+    assert replacement.pull().step == 1  # live again: the next step waits for both
+    chief_reply = {}
+    thread = threading.Thread(target=lambda: chief_reply.update(r=chief.push_pull(1, run.split(grads(1, run.initial)))))
+    thread.start()
+    try:
+        assert wait_until(lambda: controller.stats()[0]["waiting_on"] == [0], 5)
+        assert replacement.push_pull(1, run.split(grads(2, run.initial))).step == 2
+    finally:
+        thread.join(10)
+    assert chief_reply["r"].step == 2
+    with pytest.raises(StaleTask):  # still fenced
+        hung.pull()
 
 
 # --- async mode ------------------------------------------------------------------------------
