@@ -5,7 +5,7 @@ TORCH_SPEC  ?= torch==2.13.0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
 
-.PHONY: demo embeddings bench test install labextension chromium multihost-deps clean
+.PHONY: demo embeddings bench test faults install labextension chromium multihost-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench: $(BENCH_STAMP)
 
 test: $(STAMP) $(LABEXT_BUILT) chromium multihost-deps
 	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest
+
+# Every fault on every role at every bad moment (tests/faults, about 15 minutes on 2 cores): reports/faults.json.
+faults: $(STAMP)
+	mkdir -p reports
+	PSCLUSTER_FAULT_MATRIX=1 PSCLUSTER_REPORT_DIR=$(CURDIR)/reports IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest tests/faults
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache pscluster/labextension labextension/lib labextension/node_modules

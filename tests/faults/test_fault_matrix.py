@@ -1,0 +1,177 @@
+"""Faults at bad moments, every kind on every role: {SIGKILL, SIGSTOP} x {ps, chief, worker} x {mid training, mid
+checkpoint write, mid restore, mid scale-up}, on 2 ps + 3 workers training the digits MLP in sync mode.
+
+Every cell must reach its exact step target, end within ``ACCURACY_SLACK`` of the test accuracy of the same run
+undisturbed, and leave no checkpoint whose shards disagree on their step (but what a rescue after a lost ps
+says it took, see ``runtime.rescue``). A stopped task gets SIGCONT once it is replaced (at the latest after
+``HANG_S``): by then it must be dead, killed by the recovery, never back in the run. Each cell's timings (fault to
+lost, to replaced, to training again) go to ``reports/faults.json``; the README's table comes from there.
+
+Runs with ``make faults`` (about 15 minutes on 2 cores), not in ``make test``.
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pscluster
+from pscluster.cluster.reaper import alive
+from pscluster.evaluate import evaluate
+from pscluster.runtime import checkpoint
+
+STEPS = 6000
+HANG_S = 30.0
+ACCURACY_SLACK = 0.02
+LOSS = torch.nn.CrossEntropyLoss()
+REPORT = Path(os.environ.get("PSCLUSTER_REPORT_DIR", "reports")) / "faults.json"
+VICTIMS = {"ps": "ps:1", "chief": "worker:0", "worker": "worker:2"}
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+TRAIN = dict(lr=0.1, mode="sync", steps=STEPS, batch_size=32, checkpoint_every=1000)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = pscluster.Cluster(ps=2, workers=3).start()
+    yield c
+    pids = c.pids
+    c.stop()
+    assert not [p for p in pids if alive(p)], "cluster processes left running after stop()"
+
+
+@pytest.fixture(scope="module")
+def data():
+    return pscluster.datasets.digits("train"), pscluster.datasets.digits("test")
+
+
+@pytest.fixture(scope="module")
+def undisturbed(cluster, data):
+    run = cluster.train(mlp, data[0], LOSS, **TRAIN).wait(timeout=600, verbose=False)
+    assert run.status == "finished" and run.global_step == STEPS
+    return accuracy(run, data[1])
+
+
+def accuracy(run, test) -> float:
+    model = mlp()
+    model.load_state_dict(run.state_dict())
+    return evaluate(model, test, LOSS)["accuracy"]
+
+
+def events(run, *kinds):
+    e = run.store.events(run.id)
+    return e[e["kind"].isin(kinds)]
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.002)
+
+
+def wait_for_step(run, step):
+    wait_for(lambda: run.global_step >= step or run.done, 300, f"global step {step}")
+    assert not run.done, f"the run ended at {run.global_step} before the fault: {run.error_line}"
+
+
+def writing_shard(directory: Path, ps: int) -> bool:
+    """Whether ps ``ps`` is writing a shard file now (its temporary file exists)."""
+    try:
+        folders = [e for e in os.scandir(directory) if e.is_dir() and e.name.startswith("step-")]
+        return any(n.startswith(f".ps-{ps}.") for f in folders for n in os.listdir(f.path))
+    except OSError:
+        return False
+
+
+def await_moment(phase: str, cluster, run, victim: str):
+    """Block until the cell's bad moment; returns a cleanup to call after the run."""
+    role, index = victim.split(":")
+    if phase == "training":
+        wait_for_step(run, STEPS // 4)
+    elif phase == "checkpoint":  # a ps writing its shard (the victim, when it is a ps)
+        wait_for_step(run, STEPS // 4)
+        writer = int(index) if role == "ps" else 0
+        wait_for(lambda: writing_shard(Path(run.plan.checkpoint_dir), writer) or run.done, 120, "shard write")
+    elif phase == "restore":  # a new attempt starting after ps 0 was lost: the chief restores
+        wait_for_step(run, STEPS // 4)
+        os.kill(cluster.spec.task("ps", 0).pid, signal.SIGKILL)
+        wait_for(lambda: len(events(run, "restarting")), 120, "restart after ps 0 was killed")
+    elif phase == "scale":  # a worker being added: its engine starting
+        wait_for_step(run, STEPS // 4)
+        scaling = threading.Thread(target=cluster.scale, kwargs={"workers": 4})
+        scaling.start()
+        time.sleep(0.5)
+        return lambda: (scaling.join(120), cluster.scale(workers=3))
+    return lambda: None
+
+
+def shards_of_one_step(directory) -> None:
+    """Every committed checkpoint holds shards of its own step; a rescued one, of the steps its manifest
+    names (a lost ps's variables from a worker's copy at most a few steps older)."""
+    for step in checkpoint.committed_steps(directory):
+        manifest = json.loads(checkpoint.manifest_path(directory, step).read_text())
+        rescued = {r["ps"]: r["step"] for r in manifest.get("rescued", [])}
+        for shard in manifest["shards"]:
+            receipt = json.loads((Path(directory) / shard["file"]).with_suffix(".json").read_text())
+            assert receipt["step"] == step, (step, receipt)
+            if shard["ps"] in rescued:
+                assert step - 3 <= rescued[shard["ps"]] <= step, (step, manifest["rescued"])
+        checkpoint.Checkpoint.load(checkpoint.manifest_path(directory, step))  # whole, checksums right
+
+
+def record(cell: str, outcome: dict) -> None:
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(REPORT.read_text()) if REPORT.exists() else {}
+    results[cell] = outcome
+    REPORT.write_text(json.dumps(results, indent=1, sort_keys=True))
+
+
+@pytest.mark.parametrize("phase", ["training", "checkpoint", "restore", "scale"])
+@pytest.mark.parametrize("role", ["ps", "chief", "worker"])
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_fault_at_a_bad_moment(cluster, data, undisturbed, fault, role, phase):
+    victim = VICTIMS[role]
+    run = cluster.train(mlp, data[0], LOSS, **TRAIN)
+    cleanup = await_moment(phase, cluster, run, victim)
+    victim_role, victim_index = victim.split(":")
+    pid = cluster.spec.task(victim_role, int(victim_index)).pid
+    hit_at, hit_step = time.time(), run.global_step
+    os.kill(pid, getattr(signal, fault))
+    if fault == "SIGSTOP":
+        wait_for(lambda: not alive(pid) or run.done or
+                 (events(run, "replaced")["task"] == victim).any(), HANG_S, "replacement")
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    run.wait(timeout=600, verbose=False)
+    cleanup()
+    assert run.status == "finished" and run.error is None, run.error_line
+    assert run.global_step == STEPS  # exactly the target
+    assert not alive(pid), f"the {fault} {victim} ({pid}) outlived its recovery"
+    lost = events(run, "lost")
+    assert victim in set(lost["task"]), f"{victim} was never declared lost: {list(lost['task'])}"
+    shards_of_one_step(run.plan.checkpoint_dir)
+    got = accuracy(run, data[1])
+    assert got >= undisturbed - ACCURACY_SLACK, (got, undisturbed)
+    after = lambda kind: events(run, kind)  # noqa: E731
+    lost_at = lost[lost["task"] == victim]["time"].min()
+    replaced = after("replaced")
+    replaced_at = replaced[(replaced["task"] == victim) & (replaced["time"] >= lost_at)]["time"].min()
+    metrics = run.metrics()
+    training_again = metrics[metrics["time"] > replaced_at]["time"].min()
+    record(f"{fault} {role} {phase}", {
+        "fault_step": int(hit_step), "lost_s": round(lost_at - hit_at, 2), "replaced_s": round(replaced_at - hit_at, 2),
+        "training_again_s": round(training_again - hit_at, 2), "accuracy": round(got, 4),
+        "undisturbed_accuracy": round(undisturbed, 4), "attempts": int(run.plan.attempt) + 1,
+        "restored_from": [d.get("from_step") for d in events(run, "restarting")["detail"]]})
