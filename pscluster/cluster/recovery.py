@@ -100,7 +100,7 @@ def _restart_from_checkpoint(run: "Run", tasks: Tasks, lost_ps: list[TaskSpec],
     if survivors:
         try:
             with PSClient(run.spec, run_id=run.id, timeout=10.0, only=survivors) as client:
-                client.stop()
+                client.stop(attempt=run.plan.attempt)
         except Exception:
             pass  # the workers still end, on their lost ps connection
     gone = {t.index for t in lost_workers}

@@ -298,10 +298,11 @@ class PSClient:
     def stats(self) -> list[dict]:
         return [m.meta or {} for m in self.request(Op.STATS)]
 
-    def stop(self, at_step: int | None = None) -> int:
+    def stop(self, at_step: int | None = None, *, attempt: int | None = None) -> int:
         """End the run now, or once every ps has applied step ``at_step``; returns the (highest) step a ps
-        ends on."""
-        return max(m.value for m in self.request(Op.STOP, meta=None if at_step is None else {"at_step": at_step}))
+        ends on. ``attempt``: end only that attempt of the run (a failed one), not the next."""
+        meta = {k: v for k, v in (("at_step", at_step), ("attempt", attempt)) if v is not None}
+        return max(m.value for m in self.request(Op.STOP, meta=meta or None))
 
     def park(self) -> int:
         """Every ps holds pushes from its current step on (the first half of a clean stop); returns the

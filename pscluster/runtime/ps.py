@@ -225,7 +225,8 @@ class ParameterServer:
             raise
         self._sessions = protocol.Sessions()
         self.run: _RunState | None = None
-        self._stop_requested: set[int] = set()  # STOP can arrive before the chief's INIT
+        # (run id, attempt or None for every attempt): STOP can arrive before the chief's INIT
+        self._stop_requested: set[tuple[int, int | None]] = set()
         self._past_runs: set[int] = set()
         self._lanes: OrderedDict[bytes, Lane] = OrderedDict()  # session nonce -> its shared-memory lane
         self.rejected: Counter = Counter(dict.fromkeys(REJECTED, 0))  # messages dropped or refused, by reason
@@ -437,7 +438,8 @@ class ParameterServer:
         self._lanes.clear()
         if cfg.metrics_address:
             run.emitter = MetricsEmitter(cfg.metrics_address, f"ps:{self.index}", self.key, context=self._ctx)
-        run.stopped = run.run_id in self._stop_requested or run.step >= run.steps
+        run.stopped = bool({(run.run_id, None), (run.run_id, run.attempt)} & self._stop_requested) \
+            or run.step >= run.steps
         self.run = run
         self._reply(identity, msg, Op.OK)
 
@@ -576,12 +578,17 @@ class ParameterServer:
 
     def _stop_run(self, identity, msg):
         """Stop now, or (meta {"at_step": S}) once step S is applied; meta {"hold": true}: park at the current
-        step, and answer it (the first of two STOPs that end every ps on the same step)."""
+        step, and answer it (the first of two STOPs that end every ps on the same step). Meta {"attempt": A}:
+        only attempt A of the run (a failed attempt's stop must not end the next one)."""
         run = self.run
         meta = msg.meta or {}
-        if run is None or run.run_id != msg.run_id:
-            self._stop_requested.add(msg.run_id)
+        attempt = None if meta.get("attempt") is None else int(meta["attempt"])
+        if run is None or run.run_id != msg.run_id or (attempt is not None and attempt > run.attempt):
+            self._stop_requested.add((msg.run_id, attempt))
             self._reply(identity, msg, Op.OK)
+            return
+        if attempt is not None and attempt < run.attempt:  # that attempt is over: this ps serves a later one
+            self._reply(identity, msg, Op.OK, value=run.step)
             return
         if meta.get("hold") and not run.stopped:
             if run.park_at is None:

@@ -61,6 +61,23 @@ def test_hello_and_pull_before_init(local_ps):
     assert client.pull() is None  # NOT_READY
 
 
+def test_a_stop_before_init_ends_its_run_but_a_failed_attempts_stop_not_the_next_attempt(local_ps, values):
+    """A replacement ps told to stop a failed attempt before the next one INITs it (a ps lost during a restore):
+    the next attempt trains; a stop for an attempt to come ends it."""
+    spec = local_ps.start()
+    controller = local_ps.client(spec, run_id=RUN_ID)
+    controller.stop(attempt=0)
+    names, tensors = list(values), list(values.values())
+    config = ps_config(names, steps=10)
+    controller.init(RUN_ID, {0: (list(range(len(names))), tensors)}, [{**config, "attempt": 1}])
+    assert not controller.pull().flags & Flag.STOPPED
+    controller.stop(attempt=0)  # late, for the attempt that is over
+    assert not controller.pull().flags & Flag.STOPPED
+    controller.stop(attempt=2)  # for an attempt yet to come
+    controller.init(RUN_ID, {0: (list(range(len(names))), tensors)}, [{**config, "attempt": 2}])
+    assert controller.pull().flags & Flag.STOPPED
+
+
 def test_stats_before_init_has_only_server_counters(local_ps):
     client = local_ps.client(local_ps.start())
     stats = client.stats()[0]
