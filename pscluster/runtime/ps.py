@@ -67,8 +67,8 @@ import zmq
 
 from ..errors import MalformedMessage, ProtocolError
 from . import checkpoint, curve, protocol
+from .emitter import MetricsEmitter
 from .lanes import Lane, LaneError
-from .metrics import MetricsEmitter
 from .optim import OptimizerSpec, PsOptimizer, build
 from .plan import PsConfig
 from .steps import PRECISIONS

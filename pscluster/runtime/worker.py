@@ -25,7 +25,7 @@ from ..spec import ClusterSpec, TaskSpec
 from . import checkpoint, rescue
 from .client import PSClient
 from .data import worker_batches
-from .metrics import MetricsEmitter
+from .emitter import MetricsEmitter
 from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors, sparse_modules
 from .protocol import Flag
 from .steps import Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
