@@ -22,7 +22,7 @@ import torch
 
 from ..errors import ClusterStateError, ConfigError
 from ..metrics.store import RunStore
-from ..runtime import engine as remote
+from ..runtime import remote
 from ..runtime.data import first_batch, training_input
 from ..runtime import optim
 from ..runtime.plan import TrainPlan, describe_variables

@@ -25,12 +25,12 @@ import sys
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..runtime.engine import route_address
+from ..runtime.network import route_address
 
 KINDS = ("local", "ssh", "mpi", "slurm")
 LOOPBACK = "127.0.0.1"
 # Remote engines are declared lost after CONTROLLER_HB_MISSES missed heartbeats (HB_PERIOD_MS apart). (They end
-# themselves when the controller goes away through runtime.engine.watch_controller: ipyparallel 9's own
+# themselves when the controller goes away through runtime.remote.watch_controller: ipyparallel 9's own
 # IPEngine.max_heartbeat_misses check never runs under ipykernel 7.)
 HB_PERIOD_MS = 1000
 CONTROLLER_HB_MISSES = 4

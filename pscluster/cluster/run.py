@@ -27,7 +27,7 @@ from ..metrics.collector import Collector
 from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.client import PSClient
-from ..runtime.engine import bind_in_range
+from ..runtime.network import bind_in_range
 from ..runtime.plan import TrainPlan, assemble, state_dict_of
 from ..runtime.ps import wait_until
 from ..runtime.worker import build_model
