@@ -27,7 +27,8 @@ first use.
 
 from typing import TYPE_CHECKING
 
-from .runtime.placement import (
+from .footprint import format_bytes, optimizer_slots, placement_line
+from .runtime.sharding import (
     STRATEGIES,
     Partitioner,
     Shard,
@@ -36,13 +37,10 @@ from .runtime.placement import (
     bytes_per_ps,
     explicit,
     fixed_shards,
-    format_bytes,
     greedy,
     max_shards,
     min_shard_bytes,
-    optimizer_slots,
     partition_rows,
-    placement_line,
     resolve_strategy,
     round_robin,
     shard_map,

@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 
 from ..errors import ConfigError
+from ..footprint import format_bytes, optimizer_slots
 from ..metrics.store import placement_frame
-from ..runtime.placement import format_bytes, optimizer_slots
 from ..widgets import figures
 from ..widgets.dashboard import FigureView
 

@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import ConfigError
+from ..footprint import placement_line
 from .data import LoaderOptions
 from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer
-from .placement import Variable, placement_line, shard_map
 from .protocol import NO_TASK
+from .sharding import Variable, shard_map
 from .steps import PRECISIONS
 
 MODES = ("sync", "async", "ssp")
@@ -113,7 +114,7 @@ def describe_variables(model: torch.nn.Module, num_ps: int, placement="round_rob
                        partition=None) -> tuple[VariableSpec, ...]:
     """The VariableSpecs of ``model``'s state (``model_tensors``: parameters, frozen parameters, buffers, in
     state_dict order), split by ``partition`` and placed by ``placement`` (see
-    ``pscluster.runtime.placement.shard_map``)."""
+    ``pscluster.runtime.sharding.shard_map``)."""
     tensors, _ = model_tensors(model)
     sparse = sparse_modules(model)
     shards = shard_map([Variable(n, tuple(t.shape), t.element_size()) for n, (t, _) in tensors.items()], num_ps,

@@ -22,9 +22,9 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ..errors import ConfigError
+from ..footprint import optimizer_slots
 from ..metrics import speed
 from ..metrics.store import RunStore
-from ..runtime.placement import optimizer_slots
 from . import figures, live, panels, ps_panels, specs
 from .reader import RunReader
 from .roles import FINAL, roles_frame, task_states

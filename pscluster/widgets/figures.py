@@ -17,8 +17,8 @@ from typing import NamedTuple
 import pandas as pd
 import plotly.graph_objects as go
 
+from ..footprint import placement_line
 from ..metrics import speed
-from ..runtime.placement import placement_line
 from .panels import SMOOTH_SPAN, Convergence, Speed, Staleness
 from .ps_panels import PsLoad, Traffic, Waiting
 from .series import Decimated, Ewm

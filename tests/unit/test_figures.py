@@ -11,7 +11,7 @@ import pytest
 
 from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
-from pscluster.runtime.placement import optimizer_slots
+from pscluster.footprint import optimizer_slots
 from pscluster.widgets import figures, panels, roles, specs
 from pscluster.widgets.series import Decimated, Ewm
 
