@@ -22,7 +22,7 @@ from ..metrics import speed
 from .panels import SMOOTH_SPAN, Convergence, Speed, Staleness
 from .ps_panels import PsLoad, Traffic, Waiting
 from .series import Decimated, Ewm
-from .specs import Spec, color, columns, figure, no_data, rows, spec
+from .figure_specs import Spec, color, columns, figure, no_data, rows, spec
 
 
 def no_data_figure(title: str) -> go.Figure:
