@@ -30,7 +30,7 @@ from ..runtime.steps import check_step
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec, TaskSpec
 from . import reaper, registry, scaling
-from .checkpoints import CheckpointCoordinator
+from .checkpoint_commits import CheckpointCoordinator
 from .engines import EngineSet
 from . import launchers
 from .launchers import Launcher

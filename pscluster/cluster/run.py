@@ -33,7 +33,7 @@ from ..runtime.ps import wait_until
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
 from . import recovery
-from .checkpoints import CheckpointCoordinator
+from .checkpoint_commits import CheckpointCoordinator
 from .progress import StepProgress
 
 RESULT_GRACE_S = 2.0  # how long a worker's ipyparallel result may trail its "done" event before the event stands in
