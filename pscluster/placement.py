@@ -47,7 +47,7 @@ from .runtime.sharding import (
 )
 
 if TYPE_CHECKING:  # loaded on first use (pandas, plotly): see __getattr__
-    from .cluster.plan_view import PlacementPlan, compare_placements
+    from .widgets.placement_plan import PlacementPlan, compare_placements
 
 __all__ = ["STRATEGIES", "Partitioner", "PlacementPlan", "Shard", "Strategy", "Variable", "bytes_per_ps",
            "compare_placements", "explicit", "fixed_shards", "format_bytes", "greedy", "max_shards",
@@ -57,7 +57,7 @@ __all__ = ["STRATEGIES", "Partitioner", "PlacementPlan", "Shard", "Strategy", "V
 
 def __getattr__(name):
     if name in ("PlacementPlan", "compare_placements"):
-        from .cluster import plan_view
+        from .widgets import placement_plan
 
-        return getattr(plan_view, name)
+        return getattr(placement_plan, name)
     raise AttributeError(f"module 'pscluster.placement' has no attribute {name!r}")

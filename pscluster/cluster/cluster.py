@@ -39,7 +39,7 @@ from .run import Run
 from .shipping import ship
 
 if TYPE_CHECKING:
-    from .plan_view import PlacementPlan
+    from ..widgets.placement_plan import PlacementPlan
 
 
 def _count(name: str, value, minimum: int) -> int:
@@ -491,7 +491,7 @@ class Cluster:
         The PlacementPlan has ``table`` (bytes per ps), ``lines`` (TF-style), ``figure``, and displays all
         three; ``pscluster.placement.compare_placements({"round-robin": a, "greedy": b})`` compares plans.
         """
-        from .plan_view import PlacementPlan, placement_label  # pandas and plotly: loaded on first use
+        from ..widgets.placement_plan import PlacementPlan, placement_label  # pandas and plotly: loaded on first use
 
         if not isinstance(model_fn, torch.nn.Module) and not callable(model_fn):
             raise ConfigError("model_fn must be a torch.nn.Module or a function that builds one")
