@@ -23,7 +23,7 @@ from ..errors import ClusterStateError, PSClusterError
 from ..runtime.ps import wait_until
 
 if TYPE_CHECKING:
-    from .cluster import Cluster
+    from .handle import Cluster
 
 POLL_MS = 200
 MAX_REQUEST_BYTES = 64 * 1024  # a request is a small JSON object: ZeroMQ drops a peer that sends more

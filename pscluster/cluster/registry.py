@@ -26,7 +26,7 @@ from .control import ControlServer
 from .reaper import alive
 
 if TYPE_CHECKING:
-    from .cluster import Cluster
+    from .handle import Cluster
 
 DIRECTORY = "clusters"
 

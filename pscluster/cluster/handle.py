@@ -1,4 +1,4 @@
-"""Cluster: a PS cluster on ipyparallel engines (local, or started on other hosts by ipyparallel's ssh, mpi or
+"""Cluster, the kernel's handle on a PS cluster: ps and worker tasks on ipyparallel engines (local, or started on other hosts by ipyparallel's ssh, mpi or
 slurm launcher), from the kernel.
 
     cluster = Cluster(ps=1, workers=2).start()
