@@ -1,5 +1,5 @@
-"""Cluster, the kernel's handle on a PS cluster: ps and worker tasks on ipyparallel engines (local, or started on other hosts by ipyparallel's ssh, mpi or
-slurm launcher), from the kernel.
+"""Cluster, the kernel's handle on a PS cluster: ps and worker tasks on ipyparallel engines (local, or started
+on other hosts by ipyparallel's ssh, mpi or slurm launcher).
 
     cluster = Cluster(ps=1, workers=2).start()
     cluster = Cluster(ps=1, workers=4, launcher="ssh", hosts=["node1", "node2=2", "node3=2"], ps_hosts=["node1"])
