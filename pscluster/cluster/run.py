@@ -21,12 +21,12 @@ import pandas as pd
 import torch
 
 from ..errors import RuntimeTimeout, TrainingError
-from ..evaluate import evaluate
 from ..metrics import speed
 from ..metrics.collector import Collector
 from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.client import PSClient
+from ..runtime.evaluation import evaluate
 from ..runtime.network import bind_in_range
 from ..runtime.plan import TrainPlan, assemble, state_dict_of
 from ..runtime.ps import wait_until
