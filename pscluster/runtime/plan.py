@@ -16,7 +16,7 @@ import torch
 from ..errors import ConfigError
 from ..footprint import placement_line
 from .data import LoaderOptions
-from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer
+from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer, sparse_modules
 from .protocol import NO_TASK
 from .sharding import Variable, shard_map
 from .steps import PRECISIONS
@@ -83,12 +83,6 @@ class VariableSpec:
         """The TF-style listing line, e.g. ``fc1.weight: /job:ps/task:0``."""
         return placement_line(self.name, self.ps, (self.start, self.stop) if self.partitioned else None,
                               self.nbytes, self.kind)
-
-
-def sparse_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The model's ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``, by their weight's name."""
-    return {f"{prefix}.weight" if prefix else "weight": m for prefix, m in model.named_modules()
-            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
 
 
 def model_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, str]], tuple[tuple[str, str], ...]]:

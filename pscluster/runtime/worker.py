@@ -26,7 +26,8 @@ from . import checkpoint, rescue
 from .client import PSClient
 from .data import worker_batches
 from .emitter import MetricsEmitter
-from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors, sparse_modules
+from .optim import sparse_modules
+from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors
 from .protocol import Flag
 from .steps import Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
 
