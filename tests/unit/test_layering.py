@@ -140,3 +140,25 @@ def test_runtime_imports_no_notebook_or_control_plane_modules():
     offending = sorted(m for m in loaded if m.startswith(FORBIDDEN))
     assert not offending, f"importing the runtime loaded {offending}"
     assert "torch" in loaded and "zmq" in loaded  # the probe did import the runtime
+
+
+def test_readme_layout_lists_every_module():
+    """The README's repository layout names every module of the package, each where it is, and no other (a
+    subpackage's folder stands for its ``__init__.py``)."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    block = readme.split("## Repository layout", 1)[1].split("```", 2)[1]
+    listed, folders = set(), []
+    for line in block.splitlines():
+        name = line.strip().split(" ", 1)[0]
+        if not name:
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        del folders[depth:]
+        if name.endswith("/"):
+            folders.append(name)
+        elif name.endswith(".py"):
+            listed.add("".join(folders) + name)
+    on_disk = {str(p.relative_to(PACKAGE.parent)) for p in MODULES.values()
+               if p.name != "__init__.py" or p.parent == PACKAGE}
+    assert listed == on_disk, (f"not in the README's layout: {sorted(on_disk - listed)}; "
+                               f"listed but absent: {sorted(listed - on_disk)}")
