@@ -2,7 +2,6 @@
 contract (plan, steps, optimizer, data).
 
 This package imports only itself and the base modules (errors, environ, spec, footprint), and no IPython,
-Jupyter, ipyparallel or plotly: a process can join a
-cluster from the ``PSCLUSTER_CONFIG`` environment variable alone
-(``python -m pscluster.runtime`` serves a ps task that way).
+Jupyter, ipyparallel or plotly: a process can join a cluster from the ``PSCLUSTER_CONFIG`` environment variable
+alone (``python -m pscluster.runtime`` serves a ps task that way).
 """
