@@ -19,12 +19,14 @@ import json
 import os
 import tempfile
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .. import environ
-from ..metrics.store import RunStore
 from .control import ControlledCluster, ControlServer
 from .reaper import alive
+
+if TYPE_CHECKING:  # annotations only: reading the registry (pscluster.clusters()) loads no pandas
+    from ..metrics.store import RunStore
 
 DIRECTORY = "clusters"
 
