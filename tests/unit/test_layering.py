@@ -3,8 +3,9 @@
 Layers, lowest first: base (errors, environ, spec, footprint) → runtime → metrics → views (widgets) →
 control plane (cluster) → front (the package, magics, labserver and the other top-level modules). A module
 imports its own layer and the layers below it, never above; every import counts: module level, inside
-functions and under ``if TYPE_CHECKING:``. No import cycle between modules, no two modules of one name, and
-importing the runtime (code that runs on engines) loads nothing of IPython, Jupyter, ipyparallel or plotly.
+functions and under ``if TYPE_CHECKING:``. No import cycle between modules, no two modules of one name,
+importing the runtime (code that runs on engines) loads nothing of IPython, Jupyter, ipyparallel or plotly, and
+the README's repository layout lists every module.
 """
 
 import ast
