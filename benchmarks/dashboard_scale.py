@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pscluster.metrics.collector import Collector
 from pscluster.metrics.store import METRIC_COLUMNS, RunStore
-from pscluster.runtime.metrics import MetricsEmitter
+from pscluster.runtime.emitter import MetricsEmitter
 
 from . import procs
 from .common import Result, Target, alternate, compare, repetitions, timed

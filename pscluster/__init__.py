@@ -17,7 +17,7 @@ __all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "clust
 
 def __getattr__(name):
     if name == "Cluster":
-        from .cluster.cluster import Cluster
+        from .cluster.handle import Cluster
 
         return Cluster
     if name == "Run":

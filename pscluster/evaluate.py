@@ -1,4 +1,5 @@
-"""Evaluation of trained parameters on a dataset, in the calling process, and the ROC AUC of scores."""
+"""``pscluster.evaluate``: a model's loss, accuracy and metrics over a dataset, in the calling process
+(``evaluate``, from ``runtime.evaluation``, which ``Run.evaluate`` uses too), and the ROC AUC of scores (``auc``)."""
 
 from __future__ import annotations
 
@@ -6,32 +7,9 @@ import numpy as np
 import torch
 
 from .errors import ConfigError
-from .runtime.data import in_order
-from .runtime.steps import batch_accuracy, forward, metric_values, samples_in
+from .runtime.evaluation import evaluate
 
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset, loss_fn, *, step_fn=None, batch_size: int = 1024,
-             collate_fn=None) -> dict:
-    """Mean loss, accuracy (None where it means nothing, see ``runtime.steps.batch_accuracy``) and the mean of each
-    of a ``step_fn``'s metrics (under their own names) of ``model`` in eval mode over ``dataset``, a map-style or
-    iterable dataset batched as the workers batch it (``collate_fn``: theirs), or a DataLoader."""
-    model.eval()
-    total, loss_sum, correct, has_accuracy, sums = 0, 0.0, 0.0, True, {}
-    for batch in in_order(dataset, batch_size, collate_fn):
-        loss, output, target, metrics = forward(model, loss_fn, step_fn, batch)
-        n = samples_in(batch)
-        loss_sum += loss.item() * n
-        accuracy = batch_accuracy(output, target)
-        has_accuracy = has_accuracy and accuracy is not None
-        correct += (accuracy or 0.0) * n
-        for name, value in metric_values(metrics).items():
-            sums[name] = sums.get(name, 0.0) + value * n
-        total += n
-    if total == 0:
-        return {"loss": float("nan"), "accuracy": None}
-    return {"loss": loss_sum / total, "accuracy": correct / total if has_accuracy else None,
-            **{name: value / total for name, value in sums.items()}}
+__all__ = ["auc", "evaluate"]
 
 
 def auc(scores, labels) -> float:

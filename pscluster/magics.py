@@ -27,7 +27,7 @@ import shlex
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from .cluster.cluster import Cluster
+from .cluster.handle import Cluster
 from .cluster.launchers import KINDS
 from .errors import ConfigError, PSClusterError
 from .runtime.plan import BUFFER_RULES, NONFINITE

@@ -27,7 +27,8 @@ first use.
 
 from typing import TYPE_CHECKING
 
-from .runtime.placement import (
+from .footprint import format_bytes, optimizer_slots, placement_line
+from .runtime.sharding import (
     STRATEGIES,
     Partitioner,
     Shard,
@@ -36,20 +37,17 @@ from .runtime.placement import (
     bytes_per_ps,
     explicit,
     fixed_shards,
-    format_bytes,
     greedy,
     max_shards,
     min_shard_bytes,
-    optimizer_slots,
     partition_rows,
-    placement_line,
     resolve_strategy,
     round_robin,
     shard_map,
 )
 
 if TYPE_CHECKING:  # loaded on first use (pandas, plotly): see __getattr__
-    from .cluster.plan_view import PlacementPlan, compare_placements
+    from .widgets.placement_plan import PlacementPlan, compare_placements
 
 __all__ = ["STRATEGIES", "Partitioner", "PlacementPlan", "Shard", "Strategy", "Variable", "bytes_per_ps",
            "compare_placements", "explicit", "fixed_shards", "format_bytes", "greedy", "max_shards",
@@ -59,7 +57,7 @@ __all__ = ["STRATEGIES", "Partitioner", "PlacementPlan", "Shard", "Strategy", "V
 
 def __getattr__(name):
     if name in ("PlacementPlan", "compare_placements"):
-        from .cluster import plan_view
+        from .widgets import placement_plan
 
-        return getattr(plan_view, name)
+        return getattr(placement_plan, name)
     raise AttributeError(f"module 'pscluster.placement' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Loopback port ranges for tests that give a cluster ``ports=(lo, hi)``."""
 import socket
 
-from pscluster.runtime.engine import ephemeral_ports
+from pscluster.runtime.network import ephemeral_ports
 
 
 def quiet_port_range(n: int) -> tuple[int, int]:

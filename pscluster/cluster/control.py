@@ -15,20 +15,64 @@ from __future__ import annotations
 import json
 import secrets
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import zmq
 
 from ..errors import ClusterStateError, PSClusterError
 from ..runtime.ps import wait_until
-
-if TYPE_CHECKING:
-    from .cluster import Cluster
+from ..spec import ClusterSpec, TaskSpec
 
 POLL_MS = 200
 MAX_REQUEST_BYTES = 64 * 1024  # a request is a small JSON object: ZeroMQ drops a peer that sends more
 RESTART_S = 120.0  # how long a restart during a run waits for the run's recovery to replace the task
 _replacing = threading.Lock()  # one restart at a time: a cluster adds one engine at a time
+
+
+class ControlledRun(Protocol):
+    """What a control request needs of a run: its id, whether and how it ended, and stopping it."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def status(self) -> str: ...
+
+    def stop(self): ...
+
+
+class ControlledCluster(Protocol):
+    """What control requests need of the cluster they act on (``Cluster`` is one): its name, state, tasks and
+    runs, and stopping it, killing and replacing its tasks."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def spec(self) -> ClusterSpec: ...
+
+    @property
+    def runs(self) -> Sequence[ControlledRun]: ...
+
+    @property
+    def active_run(self) -> ControlledRun | None: ...
+
+    def stop(self) -> None: ...
+
+    def roles(self) -> list[dict]: ...
+
+    def lost(self, task: TaskSpec) -> bool: ...
+
+    def kill_task(self, task: TaskSpec) -> None: ...
+
+    def replace_task(self, role: str, index: int) -> ClusterSpec: ...
 
 
 class ControlError(Exception):
@@ -43,7 +87,7 @@ class ControlError(Exception):
 class ControlServer:
     """Serves control requests for one cluster in a daemon thread, until ``close()``."""
 
-    def __init__(self, cluster: "Cluster"):
+    def __init__(self, cluster: ControlledCluster):
         self.token = secrets.token_hex(16)
         self._cluster = cluster
         self._sock = zmq.Context.instance().socket(zmq.REP)
@@ -104,14 +148,14 @@ def _background(fn, name: str) -> None:
     threading.Thread(target=fn, name=name, daemon=True).start()
 
 
-def _stop_cluster(cluster: "Cluster") -> dict:
+def _stop_cluster(cluster: ControlledCluster) -> dict:
     if not cluster.running:
         raise ControlError("conflict", f"cluster {cluster.name} is already stopped")
     _background(cluster.stop, f"pscluster-stop-{cluster.name}")
     return {"state": "stopping"}
 
 
-def _stop_run(cluster: "Cluster", run_id: int) -> dict:
+def _stop_run(cluster: ControlledCluster, run_id: int) -> dict:
     run = next((r for r in cluster.runs if r.id == int(run_id)), None)
     if run is None:
         raise ControlError("not_found", f"run {run_id} is not a run of cluster {cluster.name}")
@@ -121,7 +165,7 @@ def _stop_run(cluster: "Cluster", run_id: int) -> dict:
     return {"status": "stopping"}
 
 
-def _task(cluster: "Cluster", role: str, index: int) -> dict:
+def _task(cluster: ControlledCluster, role: str, index: int) -> dict:
     try:
         roles = cluster.roles()
     except ClusterStateError as e:
@@ -133,7 +177,7 @@ def _task(cluster: "Cluster", role: str, index: int) -> dict:
     return task
 
 
-def _kill_task(cluster: "Cluster", role: str, index: int) -> dict:
+def _kill_task(cluster: ControlledCluster, role: str, index: int) -> dict:
     pid = _task(cluster, role, index)["pid"]
     task = cluster.spec.task("worker" if role == "chief" else role, int(index))
     try:
@@ -145,7 +189,7 @@ def _kill_task(cluster: "Cluster", role: str, index: int) -> dict:
     return {"state": "killed", "pid": pid}
 
 
-def _restart_task(cluster: "Cluster", role: str, index: int) -> dict:
+def _restart_task(cluster: ControlledCluster, role: str, index: int) -> dict:
     """Kill the task's engine (if it still runs) and give the task a new one, in the background."""
     pid = _task(cluster, role, index)["pid"]
     role = "worker" if role == "chief" else role
@@ -153,7 +197,7 @@ def _restart_task(cluster: "Cluster", role: str, index: int) -> dict:
     return {"state": "restarting", "pid": pid}
 
 
-def _restart(cluster: "Cluster", role: str, index: int, pid: int) -> None:
+def _restart(cluster: ControlledCluster, role: str, index: int, pid: int) -> None:
     """During a run, the run's recovery replaces the killed task as any lost one (a worker rejoins with
     the current parameters, a ps rolls every ps back to the latest checkpoint); without a run, or when
     the run ended before it did, the cluster replaces it here."""

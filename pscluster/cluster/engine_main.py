@@ -43,7 +43,7 @@ def connection_info(path: str, since: float, timeout: float = WAIT_S) -> dict:
 def main(argv: list[str]) -> None:
     copies, path, since = int(argv[1]), argv[2], float(argv[3])
     del argv[1:4]  # the rest is ipengine's
-    import pscluster.runtime.engine  # noqa: F401  (loaded once, shared by the forks)
+    import pscluster.runtime.remote  # noqa: F401  (loaded once, shared by the forks)
     from ipyparallel.engine.app import main as engine
 
     os.environ["IPP_CONNECTION_INFO"] = json.dumps(connection_info(path, since))

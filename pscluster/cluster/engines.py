@@ -4,7 +4,7 @@ behind.
 Local engines are watched by pid, and a reaper process kills them if this process dies. Engines on other
 hosts (ssh, mpi, slurm) are watched through the controller's heartbeats: one that misses them is
 unregistered, and counts as lost; they end themselves once the controller is unreachable for a while
-(stopped, killed by the reaper with its kernel, or cut off: ``runtime.engine.watch_controller``), and are
+(stopped, killed by the reaper with its kernel, or cut off: ``runtime.remote.watch_controller``), and are
 stopped through ipyparallel (client shutdown, then the launcher's stop).
 """
 
@@ -277,12 +277,12 @@ def _addresses(host: str) -> set[str]:
 
 
 def _watch_controller(host, port):
-    from pscluster.runtime.engine import watch_controller
+    from pscluster.runtime.remote import watch_controller
 
     watch_controller(host, port)
 
 
 def _describe(controller_ip):
-    from pscluster.runtime.engine import describe
+    from pscluster.runtime.remote import describe
 
     return describe(controller_ip)

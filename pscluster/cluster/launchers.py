@@ -25,13 +25,13 @@ import sys
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..runtime.engine import route_address
+from ..runtime.network import route_address
 
 KINDS = ("local", "ssh", "mpi", "slurm")
 LOOPBACK = "127.0.0.1"
 # An engine that misses its heartbeats for HEARTBEAT_DEADLINE_S is lost, as a dead one is: a hung process
 # (SIGSTOP, a long pause) or a cut link is replaced like a killed one. (Remote engines end themselves when the
-# controller goes away through runtime.engine.watch_controller: ipyparallel 9's own
+# controller goes away through runtime.remote.watch_controller: ipyparallel 9's own
 # IPEngine.max_heartbeat_misses check never runs under ipykernel 7.)
 HEARTBEAT_DEADLINE_S = 4.0
 HB_PERIOD_MS = 1000

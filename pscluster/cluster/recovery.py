@@ -19,18 +19,36 @@ where that fails (its host unreachable) it is fenced off: a lost worker's sessio
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..runtime import checkpoint
 from ..runtime.client import PSClient
+from ..runtime.plan import TrainPlan
 from ..runtime.ps import wait_until
 from ..spec import ClusterSpec, TaskSpec
-
-if TYPE_CHECKING:
-    from .run import Run
+from .checkpoint_commits import CheckpointCoordinator
 
 HEALTH_S = 0.25
 WORKERS_END_S = 10.0  # how long the workers of a failed attempt get to end before they are killed
+
+
+class RecoveringRun(Protocol):
+    """What recovery needs of a run (``Run`` is one): its tasks and plan, which recovery replaces; its workers'
+    results, one per worker by index; its checkpoints; recording events; following a new attempt's workers."""
+
+    spec: ClusterSpec
+    plan: TrainPlan
+    worker_results: list
+    checkpoints: CheckpointCoordinator
+
+    @property
+    def id(self) -> int: ...
+
+    def note(self, kind: str, task: str, detail: dict | None = None) -> None: ...
+
+    def commit_checkpoints(self) -> list: ...
+
+    def restart(self, async_results) -> None: ...
 
 
 class Tasks(Protocol):
@@ -38,7 +56,7 @@ class Tasks(Protocol):
 
     def replace_task(self, role: str, index: int) -> ClusterSpec: ...
 
-    def launch_worker(self, spec: ClusterSpec, index: int, run: "Run", *, join: bool = False): ...
+    def launch_worker(self, spec: ClusterSpec, index: int, run: RecoveringRun, *, join: bool = False): ...
 
     def record(self) -> None: ...
 
@@ -58,7 +76,7 @@ def lost_tasks(spec: ClusterSpec, tasks: Tasks) -> list[TaskSpec]:
     return [t for t in (*spec.ps, *spec.workers) if tasks.lost(t)]
 
 
-def recover(run: "Run", tasks: Tasks) -> bool:
+def recover(run: RecoveringRun, tasks: Tasks) -> bool:
     """Replace what ``run`` lost since the last check; False when nothing was lost."""
     lost = lost_tasks(run.spec, tasks)
     if not lost:
@@ -78,7 +96,7 @@ def recover(run: "Run", tasks: Tasks) -> bool:
     return True
 
 
-def _replace_workers(run: "Run", tasks: Tasks, lost: list[TaskSpec]) -> None:
+def _replace_workers(run: RecoveringRun, tasks: Tasks, lost: list[TaskSpec]) -> None:
     try:
         with PSClient(run.spec, run_id=run.id, timeout=10.0) as client:
             client.lost_workers([t.index for t in lost])
@@ -94,7 +112,7 @@ def _replace_workers(run: "Run", tasks: Tasks, lost: list[TaskSpec]) -> None:
         run.note("replaced", f"worker:{t.index}", {"pid": new.pid, "engine": new.engine_id, "host": new.host})
 
 
-def _restart_from_checkpoint(run: "Run", tasks: Tasks, lost_ps: list[TaskSpec],
+def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[TaskSpec],
                              lost_workers: list[TaskSpec]) -> None:
     survivors = [t.index for t in run.spec.ps if t not in lost_ps]
     if survivors:
@@ -128,7 +146,7 @@ def _restart_from_checkpoint(run: "Run", tasks: Tasks, lost_ps: list[TaskSpec],
     run.restart([tasks.launch_worker(run.spec, i, run) for i in range(len(run.spec.workers))])
 
 
-def _restorable_step(run: "Run") -> int | None:
+def _restorable_step(run: RecoveringRun) -> int | None:
     """The step of the newest checkpoint that passes its checks, where the chief will restore from (None: from
     the initial values); each refused one is recorded and set aside, as the chief would."""
     if not run.plan.checkpoint_dir:

@@ -19,14 +19,14 @@ import json
 import os
 import tempfile
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .. import environ
-from .control import ControlServer
+from .control import ControlledCluster, ControlServer
 from .reaper import alive
 
-if TYPE_CHECKING:
-    from .cluster import Cluster
+if TYPE_CHECKING:  # annotations only: reading the registry (pscluster.clusters()) loads no pandas
+    from ..metrics.store import RunStore
 
 DIRECTORY = "clusters"
 
@@ -160,6 +160,25 @@ def _kernel_id() -> str | None:
     return name[len("kernel-"):-len(".json")] if name.startswith("kernel-") and name.endswith(".json") else None
 
 
+class RegisteredCluster(ControlledCluster, Protocol):
+    """What a registry entry says of a cluster (``Cluster`` is one), besides what its control socket needs."""
+
+    @property
+    def num_ps(self) -> int: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+    @property
+    def detached(self) -> bool: ...
+
+    @property
+    def store(self) -> RunStore: ...
+
+    def detached_state(self) -> dict:
+        """What a later process needs to attach to the detached cluster."""
+
+
 class Registration:
     """A running cluster's registry entry and control socket, from its start to its stop.
 
@@ -167,7 +186,7 @@ class Registration:
     cluster's state or its tasks change. ``close()`` removes the entry and stops serving requests.
     """
 
-    def __init__(self, cluster: "Cluster"):
+    def __init__(self, cluster: RegisteredCluster):
         self.cluster = cluster
         self.started = time.time()
         self.kernel = _kernel_id()

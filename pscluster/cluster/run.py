@@ -21,19 +21,19 @@ import pandas as pd
 import torch
 
 from ..errors import RuntimeTimeout, TrainingError
-from ..evaluate import evaluate
 from ..metrics import speed
 from ..metrics.collector import Collector
 from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.client import PSClient
-from ..runtime.engine import bind_in_range
+from ..runtime.evaluation import evaluate
+from ..runtime.network import bind_in_range
 from ..runtime.plan import TrainPlan, assemble, state_dict_of
 from ..runtime.ps import wait_until
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
 from . import recovery
-from .checkpoints import CheckpointCoordinator
+from .checkpoint_commits import CheckpointCoordinator
 from .progress import StepProgress
 
 RESULT_GRACE_S = 2.0  # how long a worker's ipyparallel result may trail its "done" event before the event stands in

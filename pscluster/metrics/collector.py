@@ -1,6 +1,6 @@
 """The controller's end of the metrics pipeline: a ZeroMQ PULL socket and a thread.
 
-Runtime tasks send signed JSON event batches (see ``pscluster.runtime.metrics``); the collector
+Runtime tasks send signed JSON event batches (see ``pscluster.runtime.emitter``); the collector
 checks each batch's signature and freshness, and hands the events of every accepted batch (a list
 of event dicts) to a callback. A refused batch never reaches the callback: it is counted in
 ``rejected`` by reason (unsigned, bad_signature, replayed, malformed). JSON only: nothing received
@@ -15,7 +15,7 @@ from collections import Counter
 import zmq
 
 from ..errors import ProtocolError
-from ..runtime.metrics import BATCH_FRAMES, MAX_BATCH_BYTES, BatchReceiver
+from ..runtime.emitter import BATCH_FRAMES, MAX_BATCH_BYTES, BatchReceiver
 from ..runtime.protocol import receive
 
 

@@ -54,6 +54,13 @@ _STEP_SCHEDULES = ("use a schedule of the step: a torch.optim.lr_scheduler class
 _registry: dict[str, object] = {}
 
 
+def sparse_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's modules whose weight gets sparse gradients (``nn.Embedding`` / ``nn.EmbeddingBag`` with
+    ``sparse=True``), by their weight's name: the ps applies those with a ``SPARSE_OPTIMIZERS`` class."""
+    return {f"{prefix}.weight" if prefix else "weight": m for prefix, m in model.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+
+
 # --- names -------------------------------------------------------------------------------------
 def register(objects: dict[str, object]) -> None:
     """Make classes and functions resolvable by their spec names (``shipped`` gives both) in this process;
@@ -487,8 +494,6 @@ def check(model: torch.nn.Module, spec: OptimizerSpec, *, steps: int | None = No
     error on a ps. A group pattern that matches no trainable parameter is refused (a typo would do nothing).
     With the run's ``steps``, a schedule that is a function of the step alone is also taken to the last step,
     so one that ends before the run (OneCycleLR's ``total_steps``) is refused now."""
-    from .plan import sparse_modules  # plan imports this module
-
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
         raise ConfigError("the model has no trainable parameters: set requires_grad=True on those to train")

@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..errors import ConfigError
+from ..footprint import placement_line
 from .data import LoaderOptions
-from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer
-from .placement import Variable, placement_line, shard_map
+from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer, sparse_modules
 from .protocol import NO_TASK
+from .sharding import Variable, shard_map
 from .steps import PRECISIONS
 
 MODES = ("sync", "async", "ssp")
@@ -84,12 +85,6 @@ class VariableSpec:
                               self.nbytes, self.kind)
 
 
-def sparse_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The model's ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``, by their weight's name."""
-    return {f"{prefix}.weight" if prefix else "weight": m for prefix, m in model.named_modules()
-            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
-
-
 def model_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, str]], tuple[tuple[str, str], ...]]:
     """The tensors of ``model.state_dict()``, each once: ``{name: (tensor, kind)}`` in state_dict order, named by
     the first key that holds it, and ``(key, name)`` for every key of the state_dict (a tied parameter has
@@ -113,7 +108,7 @@ def describe_variables(model: torch.nn.Module, num_ps: int, placement="round_rob
                        partition=None) -> tuple[VariableSpec, ...]:
     """The VariableSpecs of ``model``'s state (``model_tensors``: parameters, frozen parameters, buffers, in
     state_dict order), split by ``partition`` and placed by ``placement`` (see
-    ``pscluster.runtime.placement.shard_map``)."""
+    ``pscluster.runtime.sharding.shard_map``)."""
     tensors, _ = model_tensors(model)
     sparse = sparse_modules(model)
     shards = shard_map([Variable(n, tuple(t.shape), t.element_size()) for n, (t, _) in tensors.items()], num_ps,

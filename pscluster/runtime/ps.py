@@ -43,9 +43,9 @@ Hostile input: every message is checked before it is served (``protocol``: limit
 format, session freshness); one that fails is dropped and counted in ``rejected`` by reason (unsigned,
 bad_signature, replayed, malformed), and never reaches the optimizer. A signed, fresh request of a worker the
 run declared lost (MEMBERSHIP "lost": it hung, and has a replacement) is refused with an ERROR reply that ends
-it (counted as fenced): a worker that wakes up never trains beside its replacement. A signed request that does not fit the
-run (variables, shapes, dtypes, rows, steps, worker counts out of range) is refused with an ERROR reply and
-counted as malformed. Nothing is unpickled, and nothing is allocated from a size field before it is bounded:
+it (counted as fenced): a worker that wakes up never trains beside its replacement. A signed request that does
+not fit the run (variables, shapes, dtypes, rows, steps, worker counts out of range) is refused with an ERROR
+reply and counted as malformed. Nothing is unpickled, and nothing is allocated from a size field before it is bounded:
 ZeroMQ refuses frames over ``max_frame_bytes`` at the transport (``MAXMSGSIZE``: libzmq fixes it when the
 socket binds, before any model is known, so it must admit the chief's INIT), and once a run is initialized
 its requests are held to the sizes of its own variables (``protocol.Limits``). The counters reach the run
@@ -69,8 +69,8 @@ import zmq
 
 from ..errors import FencedOff, MalformedMessage, ProtocolError
 from . import checkpoint, curve, protocol
+from .emitter import MetricsEmitter
 from .lanes import Lane, LaneError
-from .metrics import MetricsEmitter
 from .optim import OptimizerSpec, PsOptimizer, build
 from .plan import PsConfig
 from .steps import PRECISIONS

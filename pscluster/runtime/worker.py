@@ -25,8 +25,9 @@ from ..spec import ClusterSpec, TaskSpec
 from . import checkpoint, rescue
 from .client import PSClient
 from .data import worker_batches
-from .metrics import MetricsEmitter
-from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors, sparse_modules
+from .emitter import MetricsEmitter
+from .optim import sparse_modules
+from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors
 from .protocol import Flag
 from .steps import Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
 

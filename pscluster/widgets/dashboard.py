@@ -2,7 +2,7 @@
 
 A daemon thread polls the store through its own read-only connection and reads only the rows that are
 new since the last poll (``reader``). The panels (``panels``, ``ps_panels``) take them and give their
-figures as plain data (``specs``); each figure is sent at most one message per refresh (every
+figures as plain data (``figure_specs``); each figure is sent at most one message per refresh (every
 ``REFRESH_S``), holding only what changed (a growing series: its new points), and nothing when nothing did.
 The poller only reads, so it never blocks training, and it stops by itself once the run is over.
 Displayed, the dashboard gives JupyterLab the live widget and gives nbconvert a static HTML copy of the
@@ -22,12 +22,12 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ..errors import ConfigError
+from ..footprint import optimizer_slots
 from ..metrics import speed
 from ..metrics.store import RunStore
-from ..runtime.placement import optimizer_slots
-from . import figures, live, panels, ps_panels, specs
+from . import figure_specs, figures, live, panels, ps_panels
 from .reader import RunReader
-from .roles import FINAL, roles_frame, task_states
+from .task_table import FINAL, roles_frame, task_states
 
 REFRESH_S = 0.4  # 2.5 refreshes per second
 MAX_FAILURES = 10  # consecutive failed refreshes before the thread gives up
@@ -61,14 +61,14 @@ class FigureView:
 
     def static_html(self) -> str:
         """The HTML before the figure, the figure as static HTML, the HTML after it."""
-        return self._head_html() + figures_html([specs.of_figure(self.figure)]) + self._tail_html()
+        return self._head_html() + figures_html([figure_specs.of_figure(self.figure)]) + self._tail_html()
 
     def _repr_html_(self) -> str:
         return self.static_html()
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         if getattr(self, "_widget", None) is None:
-            self._widget = live.LiveFigure(specs.of_figure(self.figure))
+            self._widget = live.LiveFigure(figure_specs.of_figure(self.figure))
             self._box = widgets.VBox([*(widgets.HTML(h) for h in [self._head_html()] if h), self._widget,
                                       *(widgets.HTML(h) for h in [self._tail_html()] if h)])
         return widget_bundle(self._box, self.static_html(), **kwargs)
@@ -114,7 +114,8 @@ class Dashboard:
             self.panels["staleness"] = panels.Staleness()
         self.panels["ps_load"] = ps_panels.PsLoad(start=started)
         self.panels["traffic"] = ps_panels.Traffic(num_ps=len(self.record["spec"]["ps"]))
-        shown = {"placement": specs.no_data("placement"), **{name: panel.spec() for name, panel in self.panels.items()}}
+        shown = {"placement": figure_specs.no_data("placement"),
+                 **{name: panel.spec() for name, panel in self.panels.items()}}
         self.figures: dict[str, live.LiveFigure] = {name: live.LiveFigure(s) for name, s in shown.items()}
         self.header = widgets.HTML()
         self.roles = widgets.HTML()
@@ -169,7 +170,7 @@ class Dashboard:
             if self._placement is None and self.record is not None:
                 placement = store.placement(self.run_id)
                 if len(placement):
-                    self._placement, new["placement"] = placement, specs.rows(placement)
+                    self._placement, new["placement"] = placement, figure_specs.rows(placement)
             self._draw(new, record_changed=record != self.record)
             self.refreshes += 1
             self.cpu_s += time.thread_time() - began
@@ -242,7 +243,7 @@ class Dashboard:
             self.roles.value = figures.table_html(roles_frame(self.record, rates, self._states))
         self._draw_header()
 
-    def _show(self, name: str, spec: specs.Spec) -> None:
+    def _show(self, name: str, spec: figure_specs.Spec) -> None:
         """Show ``spec`` in the figure ``name``: one message at most, holding what changed."""
         self.figures[name].show(spec)
 

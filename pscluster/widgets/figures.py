@@ -17,12 +17,12 @@ from typing import NamedTuple
 import pandas as pd
 import plotly.graph_objects as go
 
+from ..footprint import placement_line
 from ..metrics import speed
-from ..runtime.placement import placement_line
 from .panels import SMOOTH_SPAN, Convergence, Speed, Staleness
 from .ps_panels import PsLoad, Traffic, Waiting
 from .series import Decimated, Ewm
-from .specs import Spec, color, columns, figure, no_data, rows, spec
+from .figure_specs import Spec, color, columns, figure, no_data, rows, spec
 
 
 def no_data_figure(title: str) -> go.Figure:

@@ -26,7 +26,7 @@ import anywidget
 import numpy as np
 import plotly.io as pio
 
-from .specs import Spec, expanded, figure
+from .figure_specs import Spec, expanded, figure
 
 _LOADER = pathlib.Path(__file__).with_name("plotly_loader.js").read_text()
 _VIEW = pathlib.Path(__file__).with_name("live.js").read_text()
@@ -104,7 +104,7 @@ def patch(old: Spec, new: Spec) -> dict | None:
 
 
 def figure_json(s: Spec) -> dict:
-    """The whole figure of spec ``s`` (``specs.expanded``) as plotly.js takes it."""
+    """The whole figure of spec ``s`` (``figure_specs.expanded``) as plotly.js takes it."""
     return {"data": plain(s.traces), "layout": plain(s.layout)}
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from .series import Decimated
-from .specs import MAX_POINTS, Rows, size
+from .figure_specs import MAX_POINTS, Rows, size
 
 # event kind: legend name, line color and dash, whether the mark carries a label
 KINDS = {

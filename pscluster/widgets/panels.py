@@ -1,7 +1,7 @@
 """The dashboard's worker panels, kept up to date from the rows new since the last refresh.
 
 A panel is fed new rows of the run store (``feed``: a table's new rows as numpy columns by name,
-``specs.Rows``), keeps what its figure needs at a bounded size (``series``) and gives its figure as
+``figure_specs.Rows``), keeps what its figure needs at a bounded size (``series``) and gives its figure as
 plain data (``spec``). The live dashboard feeds a panel a few hundred rows per refresh; ``figures``
 feeds a new one all the rows at once, for the same figure. A worker's rows are expected in the order it
 reported them.
@@ -18,7 +18,7 @@ from ..metrics.speed import RECENT_S, RunRates
 from ..metrics.store import METRIC_COLUMNS
 from .marks import Marks
 from .series import Decimated, Ewm
-from .specs import HEIGHT, Rows, Spec, color, no_data, size, spec
+from .figure_specs import HEIGHT, Rows, Spec, color, no_data, size, spec
 
 Tables = Mapping[str, Rows]  # new rows by table name: metrics, ps_metrics, evaluations, events, placement
 

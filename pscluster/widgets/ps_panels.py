@@ -9,7 +9,7 @@ import numpy as np
 
 from .panels import Tables, groups
 from .series import Decimated
-from .specs import Rows, Spec, color, columns, no_data, size, spec
+from .figure_specs import Rows, Spec, color, columns, no_data, size, spec
 
 PS_SAMPLE_S = 0.5  # how often each ps task samples its counters
 

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from ..metrics.store import ROLLED, RunStore
-from .specs import MAX_POINTS, Rows, size
+from .figure_specs import MAX_POINTS, Rows, size
 
 TABLES = ("events", "metrics", "evaluations", "ps_metrics")
 _JSON = ("waiting_for", "detail")

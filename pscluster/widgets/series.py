@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from .specs import MAX_POINTS
+from .figure_specs import MAX_POINTS
 
 
 class Decimated:

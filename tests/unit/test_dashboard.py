@@ -15,7 +15,7 @@ from pscluster.errors import ConfigError
 from pscluster.metrics import store as store_module
 from pscluster.metrics.store import RunStore
 from pscluster.runtime.ps import wait_until
-from pscluster.widgets import Dashboard, figures, live, show, specs
+from pscluster.widgets import Dashboard, figure_specs, figures, live, show
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 SPEC = {"name": "c", "ps": [{"role": "ps", "index": i, "host": "127.0.0.1", "port": 5000 + i, "device": "cpu"}
@@ -203,7 +203,7 @@ def test_live_figures_are_those_of_all_the_rows_at_once(store, dashboards, mode)
         same_traces(d.figures["waiting"], figures.waiting_figure(ps_metrics, 2, start=started))
     else:
         same_traces(d.figures["staleness"], figures.staleness_figure(metrics))
-    assert len(d.figures["convergence"].figure.data[0].x) <= specs.MAX_POINTS + 1
+    assert len(d.figures["convergence"].figure.data[0].x) <= figure_specs.MAX_POINTS + 1
 
 
 def test_marks_of_new_events_are_sent_once(store, dashboards, monkeypatch):

@@ -11,8 +11,8 @@ import pytest
 
 from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
-from pscluster.runtime.placement import optimizer_slots
-from pscluster.widgets import figures, panels, roles, specs
+from pscluster.footprint import optimizer_slots
+from pscluster.widgets import figure_specs, figures, panels, task_table
 from pscluster.widgets.series import Decimated, Ewm
 
 RATES = {0: 20.0, 1: 10.0, 2: 16.0}  # steps/s of each worker: worker 1 is the slowest
@@ -112,7 +112,7 @@ def test_convergence_stacks_the_step_metrics_and_the_learning_rate_under_the_los
     assert tops[0] == 1 and bottoms[-1] == 0 and all(b > t for b, t in zip(bottoms, tops[1:]))  # stacked, apart
     heights = np.subtract(tops, bottoms)
     assert heights[3] == pytest.approx(heights[0] / 2, abs=0.01) and np.ptp(heights[:3]) < 0.01
-    assert layout["height"] > specs.HEIGHT + 60  # taller than loss and accuracy alone
+    assert layout["height"] > figure_specs.HEIGHT + 60  # taller than loss and accuracy alone
     i = np.arange(1, 41)
     for w in (0, 1):  # each metric like the loss: every worker raw and smoothed, in its legend group
         raw, smoothed = trace(fig, f"worker {w}", "y2"), trace(fig, f"worker {w} (smoothed)", "y2")
@@ -135,7 +135,7 @@ def test_convergence_of_a_model_without_accuracy_shows_the_loss_alone():
         assert {t.yaxis for t in fig.data} == {"y"} and len(fig.data) == 2 * len(RATES)
         assert "yaxis2" not in fig.to_dict()["layout"] and fig.layout.xaxis.anchor == "y"
         assert fig.layout.title.text == "convergence: loss against global step"
-        assert fig.layout.height == specs.HEIGHT
+        assert fig.layout.height == figure_specs.HEIGHT
     evaluations = pd.DataFrame({"global_step": [30], "time": [1], "loss": [0.5], "accuracy": [None]})
     fig = figures.convergence_figure(make_metrics().assign(accuracy=np.nan), evaluations)
     assert [t.yaxis for t in fig.data if t.name == "test set"] == ["y"]
@@ -146,10 +146,10 @@ def test_a_metric_that_comes_later_or_from_one_worker_is_drawn_the_same_live_and
     metrics["grad_norm"] = np.where((metrics["worker"] == 0) & (metrics["time"] > 1001.5), metrics["time"], np.nan)
     metrics.loc[metrics.index[:10], "accuracy"] = np.nan  # accuracy from the 6th step on
     whole = panels.Convergence()
-    whole.feed({"metrics": specs.rows(metrics)})
+    whole.feed({"metrics": figure_specs.rows(metrics)})
     live = panels.Convergence()
     for chunk in np.array_split(np.arange(len(metrics)), 7):
-        new = specs.rows(metrics.iloc[chunk])
+        new = figure_specs.rows(metrics.iloc[chunk])
         if np.isnan(new["grad_norm"]).all():  # as the dashboard reads them: a chunk without it has no column
             del new["grad_norm"]
         live.feed({"metrics": new})
@@ -173,9 +173,9 @@ def test_four_step_metrics_or_more_are_counted_in_the_title():
 
 
 def test_long_runs_are_thinned_but_keep_their_last_point():
-    fig = figures.convergence_figure(make_metrics({0: 100.0}, steps=5 * specs.MAX_POINTS))
+    fig = figures.convergence_figure(make_metrics({0: 100.0}, steps=5 * figure_specs.MAX_POINTS))
     x = fig.data[0].x
-    assert len(x) <= specs.MAX_POINTS + 1 and x[-1] == 5 * specs.MAX_POINTS
+    assert len(x) <= figure_specs.MAX_POINTS + 1 and x[-1] == 5 * figure_specs.MAX_POINTS
 
 
 def test_thinned_series_keep_the_same_points_however_they_come():
@@ -228,10 +228,10 @@ def test_convergence_marks_run_events_at_their_global_steps(tmp_path):
 def test_a_mark_moves_to_its_step_once_the_rows_after_its_event_are_in():
     convergence, metrics = panels.Convergence(), make_metrics({0: 10.0})  # step i at 1000 + i / 10
     lost = pd.DataFrame({"time": [1001.55], "task": ["worker:0"], "kind": ["lost"], "detail": [{}]})
-    convergence.feed({"metrics": specs.rows(metrics.iloc[:10])})
-    convergence.feed({"events": specs.rows(lost)})
+    convergence.feed({"metrics": figure_specs.rows(metrics.iloc[:10])})
+    convergence.feed({"events": figure_specs.rows(lost)})
     assert convergence.spec().layout["shapes"][0]["x0"] == 10  # the latest step so far
-    convergence.feed({"metrics": specs.rows(metrics.iloc[10:])})
+    convergence.feed({"metrics": figure_specs.rows(metrics.iloc[10:])})
     assert convergence.spec().layout["shapes"][0]["x0"] == 15
 
 
@@ -386,9 +386,9 @@ def test_roles_frame_lists_ps_chief_and_workers_with_their_state():
                          ("worker:0", "state", {"state": "initializing"}), ("worker:0", "state", {"state": "training"}),
                          ("worker:2", "lost", {}))
     record = {"status": "training", "spec": SPEC}
-    rates, states = figures.steps_per_second(make_metrics(), live=True), roles.task_states(events)
-    frame = roles.roles_frame(record, rates, states)
-    assert list(frame.columns) == roles.ROLE_COLUMNS
+    rates, states = figures.steps_per_second(make_metrics(), live=True), task_table.task_states(events)
+    frame = task_table.roles_frame(record, rates, states)
+    assert list(frame.columns) == task_table.ROLE_COLUMNS
     assert list(frame["role"]) == ["ps", "ps", "chief", "worker", "worker"]
     assert list(frame["task"]) == ["ps:0", "ps:1", "worker:0", "worker:1", "worker:2"]
     assert list(frame["state"]) == ["serving", "serving", "training", "waiting for chief", "lost"]
@@ -396,16 +396,16 @@ def test_roles_frame_lists_ps_chief_and_workers_with_their_state():
     assert frame["steps/s"][:2].isna().all()
     np.testing.assert_allclose(frame["steps/s"][2:], list(RATES.values()))
 
-    finished = roles.roles_frame({"status": "finished", "spec": SPEC}, rates, states)
+    finished = task_table.roles_frame({"status": "finished", "spec": SPEC}, rates, states)
     assert list(finished["state"]) == ["finished"] * 4 + ["lost"]
 
 
 def test_task_states_of_chunks_of_events_are_those_of_all_of_them():
     events = make_events(("worker:0", "state", {"state": "initializing"}), ("worker:1", "lost", {}),
                          ("worker:0", "state", {"state": "training"}), ("worker:1", "state", {"state": "training"}))
-    states = roles.task_states(events.iloc[:2])
-    states.update(roles.task_states(events.iloc[2:]))
-    assert states == roles.task_states(events) == {"worker:0": "training", "worker:1": "training"}
+    states = task_table.task_states(events.iloc[:2])
+    states.update(task_table.task_states(events.iloc[2:]))
+    assert states == task_table.task_states(events) == {"worker:0": "training", "worker:1": "training"}
 
 
 def test_table_html_escapes_and_blanks_nan():
@@ -468,8 +468,8 @@ def test_empty_inputs_give_a_no_data_figure(build):
 
 
 def test_roles_frame_without_a_run_is_empty():
-    assert list(roles.roles_frame(None, {}, {}).columns) == roles.ROLE_COLUMNS
-    frame = roles.roles_frame({"status": "starting", "spec": SPEC}, figures.steps_per_second(EMPTY_METRICS), {})
+    assert list(task_table.roles_frame(None, {}, {}).columns) == task_table.ROLE_COLUMNS
+    frame = task_table.roles_frame({"status": "starting", "spec": SPEC}, figures.steps_per_second(EMPTY_METRICS), {})
     assert list(frame["state"]) == ["starting"] * 5 and frame["steps/s"].isna().all()
 
 

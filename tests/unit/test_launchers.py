@@ -11,7 +11,7 @@ from pscluster.cluster.launchers import LOCAL_HB_PERIOD_MS, Launcher, parse_host
 from pscluster.cluster.roles import EngineInfo, assign_roles, host_gpus
 from pscluster.errors import ConfigError
 from pscluster.magics import _parsers
-from pscluster.runtime.engine import bind_in_range, ephemeral_ports, route_address
+from pscluster.runtime.network import bind_in_range, ephemeral_ports, route_address
 
 from ..ports import quiet_port_range
 

@@ -8,12 +8,12 @@ import numpy as np
 from nbconvert import HTMLExporter
 
 from pscluster.report import InlinePlotly
-from pscluster.widgets import live, panels, specs
+from pscluster.widgets import figure_specs, live, panels
 
 
-def series(n: int, *, title: str = "loss") -> specs.Spec:
+def series(n: int, *, title: str = "loss") -> figure_specs.Spec:
     x = np.arange(n, dtype=float)
-    return specs.spec(title, [dict(type="scatter", mode="lines", x=x, y=1 / (1 + x), name="worker 0",
+    return figure_specs.spec(title, [dict(type="scatter", mode="lines", x=x, y=1 / (1 + x), name="worker 0",
                                    line_color="red")], xaxis=dict(title_text="global step"))
 
 
@@ -65,7 +65,7 @@ def test_a_thinned_series_keeps_its_common_prefix_and_nan_is_null(monkeypatch):
 
 
 def test_new_traces_send_the_whole_figure(monkeypatch):
-    figure = live.LiveFigure(specs.no_data("loss"))
+    figure = live.LiveFigure(figure_specs.no_data("loss"))
     messages = sent(monkeypatch, figure)
     figure.show(series(5))
     assert [m["type"] for m in messages] == ["figure"]
@@ -122,7 +122,7 @@ def test_the_convergence_figure_gives_the_view_its_controls():
     for name in ("compute_s", "wait_s", "comm_s", "bytes_sent", "bytes_received", "staleness", "dropped"):
         rows[name] = np.zeros(40)
     panel.feed({"metrics": rows})
-    s = specs.expanded(panel.spec())
+    s = figure_specs.expanded(panel.spec())
     controls = s.layout["meta"]["controls"]
     assert controls == {"smoothing": round(1 - 2 / (panels.SMOOTH_SPAN + 1), 4), "start": 100.1}
     smoothed = [t for t in s.traces if t["name"].endswith("(smoothed)")]

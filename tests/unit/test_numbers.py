@@ -12,7 +12,7 @@ import pytest
 from pscluster.compare import compare
 from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
-from pscluster.widgets import figures, panels, roles, specs
+from pscluster.widgets import figure_specs, figures, panels, task_table
 
 SPEC = {"ps": [{"role": "ps", "index": 0, "host": "h", "device": "cpu"}],
         "worker": [{"role": "worker", "index": w, "host": "h", "device": "cpu"} for w in range(3)]}
@@ -53,7 +53,7 @@ def run(tmp_path):
             store.add_batch(run_id, list(batch))
             new = store.metrics(run_id, after_row=row)
             row = int(new["row"].max())
-            speed_panel.feed({"metrics": specs.rows(new)})
+            speed_panel.feed({"metrics": figure_specs.rows(new)})
         yield store, run_id, speed_panel
 
 
@@ -82,7 +82,7 @@ def test_every_steps_per_second_is_speed_rate(run, live):
     assert slowest == (1 if live else 0)  # worker 1 is the slowest lately, worker 0 over the whole run
     speed_panel.live = live  # what the dashboard tells it
 
-    table = roles.roles_frame(record, speed_panel.worker_rates(), {})
+    table = task_table.roles_frame(record, speed_panel.worker_rates(), {})
     np.testing.assert_allclose(table["steps/s"][1:], list(local.values()))
     assert slowest_in_title(speed_panel) == (slowest, round(local[slowest], 1))
     np.testing.assert_allclose(figures.steps_per_second(metrics, live=live), list(local.values()))
@@ -130,7 +130,7 @@ def test_a_stalled_worker_has_no_live_rate(run):
     metrics = store.metrics(run_id)
     cut = metrics[(metrics["worker"] != 2) | (metrics["time"] < metrics["time"].max() - speed.RECENT_S - 1)]
     speed_panel = panels.Speed(live=True)
-    speed_panel.feed({"metrics": specs.rows(cut)})
+    speed_panel.feed({"metrics": figure_specs.rows(cut)})
     rates = figures.steps_per_second(cut, live=True)
     np.testing.assert_allclose(list(speed_panel.worker_rates().values()), rates)
     assert math.isnan(rates[2]) and np.isfinite(rates[[0, 1]]).all() and speed_panel.slowest()[0] == 1

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pscluster.errors import ConfigError
-from pscluster.runtime.placement import (Variable, bytes_per_ps, explicit, fixed_shards, greedy, max_shards,
-                                         min_shard_bytes, partition_rows, resolve_strategy, round_robin,
-                                         shard_map)
+from pscluster.runtime.sharding import (Variable, bytes_per_ps, explicit, fixed_shards, greedy, max_shards,
+                                        min_shard_bytes, partition_rows, resolve_strategy, round_robin,
+                                        shard_map)
 
 
 def variables(*sizes: int) -> list[Variable]:

@@ -19,7 +19,7 @@ from pscluster.datasets import digits
 from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime.data import fetch_batch, worker_batches
-from pscluster.runtime.metrics import MetricsEmitter, sign_batch
+from pscluster.runtime.emitter import MetricsEmitter, sign_batch
 from pscluster.runtime.protocol import mac
 from pscluster.runtime.optim import resolve_optimizer
 from pscluster.runtime.plan import TrainPlan, describe_variables

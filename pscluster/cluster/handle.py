@@ -1,5 +1,5 @@
-"""Cluster: a PS cluster on ipyparallel engines (local, or started on other hosts by ipyparallel's ssh, mpi or
-slurm launcher), from the kernel.
+"""Cluster, the kernel's handle on a PS cluster: ps and worker tasks on ipyparallel engines (local, or started
+on other hosts by ipyparallel's ssh, mpi or slurm launcher).
 
     cluster = Cluster(ps=1, workers=2).start()
     cluster = Cluster(ps=1, workers=4, launcher="ssh", hosts=["node1", "node2=2", "node3=2"], ps_hosts=["node1"])
@@ -22,7 +22,7 @@ import torch
 
 from ..errors import ClusterStateError, ConfigError
 from ..metrics.store import RunStore
-from ..runtime import engine as remote
+from ..runtime import remote
 from ..runtime.data import first_batch, training_input
 from ..runtime import optim
 from ..runtime.plan import TrainPlan, describe_variables
@@ -30,7 +30,7 @@ from ..runtime.steps import check_step
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec, TaskSpec
 from . import reaper, registry, scaling
-from .checkpoints import CheckpointCoordinator
+from .checkpoint_commits import CheckpointCoordinator
 from .engines import EngineSet
 from . import launchers
 from .launchers import Launcher
@@ -39,7 +39,7 @@ from .run import Run
 from .shipping import ship
 
 if TYPE_CHECKING:
-    from .plan_view import PlacementPlan
+    from ..widgets.placement_plan import PlacementPlan
 
 
 def _count(name: str, value, minimum: int) -> int:
@@ -493,7 +493,7 @@ class Cluster:
         The PlacementPlan has ``table`` (bytes per ps), ``lines`` (TF-style), ``figure``, and displays all
         three; ``pscluster.placement.compare_placements({"round-robin": a, "greedy": b})`` compares plans.
         """
-        from .plan_view import PlacementPlan, placement_label  # pandas and plotly: loaded on first use
+        from ..widgets.placement_plan import PlacementPlan, placement_label  # pandas and plotly: loaded on first use
 
         if not isinstance(model_fn, torch.nn.Module) and not callable(model_fn):
             raise ConfigError("model_fn must be a torch.nn.Module or a function that builds one")

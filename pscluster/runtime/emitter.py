@@ -1,4 +1,5 @@
-"""Metric events from the runtime to the controller's collector.
+"""Metric events from the runtime to the controller's collector: the emitter a task sends them with, and the
+format and checks of its signed batches (``BatchReceiver``, which the collector opens them with).
 
 Events are small JSON objects, buffered and sent in batches every
 ``FLUSH_S`` seconds over a ZeroMQ PUSH socket without blocking: when the
@@ -10,7 +11,7 @@ A batch is signed like a data-plane message (HMAC-SHA256 with the cluster secret
     [header, json, mac]
 
 ``header`` holds a magic, the version, the emitter's random 8-byte id and the batch's sequence
-number, which grows by one per batch: ``open_batch`` refuses an unsigned, wrongly signed, malformed
+number, which grows by one per batch: ``BatchReceiver.open`` refuses an unsigned, wrongly signed, malformed
 or replayed batch (a sequence number not after the last one of its emitter).
 """
 

@@ -1,4 +1,5 @@
-"""The dashboard's roles table: the cluster's tasks, their roles, states and speeds."""
+"""The dashboard's table of tasks: each task's role, host, device, latest state and speed, from the run store's
+record and events."""
 
 from __future__ import annotations
 

@@ -1,24 +1,22 @@
-"""Entry points the control plane calls on an engine (through ipyparallel ``apply``).
+"""The functions the control plane calls on an engine (through ipyparallel ``apply``): describe the engine,
+watch the controller, configure the task, start and stop its ps, register a run's objects, train a worker.
 
-Plain functions over plain data (JSON strings, bytes), so they also serve a
-process started from ``PSCLUSTER_CONFIG``. The ps of an engine runs in a
-background thread, which leaves the engine free to answer the control plane.
+Plain functions over plain data (JSON strings, bytes). The ps of an engine runs in a background thread,
+which leaves the engine free to answer the control plane.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import random
 import socket
 import threading
 import time
 
 import cloudpickle
 import torch
-import zmq
 
 from ..spec import ClusterSpec
+from .network import bind_in_range, route_address
 from .plan import TrainPlan
 from .ps import ParameterServer
 
@@ -31,17 +29,6 @@ def describe(controller_ip: str | None = None) -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(),
             "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
             "address": route_address(controller_ip) if controller_ip else None}
-
-
-def route_address(target: str) -> str | None:
-    """This machine's address on the route to ``target`` (no packet is sent), or None without a route."""
-    try:
-        family = socket.AF_INET6 if ":" in target else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
 
 
 def watch_controller(host: str, port: int, period_s: float = 1.5, misses: int = 10) -> None:
@@ -82,41 +69,6 @@ def start_ps(secret: str, index: int, host: str = "127.0.0.1", port: int = 0,
     server = serve(port) if port or not ports else bind_in_range(serve, ports)
     _servers[index] = server.start()
     return server.port
-
-
-def bind_in_range(bind, ports: tuple[int, int]):
-    """``bind(port)`` on the ports of ``[lo, hi]`` in random order until one is free (another cluster, or an
-    earlier run, may hold some); raises OSError when every port is taken."""
-    lo, hi = ports
-    candidates = list(range(lo, hi + 1))
-    random.shuffle(candidates)
-    for port in candidates:
-        try:
-            return bind(port)
-        except zmq.ZMQError as e:
-            if e.errno != errno.EADDRINUSE:
-                raise
-    raise OSError(errno.EADDRINUSE, f"every port in {lo}-{hi} is taken: give a wider --ports range"
-                                    + _outgoing_ports_hint(lo, hi))
-
-
-def ephemeral_ports() -> tuple[int, int] | None:
-    """The kernel's range of ports for outgoing connections (any connection may hold one of them), or None
-    where it cannot be read."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(p) for p in f.read().split())
-    except (OSError, ValueError):
-        return None
-    return low, high
-
-
-def _outgoing_ports_hint(lo: int, hi: int) -> str:
-    """Where ``[lo, hi]`` overlaps the ephemeral ports, which outgoing connections may hold."""
-    ephemeral = ephemeral_ports()
-    if ephemeral is None or lo > ephemeral[1] or hi < ephemeral[0]:
-        return ""
-    return f" outside {ephemeral[0]}-{ephemeral[1]}, the ports outgoing connections take"
 
 
 def stop_ps(index: int) -> None:

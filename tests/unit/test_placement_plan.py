@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pscluster
-from pscluster.cluster.plan_view import PlacementPlan, compare_placements
+from pscluster.widgets.placement_plan import PlacementPlan, compare_placements
 from pscluster.errors import ConfigError
 
 WIDGET = "application/vnd.jupyter.widget-view+json"

@@ -4,6 +4,8 @@
 it needs no running cluster. It displays like ``pscluster.compare``: a table of bytes per ps, the TF-style
 placement lines and a figure of predicted bytes per ps (optimizer state included), as a widget in
 JupyterLab and as static HTML in an nbconvert report. ``compare_placements`` tabulates several plans.
+A view: it reads the shards handed to it (objects with ``variable``, ``shape``, ``nbytes``, ``ps``...), never
+the runtime.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import numpy as np
 import pandas as pd
 
 from ..errors import ConfigError
+from ..footprint import format_bytes, optimizer_slots
 from ..metrics.store import placement_frame
-from ..runtime.placement import format_bytes, optimizer_slots
-from ..widgets import figures
-from ..widgets.dashboard import FigureView
+from . import figures
+from .dashboard import FigureView
 
 TABLE_COLUMNS = ["ps", "variables", "parameters", "bytes", "optimizer bytes", "total bytes", "share (%)"]
 BYTE_COLUMNS = ("bytes", "optimizer bytes", "total bytes")

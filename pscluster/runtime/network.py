@@ -1,0 +1,57 @@
+"""This machine on the network: its address on the route to another host, a free port from a range, and
+the range of ports the kernel gives outgoing connections. Used on engines (a ps's address and port) and by the
+controller (the addresses engines reach it at, the collector's port)."""
+
+from __future__ import annotations
+
+import errno
+import random
+import socket
+
+import zmq
+
+
+def route_address(target: str) -> str | None:
+    """This machine's address on the route to ``target`` (no packet is sent), or None without a route."""
+    try:
+        family = socket.AF_INET6 if ":" in target else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def bind_in_range(bind, ports: tuple[int, int]):
+    """``bind(port)`` on the ports of ``[lo, hi]`` in random order until one is free (another cluster, or an
+    earlier run, may hold some); raises OSError when every port is taken."""
+    lo, hi = ports
+    candidates = list(range(lo, hi + 1))
+    random.shuffle(candidates)
+    for port in candidates:
+        try:
+            return bind(port)
+        except zmq.ZMQError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE, f"every port in {lo}-{hi} is taken: give a wider --ports range"
+                                    + _outgoing_ports_hint(lo, hi))
+
+
+def ephemeral_ports() -> tuple[int, int] | None:
+    """The kernel's range of ports for outgoing connections (any connection may hold one of them), or None
+    where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(p) for p in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def _outgoing_ports_hint(lo: int, hi: int) -> str:
+    """Where ``[lo, hi]`` overlaps the ephemeral ports, which outgoing connections may hold."""
+    ephemeral = ephemeral_ports()
+    if ephemeral is None or lo > ephemeral[1] or hi < ephemeral[0]:
+        return ""
+    return f" outside {ephemeral[0]}-{ephemeral[1]}, the ports outgoing connections take"
