@@ -317,7 +317,7 @@ class PSClusterMagics(Magics):
     def _scale(self, args, cell):
         cluster = self._running("scale")
         before = cluster.num_workers
-        cluster.scale(args.workers)
+        cluster.scale(args.workers).wait()
         run = cluster.active_run
         print(f"workers: {before} -> {cluster.num_workers}" + (f" ({run.name} goes on with them)" if run else ""))
 

@@ -14,13 +14,15 @@ import html
 import inspect
 import os
 import secrets
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import ClusterStateError, ConfigError
+from ..errors import ClusterStateError, ConfigError, PeerLost, RuntimeTimeout
 from ..metrics.store import RunStore
 from ..runtime import remote
 from ..runtime.data import first_batch, training_input
@@ -92,6 +94,8 @@ class Cluster:
         self.encrypt = encrypt
         self.detached = detached
         self.spec: ClusterSpec | None = None
+        self._spec_lock = threading.Lock()  # held while the spec changes (a task replaced, workers added or removed)
+        self._scaling = threading.Lock()  # one scale request at a time
         self.runs: list[Run] = []
         self._store_path = store
         self._store: RunStore | None = None
@@ -445,33 +449,60 @@ class Cluster:
 
     def replace_task(self, role: str, index: int) -> ClusterSpec:
         """Give task ``role:index`` a new engine (its old one was lost); the cluster's new spec."""
-        spec = self._require_running("replace a task")
-        self.spec = spec.with_task(self._new_engine(spec.task(role, index)))
+        task = self._new_engine(self._require_running("replace a task").task(role, index))
+        with self._spec_lock:
+            self.spec = self.spec.with_task(task)
         self.record()  # the side panel lists the new engine
         return self.spec
 
-    def scale(self, workers: int) -> ClusterSpec:
+    def scale(self, workers: int) -> scaling.ScaleRequest:
         """Add or remove workers, during a run too: added ones join it with the current parameters, removed
         ones (the highest-numbered, never the chief) end at their next step. Sync runs keep their number of
-        backup workers (see ``scaling``). Returns the cluster's new spec."""
-        spec = self._require_running("scale")
+        backup workers (see ``scaling``). Returns at once: new engines start in the background while the run
+        trains; ``.wait()`` on the returned request gives the cluster's new spec. Requests run one at a time."""
+        self._require_running("scale")
         n = _count("workers", workers, 1)
-        run = self.active_run
-        if n > len(spec.workers):
-            devices = worker_devices(n, self.gpus if self.launcher.local else 0)  # remote: see _new_engine
-            added = [self._new_engine(TaskSpec("worker", i, host=spec.chief.host, device=devices[i]))
-                     for i in range(len(spec.workers), n)]
-            self.spec = replace(spec, workers=spec.workers + tuple(added))
-            if run is not None:
-                scaling.grow(run, self, self.spec)
-        elif n < len(spec.workers):
-            if run is not None:
-                scaling.shrink(run, self, n)
-            self.spec = replace(spec, workers=spec.workers[:n])
-            self._engines.remove_engines([(t.engine_id, t.pid) for t in spec.workers[n:]])
-        self.num_workers = n
-        self.record()
-        return self.spec
+        return scaling.ScaleRequest(n, lambda: self._scale_to(n))
+
+    def _scale_to(self, n: int) -> ClusterSpec:
+        with self._scaling:
+            spec = self._require_running("scale")
+            added = []
+            if n > len(spec.workers):
+                devices = worker_devices(n, self.gpus if self.launcher.local else 0)  # remote: see _new_engine
+                added = [self._new_engine(TaskSpec("worker", i, host=spec.chief.host, device=devices[i]))
+                         for i in range(len(spec.workers), n)]
+            if added:
+                with self._spec_lock:
+                    self.spec = replace(self.spec, workers=self.spec.workers + tuple(added))
+                self._join_active_run()
+            run = self.active_run
+            if n < len(self.spec.workers):
+                removed = self.spec.workers[n:]
+                if run is not None:
+                    scaling.shrink(run, self, n)
+                with self._spec_lock:
+                    self.spec = replace(self.spec, workers=self.spec.workers[:n])
+                self._engines.remove_engines([(t.engine_id, t.pid) for t in removed])
+            self.num_workers = n
+            self.record()
+            return self.spec
+
+    def _join_active_run(self) -> None:
+        """The active run takes the cluster's workers it lacks. A ps lost meanwhile fails the request to it:
+        then the recovery (waiting for the run's membership) goes first, and the new run state takes them."""
+        for tries_left in reversed(range(scaling.JOIN_TRIES)):
+            run = self.active_run
+            if run is None:
+                return
+            try:
+                with run.membership:
+                    scaling.grow(run, self, self.spec)
+                return
+            except (RuntimeTimeout, PeerLost):
+                if not tries_left:
+                    raise
+                time.sleep(scaling.JOIN_PAUSE_S)
 
     def kill(self, task: str) -> int:
         """SIGKILL the process of ``task`` (``"worker:1"``, ``"ps:0"``), to try a failure on purpose;

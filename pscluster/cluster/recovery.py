@@ -132,6 +132,12 @@ def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[Tas
                 except Exception:  # gone already, or its host unreachable
                     pass
                 lost_workers.append(task)
+    if survivors:  # a worker of the failed attempt that comes back (hung, unreachable) is refused
+        try:
+            with PSClient(run.spec, run_id=run.id, timeout=10.0, only=survivors) as client:
+                client.lost_workers(list(range(len(run.spec.workers))))
+        except Exception:
+            pass  # the survivors' sessions end with the attempt's run state anyway
     run.commit_checkpoints()  # shards of the failed attempt that all ps had written
     assembled = run.checkpoints.rescue(run.plan, len(run.spec.ps))
     for t in [*lost_ps, *lost_workers]:

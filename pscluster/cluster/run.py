@@ -71,6 +71,7 @@ class Run:
         self.worker_results = []  # one per worker of the spec, by index
         self.retired_results = []  # of workers removed by scaling
         self.membership = threading.Lock()  # held while workers are replaced, added or removed
+        self.closed = False  # set (under membership) once the run ends: no member changes after that
         self._stop_requested = False
         self._test_dataset = test_dataset
         self.eval_every = eval_every or max(1, plan.steps // 10)
@@ -141,7 +142,11 @@ class Run:
                         continue
                     next_check = time.monotonic() + recovery.HEALTH_S
                 if ended:
-                    break
+                    with self.membership:  # a worker added meanwhile keeps the run going
+                        self.closed = all(map(self._worker_ended, range(len(self.worker_results))))
+                    if self.closed:
+                        break
+                    continue
                 if failed:
                     self._signal_stop()  # other workers must not wait on the failed one
                 self.commit_checkpoints()

@@ -1,8 +1,11 @@
 """Adding and removing workers while a run trains (``cluster.scale(workers=n)``, ``%pscluster scale``).
 
-Added workers start on new engines and join with the current parameters; every ps counts them from
-their first request. Removed workers are the highest-numbered ones (never the chief): every ps answers
-their next request with STOPPED, so they end with their summary, then their engines go.
+``cluster.scale`` returns at once a ``ScaleRequest``: the new engines start in the background while the run
+trains, then join it; ``.wait()`` gives the cluster's new spec. Added workers join with the current
+parameters; every ps counts them from their first request. Removed workers are the highest-numbered ones
+(never the chief): every ps answers their next request with STOPPED, so they end with their summary, then
+their engines go. A run that ended meanwhile is left as it ended (nothing is recorded for it): the cluster
+alone changes size.
 
 In sync mode the number of gradients aggregated per step keeps the same number of backup workers:
 it grows and shrinks with the workers (at least 1). A new worker draws its batches as worker ``i`` of
@@ -11,9 +14,11 @@ it grows and shrinks with the workers (at least 1). A new worker draws its batch
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from ..errors import RuntimeTimeout
 from ..runtime.client import PSClient
 from ..runtime.ps import wait_until
 from ..spec import ClusterSpec, TaskSpec
@@ -23,6 +28,8 @@ if TYPE_CHECKING:
     from .run import Run
 
 RETIRE_S = 30.0  # how long a removed worker gets to end at its next step before it is killed
+JOIN_TRIES = 3  # a run's ps lost while workers join it: tried again once it is recovered
+JOIN_PAUSE_S = 1.0
 
 
 def _resize(run: "Run", spec: ClusterSpec) -> None:
@@ -37,18 +44,23 @@ def _resize(run: "Run", spec: ClusterSpec) -> None:
 
 
 def grow(run: "Run", tasks: "Tasks", spec: ClusterSpec) -> None:
-    """``spec`` has more workers than ``run``, the new ones on new engines: start them, joining the run."""
-    with run.membership:
-        old = len(run.spec.workers)
-        _resize(run, spec)
-        for i in range(old, len(spec.workers)):
-            run.worker_results.append(tasks.launch_worker(spec, i, run, join=True))
+    """``spec`` has more workers than ``run``, the new ones on new engines: start them, joining the run. The
+    caller holds ``run.membership``; a run that has ended, or has these workers, is left alone."""
+    if run.closed or len(spec.workers) <= len(run.spec.workers):
+        return
+    old = len(run.spec.workers)
+    _resize(run, spec)
+    for i in range(old, len(spec.workers)):
+        run.worker_results.append(tasks.launch_worker(spec, i, run, join=True))
 
 
 def shrink(run: "Run", tasks: "Tasks", workers: int) -> list[TaskSpec]:
     """End workers ``workers``.. of ``run`` at their next request (killed through ``tasks``, on whichever host,
-    if they do not end within ``RETIRE_S``); returns their tasks, whose engines the caller may now stop."""
+    if they do not end within ``RETIRE_S``); returns their tasks, whose engines the caller may now stop. A run
+    that has ended is left alone."""
     with run.membership:
+        if run.closed:
+            return []
         removed = list(run.spec.workers[workers:])
         _resize(run, replace(run.spec, workers=run.spec.workers[:workers]))
         results = run.worker_results[workers:]
@@ -59,3 +71,38 @@ def shrink(run: "Run", tasks: "Tasks", workers: int) -> list[TaskSpec]:
         run.retired_results += results
         del run.worker_results[workers:]
         return removed
+
+
+class ScaleRequest:
+    """A ``cluster.scale(workers=n)`` under way (``work`` runs in a thread of its own). ``wait()`` returns the
+    cluster's spec once it is done, or raises what failed; ``done()`` says whether it is."""
+
+    def __init__(self, workers: int, work: Callable[[], ClusterSpec]):
+        self.workers = workers
+        self._finished = threading.Event()
+        self._spec: ClusterSpec | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(work,), name=f"pscluster-scale-{workers}", daemon=True).start()
+
+    def _run(self, work: Callable[[], ClusterSpec]) -> None:
+        try:
+            self._spec = work()
+        except BaseException as e:  # raised again by wait()
+            self._error = e
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> ClusterSpec:
+        if not self._finished.wait(timeout):
+            raise RuntimeTimeout(f"scaling to {self.workers} workers is not done after {timeout:.0f}s: "
+                                 "wait() again (new engines start in the background)")
+        if self._error is not None:
+            raise self._error
+        return self._spec
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "starting engines"
+        return f"<ScaleRequest to {self.workers} workers: {state}>"

@@ -407,7 +407,9 @@ class ParameterServer:
             cfg = PsConfig.from_dict(msg.meta or {})
         except ValueError as e:
             raise MalformedMessage(f"bad INIT: {e}") from None
-        if self.run is not None and self.run.run_id == msg.run_id and self.run.attempt == cfg.attempt:
+        if self.run is not None and self.run.run_id == msg.run_id and self.run.attempt >= cfg.attempt:
+            if self.run.attempt > cfg.attempt:  # a chief of an attempt that failed, come back: fenced off
+                raise MalformedMessage(f"INIT of attempt {cfg.attempt}: this run is at attempt {self.run.attempt}")
             self._reply(identity, msg, Op.OK)  # already initialized: the chief retried
             return
         try:

@@ -290,8 +290,9 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
 
     Each step is ``step_fn(model, batch)`` or the default step (see ``steps``) on the batches of ``dataset`` that
     are this worker's (``data.worker_batches``, with the plan's loader options and ``collate_fn``). ``join``: this
-    worker replaces a lost one in a running run: it starts from the current parameters (a chief that joins does not
-    initialize again). Returns a summary: local steps, last global step, dropped pushes, skipped batches, timings.
+    worker replaces a lost one in a running run: it starts from the current parameters (a chief that joins
+    initializes the run only if the one it replaces was lost before it had: while it initialized or restored).
+    Returns a summary: local steps, last global step, dropped pushes, skipped batches, timings.
     """
     task = spec.task("worker", index)
     device = local_device(task)
@@ -305,12 +306,14 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         batches = worker_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed, plan.loader,
                                  collate_fn, device)
         batch = next(batches)
-        if task.is_chief and not join:
+        # a joining worker finds the run initialized, unless it replaces a chief lost before it was
+        reply = client.pull(plan.attempt) if join else None
+        if task.is_chief and reply is None:
             _initialize(client, plan, shards, emitter.emit)
             client.pull()
             _wait_for_workers(client, plan.num_workers, emitter.emit)
             reply = client.pull()
-        else:
+        elif reply is None:
             reply = _wait_for_chief(client, plan.request_timeout, plan.attempt, emitter.emit)
         shards.load(reply)
         if shards.has_frozen:

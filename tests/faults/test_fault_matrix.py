@@ -13,7 +13,6 @@ Runs with ``make faults`` (about 15 minutes on 2 cores), not in ``make test``.
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -108,10 +107,9 @@ def await_moment(phase: str, cluster, run, victim: str):
         wait_for(lambda: len(events(run, "restarting")), 120, "restart after ps 0 was killed")
     elif phase == "scale":  # a worker being added: its engine starting
         wait_for_step(run, STEPS // 4)
-        scaling = threading.Thread(target=cluster.scale, kwargs={"workers": 4})
-        scaling.start()
+        request = cluster.scale(workers=4)
         time.sleep(0.5)
-        return lambda: (scaling.join(120), cluster.scale(workers=3))
+        return lambda: (request.wait(timeout=120), cluster.scale(workers=3).wait(timeout=120))
     return lambda: None
 
 
@@ -170,8 +168,12 @@ def test_a_fault_at_a_bad_moment(cluster, data, undisturbed, fault, role, phase)
     replaced_at = replaced[(replaced["task"] == victim) & (replaced["time"] >= lost_at)]["time"].min()
     metrics = run.metrics()
     training_again = metrics[metrics["time"] > replaced_at]["time"].min()
+    # the replacement's own first step, from when its engine was ready (the 'replaced' event)
+    own = metrics[(metrics["time"] > replaced_at) & (metrics["worker"] == int(victim_index))] \
+        if victim_role == "worker" else metrics.iloc[:0]
     record(f"{fault} {role} {phase}", {
         "fault_step": int(hit_step), "lost_s": round(lost_at - hit_at, 2), "replaced_s": round(replaced_at - hit_at, 2),
         "training_again_s": round(training_again - hit_at, 2), "accuracy": round(got, 4),
+        "replacement_first_step_s": round(own["time"].min() - replaced_at, 2) if len(own) else None,
         "undisturbed_accuracy": round(undisturbed, 4), "attempts": int(run.plan.attempt) + 1,
         "restored_from": [d.get("from_step") for d in events(run, "restarting")["detail"]]})

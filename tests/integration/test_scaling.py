@@ -34,11 +34,13 @@ def test_workers_added_during_a_sync_run_join_it_and_removed_ones_end(own_cluste
     run = c.train(mlp, digits_train, slow_loss, lr=0.1, mode="sync", steps=10**6, batch_size=32,
                   checkpoint_secs=None)
     wait_for_step(run, 50)
-    c.scale(3)
+    request = c.scale(3)
+    assert not request.done()  # returned at once: its engine starts in the background while the run trains
+    assert request.wait(timeout=120) is c.spec
     assert len(c.spec.workers) == 3 and run.plan.num_workers == 3 and run.plan.replicas_to_aggregate == 3
     wait_for(lambda: (run.metrics()["worker"] == 2).sum() >= 50, "the added worker trains")
     removed = [t.pid for t in c.spec.workers[1:]]
-    c.scale(1)
+    c.scale(1).wait(timeout=120)
     assert [t.index for t in c.spec.workers] == [0] and run.plan.replicas_to_aggregate == 1
     assert not [p for p in removed if alive(p)] and not set(removed) & set(c.pids)
     shrunk_at = time.time()
@@ -55,9 +57,25 @@ def test_workers_added_during_a_sync_run_join_it_and_removed_ones_end(own_cluste
     assert c.num_workers == 1 and len(run.store.run(run.id)["spec"]["worker"]) == 1
 
 
+def test_a_scale_that_outlasts_its_run_changes_the_cluster_and_records_nothing_for_the_run(own_cluster,
+                                                                                          digits_train):
+    c = own_cluster(ps=1, workers=2)
+    run = c.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="async", steps=300, batch_size=32,
+                  checkpoint_secs=None)
+    request = c.scale(3)  # its engine is ready seconds after this run of a fraction of a second has ended
+    run.wait(timeout=120, verbose=False)
+    assert request.wait(timeout=120) is c.spec and len(c.spec.workers) == 3 and c.num_workers == 3
+    assert run.status == "finished" and run.global_step == 300
+    assert events(run, "scaled").empty and events(run, "end")["time"].max() == run.store.events(run.id)["time"].max()
+    assert run.summary()["workers"] == len(run.local_steps) == 2
+    after = c.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="async", steps=300, batch_size=32,
+                    checkpoint_secs=None).wait(timeout=120, verbose=False)
+    assert len(after.local_steps) == 3  # the next run has the new worker
+
+
 def test_backup_workers_let_sync_steps_go_on_without_the_straggler(own_cluster, digits_train):
     c = own_cluster(ps=1, workers=2)
-    c.scale(3)  # between runs: one more engine
+    c.scale(3).wait(timeout=120)  # between runs: one more engine
     assert [t.index for t in c.spec.workers] == [0, 1, 2] and len(set(t.pid for t in c.spec.workers)) == 3
     with pytest.raises(ConfigError, match="replicas_to_aggregate=4 but the cluster has 3 workers"):
         c.train(mlp, digits_train, slow_loss, mode="sync", replicas_to_aggregate=4)
