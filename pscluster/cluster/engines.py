@@ -20,6 +20,7 @@ import sys
 import time
 
 import ipyparallel as ipp
+import ipyparallel.client.client as ipp_client
 
 from ..errors import ClusterStateError
 from . import engine_main, reaper
@@ -28,6 +29,18 @@ from .roles import EngineInfo
 
 RECOUNT_S = 2.0  # how often a start that waits for engines compares the client's count with the hub's
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no progress bars from ipyparallel itself
+
+log = logging.getLogger("pscluster.engines")
+
+
+def _client_note(*args, **_) -> None:
+    log.info(" ".join(map(str, args)))
+
+
+# ipyparallel's client prints what it does not expect ("got stale result: ..." and the whole message, for the
+# replies of an engine declared lost, after a recovery) from its own thread, into whatever notebook cell runs:
+# they are log lines. Its module's globals come before the builtins, so this print is the one it calls.
+ipp_client.print = _client_note
 
 SHUTDOWN_S = 2.0  # how long stop() waits for engines to end when asked (a client broken by hostile traffic asks in
 # vain), then after SIGTERM, before SIGKILL: stop() ends within a few times this

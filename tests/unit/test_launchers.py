@@ -151,3 +151,16 @@ def test_start_magic_takes_the_launcher_options():
     assert args.encrypt and not _parsers()["start"].parse_args([]).encrypt
     with pytest.raises(ConfigError, match="invalid choice"):
         _parsers()["start"].parse_args(["--launcher", "pbs"])
+
+
+def test_ipyparallel_client_notes_go_to_the_log_not_the_notebook(capsys, caplog):
+    """After a recovery, the client's thread reports the replies of engines declared lost ("got stale result" and
+    the whole message): into the pscluster log, not into whatever notebook cell runs."""
+    import ipyparallel.client.client as ipp_client
+
+    import pscluster.cluster.engines  # noqa: F401  (routes them)
+
+    with caplog.at_level("INFO", logger="pscluster.engines"):
+        ipp_client.print("got stale result: 3f2a")  # as the client calls it
+    assert capsys.readouterr().out == ""
+    assert [r.getMessage() for r in caplog.records] == ["got stale result: 3f2a"]
