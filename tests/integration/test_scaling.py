@@ -60,12 +60,13 @@ def test_workers_added_during_a_sync_run_join_it_and_removed_ones_end(own_cluste
 def test_a_scale_that_outlasts_its_run_changes_the_cluster_and_records_nothing_for_the_run(own_cluster,
                                                                                           digits_train):
     c = own_cluster(ps=1, workers=2)
-    run = c.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="async", steps=300, batch_size=32,
+    run = c.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="async", steps=10**6, batch_size=32,
                   checkpoint_secs=None)
-    request = c.scale(3)  # its engine is ready seconds after this run of a fraction of a second has ended
-    run.wait(timeout=120, verbose=False)
+    wait_for_step(run, 50)
+    request = c.scale(3)
+    run.stop()  # a moment, where the new engine takes seconds to start
     assert request.wait(timeout=120) is c.spec and len(c.spec.workers) == 3 and c.num_workers == 3
-    assert run.status == "finished" and run.global_step == 300
+    assert run.status == "stopped"
     assert events(run, "scaled").empty and events(run, "end")["time"].max() == run.store.events(run.id)["time"].max()
     assert run.summary()["workers"] == len(run.local_steps) == 2
     after = c.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="async", steps=300, batch_size=32,
