@@ -10,6 +10,7 @@ on other hosts by ipyparallel's ssh, mpi or slurm launcher).
 
 from __future__ import annotations
 
+import contextlib
 import html
 import inspect
 import os
@@ -94,7 +95,6 @@ class Cluster:
         self.encrypt = encrypt
         self.detached = detached
         self.spec: ClusterSpec | None = None
-        self._spec_lock = threading.Lock()  # held while the spec changes (a task replaced, workers added or removed)
         self._scaling = threading.Lock()  # one scale request at a time
         self.runs: list[Run] = []
         self._store_path = store
@@ -448,10 +448,10 @@ class Cluster:
         return self._engines.ssh_host(same[0].host) if same else next(iter(self.launcher.hosts))
 
     def replace_task(self, role: str, index: int) -> ClusterSpec:
-        """Give task ``role:index`` a new engine (its old one was lost); the cluster's new spec."""
+        """Give task ``role:index`` a new engine (its old one was lost); the cluster's new spec. During a run
+        the caller (recovery) holds the run's membership, as every change of the spec does."""
         task = self._new_engine(self._require_running("replace a task").task(role, index))
-        with self._spec_lock:
-            self.spec = self.spec.with_task(task)
+        self.spec = self.spec.with_task(task)
         self.record()  # the side panel lists the new engine
         return self.spec
 
@@ -472,37 +472,37 @@ class Cluster:
                 devices = worker_devices(n, self.gpus if self.launcher.local else 0)  # remote: see _new_engine
                 added = [self._new_engine(TaskSpec("worker", i, host=spec.chief.host, device=devices[i]))
                          for i in range(len(spec.workers), n)]
-            if added:
-                with self._spec_lock:
-                    self.spec = replace(self.spec, workers=self.spec.workers + tuple(added))
-                self._join_active_run()
-            run = self.active_run
-            if n < len(self.spec.workers):
-                removed = self.spec.workers[n:]
-                if run is not None:
-                    scaling.shrink(run, self, n)
-                with self._spec_lock:
-                    self.spec = replace(self.spec, workers=self.spec.workers[:n])
-                self._engines.remove_engines([(t.engine_id, t.pid) for t in removed])
+            try:
+                removed = self._resize(n, added)
+            except BaseException:
+                self._engines.remove_engines([(t.engine_id, t.pid) for t in added])
+                raise
+            self._engines.remove_engines([(t.engine_id, t.pid) for t in removed])
             self.num_workers = n
             self.record()
             return self.spec
 
-    def _join_active_run(self) -> None:
-        """The active run takes the cluster's workers it lacks. A ps lost meanwhile fails the request to it:
-        then the recovery (waiting for the run's membership) goes first, and the new run state takes them."""
+    def _resize(self, n: int, added: list[TaskSpec]) -> list[TaskSpec]:
+        """The cluster's spec, and its active run, to ``n`` workers (``added``: on new engines), under the run's
+        membership, so that a recovery sees the spec before or after, never between; returns the removed tasks.
+        A ps lost meanwhile fails the request to it: the recovery (waiting for the membership) goes first, then
+        this is tried again on the run it restarted."""
         for tries_left in reversed(range(scaling.JOIN_TRIES)):
             run = self.active_run
-            if run is None:
-                return
             try:
-                with run.membership:
-                    scaling.grow(run, self, self.spec)
-                return
+                with run.membership if run is not None else contextlib.nullcontext():
+                    spec = replace(self.spec, workers=(self.spec.workers + tuple(added))[:n])
+                    if run is not None and added:
+                        scaling.grow(run, self, spec)
+                    elif run is not None and n < len(run.spec.workers):
+                        scaling.shrink(run, self, spec)
+                    removed, self.spec = list(self.spec.workers[n:]), spec
+                    return removed
             except (RuntimeTimeout, PeerLost):
                 if not tries_left:
                     raise
                 time.sleep(scaling.JOIN_PAUSE_S)
+        raise AssertionError("unreachable")
 
     def kill(self, task: str) -> int:
         """SIGKILL the process of ``task`` (``"worker:1"``, ``"ps:0"``), to try a failure on purpose;

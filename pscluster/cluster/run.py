@@ -394,29 +394,32 @@ class Run:
         return reply.step, state_dict_of(self.plan.state_keys, assemble(self.plan.variables, reply.messages))
 
     # --- results ------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained model's ``state_dict()`` (once the run is over): parameters, buffers, every key of a
-        tied parameter; ``model.load_state_dict(run.state_dict())`` takes it as it is (strict). A failed run
-        gives its last parameters (from the ps tasks, or its latest checkpoint)."""
+    def state_dict(self, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """The trained model's ``state_dict()`` (once the run is over: waits for it, ``timeout`` seconds at most,
+        see ``wait``): parameters, buffers, every key of a tied parameter; ``model.load_state_dict(run.state_dict())``
+        takes it as it is (strict). A failed run gives its last parameters (from the ps tasks, or its latest
+        checkpoint)."""
         if self._state_dict is None and not self.error:
-            self.wait()
+            self.wait(timeout)
         if self._state_dict is None:
             raise TrainingError(f"{self.name} failed and neither its ps tasks nor a checkpoint hold its parameters: "
                                 f"{self.error_line}")
         return dict(self._state_dict)
 
-    def model(self) -> torch.nn.Module:
-        """A model built by ``model_fn`` in this process, holding the trained state (loaded strictly)."""
+    def model(self, timeout: float | None = None) -> torch.nn.Module:
+        """A model built by ``model_fn`` in this process, holding the trained state (loaded strictly; waits for the
+        run's end as ``state_dict`` does)."""
         if self._model_fn is None:
             raise TrainingError(f"{self.name} was started by another process, whose model_fn this one does not "
                                 "have: build the model and load run.state_dict() into it")
         model = build_model(self._model_fn, self.plan.seed)
-        model.load_state_dict(self.state_dict())
+        model.load_state_dict(self.state_dict(timeout))
         return model
 
-    def evaluate(self, dataset, *, batch_size: int = 1024) -> dict:
-        """``{"loss": ..., "accuracy": ...}`` of the trained model on ``dataset``."""
-        return evaluate(self.model(), dataset, self._loss_fn, step_fn=self._step_fn, batch_size=batch_size,
+    def evaluate(self, dataset, *, batch_size: int = 1024, timeout: float | None = None) -> dict:
+        """``{"loss": ..., "accuracy": ...}`` of the trained model on ``dataset`` (waits for the run's end as
+        ``state_dict`` does)."""
+        return evaluate(self.model(timeout), dataset, self._loss_fn, step_fn=self._step_fn, batch_size=batch_size,
                         collate_fn=self._collate_fn)
 
     def dashboard(self) -> None:

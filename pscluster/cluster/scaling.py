@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import RuntimeTimeout
 from ..runtime.client import PSClient
 from ..runtime.ps import wait_until
-from ..spec import ClusterSpec, TaskSpec
+from ..spec import ClusterSpec
 
 if TYPE_CHECKING:
     from .recovery import Tasks
@@ -33,11 +33,13 @@ JOIN_PAUSE_S = 1.0
 
 
 def _resize(run: "Run", spec: ClusterSpec) -> None:
+    """Tell every ps the run's new worker count first (a ps lost meanwhile fails this before anything changed),
+    then take ``spec`` as the run's."""
     n = len(spec.workers)
     replicas = max(1, run.plan.replicas_to_aggregate + n - run.plan.num_workers)
-    run.plan = replace(run.plan, num_workers=n, replicas_to_aggregate=replicas)
     with PSClient(run.spec, run_id=run.id, timeout=10.0) as client:
         client.resize(n, replicas)
+    run.plan = replace(run.plan, num_workers=n, replicas_to_aggregate=replicas)
     run.spec = spec
     run.store.set_spec(run.id, spec.public_dict())
     run.note("scaled", "controller", {"workers": n, "replicas_to_aggregate": replicas})
@@ -45,8 +47,8 @@ def _resize(run: "Run", spec: ClusterSpec) -> None:
 
 def grow(run: "Run", tasks: "Tasks", spec: ClusterSpec) -> None:
     """``spec`` has more workers than ``run``, the new ones on new engines: start them, joining the run. The
-    caller holds ``run.membership``; a run that has ended, or has these workers, is left alone."""
-    if run.closed or len(spec.workers) <= len(run.spec.workers):
+    caller holds ``run.membership``; a run that has ended is left alone."""
+    if run.closed:
         return
     old = len(run.spec.workers)
     _resize(run, spec)
@@ -54,23 +56,22 @@ def grow(run: "Run", tasks: "Tasks", spec: ClusterSpec) -> None:
         run.worker_results.append(tasks.launch_worker(spec, i, run, join=True))
 
 
-def shrink(run: "Run", tasks: "Tasks", workers: int) -> list[TaskSpec]:
-    """End workers ``workers``.. of ``run`` at their next request (killed through ``tasks``, on whichever host,
-    if they do not end within ``RETIRE_S``); returns their tasks, whose engines the caller may now stop. A run
-    that has ended is left alone."""
-    with run.membership:
-        if run.closed:
-            return []
-        removed = list(run.spec.workers[workers:])
-        _resize(run, replace(run.spec, workers=run.spec.workers[:workers]))
-        results = run.worker_results[workers:]
-        if not wait_until(lambda: all(r.ready() for r in results), RETIRE_S):
-            for task, result in zip(removed, results):
-                if not result.ready() and not tasks.lost(task):
-                    tasks.kill_task(task)
-        run.retired_results += results
-        del run.worker_results[workers:]
-        return removed
+def shrink(run: "Run", tasks: "Tasks", spec: ClusterSpec) -> None:
+    """End the workers of ``run`` past those of ``spec`` at their next request (killed through ``tasks``, on
+    whichever host, if they do not end within ``RETIRE_S``); their engines may go then. The caller holds
+    ``run.membership``; a run that has ended is left alone."""
+    if run.closed:
+        return
+    workers = len(spec.workers)
+    removed = list(run.spec.workers[workers:])
+    _resize(run, spec)
+    results = run.worker_results[workers:]
+    if not wait_until(lambda: all(r.ready() for r in results), RETIRE_S):
+        for task, result in zip(removed, results):
+            if not result.ready() and not tasks.lost(task):
+                tasks.kill_task(task)
+    run.retired_results += results
+    del run.worker_results[workers:]
 
 
 class ScaleRequest:

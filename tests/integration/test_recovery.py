@@ -4,7 +4,7 @@ exactly on its step target, and no process of the cluster outlives it."""
 import pytest
 import torch
 
-from pscluster.errors import ConfigError
+from pscluster.errors import ConfigError, RuntimeTimeout
 from pscluster.evaluate import evaluate
 from pscluster.cluster.reaper import alive
 from pscluster.runtime import checkpoint
@@ -94,6 +94,8 @@ def test_stop_ends_on_one_step_with_a_final_checkpoint_and_export(own_cluster, d
     c = own_cluster(ps=2, workers=1)
     run = c.train(mlp, digits_train, LOSS, lr=0.1, mode="async", steps=10**6, batch_size=32, checkpoint_secs=None)
     wait_for_step(run, 30)
+    with pytest.raises(RuntimeTimeout, match="still training after 0s"):
+        run.evaluate(digits_train, timeout=0.2)  # the trained model is for after the run: its wait is bounded
     mid = run.checkpoint()
     assert mid.exists() and checkpoint.Checkpoint.load(mid).step >= 30
     run.stop()
