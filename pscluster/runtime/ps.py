@@ -35,9 +35,9 @@ the end; the controller commits a checkpoint once every ps has written its shard
 carry optimizer state and a starting step: a restore.
 
 Membership (MEMBERSHIP): lost workers are left out (sync aggregates the gradients of the live workers
-only, SSP measures the slowest among them) and count as live again from their next request. The worker
-count can change during a run (scaling): added workers count from their first request; a removed worker's
-next push or pull is answered STOPPED, so it ends.
+only, SSP measures the slowest among them) and count as live again from their next request (sync: from their
+first gradient of the current step). The worker count can change during a run (scaling): added workers count
+the same way; a removed worker's next push or pull is answered STOPPED, so it ends.
 
 Hostile input: every message is checked before it is served (``protocol``: limits, HMAC-SHA256 signature, wire
 format, session freshness); one that fails is dropped and counted in ``rejected`` by reason (unsigned,
@@ -375,7 +375,7 @@ class ParameterServer:
             # removed by scaling: this answer ends it
             self._reply(identity, msg, Op.OK if msg.op is Op.PUSH else Op.PARAMS, flags=Flag.STOPPED | Flag.DROPPED)
             return None
-        if msg.task in run.lost:  # a replacement of a lost worker: live again, level with the others
+        if msg.task in run.lost and run.rules.joins_on_request:  # a replacement: live again, level with the others
             run.lost.discard(msg.task)
             run.clocks[msg.task] = min((run.clocks[w] for w in run.live() if w != msg.task), default=0)
         return run
@@ -737,7 +737,12 @@ class ParameterServer:
 
 class _Sync:
     """SyncReplicasOptimizer: a gradient of the current step is summed until ``replicas_now()`` have arrived, then
-    one averaged update is applied and the held replies are answered; a gradient of an older step is dropped."""
+    one averaged update is applied and the held replies are answered; a gradient of an older step is dropped.
+    A worker that joins (a replacement, or one added) is waited for from the first step it sends a gradient of:
+    counted from its first pull, a ps a step ahead of another when it pulled would wait for its gradient of a step
+    it never computes (it pushes the step of ps 0's reply), and hold every worker."""
+
+    joins_on_request = False
 
     @staticmethod
     def push(server: ParameterServer, run: _RunState, identity, msg: Message, grads, buffers, with_params) -> None:
@@ -747,6 +752,7 @@ class _Sync:
             server._reply(identity, msg, Op.PARAMS if with_params else Op.OK, flags=Flag.DROPPED, value=staleness,
                           with_params=with_params)
             return
+        run.lost.discard(msg.task)  # a gradient of this step: a member from now on
         _note_buffers(run, msg.task, buffers)
         if run.accum is None:
             # one replica per step: applied below, before this request's frames are let go, so not copied
@@ -781,6 +787,8 @@ class _Sync:
 
 class _Async:
     """Each gradient is applied on arrival; its staleness is counted."""
+
+    joins_on_request = True  # no step waits for a worker
 
     def push(self, server: ParameterServer, run: _RunState, identity, msg: Message, grads, buffers,
              with_params) -> None:

@@ -32,8 +32,18 @@ REPORT = Path(os.environ.get("PSCLUSTER_REPORT_DIR", "reports")) / "faults.json"
 VICTIMS = {"ps": "ps:1", "chief": "worker:0", "worker": "worker:2"}
 
 
-def mlp():
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+class Net(torch.nn.Module):
+    """The digits MLP, and a frozen table on each ps (never trained, never sent after the start) whose 16 MB make
+    every checkpoint write take long enough to be caught in the middle of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        self.table_a = torch.nn.Parameter(torch.zeros(4_000_000), requires_grad=False)
+        self.table_b = torch.nn.Parameter(torch.zeros(4_000_000), requires_grad=False)
+
+    def forward(self, x):
+        return self.body(x)
 
 
 TRAIN = dict(lr=0.1, mode="sync", steps=STEPS, batch_size=32, checkpoint_every=1000)
@@ -55,13 +65,13 @@ def data():
 
 @pytest.fixture(scope="module")
 def undisturbed(cluster, data):
-    run = cluster.train(mlp, data[0], LOSS, **TRAIN).wait(timeout=600, verbose=False)
+    run = cluster.train(Net, data[0], LOSS, **TRAIN).wait(timeout=600, verbose=False)
     assert run.status == "finished" and run.global_step == STEPS
     return accuracy(run, data[1])
 
 
 def accuracy(run, test) -> float:
-    model = mlp()
+    model = Net()
     model.load_state_dict(run.state_dict())
     return evaluate(model, test, LOSS)["accuracy"]
 
@@ -139,7 +149,7 @@ def record(cell: str, outcome: dict) -> None:
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_fault_at_a_bad_moment(cluster, data, undisturbed, fault, role, phase):
     victim = VICTIMS[role]
-    run = cluster.train(mlp, data[0], LOSS, **TRAIN)
+    run = cluster.train(Net, data[0], LOSS, **TRAIN)
     cleanup = await_moment(phase, cluster, run, victim)
     victim_role, victim_index = victim.split(":")
     pid = cluster.spec.task(victim_role, int(victim_index)).pid

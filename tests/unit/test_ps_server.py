@@ -204,19 +204,23 @@ def test_workers_added_count_from_their_first_request_and_removed_ones_are_stopp
     w0.push(0, run.split(grads(0, run.initial)))
     w1.push(0, run.split(grads(1, run.initial)))
     assert controller.stats()[0]["step"] == 1  # worker 2 has not joined: two gradients make the step
-    assert w2.pull().step == 1  # joined
+    assert w2.pull().step == 1  # a pull does not make it a member: the steps do not wait for it yet
+    w2.push(1, run.split(grads(4, run.initial)))  # its first gradient of the current step does
     w0.push(1, run.split(grads(2, run.initial)))
     w1.push(1, run.split(grads(3, run.initial)))
-    assert controller.stats()[0]["step"] == 1 and controller.stats()[0]["waiting_on"] == [0, 1]
-    w2.push(1, run.split(grads(4, run.initial)))
-    assert controller.stats()[0]["step"] == 2
+    assert controller.stats()[0]["step"] == 2 and controller.stats()[0]["applied"] == 2
+    w0.push(2, run.split(grads(5, run.initial)))
+    w1.push(2, run.split(grads(6, run.initial)))
+    assert controller.stats()[0]["step"] == 2 and controller.stats()[0]["waiting_on"] == [0, 1]  # and for 2
+    w2.push(2, run.split(grads(7, run.initial)))
+    assert controller.stats()[0]["step"] == 3
 
     controller.resize(workers=1, replicas=1)
-    removed = w2.push_pull(2, run.split(grads(5, run.initial)))
+    removed = w2.push_pull(3, run.split(grads(8, run.initial)))
     assert removed.flags & Flag.STOPPED and removed.flags & Flag.DROPPED and not removed.messages[0].tensors
     assert w1.pull().flags & Flag.STOPPED
-    assert w0.push_pull(2, run.split(grads(6, run.initial))).step == 3  # the chief alone makes the steps
-    assert controller.stats()[0]["applied"] == 3
+    assert w0.push_pull(3, run.split(grads(9, run.initial))).step == 4  # the chief alone makes the steps
+    assert controller.stats()[0]["applied"] == 4
 
 
 def test_a_worker_declared_lost_while_it_hung_is_fenced_off_and_its_replacement_trains(start_run, values):
@@ -233,18 +237,38 @@ def test_a_worker_declared_lost_while_it_hung_is_fenced_off_and_its_replacement_
     stats = controller.stats()[0]
     assert (stats["step"], stats["applied"], stats["rejected"]["fenced"]) == (1, 1, 1)
     replacement = run.client(task=1)
-    assert replacement.pull().step == 1  # live again: the next step waits for both
-    chief_reply = {}
-    thread = threading.Thread(target=lambda: chief_reply.update(r=chief.push_pull(1, run.split(grads(1, run.initial)))))
+    assert replacement.pull().step == 1
+    joined = {}  # its first gradient of the step makes it a member again: the step waits for the chief's too
+    gradient = run.split(grads(2, run.initial))
+    thread = threading.Thread(target=lambda: joined.update(r=replacement.push_pull(1, gradient)))
     thread.start()
     try:
-        assert wait_until(lambda: controller.stats()[0]["waiting_on"] == [0], 5)
-        assert replacement.push_pull(1, run.split(grads(2, run.initial))).step == 2
+        assert wait_until(lambda: controller.stats()[0]["waiting_on"] == [1], 5)
+        assert controller.stats()[0]["step"] == 1
+        assert chief.push_pull(1, run.split(grads(1, run.initial))).step == 2
     finally:
         thread.join(10)
-    assert chief_reply["r"].step == 2
+    assert joined["r"].step == 2
     with pytest.raises(StaleTask):  # still fenced
         hung.pull()
+
+
+def test_a_worker_that_joins_while_the_ps_are_a_step_apart_holds_no_step(start_run, values):
+    """Sync on 2 ps: ps 0 has applied step 0, ps 1 still waits for one gradient of it, when a replacement of
+    worker 2 pulls (its reply's step is ps 0's: 1). It pushes step 1; ps 1 must not wait for its gradient of
+    step 0, which it never computes: that held every worker for good."""
+    run = start_run(values, num_ps=2, num_workers=3, mode="sync", replicas=3)
+    w0, w1, controller = run.client(task=0), run.client(task=1), run.client()
+    controller.lost_workers([2])
+    g = run.split(grads(0, run.initial))
+    for worker, targets in ((w0, [0, 1]), (w1, [0])):
+        worker.request(Op.PUSH, g, step=0, targets=targets)
+    assert [s["step"] for s in controller.stats()] == [1, 0]
+    joiner = run.client(task=2)
+    assert joiner.pull().step == 1
+    joiner.push(1, run.split(grads(1, run.initial)))  # ps 1 drops it: computed on a step it has not reached
+    w1.request(Op.PUSH, g, step=0, targets=[1])
+    assert [s["step"] for s in controller.stats()] == [1, 1]
 
 
 # --- async mode ------------------------------------------------------------------------------
