@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import ipyparallel as ipp
@@ -64,6 +65,7 @@ class EngineSet:
         self.pids: list[int] = []
         self.engines: dict[int, int] = {}  # engine id -> pid, of the engines in use
         self._reaper: subprocess.Popen | None = None
+        self._adding = threading.Lock()  # held while one engine is added (see add_engine)
 
     def start(self) -> list[EngineInfo]:
         self._ipp = ipp.Cluster(n=self.n, cluster_id=self.cluster_id, log_level=logging.ERROR,
@@ -185,15 +187,17 @@ class EngineSet:
             stderr=subprocess.DEVNULL)
 
     def add_engine(self, host: str | None = None) -> EngineInfo:
-        """Start one more engine (to replace a lost one; ssh: on ``host``) and wait for it to register."""
-        known = set(self.client.ids)
-        self._start_engines(1, {host: 1} if host else None)
-        deadline = time.monotonic() + self.timeout
-        while not (new := set(self.client.ids) - known):
-            if time.monotonic() > deadline:
-                raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
-                                        "check the machine's load")
-            time.sleep(0.05)
+        """Start one more engine (to replace a lost one; ssh: on ``host``) and wait for it to register. One at a
+        time: a scale and a recovery that start engines together would otherwise both take the first to come."""
+        with self._adding:
+            known = set(self.client.ids)
+            self._start_engines(1, {host: 1} if host else None)
+            deadline = time.monotonic() + self.timeout
+            while not (new := set(self.client.ids) - known):
+                if time.monotonic() > deadline:
+                    raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
+                                            "check the machine's load")
+                time.sleep(0.05)
         info = self._describe([min(new)])[0]
         if not self.launcher.local:
             self.client[info.engine_id].apply_sync(_watch_controller, *self._controller_endpoint())

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .run import Run
 
 RETIRE_S = 30.0  # how long a removed worker gets to end at its next step before it is killed
+RESIZE_TIMEOUT_S = 5.0  # a ps that does not answer is about to be lost: the recovery waits while this does
 JOIN_TRIES = 3  # a run's ps lost while workers join it: tried again once it is recovered
 JOIN_PAUSE_S = 1.0
 
@@ -37,7 +38,7 @@ def _resize(run: "Run", spec: ClusterSpec) -> None:
     then take ``spec`` as the run's."""
     n = len(spec.workers)
     replicas = max(1, run.plan.replicas_to_aggregate + n - run.plan.num_workers)
-    with PSClient(run.spec, run_id=run.id, timeout=10.0) as client:
+    with PSClient(run.spec, run_id=run.id, timeout=RESIZE_TIMEOUT_S) as client:
         client.resize(n, replicas)
     run.plan = replace(run.plan, num_workers=n, replicas_to_aggregate=replicas)
     run.spec = spec

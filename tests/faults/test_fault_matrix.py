@@ -169,6 +169,9 @@ def test_a_fault_at_a_bad_moment(cluster, data, undisturbed, fault, role, phase)
     assert not alive(pid), f"the {fault} {victim} ({pid}) outlived its recovery"
     lost = events(run, "lost")
     assert victim in set(lost["task"]), f"{victim} was never declared lost: {list(lost['task'])}"
+    assert set(lost["task"]) <= {victim, "ps:0" if phase == "restore" else victim}, list(lost["task"])
+    restored = [d.get("from_step") for d in events(run, "restarting")["detail"]]
+    assert None not in restored and all(step >= hit_step - 10 for step in restored), (hit_step, restored)
     shards_of_one_step(run.plan.checkpoint_dir)
     got = accuracy(run, data[1])
     assert got >= undisturbed - ACCURACY_SLACK, (got, undisturbed)
