@@ -5,6 +5,8 @@ The control-plane names (Cluster, Run) load on first use, so importing
 ipyparallel.
 """
 
+import importlib
+
 from . import datasets, environ, placement  # placement is light: no torch, plotly or IPython
 from .errors import PSClusterError
 from .spec import ClusterSpec, TaskSpec
@@ -12,7 +14,7 @@ from .spec import ClusterSpec, TaskSpec
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "clusters", "compare", "datasets",
-           "environ", "load_ipython_extension", "placement", "runs", "__version__"]
+           "environ", "evaluate", "load_ipython_extension", "placement", "runs", "__version__"]
 
 
 def __getattr__(name):
@@ -24,6 +26,8 @@ def __getattr__(name):
         from .cluster.run import Run
 
         return Run
+    if name == "evaluate":  # the module (evaluate(), auc()): torch, loaded on first use
+        return importlib.import_module(".evaluate", __name__)
     if name == "compare":
         from .compare import compare
 

@@ -235,7 +235,7 @@ def test_a_lost_ps_rolls_back_the_buffers_with_the_variables(own_cluster, digits
     run.wait(timeout=240, verbose=False)
     assert run.status == "finished" and run.global_step == steps
     restored = events(run, "restored")["detail"].map(lambda d: d["step"]).tolist()
-    assert len(restored) == 1 and restored[0] >= 100 and restored[0] % 50 == 0
+    assert len(restored) == 1 and restored[0] >= 130  # the newest state: the survivor's shard, a worker's copy
     state = run.state_dict()
     # one batch per global step: a count restored with the variables goes on from the checkpoint's step to the
     # target (restored at its initial 0, it would end short by the checkpoint's step)

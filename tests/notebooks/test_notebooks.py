@@ -117,7 +117,8 @@ def test_fault_tolerance_recovers_from_a_lost_worker_and_a_lost_ps(tmp_path):
     # each lost task got a new engine (and so did a worker that had not ended when the ps restart began)
     assert report["replaced"][:2] == ["worker:1", "ps:1"] and set(report["replaced"]) == {"worker:1", "ps:1"}
     # every ps rolled back to one committed checkpoint, and the global step went on from there
-    assert 0 < report["rolled_back_to"] <= report["lost_at"]
+    # the newest state there is (the survivors' shards, the workers' copies): a few steps from the loss
+    assert 0 < report["rolled_back_to"] and abs(report["rolled_back_to"] - report["lost_at"]) <= 10
     assert report["resumed_at"] == report["rolled_back_to"] + 1
     assert report["restored_step"] == report["steps"] and report["restored_ps"] == 3
     assert report["restored_global_step"] > report["steps"]
