@@ -41,19 +41,19 @@ def test_store_holds_metrics_placement_and_events_of_a_run(stored_cluster, digit
     stop = tmp_path / "stop"
     reader = subprocess.Popen([sys.executable, "-c", READER, str(path), str(stop)], stdout=subprocess.PIPE, text=True)
     try:
-        run = cluster.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="sync", steps=150,
+        run = cluster.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="sync", steps=600,
                             batch_size=32, name="stored-sync", test_dataset=pscluster.datasets.digits("test"),
-                            eval_every=50).wait(verbose=False)
+                            eval_every=100).wait(verbose=False)  # long enough to evaluate on the way, under load too
     finally:
         stop.touch()
         queries, rows_seen = map(int, reader.communicate(timeout=30)[0].split())
     assert reader.returncode == 0 and queries > 30  # the reader ran all along, unblocked
 
     metrics = run.metrics()
-    assert len(metrics) == sum(run.local_steps) == 300  # no row lost to the concurrent reader
+    assert len(metrics) == sum(run.local_steps) == 1200  # no row lost to the concurrent reader
     for _, rows in metrics.groupby("worker"):
-        assert list(rows["local_step"]) == list(range(1, 151))
-        assert list(rows["global_step"]) == list(range(1, 151))  # sync, 2 replicas: one global step per step
+        assert list(rows["local_step"]) == list(range(1, 601))
+        assert list(rows["global_step"]) == list(range(1, 601))  # sync, 2 replicas: one global step per step
         assert rows["loss"].notna().all() and (rows["compute_s"] > 0).all() and (rows["wait_s"] >= 0).all()
         assert (rows["bytes_sent"] > 0).all() and (rows["bytes_received"] > 0).all()
     assert sorted(metrics["worker"].unique()) == [0, 1]
@@ -73,10 +73,10 @@ def test_store_holds_metrics_placement_and_events_of_a_run(stored_cluster, digit
 
     ps_rows = store.ps_metrics(run.id)
     assert set(ps_rows["ps"]) == {0, 1}
-    assert ps_rows.groupby("ps")["applied"].max().tolist() == [150, 150]
+    assert ps_rows.groupby("ps")["applied"].max().tolist() == [600, 600]
 
     evaluations = store.evaluations(run.id)
-    assert evaluations["global_step"].iloc[-1] == 150 and len(evaluations) >= 2  # periodic, then final
+    assert evaluations["global_step"].iloc[-1] == 600 and len(evaluations) >= 2  # periodic, then final
     assert evaluations["global_step"].is_monotonic_increasing
     final = run.evaluate(pscluster.datasets.digits("test"))
     assert evaluations["accuracy"].iloc[-1] == pytest.approx(final["accuracy"])
@@ -85,7 +85,7 @@ def test_store_holds_metrics_placement_and_events_of_a_run(stored_cluster, digit
     assert record["name"] == "stored-sync" and record["status"] == "finished" and record["ended"] > record["started"]
     assert record["config"]["mode"] == "sync" and "secret" not in record["spec"]
     assert "def mlp" in record["code"]
-    assert record["summary"]["global_step"] == 150
+    assert record["summary"]["global_step"] == 600
 
 
 def test_runs_survive_the_process_that_trained_them(stored_cluster):
