@@ -115,12 +115,8 @@ def _replace_workers(run: RecoveringRun, tasks: Tasks, lost: list[TaskSpec]) -> 
 def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[TaskSpec],
                              lost_workers: list[TaskSpec]) -> None:
     survivors = [t.index for t in run.spec.ps if t not in lost_ps]
-    if survivors:
-        try:
-            with PSClient(run.spec, run_id=run.id, timeout=10.0, only=survivors) as client:
-                client.stop(attempt=run.plan.attempt)
-        except Exception:
-            pass  # the workers still end, on their lost ps connection
+    # the workers still end if this fails, on their lost ps connection
+    _tell_survivors(run, survivors, lambda client: client.stop(attempt=run.plan.attempt))
     gone = {t.index for t in lost_workers}
     live = [(i, r) for i, r in enumerate(run.worker_results) if i not in gone]
     if not wait_until(lambda: all(r.ready() for _, r in live), WORKERS_END_S):
@@ -132,12 +128,9 @@ def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[Tas
                 except Exception:  # gone already, or its host unreachable
                     pass
                 lost_workers.append(task)
-    if survivors:  # a worker of the failed attempt that comes back (hung, unreachable) is refused
-        try:
-            with PSClient(run.spec, run_id=run.id, timeout=10.0, only=survivors) as client:
-                client.lost_workers(list(range(len(run.spec.workers))))
-        except Exception:
-            pass  # the survivors' sessions end with the attempt's run state anyway
+    # a worker of the failed attempt that comes back (hung, unreachable) is refused; if this fails, its sessions
+    # end with the attempt's run state anyway
+    _tell_survivors(run, survivors, lambda client: client.lost_workers(list(range(len(run.spec.workers)))))
     run.commit_checkpoints()  # shards of the failed attempt that all ps had written
     assembled = run.checkpoints.rescue(run.plan, len(run.spec.ps))
     for t in [*lost_ps, *lost_workers]:
@@ -150,6 +143,17 @@ def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[Tas
         detail["sources"] = [s.to_dict() for s in assembled.sources]
     run.note("restarting", "controller", detail)
     run.restart([tasks.launch_worker(run.spec, i, run) for i in range(len(run.spec.workers))])
+
+
+def _tell_survivors(run: RecoveringRun, survivors: list[int], request) -> None:
+    """``request(client)`` to the surviving ps tasks, on a best-effort basis (one may be lost too)."""
+    if not survivors:
+        return
+    try:
+        with PSClient(run.spec, run_id=run.id, timeout=10.0, only=survivors) as client:
+            request(client)
+    except Exception:
+        pass
 
 
 def _restorable_step(run: RecoveringRun) -> int | None:
