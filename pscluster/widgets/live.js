@@ -3,6 +3,8 @@
 // sends the whole figure when a view says it is ready ("figure") and then only what changed ("patch": per
 // trace, arrays as the length of their kept prefix and the points after it; layout keys replaced whole).
 
+const ASK_AGAIN_MS = 2000;
+
 function applyPatch(figure, patch) {
   for (const [index, props] of Object.entries(patch.traces || {})) {
     const trace = figure.data[Number(index)];
@@ -124,9 +126,20 @@ function render({ model, el }) {
     }
     draw();
   };
+  // A view without its figure asks again every ASK_AGAIN_MS: a message lost on the way (a page reloaded
+  // while the kernel is busy) must not leave a figure blank that the kernel only ever patches afterwards.
+  const ask = () => {
+    if (!figure) {
+      model.send({ type: 'ready' });
+    }
+  };
+  const asking = setInterval(ask, ASK_AGAIN_MS);
   model.on('msg:custom', onMessage);
-  model.send({ type: 'ready' });
-  return () => model.off('msg:custom', onMessage);
+  ask();
+  return () => {
+    clearInterval(asking);
+    model.off('msg:custom', onMessage);
+  };
 }
 
 export default { render };

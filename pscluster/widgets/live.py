@@ -5,7 +5,8 @@ loads it once.
 server extension (``<base url>pscluster/static/plotly.min.js``): its widget state is a few kilobytes, where a
 plotly ``FigureWidget`` embeds all 5 MB of plotly.js in every figure's state (in every message that opens
 one, and in every executed notebook that stores widget state). The kernel sends a view the whole figure
-when the view says it is ready (first display, a page reload, a second view) and afterwards, per
+when the view says it is ready (first display, a page reload, a second view; a view says it again every 2 s
+until the figure has come) and afterwards, per
 ``show``, at most one message with only what changed: for an array, the length of the prefix that did not
 change and the points after it, so a growing series costs its new points.
 
