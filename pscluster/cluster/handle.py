@@ -10,7 +10,6 @@ on other hosts by ipyparallel's ssh, mpi or slurm launcher).
 
 from __future__ import annotations
 
-import contextlib
 import html
 import inspect
 import os
@@ -39,6 +38,7 @@ from . import launchers
 from .launchers import Launcher
 from .roles import assign_roles, host_gpus, worker_devices
 from .run import Run
+from .supervisor import Supervisor
 from .shipping import ship
 
 if TYPE_CHECKING:
@@ -249,7 +249,7 @@ class Cluster:
                 "spec": self.spec.to_dict(), "engines": {str(k): v for k, v in self._engines.engines.items()},
                 "pids": self.pids, "gpus": self.gpus, "threads": self.threads,
                 "run": None if run is None else {"plan": run.plan.to_json(),
-                                                 "msg_ids": [ar.msg_ids for ar in run.worker_results]}}
+                                                 "msg_ids": [ar.msg_ids for ar in run.supervisor.worker_results]}}
 
     def __enter__(self) -> "Cluster":
         return self if self.running else self.start()
@@ -394,10 +394,9 @@ class Cluster:
                   eval_every=eval_every,
                   tasks=self, checkpoints=checkpoints, payload=payload,
                   metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports)
-        run.plan = replace(run_plan, metrics_address=run.collector.address)
         if self.detached:
             registry.write_payload(self.name, run_id, payload)  # for replacement workers after an attach
-        run._attach([self.launch_worker(spec, t.index, run) for t in spec.workers])
+        run.supervisor.start(lambda supervisor: [self.launch_worker(spec, t.index, supervisor) for t in spec.workers])
         self.runs.append(run)
         self.record()
         return run
@@ -414,7 +413,7 @@ class Cluster:
             view.apply_sync(remote.register_objects, *self._ps_objects)
 
     # --- tasks: kill, replace ----------------------------------------------------------------
-    def launch_worker(self, spec: ClusterSpec, index: int, run: Run, *, join: bool = False):
+    def launch_worker(self, spec: ClusterSpec, index: int, run: Supervisor, *, join: bool = False):
         """Start worker ``index`` of ``run`` on its engine (``join``: in place of a lost one)."""
         task = spec.task("worker", index)
         return self._engines.view(task.engine_id).apply_async(remote.train_worker, spec.to_json(), index,
@@ -487,17 +486,23 @@ class Cluster:
         membership, so that a recovery sees the spec before or after, never between; returns the removed tasks.
         A ps lost meanwhile fails the request to it: the recovery (waiting for the membership) goes first, then
         this is tried again on the run it restarted."""
+        removed: list[TaskSpec] = []
+
+        def resized() -> ClusterSpec:
+            return replace(self.spec, workers=(self.spec.workers + tuple(added))[:n])
+
+        def take(spec: ClusterSpec) -> None:
+            removed[:] = self.spec.workers[n:]
+            self.spec = spec
+
         for tries_left in reversed(range(scaling.JOIN_TRIES)):
             run = self.active_run
             try:
-                with run.membership if run is not None else contextlib.nullcontext():
-                    spec = replace(self.spec, workers=(self.spec.workers + tuple(added))[:n])
-                    if run is not None and added:
-                        scaling.grow(run, self, spec)
-                    elif run is not None and n < len(run.spec.workers):
-                        scaling.shrink(run, self, spec)
-                    removed, self.spec = list(self.spec.workers[n:]), spec
-                    return removed
+                if run is None:
+                    take(resized())
+                else:
+                    run.supervisor.resize(resized, then=take)
+                return removed
             except (RuntimeTimeout, PeerLost):
                 if not tries_left:
                     raise

@@ -33,8 +33,9 @@ WORKERS_END_S = 10.0  # how long the workers of a failed attempt get to end befo
 
 
 class RecoveringRun(Protocol):
-    """What recovery needs of a run (``Run`` is one): its tasks and plan, which recovery replaces; its workers'
-    results, one per worker by index; its checkpoints; recording events; following a new attempt's workers."""
+    """What recovery needs of a run's owner (``supervisor.Supervisor``): its tasks and plan, which recovery
+    replaces; its workers' results, one per worker by index; its checkpoints; recording events; following a
+    new attempt's workers."""
 
     spec: ClusterSpec
     plan: TrainPlan

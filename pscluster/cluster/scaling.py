@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from ..errors import RuntimeTimeout
+from ..metrics.store import RunStore
 from ..runtime.client import PSClient
 from ..runtime.ps import wait_until
 from ..spec import ClusterSpec
-
-if TYPE_CHECKING:
-    from .recovery import Tasks
-    from .run import Run
+from .recovery import RecoveringRun, Tasks
 
 RETIRE_S = 30.0  # how long a removed worker gets to end at its next step before it is killed
 RESIZE_TIMEOUT_S = 5.0  # a ps that does not answer is about to be lost: the recovery waits while this does
@@ -33,7 +31,15 @@ JOIN_TRIES = 3  # a run's ps lost while workers join it: tried again once it is 
 JOIN_PAUSE_S = 1.0
 
 
-def _resize(run: "Run", spec: ClusterSpec) -> None:
+class ScaledRun(RecoveringRun, Protocol):
+    """What scaling needs of a run's owner (``supervisor.Supervisor``) besides what recovery does: its run
+    store, and the results of the workers it removed."""
+
+    store: RunStore
+    retired_results: list
+
+
+def _resize(run: ScaledRun, spec: ClusterSpec) -> None:
     """Tell every ps the run's new worker count first (a ps lost meanwhile fails this before anything changed),
     then take ``spec`` as the run's."""
     n = len(spec.workers)
@@ -46,23 +52,19 @@ def _resize(run: "Run", spec: ClusterSpec) -> None:
     run.note("scaled", "controller", {"workers": n, "replicas_to_aggregate": replicas})
 
 
-def grow(run: "Run", tasks: "Tasks", spec: ClusterSpec) -> None:
+def grow(run: ScaledRun, tasks: Tasks, spec: ClusterSpec) -> None:
     """``spec`` has more workers than ``run``, the new ones on new engines: start them, joining the run. The
-    caller holds ``run.membership``; a run that has ended is left alone."""
-    if run.closed:
-        return
+    caller (``Supervisor.resize``) holds ``run.membership``."""
     old = len(run.spec.workers)
     _resize(run, spec)
     for i in range(old, len(spec.workers)):
         run.worker_results.append(tasks.launch_worker(spec, i, run, join=True))
 
 
-def shrink(run: "Run", tasks: "Tasks", spec: ClusterSpec) -> None:
+def shrink(run: ScaledRun, tasks: Tasks, spec: ClusterSpec) -> None:
     """End the workers of ``run`` past those of ``spec`` at their next request (killed through ``tasks``, on
-    whichever host, if they do not end within ``RETIRE_S``); their engines may go then. The caller holds
-    ``run.membership``; a run that has ended is left alone."""
-    if run.closed:
-        return
+    whichever host, if they do not end within ``RETIRE_S``); their engines may go then. The caller
+    (``Supervisor.resize``) holds ``run.membership``."""
     workers = len(spec.workers)
     removed = list(run.spec.workers[workers:])
     _resize(run, spec)

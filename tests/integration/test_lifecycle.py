@@ -199,7 +199,7 @@ def test_two_clusters_with_one_port_range_bind_loopback_ports_apart_and_a_rerun_
     second = start_cluster(ps=1, workers=1, ports=ports, threads=1)
     runs = [c.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1, steps=20,
                     batch_size=32, checkpoint_secs=None) for c in (first, second)]
-    addresses = [t.address for c in (first, second) for t in c.spec.ps] + [r.collector.address for r in runs]
+    addresses = [t.address for c in (first, second) for t in c.spec.ps] + [r.plan.metrics_address for r in runs]
     assert len(set(addresses)) == len(addresses) == 5
     for address in addresses:  # the data plane and the metrics listen on loopback only, in the range
         host, port = address[len("tcp://"):].rsplit(":", 1)
@@ -208,5 +208,5 @@ def test_two_clusters_with_one_port_range_bind_loopback_ports_apart_and_a_rerun_
         assert run.wait(verbose=False).global_step == 20
     rerun = first.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1, steps=10,
                         batch_size=32, checkpoint_secs=None)
-    assert ports[0] <= int(rerun.collector.address.rsplit(":", 1)[1]) <= ports[1]
+    assert ports[0] <= int(rerun.plan.metrics_address.rsplit(":", 1)[1]) <= ports[1]
     assert rerun.wait(verbose=False).global_step == 10

@@ -60,8 +60,8 @@ def test_ps_and_workers_on_separate_hosts_train_like_local_engines(ssh_cluster, 
                  for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     assert h.controller_ip in listening and listening <= {h.controller_ip, "127.0.0.1"}
     remote = train(cluster, digits)
-    assert remote.collector.address.startswith(f"tcp://{h.controller_ip}:")
-    assert 42000 <= int(remote.collector.address.rsplit(":", 1)[1]) <= 42099
+    assert remote.plan.metrics_address.startswith(f"tcp://{h.controller_ip}:")
+    assert 42000 <= int(remote.plan.metrics_address.rsplit(":", 1)[1]) <= 42099
     remote.wait(verbose=False)
 
     with pscluster.Cluster(ps=1, workers=2) as local_cluster:

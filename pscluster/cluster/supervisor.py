@@ -1,0 +1,353 @@
+"""The supervisor: the one owner of a run while it trains.
+
+It alone changes the run's spec, plan (its attempt included), workers and outcome, and records its events;
+``Run`` is the user's read-only view of it. Everything that changes a run is a request to it: recovery (its
+own monitor finds what was lost), scaling (``resize``), ``stop``, ``checkpoint`` and the side panel's actions
+(which call ``Run.stop`` or ``Cluster.stop``). Changes of membership happen under ``membership``, so a
+recovery and a scale see the spec before or after each other, never between. It reaches tasks through
+``recovery.Tasks`` (the cluster: new engines, workers started on them, kills), never through a pid.
+
+A monitor thread follows the workers, evaluates the parameters every ``eval_every`` global steps, commits the
+checkpoints the ps tasks write and asks for more when they are due, replaces lost tasks (``recovery``), and
+finalizes the run when the workers end: their summaries, the ps statistics, the final parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import threading
+import time
+import traceback
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from ..errors import TrainingError
+from ..metrics.collector import Collector
+from ..metrics.store import RunStore
+from ..runtime import checkpoint
+from ..runtime.client import PSClient
+from ..runtime.network import bind_in_range
+from ..runtime.plan import TrainPlan, assemble, state_dict_of
+from ..runtime.ps import wait_until
+from ..spec import ClusterSpec
+from . import recovery, scaling
+from .checkpoint_commits import CheckpointCoordinator
+
+RESULT_GRACE_S = 2.0  # how long a worker's ipyparallel result may trail its "done" event before the event stands in
+
+Evaluator = Callable[[dict], dict]  # a state dict -> {"loss": ..., "accuracy": ...}
+
+
+class Supervisor:
+    """Owns run ``plan.run_id`` of ``store`` on the tasks of ``spec`` (see the module docstring).
+
+    ``tasks``: the cluster (``recovery.Tasks``); None: nothing is replaced, a lost task fails the run.
+    ``payload``: the shipped (model_fn, dataset, loss_fn), for the workers it starts. ``evaluator`` scores
+    the parameters every ``eval_every`` global steps and at the end (into the run store); ``summarize()`` gives
+    the summary the store keeps with the final status (``Run.summary``). The tasks' metrics
+    arrive on ``metrics_host`` only: on ``metrics_port``, or a free port of ``metrics_ports``.
+    """
+
+    def __init__(self, spec: ClusterSpec, plan: TrainPlan, store: RunStore, *, tasks: recovery.Tasks | None = None,
+                 checkpoints: CheckpointCoordinator | None = None, payload: bytes = b"",
+                 evaluator: Evaluator | None = None, eval_every: int | None = None,
+                 summarize: Callable[[], dict] = dict, metrics_port: int = 0,
+                 metrics_host: str = "127.0.0.1", metrics_ports: tuple[int, int] | None = None):
+        self.spec = spec
+        self.plan = plan
+        self.store = store
+        self.name = store.run(plan.run_id)["name"]
+        self.tasks = tasks
+        self.payload = payload
+        self.checkpoints = checkpoints or CheckpointCoordinator(store)
+        self.evaluator = evaluator
+        self.eval_every = eval_every or max(1, plan.steps // 10)
+        self.summarize = summarize
+        self.membership = threading.Lock()  # held while workers are replaced, added or removed
+        self.closed = False  # set (under membership) once the run ends: no member changes after that
+        self.worker_results = []  # one per worker of the spec, by index
+        self.retired_results = []  # of workers removed by scaling
+        self.stop_requested = False
+        self.started = time.time()
+        self.logs: list[str] = []
+        self.pending_logs: queue.Queue = queue.Queue()  # lines not yet printed by Run.wait
+        self.latest_step = 0  # the latest global step a worker reported
+        # the outcome, set once by _finish
+        self.results: list[dict] | None = None
+        self.ps_stats: list[dict] | None = None
+        self.error: str | None = None  # why the run failed: each failed worker's whole traceback
+        self.error_line: str | None = None  # the same in one line, with the last frame of each traceback
+        self.finished: float | None = None
+        self.state_dict: dict[str, torch.Tensor] | None = None
+        self.ended = threading.Event()
+        self._workers_done: dict[str, tuple[float, dict]] = {}  # task: (when, summary) of its "done" event
+        self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port)
+                          if metrics_port or not metrics_ports else
+                          bind_in_range(lambda p: Collector(self._on_batch, spec.key, host=metrics_host, port=p),
+                                        metrics_ports))
+        self.plan = replace(plan, metrics_address=self.collector.address)
+
+    @property
+    def id(self) -> int:
+        return self.plan.run_id
+
+    @property
+    def status(self) -> str:
+        if self.finished is None:
+            return "training"
+        if self.error:
+            return "failed"
+        return "stopped" if self.stop_requested else "finished"
+
+    # --- the workers' metrics --------------------------------------------------------------
+    def _on_batch(self, events: list[dict]) -> None:
+        self.store.add_batch(self.id, events)
+        for event in events:
+            if event.get("kind") == "step":
+                self.latest_step = max(self.latest_step, event.get("global_step", 0))
+            elif event.get("kind") == "done":
+                summary = {k: v for k, v in event.items() if k not in ("kind", "task", "time")}
+                self._workers_done[event.get("task")] = (time.monotonic(), summary)
+            elif event.get("kind") == "log":
+                self._log(f"[{event['task']}] {event['line']}")
+
+    def _log(self, line: str) -> None:
+        self.logs.append(line)
+        self.pending_logs.put(line)
+
+    def note(self, kind: str, task: str, detail: dict | None = None) -> None:
+        """Record an event of this run (lost, replaced, restarting...) and show it with the logs."""
+        self.store.add_event(self.id, task, kind, detail)
+        self._log(f"[{task}] {kind.replace('_', ' ')}" + "".join(f", {k} {v}" for k, v in (detail or {}).items()))
+
+    # --- the workers -----------------------------------------------------------------------
+    def start(self, launch: Callable[["Supervisor"], list], *, adopted: bool = False) -> None:
+        """Follow the workers ``launch(self)`` starts (one per worker of the spec, by index; ``adopted``: they
+        train already, started by another process) until the run ends."""
+        self.worker_results = list(launch(self))
+        if not adopted:
+            self.store.set_status(self.id, "training")
+            self.store.add_event(self.id, "controller", "start", {"workers": len(self.worker_results)})
+        threading.Thread(target=self._monitor, name=f"pscluster-{self.name}", daemon=True).start()
+
+    def restart(self, async_results) -> None:
+        """Follow the workers of a new attempt instead of those of the last one (recovery, under membership)."""
+        self.worker_results = list(async_results)
+        self._workers_done.clear()
+
+    def resize(self, new_spec: Callable[[], ClusterSpec], then: Callable[[ClusterSpec], None]) -> None:
+        """Under the membership: take the workers of ``spec = new_spec()`` (more: the new ones, on new engines,
+        join; fewer: the highest-numbered end), then ``then(spec)``. A run that has ended keeps its workers
+        (``then`` still runs)."""
+        with self.membership:
+            spec = new_spec()
+            if not self.closed and len(spec.workers) > len(self.spec.workers):
+                scaling.grow(self, self.tasks, spec)
+            elif not self.closed and len(spec.workers) < len(self.spec.workers):
+                scaling.shrink(self, self.tasks, spec)
+            then(spec)
+
+    def _monitor(self) -> None:
+        next_eval, next_check = self.eval_every, 0.0
+        try:
+            while True:
+                failed, ended = self._any_failed(), all(map(self._worker_ended, range(len(self.worker_results))))
+                if self.tasks is not None and (failed or (not ended and time.monotonic() >= next_check)):
+                    # a failure may be a lost engine (seen by ipyparallel, or by workers of a lost ps)
+                    # a moment before its process is seen gone: give that a second
+                    if wait_until(self._recover, self.tasks.loss_grace_s if failed else 0):
+                        continue
+                    next_check = time.monotonic() + recovery.HEALTH_S
+                if ended:
+                    with self.membership:  # a worker added meanwhile keeps the run going
+                        self.closed = all(map(self._worker_ended, range(len(self.worker_results))))
+                    if self.closed:
+                        break
+                    continue
+                if failed:
+                    self.signal_stop()  # other workers must not wait on the failed one
+                self.commit_checkpoints()
+                if self.checkpoints.due() and self.plan.checkpoint_dir:
+                    self._request_checkpoint()
+                if self.evaluator is not None and self.latest_step >= next_eval:
+                    self._evaluate_live()
+                    next_eval = self.latest_step + self.eval_every
+                time.sleep(0.05)
+            self._finish()
+        except Exception as e:  # finalizing failed (ps gone...): the run still ends, with the reason
+            self.error_line = self.error_line or f"{self.name} could not be finalized: {one_line(e)}"
+            self.error = self.error or self.error_line
+            self.finished = self.finished or time.time()
+            self.store.set_status(self.id, "failed")
+        finally:
+            self.ended.set()
+
+    def _worker_ended(self, i: int) -> bool:
+        """Whether worker ``i`` is over: its ipyparallel result is in, or its "done" event came ``RESULT_GRACE_S``
+        ago without it (a controller or client that hostile traffic broke never delivers it)."""
+        if self.worker_results[i].ready():
+            return True
+        done = self._workers_done.get(f"worker:{i}")
+        return done is not None and time.monotonic() - done[0] > RESULT_GRACE_S
+
+    def _reported_summary(self, i: int) -> dict:
+        """Worker ``i``'s summary as its "done" event reported it (JSON: staleness by string keys)."""
+        summary = dict(self._workers_done[f"worker:{i}"][1], task=i)
+        summary["staleness"] = {int(k): n for k, n in (summary.get("staleness") or {}).items()}
+        return summary
+
+    def _any_failed(self) -> bool:
+        return any(ar.ready() and not ar.successful() for ar in self.worker_results)
+
+    def _recover(self) -> bool:
+        if self.stop_requested:
+            return False
+        with self.membership:
+            recovered = recovery.recover(self, self.tasks)
+        if recovered:
+            self.tasks.record()  # the registry names the new workers' tasks, for a later attach
+        return recovered
+
+    # --- stop --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask every ps to end the run at the next global step (each on the same step, which the final checkpoint
+        holds); the monitor finalizes it once the workers end."""
+        self.stop_requested = True
+        try:  # every ps parks where it is, then the ones behind catch up with the pushes in flight
+            with PSClient(self.spec, run_id=self.id, timeout=10.0) as client:
+                client.stop(client.park())
+        except Exception:  # a ps is gone: the workers end on their lost connections
+            pass
+
+    def signal_stop(self) -> None:
+        """End the run at once on every ps that answers (a failed worker must not keep the others waiting)."""
+        try:
+            with PSClient(self.spec, run_id=self.id, timeout=10.0) as client:
+                client.stop()
+        except Exception:  # the ps tasks may be gone already; the run's error says why
+            pass
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def commit_checkpoints(self) -> list:
+        return self.checkpoints.commit(self.plan, len(self.spec.ps))
+
+    def latest_checkpoint_step(self) -> int | None:
+        return self.checkpoints.latest_step(self.plan)
+
+    def latest_checkpoint_path(self):
+        step = self.latest_checkpoint_step()
+        if step is None:
+            raise TrainingError(f"{self.name} has no checkpoint yet: run.checkpoint() writes one")
+        return checkpoint.manifest_path(self.plan.checkpoint_dir, step)
+
+    def _request_checkpoint(self) -> int | None:
+        try:
+            return self.checkpoints.request(self.spec, self.plan)
+        except Exception as e:  # the next one is due in checkpoint_secs; say why this one is missing
+            self.note("checkpoint_failed", "controller", {"error": one_line(e)})
+            return None
+
+    def checkpoint(self, timeout: float):
+        """A checkpoint now (at the next global step; the last one once the run is over): its manifest's path."""
+        if self.ended.is_set():
+            self.commit_checkpoints()
+            return self.latest_checkpoint_path()
+        step = self.checkpoints.request(self.spec, self.plan)
+        return self.checkpoints.wait_for(self.plan, step, timeout, self.ended.is_set)
+
+    # --- parameters and evaluation -----------------------------------------------------------
+    def pull_parameters(self, timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor]]:
+        """The global step and the parameters the ps tasks hold now, by parameter name (shards of a
+        partitioned parameter put back together)."""
+        with PSClient(self.spec, run_id=self.id, timeout=timeout) as client:
+            reply = client.pull_all()
+        if reply is None:
+            raise TrainingError("the ps tasks no longer hold this run's variables: train again")
+        return reply.step, state_dict_of(self.plan.state_keys, assemble(self.plan.variables, reply.messages))
+
+    def read_ps_stats(self, timeout: float) -> list[dict] | None:
+        try:
+            with PSClient(self.spec, run_id=self.id, timeout=timeout) as client:
+                return client.stats()
+        except Exception:
+            return None
+
+    def _evaluate_live(self) -> None:
+        try:
+            step, state = self.pull_parameters(timeout=10.0)
+        except Exception:  # the run just ended or a ps is busy: the next evaluation will do
+            return
+        self._record_evaluation(step, state)
+
+    def _record_evaluation(self, step: int, state: dict) -> None:
+        result = self.evaluator(state)
+        self.store.add_evaluation(self.id, step, result["loss"], result["accuracy"])
+
+    # --- the end -----------------------------------------------------------------------------
+    def _finish(self) -> None:
+        errors, tracebacks, results = [], [], []
+        for i, ar in enumerate(self.worker_results):
+            try:
+                results.append(ar.get(0) if ar.ready() else self._reported_summary(i))
+            except Exception as e:  # a RemoteError: its one-line form, and the whole remote traceback
+                errors.append(f"worker {i} failed: {one_line(e)}{_last_frame(e)}")
+                tracebacks.append(f"worker {i}:\n{_traceback(e)}")
+        results += [r.get(0) for r in self.retired_results if r.ready() and r.successful()]
+        if errors:  # before ``finished``: ``status`` never reads "finished" on its way to "failed"
+            self.error_line = "; ".join(errors) + ": fix the cause and train again"
+            self.error = "\n".join(tracebacks)
+        self.finished = time.time()
+        self.commit_checkpoints()  # the final one
+        # a worker's last metrics batch may still be in flight when its result arrives
+        wait_until(lambda: len(self._workers_done) >= len(results), timeout=2.0)
+        self.collector.close()
+        self.ps_stats = self.read_ps_stats(timeout=10.0)
+        if not errors:
+            self.results = results
+            step, self.state_dict = self.pull_parameters()
+            if self.evaluator is not None:
+                self._record_evaluation(step, self.state_dict)
+        else:
+            self.state_dict = self._last_state()
+        self.store.set_status(self.id, self.status, self.summarize())
+        self.store.add_event(self.id, "controller", "end", {"status": self.status, "error": self.error_line,
+                                                             "traceback": self.error})
+
+    def _last_state(self) -> dict[str, torch.Tensor] | None:
+        """What a failed run trained: the ps tasks' state (which a failing step never reached), else the latest
+        checkpoint's, else None."""
+        try:
+            return self.pull_parameters(timeout=10.0)[1]
+        except Exception:  # a ps is gone
+            pass
+        try:
+            return checkpoint.Checkpoint.load(self.latest_checkpoint_path()).state_dict()
+        except Exception:  # no checkpoint either
+            return None
+
+
+def _traceback(e: BaseException) -> str:
+    """The whole traceback of a worker's exception (ipyparallel's RemoteError carries the remote one), without
+    terminal colours."""
+    text = getattr(e, "traceback", None) or "".join(traceback.format_exception(e))
+    return re.sub(r"\x1b\[[0-9;]*m", "", str(text))
+
+
+def _last_frame(e: BaseException) -> str:
+    """`` (at file.py:12 in forward)``: where the innermost frame of the traceback of ``e`` was, or ''."""
+    # Python's 'File "x.py", line 12, in f' or IPython's (ipyparallel's) 'File /x.py:12, in f(args)'
+    frames = re.findall(r'File "([^"]+)", line (\d+), in ([^\s(]+)|File ([^\s,]+):(\d+), in ([^\s(]+)', _traceback(e))
+    if not frames:
+        return ""
+    file, line, function = [a or b for a, b in zip(frames[-1][:3], frames[-1][3:])]
+    return f" (at {os.path.basename(file)}:{line} in {function})"
+
+
+def one_line(e: BaseException) -> str:
+    ename = getattr(e, "ename", type(e).__name__)
+    evalue = getattr(e, "evalue", str(e))
+    return f"{ename}: {str(evalue).strip().splitlines()[-1] if str(evalue).strip() else ''}"

@@ -1,0 +1,65 @@
+"""A run has one owner: its ``Supervisor`` alone changes its spec, plan, workers and outcome (recovery and
+scaling do it for the supervisor, which calls them under its membership); ``Run`` only reads them. Checked
+over every assignment in ``pscluster/`` and on a ``Run``'s attributes."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from pscluster.cluster.run import Run
+
+PACKAGE = Path(__file__).resolve().parents[2] / "pscluster"
+# what the supervisor owns of a run
+OWNED = {"spec", "plan", "worker_results", "retired_results", "closed", "stop_requested", "results", "ps_stats",
+         "error", "error_line", "finished", "state_dict", "started"}
+ON_ITS_BEHALF = {"cluster/recovery.py", "cluster/scaling.py"}  # functions the supervisor calls with itself
+NOT_RUNS = {"self", "cluster"}  # a cluster keeps a spec of its own; other classes own attributes of these names
+
+
+def targets(node: ast.AST) -> list[ast.expr]:
+    if isinstance(node, ast.Assign):
+        return node.targets
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target]
+    if isinstance(node, ast.Delete):
+        return node.targets
+    return []
+
+
+def changed_attributes(path: Path) -> list[tuple[str, str, int]]:
+    """``(object, attribute, line)`` of each assignment (or ``del``) to an attribute, or to an item of one."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for target in targets(node):
+            for t in ast.walk(target):
+                if isinstance(t, ast.Subscript):
+                    t = t.value
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
+                    found.append((t.value.id, t.attr, node.lineno))
+    return found
+
+
+def test_only_the_supervisor_changes_what_it_owns_of_a_run():
+    trespass = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(PACKAGE))
+        if name == "cluster/supervisor.py":
+            continue
+        for obj, attribute, line in changed_attributes(path):
+            if attribute in OWNED and obj not in NOT_RUNS and name not in ON_ITS_BEHALF:
+                trespass.append(f"{name}:{line} {obj}.{attribute}")
+    assert not trespass, f"changed outside the run's supervisor: {trespass}"
+
+
+def test_the_run_handle_assigns_nothing_the_supervisor_owns():
+    run_module = PACKAGE / "cluster" / "run.py"
+    changed = {attribute for obj, attribute, _ in changed_attributes(run_module) if obj == "self"}
+    assert not changed & OWNED, f"Run assigns {sorted(changed & OWNED)}: the supervisor owns them"
+
+
+@pytest.mark.parametrize("attribute", sorted(OWNED - {"worker_results", "retired_results", "closed",
+                                                       "stop_requested", "state_dict"}))
+def test_a_runs_handle_cannot_change_its_run(attribute):
+    with pytest.raises(AttributeError):
+        setattr(Run.__new__(Run), attribute, None)
