@@ -13,9 +13,11 @@ whole split as ``tensors()``, and accepts a list or 1-D tensor of indices in
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import os
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -104,15 +106,28 @@ def digits(split: str = "train") -> Digits:
     return Digits(split)
 
 
-def _load_digits(split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits  # imported here: sklearn is slow to import
+def _digits_table() -> np.ndarray:
+    """scikit-learn's digits as one table, a row per image: its 64 pixels (0-16), then its label. Read from the
+    file scikit-learn bundles, without importing scikit-learn: that import costs a second of CPU in every
+    process that loads the digits (a worker that replaces a lost one waited on it)."""
+    found = importlib.util.find_spec("sklearn")
+    for folder in (found.submodule_search_locations or []) if found else []:
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.exists():
+            return np.loadtxt(path, delimiter=",")
+    from sklearn.datasets import load_digits  # a scikit-learn that keeps the file elsewhere
 
     bunch = load_digits()
-    order = np.random.default_rng(0).permutation(len(bunch.target))
+    return np.column_stack([bunch.data, bunch.target])
+
+
+def _load_digits(split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    table = _digits_table()
+    order = np.random.default_rng(0).permutation(len(table))
     n_train = int(_TRAIN_FRACTION * len(order))
-    rows = order[:n_train] if split == "train" else order[n_train:]
-    X = torch.from_numpy(bunch.data[rows] / 16.0).to(torch.float32)
-    y = torch.from_numpy(bunch.target[rows]).to(torch.int64)
+    rows = table[order[:n_train] if split == "train" else order[n_train:]]
+    X = torch.from_numpy(rows[:, :-1] / 16.0).to(torch.float32)
+    y = torch.from_numpy(rows[:, -1]).to(torch.int64)
     return X, y
 
 

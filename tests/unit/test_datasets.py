@@ -2,8 +2,11 @@ import gzip
 import hashlib
 import pickle
 import struct
+import subprocess
+import sys
 
 import cloudpickle
+import numpy as np
 import pytest
 import torch
 
@@ -43,6 +46,22 @@ def test_digits_splits_are_disjoint_and_cover_the_data(train_split, test_split):
     assert not train_rows & test_rows
     all_rows = _row_hashes(torch.from_numpy(load_digits().data / 16.0).to(torch.float32))
     assert train_rows | test_rows == all_rows
+
+
+def test_digits_are_scikit_learns_split_as_before_read_without_importing_it(train_split, test_split):
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    order = np.random.default_rng(0).permutation(len(bunch.target))
+    for split, rows in ((train_split, order[:1437]), (test_split, order[1437:])):
+        X, y = split.tensors()
+        assert torch.equal(X, torch.from_numpy(bunch.data[rows] / 16.0).to(torch.float32))
+        assert torch.equal(y, torch.from_numpy(bunch.target[rows]).to(torch.int64))
+    # a worker process that loads the digits does not pay for importing scikit-learn (a second of CPU)
+    code = ("import sys\nfrom pscluster.datasets import digits\ndigits('train').tensors()\n"
+            "print('sklearn' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
 
 
 def test_digits_values_and_dtypes(train_split):
