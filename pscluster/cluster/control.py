@@ -107,8 +107,13 @@ class ControlServer:
     def _serve(self) -> None:
         try:
             while not self._closed.is_set():
-                if self._sock.poll(POLL_MS):
-                    self._sock.send_json(self._reply(self._sock.recv_multipart()))
+                if not self._sock.poll(POLL_MS):
+                    continue
+                try:  # a REP socket says a message is there, then drops it on receipt when it has no envelope
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                self._sock.send_json(self._reply(frames))
         finally:
             self._sock.close(linger=0)
 

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import zmq
@@ -109,3 +110,26 @@ def test_a_frame_declaring_a_gibibyte_is_dropped_unread(served):
     with zmtp_frame_declaring(port, 1 << 30, sent=256 << 20):
         assert rss_mib(proc.pid) - before < 64  # 256 MiB more without ZeroMQ's MAXMSGSIZE
     still_serves(entry)
+
+
+def test_a_message_without_an_envelope_leaves_the_socket_serving_and_closable():
+    # what a DEALER (or a port scanner speaking ZMTP) sends: no empty frame before the request, which a REP socket
+    # drops when it is read, after its poll said that a message had come
+    server = control.ControlServer(SimpleNamespace(name="c", running=False))
+    entry = {"name": "c", "control": {"address": server.address, "token": server.token}}
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(server.address)
+        for _ in range(2):
+            dealer.send(b"no envelope")
+            time.sleep(0.5)  # the server has polled it by now
+            still_serves(entry)
+        dealer.send(b"no envelope")
+        time.sleep(0.5)
+    finally:
+        dealer.close()
+        began = time.monotonic()
+        server.close()
+    assert not server._thread.is_alive(), "the control thread outlived close()"
+    assert time.monotonic() - began < 2
