@@ -43,6 +43,24 @@ def _client_note(*args, **_) -> None:
 # they are log lines. Its module's globals come before the builtins, so this print is the one it calls.
 ipp_client.print = _client_note
 
+
+class _ClientGarbage(logging.Filter):
+    """Garbage that reaches the client's sockets (hostile local traffic, forwarded by the controller) makes
+    ipyparallel's message handler raise "DELIM not in msg_list", which the event loop logs as an uncaught error
+    with its traceback: onto the notebook's stderr when nothing else handles the log. It goes to this module's
+    log instead; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, ValueError) and "DELIM not in msg_list" in str(error):
+            log.info("dropped a malformed message to the ipyparallel client: %s", error)
+            return False
+        return True
+
+
+for _logger in ("tornado.general", "asyncio"):  # pyzmq's ZMQStream logs the first, the event loop the second
+    logging.getLogger(_logger).addFilter(_ClientGarbage())
+
 SHUTDOWN_S = 2.0  # how long stop() waits for engines to end when asked (a client broken by hostile traffic asks in
 # vain), then after SIGTERM, before SIGKILL: stop() ends within a few times this
 

@@ -1,5 +1,6 @@
 """Hostile frames against a ps of a real cluster: dropped, counted, reported in the run, training unharmed."""
 
+import logging
 import os
 import random
 import socket
@@ -53,7 +54,7 @@ def listening_ports(pids: set[int]) -> set[int]:
             if c.status == psutil.CONN_LISTEN and c.pid in pids and c.laddr.ip in ("127.0.0.1", "0.0.0.0")}
 
 
-def test_random_bytes_to_every_port_of_the_cluster_leave_the_run_to_finish(digits_train):
+def test_random_bytes_to_every_port_of_the_cluster_leave_the_run_to_finish(digits_train, caplog):
     # what a port scanner or a confused client does: connections that send garbage, to the ps tasks, the
     # engines, ipyparallel's controller and hub, the kernel's metrics collector and control socket
     c = pscluster.Cluster(ps=2, workers=2).start()
@@ -66,6 +67,9 @@ def test_random_bytes_to_every_port_of_the_cluster_leave_the_run_to_finish(digit
         stopped_s = time.monotonic() - began
     assert pids and not [p for p in pids if alive(p)], "cluster processes left running after stop()"
     assert stopped_s < 10
+    # what a notebook would show under its cell: errors with tracebacks, from the event loop of ipyparallel's client
+    shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and r.exc_info]
+    assert not shown, shown
 
 
 def fuzz_every_port_mid_run(c, digits_train) -> None:
