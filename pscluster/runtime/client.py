@@ -141,10 +141,9 @@ class PSClient:
                                              nonce=nonce), self.spec.key)
             sizes = [memoryview(f).nbytes for f in frames]
             if max(sizes) > self._max_frame.get(i, max(sizes)):
-                k = sizes.index(max(sizes)) - 3
-                raise ConfigError(f"variable {ids[k] if 0 <= k < len(ids) else '?'} takes {max(sizes)} bytes in one "
-                                  f"frame: ps {i} receives at most {self._max_frame[i]}; partition it across ps "
-                                  "tasks (partition=...)")
+                raise ConfigError(f"a frame of {max(sizes)} bytes for ps {i}, which receives at most "
+                                  f"{self._max_frame[i]}: start it with max_frame_bytes of at least "
+                                  f"{protocol.MAX_FRAME_BYTES} (the largest frame the protocol sends)")
             self.bytes_sent += sum(sizes)
             self._socks[i].send_multipart(frames, copy=False)
             pending[i] = (rid, nonce)

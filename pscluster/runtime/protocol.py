@@ -2,14 +2,16 @@
 
 A message is a list of ZeroMQ frames::
 
-    [header, table, json, payload_0, ..., payload_n-1, mac]
+    [header, table, json, payload frames..., mac]
 
 ``header`` is a fixed struct (magic, protocol version, op, flags, task, run id, session nonce,
 request id, step, value, wait in microseconds, tensor count); ``table`` describes each tensor
 (variable id, dtype code, shape); ``json`` is a UTF-8 JSON object for the few control messages
-that carry structured data (empty otherwise); each payload is a tensor's raw bytes, sent without
-a copy from ``COPY_LIMIT`` bytes up (smaller ones are copied into ZeroMQ's message as they are sent: see
-``configure``); ``mac`` is HMAC-SHA256 with the per-cluster secret as key over the header, table and json
+that carry structured data (empty otherwise); each tensor's raw bytes follow in ``CHUNK_BYTES`` frames (the
+last one shorter; one empty frame for an empty tensor), sent without a copy from ``COPY_LIMIT`` bytes up
+(smaller ones are copied into ZeroMQ's message as they are sent: see ``configure``). No frame is larger than
+``MAX_FRAME_BYTES``, whatever the model, so a receiver refuses larger ones at the transport (ZeroMQ's
+``MAXMSGSIZE``) before holding any of their bytes. ``mac`` is HMAC-SHA256 with the per-cluster secret as key over the header, table and json
 frames and, for each payload, its BLAKE3 digest, each of these items preceded by the length of its frame (so
 frame boundaries are signed too). BLAKE3, not SHA-256, for payloads: it hashes 2 to 3 times faster, on one
 core (hashing on every core measured no faster where the ps and workers share the cores). Hashes run over
@@ -70,7 +72,7 @@ import zmq
 
 from ..errors import BadSignature, FencedOff, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAGIC = b"PSCL"
 MAX_DIMS = 8
 NO_TASK = 0xFFFF  # the `task` of a message that comes from the controller, not a worker
@@ -79,6 +81,7 @@ MAC_SIZE = 32
 MAX_SESSIONS = 65536
 MAX_ELEMENTS = 2**48  # of one tensor, counting a zero dimension as one: bounds what a view's shape can say
 COPY_LIMIT = 4 << 20  # frames from this size up are sent without a copy (see ``configure``)
+CHUNK_BYTES = 8 << 20  # a tensor's bytes travel in frames of this size (the last one shorter)
 
 _HEADER = struct.Struct(f"!4sHBBHI{NONCE_SIZE}sQqqII")
 _TENSOR = struct.Struct("!IBB2x" + "Q" * MAX_DIMS)
@@ -159,10 +162,13 @@ class Limits:
 
     @property
     def max_frames(self) -> int:
-        return self.max_tensors + 4
+        """Header, table, json and mac, each tensor's last (or only) frame, and the full chunks of its bytes."""
+        return 4 + self.max_tensors + self.max_message_bytes // CHUNK_BYTES
 
 
 DEFAULT_LIMITS = Limits()
+# the largest frame of any message: a chunk, or the table or json frame of one within the default limits
+MAX_FRAME_BYTES = max(CHUNK_BYTES, DEFAULT_LIMITS.max_tensors * _TENSOR.size, DEFAULT_LIMITS.max_json_bytes)
 
 
 def configure(sock: zmq.Socket) -> zmq.Socket:
@@ -181,6 +187,17 @@ def tensor_bytes(t: torch.Tensor):
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def chunk_count(nbytes: int) -> int:
+    """How many payload frames carry a tensor of ``nbytes`` bytes (one, empty, for an empty tensor)."""
+    return max(1, -(-nbytes // CHUNK_BYTES))
+
+
+def payload_frames(t: torch.Tensor) -> list:
+    """The payload frames of tensor ``t``: zero-copy views of its bytes, ``CHUNK_BYTES`` each (the last shorter)."""
+    data = tensor_bytes(t)
+    return [data[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES] for i in range(chunk_count(data.nbytes))]
 
 
 _KEYED: dict = {}  # key -> keyed HMAC state
@@ -212,8 +229,8 @@ def mac(key: bytes, frames, digests=None) -> bytes:
 
 
 def encode(msg: Message, key: bytes, digests: list[bytes] | None = None) -> list:
-    """Frames for ``msg``, signed with ``key``; tensor payloads are not copied. ``digests``: the payloads'
-    digests (see ``digest``) when the sender has them already."""
+    """Frames for ``msg``, signed with ``key``; tensor payloads are not copied. ``digests``: those of the payload
+    frames (see ``digest`` and ``payload_frames``) when the sender has them already."""
     if len(msg.ids) != len(msg.tensors):
         raise ValueError("one variable id per tensor")
     header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.op), int(msg.flags), msg.task, msg.run_id, msg.nonce,
@@ -230,7 +247,7 @@ def encode(msg: Message, key: bytes, digests: list[bytes] | None = None) -> list
                                 f"{', '.join(str(d) for d in _DTYPES)}") from None
         shape = list(t.shape) + [0] * (MAX_DIMS - t.dim())
         table += _TENSOR.pack(var_id, code, t.dim(), *shape)
-        payloads.append(tensor_bytes(t))
+        payloads += payload_frames(t)
     body = b"" if msg.meta is None else json.dumps(msg.meta).encode()
     frames = [header, bytes(table), body, *payloads]
     frames.append(mac(key, frames, digests))
@@ -242,8 +259,9 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
 
     Raises a ProtocolError subclass naming what failed: MalformedMessage (beyond ``limits``, or not the
     wire format), UnsignedMessage, BadSignature. Freshness (replays) is the receiver's check: see
-    ``Sessions``. Tensors in the result are read-only views of the received buffers: copy them before
-    the frames go away if they must outlive the message.
+    ``Sessions``. Tensors in the result are read-only views of the received buffers (a tensor of several
+    chunks is put together in a tensor of its own): copy them before the frames go away if they must outlive
+    the message.
     """
     bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
     if len(bufs) > limits.max_frames:
@@ -265,7 +283,7 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     if version != PROTOCOL_VERSION:
         raise MalformedMessage(f"protocol version {version}, this side speaks {PROTOCOL_VERSION}: "
                                "install the same pscluster version everywhere")
-    if bufs[1].nbytes != count * _TENSOR.size or len(bufs) != 4 + count:
+    if bufs[1].nbytes != count * _TENSOR.size:
         raise MalformedMessage("tensor table does not match the frames")
     if bufs[2].nbytes > limits.max_json_bytes:
         raise MalformedMessage(f"JSON frame of {bufs[2].nbytes} bytes: at most {limits.max_json_bytes} accepted")
@@ -274,25 +292,17 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     op, flags = Op(op), Flag(flags)
     msg = Message(op=op, flags=flags, task=task, run_id=run_id, request_id=request_id, step=step,
                   value=value, wait_us=wait_us, nonce=nonce)
-    for i, fields in enumerate(_TENSOR.iter_unpack(bufs[1])):
-        var_id, code, ndim = fields[:3]
-        dtype = _DTYPE_BY_CODE.get(code)
-        if dtype is None or ndim > MAX_DIMS or any(fields[3 + ndim:]):
-            raise MalformedMessage("bad tensor descriptor")
-        shape = fields[3:3 + ndim]
-        numel, extent = 1, 1
-        for d in shape:
-            numel *= d
-            extent *= max(d, 1)
-        if extent > MAX_ELEMENTS:
-            raise MalformedMessage(f"tensor {var_id}: shape {tuple(shape)} is beyond {MAX_ELEMENTS} elements")
-        payload = bufs[3 + i]
-        if payload.nbytes != numel * _ITEMSIZE[code]:
-            raise MalformedMessage(f"tensor {var_id}: {payload.nbytes} bytes for shape {tuple(shape)}")
-        t = (torch.frombuffer(payload, dtype=dtype, count=numel) if numel
-             else torch.empty(0, dtype=dtype))
+    described = [_described(fields) for fields in _TENSOR.iter_unpack(bufs[1])]
+    if len(bufs) != 4 + sum(chunk_count(nbytes) for *_, nbytes in described):
+        raise MalformedMessage("tensor table does not match the frames")
+    frame = 3
+    for var_id, dtype, shape, numel, nbytes in described:
+        chunks = bufs[frame:frame + chunk_count(nbytes)]
+        frame += len(chunks)
+        if sum(c.nbytes for c in chunks) != nbytes or any(c.nbytes != CHUNK_BYTES for c in chunks[:-1]):
+            raise MalformedMessage(f"tensor {var_id}: {sum(c.nbytes for c in chunks)} bytes for shape {tuple(shape)}")
         msg.ids.append(var_id)
-        msg.tensors.append(t.view(tuple(shape)))
+        msg.tensors.append(_tensor(chunks, dtype, numel).view(tuple(shape)))
     if bufs[2].nbytes:
         try:
             msg.meta = json.loads(bytes(bufs[2]))
@@ -301,6 +311,37 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
         if not isinstance(msg.meta, dict):
             raise MalformedMessage(f"JSON frame holds a {type(msg.meta).__name__}: an object expected")
     return msg
+
+
+def _described(fields) -> tuple[int, torch.dtype, tuple, int, int]:
+    """A tensor table entry checked: (variable id, dtype, shape, elements, bytes)."""
+    var_id, code, ndim = fields[:3]
+    dtype = _DTYPE_BY_CODE.get(code)
+    if dtype is None or ndim > MAX_DIMS or any(fields[3 + ndim:]):
+        raise MalformedMessage("bad tensor descriptor")
+    shape = fields[3:3 + ndim]
+    numel, extent = 1, 1
+    for d in shape:
+        numel *= d
+        extent *= max(d, 1)
+    if extent > MAX_ELEMENTS:
+        raise MalformedMessage(f"tensor {var_id}: shape {tuple(shape)} is beyond {MAX_ELEMENTS} elements")
+    return var_id, dtype, tuple(shape), numel, numel * _ITEMSIZE[code]
+
+
+def _tensor(chunks: list, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """The flat tensor of ``numel`` elements whose bytes ``chunks`` hold: a read-only view of a single frame, or
+    the chunks copied into a tensor of its own."""
+    if not numel:
+        return torch.empty(0, dtype=dtype)
+    if len(chunks) == 1:
+        return torch.frombuffer(chunks[0], dtype=dtype, count=numel)
+    t = torch.empty(numel, dtype=dtype)
+    data, offset = t.view(torch.uint8), 0
+    for c in chunks:
+        data[offset:offset + c.nbytes].copy_(torch.frombuffer(c, dtype=torch.uint8))
+        offset += c.nbytes
+    return t
 
 
 def remember(entries: OrderedDict, key, value, capacity: int) -> None:

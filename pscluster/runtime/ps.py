@@ -46,9 +46,9 @@ run declared lost (MEMBERSHIP "lost": it hung, and has a replacement) is refused
 it (counted as fenced): a worker that wakes up never trains beside its replacement. A signed request that does
 not fit the run (variables, shapes, dtypes, rows, steps, worker counts out of range) is refused with an ERROR
 reply and counted as malformed. Nothing is unpickled, and nothing is allocated from a size field before it is bounded:
-ZeroMQ refuses frames over ``max_frame_bytes`` at the transport (``MAXMSGSIZE``: libzmq fixes it when the
-socket binds, before any model is known, so it must admit the chief's INIT), and once a run is initialized
-its requests are held to the sizes of its own variables (``protocol.Limits``). The counters reach the run
+ZeroMQ refuses frames over ``max_frame_bytes`` at the transport (``MAXMSGSIZE``, fixed when the socket binds:
+the protocol's largest frame, a few MB, whatever the model, as tensors travel in chunks), and once a run is
+initialized its requests are held to the sizes of its own variables (``protocol.Limits``). The counters reach the run
 store as "rejected" events (see ``_report``) and are in the STATS reply.
 
 Same host: a worker may map a shared-memory lane for its session (SHARE, see ``lanes``); its pushes then
@@ -82,7 +82,6 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 POLL_MS = 100
 REPORT_S = 0.5  # how often a ps sends its counters to the collector
 PARK_S = 30.0  # how long a ps parked by a first STOP waits for the second
-MAX_FRAME_BYTES = 4 << 30  # the largest frame a ps receives: one variable (or its optimizer state) in an INIT
 RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT excepted)
 MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
 MAX_LANES = 1024
@@ -178,14 +177,15 @@ class _RunState:
         return self.optimizer.state(self.params[i]) if self.kinds[i] == "param" else {}
 
     def params_snapshot(self) -> tuple[list[torch.Tensor], list[bytes]]:
-        """The current dense values to reply with and their digests (``protocol.digest``), made once per step
+        """The current dense values to reply with and the digests of their payload frames (``protocol.digest``,
+        ``protocol.payload_frames``), made once per step
         (every reply of a sync step, and every pull, sends the same values, hashed once). A value sent without
         a copy (from ``protocol.COPY_LIMIT`` bytes up) is a copy, since the next update changes the parameter
         in place before ZeroMQ is done with it; a smaller one is the parameter itself, copied as it is sent."""
         if self.snapshot is None or self.snapshot[0] != self.step:
             values = [p.detach().clone() if p.numel() * p.element_size() >= protocol.COPY_LIMIT else p.detach()
                       for p in self.dense_params]
-            self.snapshot = (self.step, values, [protocol.digest(protocol.tensor_bytes(v)) for v in values])
+            self.snapshot = (self.step, values, [protocol.digest(f) for v in values for f in protocol.payload_frames(v)])
         return self.snapshot[1], self.snapshot[2]
 
 
@@ -201,10 +201,11 @@ def _sparse_grad(param: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tens
 class ParameterServer:
     """Serves one ps task on ``tcp://host:port`` (port 0: a free port, see ``.port``), its messages signed
     with ``key``; ``encrypt``: as a ZeroMQ CURVE server (see ``curve``). ``max_frame_bytes``: the largest
-    frame it receives (each variable of an INIT must fit)."""
+    frame it receives (default: the largest the protocol sends, whatever the model)."""
 
     def __init__(self, key: bytes, *, index: int = 0, host: str = "127.0.0.1", port: int = 0,
-                 context: zmq.Context | None = None, encrypt: bool = False, max_frame_bytes: int = MAX_FRAME_BYTES):
+                 context: zmq.Context | None = None, encrypt: bool = False,
+                 max_frame_bytes: int = protocol.MAX_FRAME_BYTES):
         self.key = key
         self.index = index
         self.max_frame_bytes = max_frame_bytes

@@ -260,7 +260,7 @@ def test_encode_needs_one_id_per_tensor():
 
 
 @pytest.mark.parametrize("limits, problem", [
-    (Limits(max_tensors=1), "6 frames: at most 5"),  # checked before the signature
+    (Limits(max_tensors=1, max_message_bytes=1000), "6 frames: at most 5"),  # checked before the signature
     (Limits(max_message_bytes=100), "bytes: at most 100"),
     (Limits(max_json_bytes=5), "JSON frame of 8 bytes: at most 5"),
 ])
@@ -274,7 +274,7 @@ def test_limits_are_checked(limits, problem):
 def test_limits_come_before_the_signature():
     garbage = [b"x" * 60] * 8
     with pytest.raises(MalformedMessage):  # too many frames: refused without hashing them
-        decode(garbage, KEY, Limits(max_tensors=2))
+        decode(garbage, KEY, Limits(max_tensors=2, max_message_bytes=1000))
     with pytest.raises(UnsignedMessage):
         decode(garbage, KEY)
 

@@ -683,14 +683,14 @@ def test_an_encrypted_ps_serves_curve_clients_only(local_ps, values):
     assert server.run.applied == 1
 
 
-def test_a_variable_past_the_frame_limit_is_a_clear_error_before_it_is_sent(local_ps):
+def test_a_frame_past_a_ps_frame_limit_is_a_clear_error_before_it_is_sent(local_ps):
     spec = make_spec(1, 1)
     server = ParameterServer(spec.key, max_frame_bytes=1 << 16).start()
     local_ps.servers.append(server)
     client = local_ps.client(spec.with_ps_ports([server.port]))
     big = {"w": torch.zeros(4), "table": torch.zeros(100, 200)}  # 80,000 bytes
-    with pytest.raises(ConfigError, match="variable 1 takes 80000 bytes in one frame: ps 0 receives at most 65536; "
-                                          "partition it"):
+    with pytest.raises(ConfigError, match="a frame of 80000 bytes for ps 0, which receives at most 65536: start it "
+                                          "with max_frame_bytes of at least"):
         client.init(RUN_ID, {0: ([0, 1], list(big.values()))}, [ps_config(list(big))])
     client.init(RUN_ID, {0: ([0], [big["w"]])}, [ps_config(["w"])])  # the connection is fine
     assert server.run.names == ["w"] and sum(server.rejected.values()) == 0
