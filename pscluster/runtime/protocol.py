@@ -11,13 +11,13 @@ that carry structured data (empty otherwise); each tensor's raw bytes follow in 
 last one shorter; one empty frame for an empty tensor), sent without a copy from ``COPY_LIMIT`` bytes up
 (smaller ones are copied into ZeroMQ's message as they are sent: see ``configure``). No frame is larger than
 ``MAX_FRAME_BYTES``, whatever the model, so a receiver refuses larger ones at the transport (ZeroMQ's
-``MAXMSGSIZE``) before holding any of their bytes. ``mac`` is HMAC-SHA256 with the per-cluster secret as key over the header, table and json
-frames and, for each payload, its BLAKE3 digest, each of these items preceded by the length of its frame (so
-frame boundaries are signed too). BLAKE3, not SHA-256, for payloads: it hashes 2 to 3 times faster, on one
-core (hashing on every core measured no faster where the ps and workers share the cores). Hashes run over
-memory views of the frames: payloads are never copied to be signed. Signing a payload by its digest lets a
-sender hash the same values once for several messages (a ps answers every worker of a sync step with the
-same parameters, see ``encode``'s ``digests``).
+``MAXMSGSIZE``) before holding any of their bytes. ``mac`` is HMAC-SHA256 with the per-cluster secret as
+key over the header, table and json frames and, for each payload frame, its BLAKE3 digest, each of these
+items preceded by the length of its frame (so frame boundaries are signed too). BLAKE3, not SHA-256, for
+payloads: it hashes 2 to 3 times faster, on one core (hashing on every core measured no faster where the ps
+and workers share the cores). Hashes run over memory views of the frames: payloads are never copied to be
+signed. Signing a payload by its digest lets a sender hash the same values once for several messages (a ps
+answers every worker of a sync step with the same parameters, see ``encode``'s ``digests``).
 
 Sessions and replay protection. A signature proves who sent a message, not that it is fresh: a
 frame captured on the wire would still verify when sent again. So every request also carries a

@@ -185,7 +185,8 @@ class _RunState:
         if self.snapshot is None or self.snapshot[0] != self.step:
             values = [p.detach().clone() if p.numel() * p.element_size() >= protocol.COPY_LIMIT else p.detach()
                       for p in self.dense_params]
-            self.snapshot = (self.step, values, [protocol.digest(f) for v in values for f in protocol.payload_frames(v)])
+            digests = [protocol.digest(frame) for v in values for frame in protocol.payload_frames(v)]
+            self.snapshot = (self.step, values, digests)
         return self.snapshot[1], self.snapshot[2]
 
 
