@@ -121,9 +121,11 @@ def _parsers() -> dict[str, _Parser]:
                        help="ssp: how many steps a worker may run ahead of the slowest (default 2)")
     train.add_argument("--pipeline", action="store_true",
                        help="async: compute the next gradients while the push-pull is in flight (one step stale)")
-    train.add_argument("--placement", choices=("round_robin", "round-robin", "greedy"), default="round_robin",
-                       help="which ps task holds each variable: round-robin in model order, or greedy "
-                            "(largest first, to the least loaded ps)")
+    train.add_argument("--placement", choices=("round_robin", "round-robin", "greedy", "largest_first"),
+                       default="round_robin",
+                       help="which ps task holds each variable: round-robin in model order, greedy (in model "
+                            "order, each to the least loaded ps, as TF's GreedyLoadBalancingStrategy) or "
+                            "largest_first (the same, largest variable first)")
     train.add_argument("--partition", type=_partition, action="append", default=[], metavar="NAME=SHARDS",
                        help="split variable NAME (or every variable under a prefix) into SHARDS shards along "
                             "dim 0, across ps tasks; repeatable")

@@ -38,6 +38,7 @@ from .runtime.sharding import (
     explicit,
     fixed_shards,
     greedy,
+    largest_first,
     max_shards,
     min_shard_bytes,
     partition_rows,
@@ -50,7 +51,7 @@ if TYPE_CHECKING:  # loaded on first use (pandas, plotly): see __getattr__
     from .widgets.placement_plan import PlacementPlan, compare_placements
 
 __all__ = ["STRATEGIES", "Partitioner", "PlacementPlan", "Shard", "Strategy", "Variable", "bytes_per_ps",
-           "compare_placements", "explicit", "fixed_shards", "format_bytes", "greedy", "max_shards",
+           "compare_placements", "explicit", "fixed_shards", "format_bytes", "greedy", "largest_first", "max_shards",
            "min_shard_bytes", "optimizer_slots", "partition_rows", "placement_line", "resolve_strategy",
            "round_robin", "shard_map"]
 

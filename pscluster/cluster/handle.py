@@ -324,7 +324,8 @@ class Cluster:
         a tenth of ``steps``) and at the end; results go to the run store and the dashboard.
         ``mode``: ``sync``, ``async`` or ``ssp`` (bounded staleness: no worker runs more than
         ``staleness_bound`` steps ahead of the slowest). ``placement``: ``"round_robin"``,
-        ``"greedy"``, a ``{variable: ps}`` dict or a strategy from ``pscluster.placement``;
+        ``"greedy"`` (TF's), ``"largest_first"``, a ``{variable: ps}`` dict or a strategy from
+        ``pscluster.placement``;
         ``partition``: ``{variable name or prefix: shard count or partitioner}`` splits variables
         along dim 0 across ps tasks (see ``plan()`` to compare placements before training).
         ``shared_memory``: a worker exchanges dense values with a ps on its own host through shared memory

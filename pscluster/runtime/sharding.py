@@ -3,8 +3,10 @@ data.
 
 A *strategy* is one function ``(items, num_ps) -> {name: ps}`` over items that have a ``name`` and
 ``nbytes`` (variables, or shards of partitioned variables): ``round_robin`` (the default, like TF's
-``replica_device_setter``), ``greedy`` (largest first, each to the least loaded ps), or ``explicit``
-(named variables on given ps tasks, the rest by another strategy). A *partitioner* says into how many
+``replica_device_setter``), ``greedy`` (in model order, each to the least loaded ps: TF's
+``GreedyLoadBalancingStrategy`` with its byte-size load function), ``largest_first`` (the same, largest
+first: a tighter balance), or ``explicit`` (named variables on given ps tasks, the rest by another
+strategy). A *partitioner* says into how many
 shards one variable is split along dim 0: ``fixed_shards(n)``, ``min_shard_bytes(b)``,
 ``max_shards(n)``. ``shard_map`` puts both together: the model's variables and the ps count in, a
 list of ``Shard`` out.
@@ -75,19 +77,33 @@ def round_robin(items: Sequence, num_ps: int) -> dict[str, int]:
 
 
 def greedy(items: Sequence, num_ps: int) -> dict[str, int]:
-    """Largest item first, each to the ps task with the fewest bytes so far (ties: the lowest index).
+    """In model order (TF's creation order), each item to the ps task with the fewest bytes so far (ties: the
+    lowest index): TF's ``GreedyLoadBalancingStrategy`` with ``byte_size_load_fn``, line for line.
 
-    Optimizer state is proportional to a variable's bytes, so counting it changes no decision. The
-    largest load is within 4/3 of the best possible (Graham's LPT bound).
+    Optimizer state is proportional to a variable's bytes, so counting it changes no decision.
     """
+    return _least_loaded(items, num_ps)
+
+
+def largest_first(items: Sequence, num_ps: int) -> dict[str, int]:
+    """Largest item first (model order among equal sizes), each to the ps task with the fewest bytes so far:
+    the largest load is within 4/3 of the best possible (Graham's LPT bound), where ``greedy`` in model order
+    can be up to twice it."""
+    order = sorted(range(len(items)), key=lambda i: -items[i].nbytes)  # stable
+    placed = _least_loaded([items[i] for i in order], num_ps)
+    return {item.name: placed[item.name] for item in items}
+
+
+def _least_loaded(items: Sequence, num_ps: int) -> dict[str, int]:
+    """Each item, in the order given, to the ps task with the fewest bytes so far (ties: the lowest index)."""
     _check_num_ps(num_ps)
     loads = [(0, ps) for ps in range(num_ps)]
     placed = {}
-    for item in sorted(items, key=lambda it: -it.nbytes):  # stable: model order among equal sizes
+    for item in items:
         load, ps = heapq.heappop(loads)
         placed[item.name] = ps
         heapq.heappush(loads, (load + item.nbytes, ps))
-    return {item.name: placed[item.name] for item in items}
+    return placed
 
 
 def explicit(assignments: Mapping[str, int], rest: Strategy | str = "round_robin") -> Strategy:
@@ -112,11 +128,11 @@ def explicit(assignments: Mapping[str, int], rest: Strategy | str = "round_robin
     return place
 
 
-STRATEGIES: dict[str, Strategy] = {"round_robin": round_robin, "greedy": greedy}
+STRATEGIES: dict[str, Strategy] = {"round_robin": round_robin, "greedy": greedy, "largest_first": largest_first}
 
 
 def resolve_strategy(strategy: Strategy | str | Mapping[str, int]) -> Strategy:
-    """A strategy from a name (``round_robin``, ``round-robin``, ``greedy``), a callable, or a
+    """A strategy from a name (``round_robin``, ``round-robin``, ``greedy``, ``largest_first``), a callable, or a
     ``{variable: ps}`` mapping (explicit, the rest round-robin)."""
     if isinstance(strategy, str):
         try:

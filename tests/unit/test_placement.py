@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pscluster.errors import ConfigError
-from pscluster.runtime.sharding import (Variable, bytes_per_ps, explicit, fixed_shards, greedy, max_shards,
-                                        min_shard_bytes, partition_rows, resolve_strategy, round_robin,
+from pscluster.runtime.sharding import (Variable, bytes_per_ps, explicit, fixed_shards, greedy, largest_first,
+                                        max_shards, min_shard_bytes, partition_rows, resolve_strategy, round_robin,
                                         shard_map)
 
 
@@ -47,20 +47,28 @@ ADVERSARIAL = {2: [12, 12, 8, 8, 8], 3: [20, 20, 16, 16, 12, 12, 12], 4: [28, 28
 
 
 @pytest.mark.parametrize("num_ps", [2, 3, 4])
-def test_greedy_is_within_four_thirds_of_the_optimum_on_adversarial_sizes(num_ps):
+def test_largest_first_is_within_four_thirds_of_the_optimum_on_adversarial_sizes(num_ps):
     items = variables(*ADVERSARIAL[num_ps])
     best = optimal_max_load(items, num_ps)
-    got = max_load(greedy(items, num_ps), items, num_ps)
-    assert got > best  # the case is adversarial: greedy is not optimal here...
+    got = max_load(largest_first(items, num_ps), items, num_ps)
+    assert got > best  # the case is adversarial: largest-first is not optimal here...
     assert 3 * num_ps * got <= (4 * num_ps - 1) * best  # ...but within Graham's bound, 4/3 - 1/(3 num_ps)
 
 
-def test_greedy_is_within_four_thirds_on_random_sizes():
+def test_largest_first_is_within_four_thirds_on_random_sizes():
     rng = random.Random(0)
     for _ in range(40):
         num_ps = rng.choice([2, 3])
         items = variables(*[4 * rng.randint(1, 500) for _ in range(rng.randint(3, 8))])
-        assert 3 * max_load(greedy(items, num_ps), items, num_ps) <= 4 * optimal_max_load(items, num_ps)
+        assert 3 * max_load(largest_first(items, num_ps), items, num_ps) <= 4 * optimal_max_load(items, num_ps)
+
+
+def test_greedy_places_in_model_order_as_tensorflow_does():
+    # TF's GreedyLoadBalancingStrategy (byte_size_load_fn) on three ps, variables in creation order: the big
+    # weight first, then each to the least loaded ps; largest-first would order by size instead
+    items = [Variable("small", (10,)), Variable("big", (1000,)), Variable("medium", (500,)), Variable("tiny", (1,))]
+    assert greedy(items, 2) == {"small": 0, "big": 1, "medium": 0, "tiny": 0}
+    assert largest_first(items, 2) == {"small": 1, "big": 0, "medium": 1, "tiny": 1}
 
 
 def test_explicit_placement_wins_over_the_strategy():

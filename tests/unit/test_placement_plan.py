@@ -49,6 +49,27 @@ def test_greedy_beats_round_robin_on_unequal_layers(cluster):
         compare_placements({"a": "round_robin"})
 
 
+class Seed004(torch.nn.Module):
+    """The TF 1.x talk's example of load balancing (seed 004): four variables in creation order."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights_1 = torch.nn.Parameter(torch.zeros(784, 100))
+        self.biases_1 = torch.nn.Parameter(torch.zeros(100))
+        self.weights_2 = torch.nn.Parameter(torch.zeros(100, 10))
+        self.biases_2 = torch.nn.Parameter(torch.zeros(10))
+
+
+def test_the_tensorflow_talks_example_places_as_replica_device_setter_and_its_greedy_strategy_do():
+    cluster = pscluster.Cluster(ps=3, workers=1)
+    assert cluster.plan(Seed004).lines == ["weights_1: /job:ps/task:0", "biases_1: /job:ps/task:1",
+                                           "weights_2: /job:ps/task:2", "biases_2: /job:ps/task:0"]
+    # GreedyLoadBalancingStrategy: "each of the weight matrices is put on a separate PS task"
+    assert cluster.plan(Seed004, placement="greedy").lines == [
+        "weights_1: /job:ps/task:0", "biases_1: /job:ps/task:1", "weights_2: /job:ps/task:2",
+        "biases_2: /job:ps/task:1"]
+
+
 @pytest.mark.parametrize("optimizer, kwargs, slots", [("sgd", {}, 0), ("SGD", {"momentum": 0.9}, 1),
                                                        ("Adam", {}, 2), (torch.optim.Adagrad, {}, 1)])
 def test_table_totals_are_the_model_bytes_times_one_plus_slots(cluster, optimizer, kwargs, slots):
@@ -118,6 +139,7 @@ def test_displays_table_lines_and_a_figure_that_loads_plotlyjs(cluster):
 
 def test_public_placement_module():
     assert pscluster.placement.greedy is pscluster.placement.resolve_strategy("greedy")
+    assert pscluster.placement.largest_first is pscluster.placement.resolve_strategy("largest-first")
     assert pscluster.placement.PlacementPlan is PlacementPlan
     assert pscluster.placement.compare_placements is compare_placements
     for name in pscluster.placement.__all__:
