@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,16 +61,14 @@ def one_loss(cluster: pscluster.Cluster, run) -> dict:
 def run(tiny: bool, out_dir: Path) -> Result:
     result = Result("recovery", "Recovery of a lost worker: engine ready to the replacement's first step", tiny)
     losses = []
-    store = os.path.join(out_dir, ".recovery.sqlite")
-    with pscluster.Cluster(ps=1, workers=2, store=store) as cluster:
-        training = cluster.train(model_fn, digits("train"), torch.nn.CrossEntropyLoss(), mode="async", steps=STEPS,
-                                 batch_size=32, lr=0.05, log_every=STEPS, checkpoint_secs=None)
-        _until(lambda: training.global_step > 200, "training")
-        for _ in range(repetitions(tiny)):
-            losses.append(one_loss(cluster, training))
-        training.stop()
-    for suffix in ("", "-wal", "-shm"):
-        Path(store + suffix).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as folder:  # the run store, and the checkpoint that stop() writes
+        with pscluster.Cluster(ps=1, workers=2, store=os.path.join(folder, "runs.sqlite")) as cluster:
+            training = cluster.train(model_fn, digits("train"), torch.nn.CrossEntropyLoss(), mode="async",
+                                     steps=STEPS, batch_size=32, lr=0.05, log_every=STEPS, checkpoint_secs=None)
+            _until(lambda: training.global_step > 200, "training")
+            for _ in range(repetitions(tiny)):
+                losses.append(one_loss(cluster, training))
+            training.stop()
     first = [loss["first_step"] for loss in losses]
     result.rows.append(compare("replacement worker: engine ready to first step", "replacement", first,
                                "the goal", [1.0] * len(first), "s", Target(1.0, higher=False),
