@@ -211,7 +211,7 @@ class EngineSet:
             known = set(self.client.ids)
             self._start_engines(1, {host: 1} if host else None)
             deadline = time.monotonic() + self.timeout
-            while not (new := set(self.client.ids) - known):
+            while not (new := {e for e in set(self.client.ids) - known if self._addressable(e)}):
                 if time.monotonic() > deadline:
                     raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
                                             "check the machine's load")
@@ -224,6 +224,15 @@ class EngineSet:
         self.engines[info.engine_id] = info.pid
         self._watch()
         return info
+
+    def _addressable(self, engine_id: int) -> bool:
+        """Whether the client can address the engine: ipyparallel lists a registering engine's id a moment before
+        it records the engine's identity (``client[id]`` raises KeyError in between)."""
+        try:
+            self.client[engine_id]
+        except KeyError:
+            return False
+        return True
 
     def registered(self) -> set[int]:
         """The engines the controller still counts as alive (remote ones vanish when they miss heartbeats)."""

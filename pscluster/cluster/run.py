@@ -127,6 +127,10 @@ class Run:
         model.load_state_dict(state)
         return evaluate(model, dataset, self._loss_fn, step_fn=self._step_fn, collate_fn=self._collate_fn)
 
+    def latest_checkpoint_step(self) -> int | None:
+        """The global step of the run's newest committed checkpoint (None: none yet)."""
+        return self.supervisor.latest_checkpoint_step()
+
     def export(self, path):
         """Write the parameters of the run's latest checkpoint as a plain ``state_dict`` file, which
         ``torch.load`` reads without pscluster; returns its path."""
