@@ -236,7 +236,9 @@ class Cluster:
         plan = TrainPlan.from_json(state["plan"])
         if (self.store.run(plan.run_id) or {}).get("status") not in ("starting", "training"):
             return
-        results = [self._engines.client.get_result(msg_id, block=False) for (msg_id,) in state["msg_ids"]]
+        results = [self._engines.client.get_result(ids[0], block=False) if ids else
+                   LostWorker(ClusterStateError("its engine was lost before it started"))
+                   for ids in state["msg_ids"]]
         run = Run.adopt(self.spec, plan, self.store, results, tasks=self,
                         payload=registry.read_payload(self.name, plan.run_id))
         self.runs.append(run)
@@ -415,10 +417,14 @@ class Cluster:
 
     # --- tasks: kill, replace ----------------------------------------------------------------
     def launch_worker(self, spec: ClusterSpec, index: int, run: Supervisor, *, join: bool = False):
-        """Start worker ``index`` of ``run`` on its engine (``join``: in place of a lost one)."""
+        """Start worker ``index`` of ``run`` on its engine (``join``: in place of a lost one); its result, or a
+        ``LostWorker`` when the engine is gone already (lost since the spec named it: the run replaces it)."""
         task = spec.task("worker", index)
-        return self._engines.view(task.engine_id).apply_async(remote.train_worker, spec.to_json(), index,
-                                                              run.plan.to_json(), run.payload, join)
+        try:
+            view = self._engines.view(task.engine_id)
+        except IndexError as e:  # ipyparallel no longer lists the engine
+            return LostWorker(ClusterStateError(f"worker {index}'s engine {task.engine_id} was lost: {e}"))
+        return view.apply_async(remote.train_worker, spec.to_json(), index, run.plan.to_json(), run.payload, join)
 
     def record(self) -> None:
         """Rewrite this cluster's registry entry (its tasks or its run's workers changed)."""
@@ -577,6 +583,25 @@ class Cluster:
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>"
                        for r in rows)
         return f"<b>{html.escape(repr(self))}</b><table><tr>{head}</tr>{body}</table>"
+
+
+class LostWorker:
+    """The result of a worker whose engine was gone before it could start: failed at once, so the run's
+    supervisor replaces it as it replaces any lost worker."""
+
+    msg_ids: list = []
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def ready(self) -> bool:
+        return True
+
+    def successful(self) -> bool:
+        return False
+
+    def get(self, timeout: float | None = None):
+        raise self.error
 
 
 def _source(model_fn) -> str | None:

@@ -1,6 +1,8 @@
 """Fault tolerance on real engines: SIGKILL a worker or a ps mid-run; the run recovers by itself and ends
 exactly on its step target, and no process of the cluster outlives it."""
 
+import time
+
 import pytest
 import torch
 
@@ -36,6 +38,24 @@ def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(own_cluster, d
     assert c.spec.task(role, int(index)).pid != old_pid
     assert not alive(old_pid)
     assert run.local_steps[int(index)] > 0, run.local_steps  # the replacement trained
+
+
+def test_a_worker_lost_between_two_runs_is_replaced_when_the_next_run_starts(own_cluster, digits_train):
+    # its engine is gone (ipyparallel no longer lists it) when the next run starts a worker on it
+    c = own_cluster(ps=1, workers=2)
+    first = c.train(mlp, digits_train, LOSS, lr=0.1, mode="sync", steps=50, batch_size=32, checkpoint_secs=None)
+    first.wait(timeout=120, verbose=False)
+    lost = c.spec.task("worker", 1)
+    c.kill("worker:1")
+    deadline = time.monotonic() + 60
+    while lost.engine_id in c._engines.registered():
+        assert time.monotonic() < deadline, "the killed engine is still registered"
+        time.sleep(0.1)
+    run = c.train(mlp, digits_train, LOSS, lr=0.1, mode="sync", steps=2_000, batch_size=32, checkpoint_secs=None)
+    run.wait(timeout=180, verbose=False)
+    assert run.status == "finished" and run.global_step == 2_000
+    assert list(events(run, "replaced")["task"]) == ["worker:1"]
+    assert c.spec.task("worker", 1).engine_id != lost.engine_id and run.local_steps[1] > 0
 
 
 def test_a_lost_ps_goes_on_from_a_state_newer_than_its_last_checkpoint(own_cluster, digits_train):
