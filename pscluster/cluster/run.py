@@ -69,7 +69,6 @@ class Run:
         host, port = plan.metrics_address[len("tcp://"):].rsplit(":", 1) if plan.metrics_address else ("127.0.0.1", 0)
         run = cls(spec, plan, None, None, store, tasks=tasks, payload=payload, metrics_port=int(port),
                   metrics_host=host)
-        run.supervisor.started = store.run(plan.run_id)["started"]
         run.supervisor.note("adopted", "controller", {"pid": os.getpid()})
         run.supervisor.start(lambda _: worker_results, adopted=True)
         return run

@@ -129,7 +129,9 @@ class Supervisor:
         """Follow the workers ``launch(self)`` starts (one per worker of the spec, by index; ``adopted``: they
         train already, started by another process) until the run ends."""
         self.worker_results = list(launch(self))
-        if not adopted:
+        if adopted:
+            self.started = self.store.run(self.id)["started"]
+        else:
             self.store.set_status(self.id, "training")
             self.store.add_event(self.id, "controller", "start", {"workers": len(self.worker_results)})
         threading.Thread(target=self._monitor, name=f"pscluster-{self.name}", daemon=True).start()

@@ -197,6 +197,8 @@ def chunk_count(nbytes: int) -> int:
 def payload_frames(t: torch.Tensor) -> list:
     """The payload frames of tensor ``t``: zero-copy views of its bytes, ``CHUNK_BYTES`` each (the last shorter)."""
     data = tensor_bytes(t)
+    if data.nbytes <= CHUNK_BYTES:  # nearly every tensor: no slicing on the training step's path
+        return [data]
     return [data[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES] for i in range(chunk_count(data.nbytes))]
 
 
@@ -299,8 +301,9 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     for var_id, dtype, shape, numel, nbytes in described:
         chunks = bufs[frame:frame + chunk_count(nbytes)]
         frame += len(chunks)
-        if sum(c.nbytes for c in chunks) != nbytes or any(c.nbytes != CHUNK_BYTES for c in chunks[:-1]):
-            raise MalformedMessage(f"tensor {var_id}: {sum(c.nbytes for c in chunks)} bytes for shape {tuple(shape)}")
+        received = sum(c.nbytes for c in chunks)
+        if received != nbytes or any(c.nbytes != CHUNK_BYTES for c in chunks[:-1]):
+            raise MalformedMessage(f"tensor {var_id}: {received} bytes for shape {tuple(shape)}")
         msg.ids.append(var_id)
         msg.tensors.append(_tensor(chunks, dtype, numel).view(tuple(shape)))
     if bufs[2].nbytes:
