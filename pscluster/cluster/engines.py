@@ -238,17 +238,18 @@ class EngineSet:
         """The engines the controller still counts as alive (remote ones vanish when they miss heartbeats)."""
         return set(self.client.ids) if self.client is not None else set()
 
-    def lost(self, engine_id: int, pid: int | None) -> bool:
+    def lost(self, engine_id: int) -> bool:
         """Whether the engine is gone: its process is dead (local engines, seen at once), or it missed the
         controller's heartbeats for ``launchers.HEARTBEAT_DEADLINE_S`` (hung, or its host unreachable)."""
+        pid = self.engines.get(engine_id)
         if self.launcher.local and pid is not None and not reaper.alive(pid):
             return True
         return engine_id not in self.registered()
 
-    def kill(self, engine_id: int, pid: int) -> None:
+    def kill(self, engine_id: int) -> None:
         """SIGKILL the engine's process: directly (local), or through its nanny on its host (remote)."""
         if self.launcher.local:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(self.engines[engine_id], signal.SIGKILL)
         else:
             self.client.send_signal(signal.SIGKILL, targets=[engine_id], block=True)
 
@@ -259,21 +260,21 @@ class EngineSet:
                 return host
         return None
 
-    def remove_engines(self, engines: list[tuple[int, int]]) -> None:
-        """Stop these (engine id, pid) engines for good: the cluster has fewer tasks now."""
-        removed = {engine_id for engine_id, _ in engines}
-        staying = [pid for engine_id, pid in self.engines.items() if engine_id not in removed]
-        gone = reaper.with_descendants([pid for _, pid in engines], staying) if self.launcher.local else []
-        self._shutdown([engine_id for engine_id, _ in engines])
+    def remove_engines(self, engine_ids: list[int]) -> None:
+        """Stop these engines for good: the cluster has fewer tasks now."""
+        removed = [self.engines[e] for e in engine_ids if e in self.engines]
+        staying = [pid for engine_id, pid in self.engines.items() if engine_id not in engine_ids]
+        gone = reaper.with_descendants(removed, staying) if self.launcher.local else []
+        self._shutdown(engine_ids)
         reaper.kill_all(gone, grace=5.0)
         self.pids = [p for p in self.pids if p not in gone]
-        for engine_id, _ in engines:
+        for engine_id in engine_ids:
             self.engines.pop(engine_id, None)
         self._watch()
 
     def _shutdown(self, engine_ids: list[int]) -> None:
         """Ask these engines to exit, without waiting for answers (an engine that died never answers)."""
-        live = [e for e in engine_ids if e in self.engines and not self.lost(e, self.engines[e])]
+        live = [e for e in engine_ids if e in self.engines and not self.lost(e)]
         try:
             if live:
                 self.client.shutdown(targets=live, block=False)
@@ -293,7 +294,7 @@ class EngineSet:
         if self.client is not None:
             self._shutdown(list(self.engines))
             deadline = time.monotonic() + SHUTDOWN_S
-            while time.monotonic() < deadline and any(not self.lost(e, p) for e, p in self.engines.items()):
+            while time.monotonic() < deadline and any(not self.lost(e) for e in self.engines):
                 time.sleep(0.05)
             self.client.close()
             self.client = None

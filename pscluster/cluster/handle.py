@@ -171,12 +171,11 @@ class Cluster:
     # --- what recovery needs (see recovery.Tasks) ------------------------------------------
     def lost(self, task: TaskSpec) -> bool:
         """Whether the engine of ``task`` is gone (its process ended, or it missed the controller's heartbeats)."""
-        return self._engines is not None and task.engine_id is not None and self._engines.lost(task.engine_id,
-                                                                                                  task.pid)
+        return self._engines is not None and task.engine_id is not None and self._engines.lost(task.engine_id)
 
     def kill_task(self, task: TaskSpec) -> None:
         """SIGKILL the process of ``task``, on whichever host it runs."""
-        self._engines.kill(task.engine_id, task.pid)
+        self._engines.kill(task.engine_id)
 
     @property
     def loss_grace_s(self) -> float:
@@ -481,9 +480,9 @@ class Cluster:
             try:
                 removed = self._resize(n, added)
             except BaseException:
-                self._engines.remove_engines([(t.engine_id, t.pid) for t in added])
+                self._engines.remove_engines([t.engine_id for t in added])
                 raise
-            self._engines.remove_engines([(t.engine_id, t.pid) for t in removed])
+            self._engines.remove_engines([t.engine_id for t in removed])
             self.num_workers = n
             self.record()
             return self.spec

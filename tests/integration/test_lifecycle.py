@@ -112,7 +112,7 @@ def test_removing_the_engine_the_others_were_forked_from_stops_that_one_alone():
         # an engine that shuts down signals every process of its process group (ipykernel does): wait for it,
         # as a removal may, before the kill that follows
         engines.client.shutdown(targets=[forker], block=True)
-        engines.remove_engines([(forker, pids[forker])])
+        engines.remove_engines([forker])
         assert not alive(pids[forker])
         assert engines.client[rest].apply_sync(os.getpid) == [pids[e] for e in rest]
     finally:

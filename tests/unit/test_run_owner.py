@@ -3,10 +3,12 @@ scaling do it for the supervisor, which calls them under its membership); ``Run`
 over every assignment in ``pscluster/`` and on a ``Run``'s attributes."""
 
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
 
+from pscluster.cluster.engines import EngineSet
 from pscluster.cluster.run import Run
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pscluster"
@@ -63,3 +65,30 @@ def test_the_run_handle_assigns_nothing_the_supervisor_owns():
 def test_a_runs_handle_cannot_change_its_run(attribute):
     with pytest.raises(AttributeError):
         setattr(Run.__new__(Run), attribute, None)
+
+
+# Processes are signalled where the engines' pids are kept, and nowhere else: the rest of the package names a
+# task by its engine (EngineSet.kill, .lost, .remove_engines), whatever host it runs on.
+SIGNALLERS = {"cluster/engines.py", "cluster/reaper.py"}
+SIGNALLING_CALLS = {("os", "kill"), ("os", "killpg"), ("reaper", "kill_all"), ("psutil", "Process")}
+
+
+def signalling_calls(path: Path) -> list[tuple[str, int]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else None
+            if (name, node.func.attr) in SIGNALLING_CALLS or node.func.attr in ("send_signal", "terminate"):
+                found.append((f"{name}.{node.func.attr}", node.lineno))
+    return found
+
+
+def test_only_the_engine_set_signals_the_processes_of_a_cluster():
+    offenders = [f"{path.relative_to(PACKAGE)}:{line} {call}"
+                 for path in sorted(PACKAGE.rglob("*.py")) if str(path.relative_to(PACKAGE)) not in SIGNALLERS
+                 for call, line in signalling_calls(path)]
+    assert not offenders, f"signal processes through the EngineSet (engines.py): {offenders}"
+    assert signalling_calls(PACKAGE / "cluster/engines.py"), "the check no longer sees the EngineSet's kill"
+    for method in (EngineSet.lost, EngineSet.kill, EngineSet.remove_engines):  # callers name engines, not pids
+        assert "pid" not in inspect.signature(method).parameters, method
