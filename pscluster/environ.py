@@ -3,6 +3,10 @@
 =======================  ==========================================================
 ``PSCLUSTER_CONFIG``     JSON ``{"cluster": <ClusterSpec>, "task": {"type", "index"}}``:
                          lets a plain process join a cluster (the TF_CONFIG analog).
+``TF_CONFIG``            TensorFlow's own: read when ``PSCLUSTER_CONFIG`` is unset
+                         (see ``tfconfig``).
+``PSCLUSTER_SECRET``     the data-plane key of a cluster named by ``TF_CONFIG`` (hex);
+``PSCLUSTER_SECRET_FILE`` or a file holding it.
 ``PSCLUSTER_HOME``       directory of the run store (``runs.sqlite``) and the cluster
                          registry; default: the user's data directory.
 ``PSCLUSTER_SMOKE``      ``1`` makes the bundled notebooks run a small, fast size.
@@ -15,6 +19,9 @@ from __future__ import annotations
 import os
 
 CONFIG = "PSCLUSTER_CONFIG"
+TF_CONFIG = "TF_CONFIG"
+SECRET = "PSCLUSTER_SECRET"
+SECRET_FILE = "PSCLUSTER_SECRET_FILE"
 HOME = "PSCLUSTER_HOME"
 SMOKE = "PSCLUSTER_SMOKE"
 REPORT_DIR = "PSCLUSTER_REPORT_DIR"
@@ -23,6 +30,22 @@ REPORT_DIR = "PSCLUSTER_REPORT_DIR"
 def config_json() -> str | None:
     """The raw ``PSCLUSTER_CONFIG`` value, or None when unset."""
     return os.environ.get(CONFIG) or None
+
+
+def tf_config_json() -> str | None:
+    """The raw ``TF_CONFIG`` value, or None when unset."""
+    return os.environ.get(TF_CONFIG) or None
+
+
+def secret() -> tuple[str, str] | None:
+    """``(where it came from, the secret)``: ``PSCLUSTER_SECRET``, else the contents of the file
+    ``PSCLUSTER_SECRET_FILE`` names; None when neither is set. Raises OSError when the file cannot be read."""
+    if os.environ.get(SECRET):
+        return SECRET, os.environ[SECRET].strip()
+    if os.environ.get(SECRET_FILE):
+        with open(os.environ[SECRET_FILE]) as f:
+            return f"{SECRET_FILE} ({os.environ[SECRET_FILE]})", f.read().strip()
+    return None
 
 
 def home() -> str:

@@ -2,7 +2,7 @@
 
 A spec is plain frozen data with a JSON form. The JSON form is what a process
 receives in ``PSCLUSTER_CONFIG`` (together with its own task) to join a cluster
-without a notebook, the TF_CONFIG analog::
+without a notebook, the TF_CONFIG analog (see ``task_config``)::
 
     {"cluster": {...ClusterSpec...}, "task": {"type": "worker", "index": 0}}
 """
@@ -13,7 +13,6 @@ import json
 import secrets
 from dataclasses import asdict, dataclass, field, replace
 
-from . import environ
 from .errors import ConfigError
 
 ROLES = ("ps", "worker")
@@ -136,18 +135,3 @@ class ClusterSpec:
         self.task(role, index)
         return json.dumps({"cluster": self.to_dict(), "task": {"type": role, "index": index}})
 
-
-def from_environment() -> tuple[ClusterSpec, TaskSpec]:
-    """The cluster and this process's task, from ``PSCLUSTER_CONFIG``."""
-    raw = environ.config_json()
-    if raw is None:
-        raise ConfigError(f"{environ.CONFIG} is not set: export it with ClusterSpec.config_for(role, index)")
-    try:
-        d = json.loads(raw)
-        spec = ClusterSpec.from_dict(d["cluster"])
-        return spec, spec.task(d["task"]["type"], int(d["task"]["index"]))
-    except ConfigError:
-        raise
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"{environ.CONFIG} is not valid: expected "
-                          '{"cluster": {...}, "task": {"type": ..., "index": ...}}') from None

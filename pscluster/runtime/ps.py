@@ -235,6 +235,7 @@ class ParameterServer:
         self.failed_requests = 0
         self.bytes_in = 0
         self.bytes_out = 0
+        self.last_request = time.monotonic()  # when the last authenticated request arrived
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -292,6 +293,12 @@ class ParameterServer:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def done_serving(self, quiet_s: float) -> bool:
+        """Whether the run this server holds has ended and no request came for ``quiet_s`` seconds (every
+        worker has had its last answer)."""
+        run = self.run
+        return run is not None and run.stopped and time.monotonic() - self.last_request > quiet_s
+
     # --- dispatch ------------------------------------------------------------------
     def _handle(self, frames) -> None:
         """Check one received message (identity frame first) and serve it, or drop and count it."""
@@ -324,6 +331,7 @@ class ParameterServer:
         return run.limits
 
     def _serve(self, identity: bytes, msg: Message) -> None:
+        self.last_request = time.monotonic()
         handler = self._HANDLERS.get(msg.op)
         try:
             if handler is None:

@@ -1,4 +1,4 @@
-"""The runtime without a notebook or ipyparallel: processes joined through PSCLUSTER_CONFIG."""
+"""The runtime without a notebook or ipyparallel: processes joined through PSCLUSTER_CONFIG or TF_CONFIG."""
 
 import json
 import os
@@ -59,6 +59,52 @@ def test_ps_and_workers_from_pscluster_config(tmp_path):
         summary = json.loads(out.split("SUMMARY", 1)[1])
         assert summary == {"task": i, "local_steps": 40, "global_step": 40}
         assert "LOG After 20 training steps (20 global steps), loss" in out
+
+
+# seed 000's "Distributed Estimator": one script, run by the ps, the chief and two workers in four terminals
+ESTIMATOR_SCRIPT = textwrap.dedent("""
+    import json, torch, pscluster
+    from pscluster.runtime.standalone import train_from_environment
+
+    def model_fn():
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    summary = train_from_environment(model_fn, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(),
+                                     optimizer="sgd", lr=0.1, mode="sync", steps=300, batch_size=32,
+                                     log_every=100, test_dataset=pscluster.datasets.digits("test"))
+    print("SUMMARY", json.dumps(summary))
+""")
+
+
+def test_seed_000s_tf_config_layout_ps_chief_and_two_workers_as_four_processes(tmp_path):
+    cluster = {"ps": [f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
+               "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
+    script = tmp_path / "estimator.py"
+    script.write_text(ESTIMATOR_SCRIPT)
+    environment = {k: v for k, v in os.environ.items() if k != "PSCLUSTER_CONFIG"}
+    environment["PSCLUSTER_SECRET"] = os.urandom(16).hex()
+
+    def launch(job, index):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+        return subprocess.Popen([sys.executable, str(script)], env={**environment, "TF_CONFIG": tf_config},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    tasks = [launch("ps", 0), launch("chief", 0), launch("worker", 0), launch("worker", 1)]
+    try:  # every task ends by itself, the ps once the run is over
+        outputs = [t.communicate(timeout=240)[0] for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+    summaries = [json.loads(out.split("SUMMARY", 1)[1]) for out in outputs]
+    assert [t.returncode for t in tasks] == [0, 0, 0, 0], outputs
+    ps, chief, *workers = summaries
+    assert ps == {"task": 0, "role": "ps", "global_step": 300}
+    # TF's chief is worker 0, TF's workers 0 and 1 are workers 1 and 2: each pushed once per global step
+    assert [s["task"] for s in (chief, *workers)] == [0, 1, 2]
+    assert [s["local_steps"] for s in (chief, *workers)] == [300] * 3
+    assert chief["test_step"] == 300 and chief["test_accuracy"] >= 0.93
+    assert "test_accuracy" not in workers[0]
+    assert "After 100 training steps (100 global steps)" in outputs[1]
 
 
 def test_worker_config_given_to_ps_entry_point_is_a_one_line_error():

@@ -1,6 +1,6 @@
 """The package's layering, checked over every import statement of ``pscluster/``.
 
-Layers, lowest first: base (errors, environ, spec, footprint) → runtime → metrics → views (widgets) →
+Layers, lowest first: base (errors, environ, spec, task_config, footprint) → runtime → metrics → views (widgets) →
 control plane (cluster) → front (the package, magics, labserver and the other top-level modules). A module
 imports its own layer and the layers below it, never above; every import counts: module level, inside
 functions and under ``if TYPE_CHECKING:``. No import cycle between modules, no two modules of one name,
@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pscluster"
-BASE = {"pscluster.errors", "pscluster.environ", "pscluster.spec", "pscluster.footprint"}
+BASE = {"pscluster.errors", "pscluster.environ", "pscluster.spec", "pscluster.task_config", "pscluster.footprint"}
 LAYERS = ("base", "runtime", "metrics", "views", "control plane", "front")
 PACKAGES = {"pscluster.runtime": 1, "pscluster.metrics": 2, "pscluster.widgets": 3, "pscluster.cluster": 4}
 FORBIDDEN = ("IPython", "ipyparallel", "ipywidgets", "ipykernel", "jupyter", "anywidget", "plotly")

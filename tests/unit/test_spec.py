@@ -6,7 +6,8 @@ import pytest
 
 from pscluster import environ
 from pscluster.errors import ConfigError
-from pscluster.spec import ClusterSpec, TaskSpec, from_environment
+from pscluster.spec import ClusterSpec, TaskSpec
+from pscluster.task_config import from_environment
 
 
 @pytest.fixture
@@ -120,9 +121,10 @@ def test_unset_config(monkeypatch, value):
         monkeypatch.delenv(environ.CONFIG, raising=False)
     else:
         monkeypatch.setenv(environ.CONFIG, value)
+    monkeypatch.delenv(environ.TF_CONFIG, raising=False)
     with pytest.raises(ConfigError) as info:
         from_environment()
-    assert_one_line(info.value, "PSCLUSTER_CONFIG is not set", "ClusterSpec.config_for(role, index)")
+    assert_one_line(info.value, "PSCLUSTER_CONFIG nor TF_CONFIG is set", "ClusterSpec.config_for(role, index)")
 
 
 def _config(spec, **task):
