@@ -319,8 +319,10 @@ class Cluster:
         now, in one line.
         ``steps``: the global step target. ``replicas_to_aggregate`` (sync): gradients
         averaged per global step, default the number of workers; fewer make the others backup workers (the
-        first gradients of a step are applied, those of the slowest workers dropped as stale). ``code``: the
-        source of the model cell, kept in the run store (default: the source of ``model_fn`` when it has one).
+        first gradients of a step are applied, those of the slowest workers dropped as stale); more make each
+        worker give several per step, as TF's tokens do (one worker, 2 replicas: two local steps per global
+        step). ``code``: the source of the model cell, kept in the run store (default: the source of
+        ``model_fn`` when it has one).
         ``test_dataset``: evaluated in this process every ``eval_every`` global steps (default:
         a tenth of ``steps``) and at the end; results go to the run store and the dashboard.
         ``mode``: ``sync``, ``async`` or ``ssp`` (bounded staleness: no worker runs more than
@@ -364,9 +366,6 @@ class Cluster:
             raise ConfigError("precision='fp16' needs CUDA workers (this cluster's workers run on the CPU): use "
                               "precision='bf16'")
         replicas = self.num_workers if replicas_to_aggregate is None else replicas_to_aggregate
-        if mode == "sync" and isinstance(replicas, int) and replicas > self.num_workers:
-            raise ConfigError(f"replicas_to_aggregate={replicas} but the cluster has {self.num_workers} workers: "
-                              "use at most that many (fewer: the others are backup workers)")
         model = build_model(model_fn, seed)
         if not any(True for _ in model.parameters()):
             raise ConfigError("the model has no parameters to train: check model_fn")

@@ -8,7 +8,11 @@ Sync mode (SyncReplicasOptimizer): gradients computed on the current step are
 summed until ``replicas_to_aggregate`` have arrived, then one averaged update is
 applied and the step advances; a gradient computed on an older step is dropped
 and counted. A PUSH_PULL in sync mode is answered when its step's update has been
-applied (the token-queue wait of TF, in one round trip).
+applied (the token-queue wait of TF, in one round trip). When a step aggregates more
+gradients than there are live workers, each gives several (TF's tokens: one worker
+with ``replicas_to_aggregate=2`` makes one global step of every two of its own):
+worker i's quota is an even share, the lower-numbered workers taking the remainder,
+and a push short of its quota is answered at once, on the same step.
 
 Async mode: each gradient is applied on arrival and its staleness (current step
 minus the step it was computed on) is recorded.
@@ -775,7 +779,10 @@ class _Sync:
                     a.extend(_owned(g))
         run.accum_count += 1
         run.contributors.append(msg.task)
-        if with_params:
+        if with_params and run.contributors.count(msg.task) < _Sync.quota(run, msg.task):
+            # not its last gradient of this step (a quota sums to the step's count: the step cannot be complete)
+            server._reply(identity, msg, Op.PARAMS, with_params=True)
+        elif with_params:
             run.waiting.append((identity, _header(msg), time.monotonic()))
         _Sync.members_changed(server, run)
         if not with_params:
@@ -790,9 +797,19 @@ class _Sync:
             server._release_waiting()
 
     @staticmethod
+    def quota(run: _RunState, worker: int) -> int:
+        """The gradients ``worker`` gives each step: one, or when the step aggregates more than there are live
+        workers an even share of them, the lower-numbered workers taking one more each for the remainder.
+        Every ps computes the same quotas, so each answers a worker's pushes alike."""
+        live, needed = run.live(), run.replicas_now()
+        if needed <= len(live) or worker not in live:
+            return 1
+        return needed // len(live) + (live.index(worker) < needed % len(live))
+
+    @staticmethod
     def waiting_for(run: _RunState) -> list[int]:
-        """The workers whose gradient for the current step has not arrived yet."""
-        return sorted(set(run.live()) - set(run.contributors))
+        """The workers whose gradients for the current step have not all arrived yet."""
+        return [w for w in run.live() if run.contributors.count(w) < _Sync.quota(run, w)]
 
 
 class _Async:

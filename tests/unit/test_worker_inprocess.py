@@ -182,6 +182,50 @@ def test_two_sync_workers_make_one_global_step_per_local_step(local_ps, dataset)
     assert (stats["step"], stats["applied"], stats["pushes"], stats["dropped_stale"]) == (steps, steps, 2 * steps, 0)
 
 
+def accumulating_local_training(dataset, steps: int, batches_per_step: int) -> dict[str, torch.Tensor]:
+    """Plain SGD in one process, each step on the mean gradient of the next ``batches_per_step`` batches."""
+    torch.manual_seed(SEED)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    batches = plain_batches(dataset, steps * batches_per_step)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for x, y in itertools.islice(batches, batches_per_step):
+            (loss_fn(model(x), y) / batches_per_step).backward()
+        optimizer.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_seed_000s_one_worker_with_two_replicas_makes_a_global_step_of_every_two_chief_steps(local_ps, dataset):
+    # seed 000: "if we only run one worker (chief worker), we'll still be able to proceed, but there is only one
+    # step in global step after two steps in chief worker" (replicas_to_aggregate=2): TF's tokens
+    steps = 100
+    spec = local_ps.start(num_ps=2, num_workers=1)
+    lines = []
+    summary = run_worker(spec, 0, make_plan(spec, steps=steps, replicas=2, log_every=50), mlp, dataset,
+                         torch.nn.CrossEntropyLoss(), log=lines.append)
+    assert (summary["local_steps"], summary["global_step"], summary["dropped"]) == (2 * steps, steps, 0)
+    assert lines[-1].startswith(f"After {2 * steps} training steps ({steps} global steps)")
+    reply = local_ps.client(spec, run_id=RUN_ID).pull()
+    trained = {make_plan(spec, steps=steps).variables[i].name: t for m in reply.messages
+               for i, t in zip(m.ids, m.tensors)}
+    for name, value in accumulating_local_training(dataset, steps, 2).items():  # each step: the mean of two
+        assert (trained[name] - value).abs().max() <= 1e-6, name
+
+
+def test_three_replicas_on_two_workers_and_two_ps_take_two_gradients_of_worker_0_and_one_of_worker_1(local_ps,
+                                                                                                   dataset):
+    steps = 30
+    spec = local_ps.start(num_ps=2, num_workers=2)
+    summaries = run_workers(spec, make_plan(spec, steps=steps, replicas=3), dataset)
+    assert [(s["local_steps"], s["global_step"], s["dropped"]) for _, s in sorted(summaries.items())] == \
+        [(2 * steps, steps, 0), (steps, steps, 0)]
+    for stats in local_ps.client(spec, run_id=RUN_ID).stats():  # both ps applied the same gradients
+        assert (stats["step"], stats["applied"], stats["pushes"], stats["dropped_stale"]) == \
+            (steps, steps, 3 * steps, 0)
+
+
 def test_two_async_workers_apply_exactly_the_step_target(local_ps, dataset):
     # One ps: with several, the last concurrent pushes may be applied on one ps and late on another.
     steps = 20
