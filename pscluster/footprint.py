@@ -1,7 +1,7 @@
 """A variable's footprint on the ps tasks, as counted and as written for people: the optimizer state a ps keeps
-per parameter (``optimizer_slots``), byte counts (``format_bytes``) and the TF-style line naming where a variable
-or a shard of it lives (``placement_line``). Pure functions over plain values; the runtime, the views and the
-public ``pscluster.placement`` share them."""
+per parameter (``optimizer_slot_names``, ``optimizer_slots``), byte counts (``format_bytes``) and the TF-style
+line naming where a variable or a shard of it lives (``placement_line``). Pure functions over plain values;
+the runtime, the views and the public ``pscluster.placement`` share them."""
 
 from __future__ import annotations
 
@@ -28,26 +28,35 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-# Parameter-sized state tensors each torch.optim optimizer keeps per parameter (scalars such as Adam's
-# 'step' do not count). Momentum and flags add to the base count; see optimizer_slots.
-_BASE_SLOTS = {"sgd": 0, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1, "adadelta": 2, "asgd": 1}
+# The parameter-sized state tensors each torch.optim optimizer keeps per parameter, by their names in its
+# ``state`` (scalars such as Adam's 'step' do not count); options add some, see optimizer_slot_names.
+_BASE_SLOTS = {"sgd": (), "adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
+               "sparseadam": ("exp_avg", "exp_avg_sq"), "nadam": ("exp_avg", "exp_avg_sq"),
+               "radam": ("exp_avg", "exp_avg_sq"), "adamax": ("exp_avg", "exp_inf"), "adagrad": ("sum",),
+               "rmsprop": ("square_avg",), "adadelta": ("square_avg", "acc_delta"), "asgd": ("ax",),
+               "rprop": ("prev", "step_size")}
+_UNKNOWN_SLOTS = ("slot_0", "slot_1")  # a custom optimizer: most keep two moments
+
+
+def optimizer_slot_names(optimizer: str, kwargs: dict) -> tuple[str, ...]:
+    """The names (as in the optimizer's ``state``) of the parameter-sized tensors ``optimizer`` (a torch.optim
+    class name, any case, or a ``module:Class`` path) keeps per parameter with keyword arguments ``kwargs``:
+    Adam ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), SGD none (``momentum_buffer``
+    with momentum), RMSprop ``square_avg`` (and ``momentum_buffer``, ``grad_avg`` when centered)... An optimizer
+    torch does not ship is assumed to keep two, ``slot_0`` and ``slot_1``."""
+    name = optimizer.rpartition(":")[2].rpartition(".")[2].lower()
+    kwargs = kwargs or {}
+    names = _BASE_SLOTS.get(name, _UNKNOWN_SLOTS)
+    if name in ("sgd", "rmsprop") and kwargs.get("momentum", 0):
+        names += ("momentum_buffer",)
+    if name in ("adam", "adamw") and kwargs.get("amsgrad", False):
+        names += ("max_exp_avg_sq",)
+    if name == "rmsprop" and kwargs.get("centered", False):
+        names += ("grad_avg",)
+    return names
 
 
 def optimizer_slots(optimizer: str, kwargs: dict) -> int:
-    """How many parameter-sized state tensors ``optimizer`` (a torch.optim class name, any case, or a
-    ``module:Class`` path) keeps per parameter with keyword arguments ``kwargs``.
-
-    SGD 0 (1 with momentum), Adam/AdamW 2 (3 with amsgrad), Adagrad 1, RMSprop 1 (+1 with momentum,
-    +1 centered), Adadelta 2. Used to count bytes per ps with the optimizer state, which lives on the ps.
-    """
-    name = optimizer.rpartition(":")[2].rpartition(".")[2].lower()
-    kwargs = kwargs or {}
-    # Unknown optimizers (Adamax, NAdam, RAdam, Rprop, custom ones) mostly keep two moments: assume 2.
-    slots = _BASE_SLOTS.get(name, 2)
-    if name == "sgd" and kwargs.get("momentum", 0):
-        slots += 1
-    if name in ("adam", "adamw") and kwargs.get("amsgrad", False):
-        slots += 1
-    if name == "rmsprop":
-        slots += bool(kwargs.get("momentum", 0)) + bool(kwargs.get("centered", False))
-    return slots
+    """How many parameter-sized state tensors ``optimizer`` keeps per parameter (``optimizer_slot_names``);
+    used to count bytes per ps with the optimizer state, which lives on the ps."""
+    return len(optimizer_slot_names(optimizer, kwargs))

@@ -27,7 +27,7 @@ first use.
 
 from typing import TYPE_CHECKING
 
-from .footprint import format_bytes, optimizer_slots, placement_line
+from .footprint import format_bytes, optimizer_slot_names, optimizer_slots, placement_line
 from .runtime.sharding import (
     STRATEGIES,
     Partitioner,
@@ -52,8 +52,8 @@ if TYPE_CHECKING:  # loaded on first use (pandas, plotly): see __getattr__
 
 __all__ = ["STRATEGIES", "Partitioner", "PlacementPlan", "Shard", "Strategy", "Variable", "bytes_per_ps",
            "compare_placements", "explicit", "fixed_shards", "format_bytes", "greedy", "largest_first", "max_shards",
-           "min_shard_bytes", "optimizer_slots", "partition_rows", "placement_line", "resolve_strategy",
-           "round_robin", "shard_map"]
+           "min_shard_bytes", "optimizer_slot_names", "optimizer_slots", "partition_rows", "placement_line",
+           "resolve_strategy", "round_robin", "shard_map"]
 
 
 def __getattr__(name):

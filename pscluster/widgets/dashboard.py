@@ -22,7 +22,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ..errors import ConfigError
-from ..footprint import optimizer_slots
+from ..footprint import optimizer_slot_names
 from ..metrics import speed
 from ..metrics.store import RunStore
 from . import figure_specs, figures, live, panels, ps_panels
@@ -222,11 +222,11 @@ class Dashboard:
             return
         if "placement" in new:
             config = self.record["config"] or {}
-            slots = optimizer_slots(config.get("optimizer", "sgd"), config.get("optimizer_kwargs") or {})
-            self._show("placement", figures.placement_spec(self._placement, slots,
+            slots = optimizer_slot_names(config.get("optimizer", "sgd"), config.get("optimizer_kwargs") or {})
+            self._show("placement", figures.placement_spec(self._placement, len(slots),
                                                            num_ps=len(self.record["spec"]["ps"])))
             self.lines.value = "<pre style='font-size: 12px'>{}</pre>".format(
-                html.escape("\n".join(figures.placement_lines(self._placement))))
+                html.escape("\n".join(figures.placement_lines(self._placement, slots))))
         if "waiting" in self.panels:
             self.panels["waiting"].num_workers = self._num_workers()  # workers come and go with scaling
         self.panels["speed"].live = not self.final  # its rates: lately while the run trains, then of all of it

@@ -117,12 +117,19 @@ def _rows(v) -> tuple[int, int] | None:
     return None if part is None or pd.isna(part) else (int(v.start), int(v.stop))
 
 
-def placement_lines(placement: pd.DataFrame) -> list[str]:
+def placement_lines(placement: pd.DataFrame, slot_names: tuple[str, ...] = ()) -> list[str]:
     """One TF-style line per variable or shard: ``fc1.weight: /job:ps/task:0``, or for a shard of a
-    partitioned variable ``emb.weight/part_1: /job:ps/task:1 (rows 500-999, 125.0 KB)``. Frames without the
+    partitioned variable ``emb.weight/part_1: /job:ps/task:1 (rows 500-999, 125.0 KB)``; after each trained one,
+    a line per optimizer slot the ps keeps beside it (``slot_names``, see ``footprint.optimizer_slot_names``),
+    as TF's device log lists ``weights_1/Adam``: ``fc1.weight/exp_avg: /job:ps/task:0``. Frames without the
     ``part``, ``start`` and ``stop`` columns (a store of schema 1) are whole variables."""
-    return [placement_line(v.variable, int(v.ps), _rows(v), int(v.bytes), getattr(v, "kind", "param"))
-            for v in placement.itertuples(index=False)]
+    lines = []
+    for v in placement.itertuples(index=False):
+        kind, rows = getattr(v, "kind", "param"), _rows(v)
+        lines.append(placement_line(v.variable, int(v.ps), rows, int(v.bytes), kind))
+        if kind == "param":
+            lines += [placement_line(f"{v.variable}/{slot}", int(v.ps), rows, int(v.bytes)) for slot in slot_names]
+    return lines
 
 
 def number(v: float, digits: int) -> str:

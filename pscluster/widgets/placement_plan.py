@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import ConfigError
-from ..footprint import format_bytes, optimizer_slots
+from ..footprint import format_bytes, optimizer_slot_names
 from ..metrics.store import placement_frame
 from . import figures
 from .dashboard import FigureView
@@ -34,7 +34,8 @@ class PlacementPlan(FigureView):
     ``table``: one row per ps task: ``variables`` (variables and shards it holds), ``parameters``
     (elements), ``bytes`` (the variables), ``optimizer bytes`` (the optimizer state the ps keeps next to
     them: ``slots`` parameter-sized tensors each), ``total bytes`` and ``share (%)`` of the total.
-    ``lines``: the TF-style lines (``emb.weight/part_1: /job:ps/task:1 (rows 500-999, 125.0 KB)``).
+    ``lines``: the TF-style lines (``emb.weight/part_1: /job:ps/task:1 (rows 500-999, 125.0 KB)``), with the
+    optimizer slots kept beside each trained variable (``fc1.weight/exp_avg: /job:ps/task:0``).
     ``figure``: bytes per ps stacked by variable, optimizer state included. ``label``: the placement's name.
     """
 
@@ -44,11 +45,12 @@ class PlacementPlan(FigureView):
         self.num_ps = num_ps
         self.optimizer = optimizer
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
-        self.slots = optimizer_slots(optimizer, self.optimizer_kwargs)
+        self.slot_names = optimizer_slot_names(optimizer, self.optimizer_kwargs)
+        self.slots = len(self.slot_names)
         self.label = label
         self.frame = placement_frame(self.shards)  # as the run store keeps a run's placement
         self.table = _table(self.shards, num_ps, self.slots)
-        self.lines = figures.placement_lines(self.frame)
+        self.lines = figures.placement_lines(self.frame, self.slot_names)
         self.figure = figures.placement_figure(self.frame, self.slots, num_ps=num_ps)
 
     @property

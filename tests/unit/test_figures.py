@@ -8,10 +8,11 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
+import torch
 
 from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
-from pscluster.footprint import optimizer_slots
+from pscluster.footprint import optimizer_slot_names, optimizer_slots
 from pscluster.widgets import figure_specs, figures, panels, task_table
 from pscluster.widgets.series import Decimated, Ewm
 
@@ -501,3 +502,17 @@ def test_figures_pass_plotly_validation(build):
 ])
 def test_optimizer_slots(optimizer, kwargs, slots):
     assert optimizer_slots(optimizer, kwargs) == slots
+
+
+@pytest.mark.parametrize("optimizer, kwargs", [
+    ("SGD", {"momentum": 0.9}), ("Adam", {}), ("Adam", {"amsgrad": True}), ("AdamW", {}), ("Adagrad", {}),
+    ("RMSprop", {"momentum": 0.9, "centered": True}), ("Adadelta", {}), ("ASGD", {}), ("Adamax", {}), ("NAdam", {}),
+    ("RAdam", {}), ("Rprop", {}), ("SparseAdam", {}),
+])
+def test_optimizer_slot_names_are_the_state_torch_keeps(optimizer, kwargs):
+    parameter = torch.nn.Parameter(torch.zeros(3))
+    opt = getattr(torch.optim, optimizer)([parameter], lr=0.1, **kwargs)
+    parameter.grad = torch.ones(3).to_sparse() if optimizer == "SparseAdam" else torch.ones(3)
+    opt.step()
+    kept = {k for k, v in opt.state[parameter].items() if torch.is_tensor(v) and v.shape == parameter.shape}
+    assert set(optimizer_slot_names(optimizer, kwargs)) == kept

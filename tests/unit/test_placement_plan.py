@@ -68,6 +68,10 @@ def test_the_tensorflow_talks_example_places_as_replica_device_setter_and_its_gr
     assert cluster.plan(Seed004, placement="greedy").lines == [
         "weights_1: /job:ps/task:0", "biases_1: /job:ps/task:1", "weights_2: /job:ps/task:2",
         "biases_2: /job:ps/task:1"]
+    # the optimizer's slots live beside their variable, listed as TF's device log lists weights_1/Adam
+    assert cluster.plan(Seed004, placement="greedy", optimizer="adam").lines[:4] == [
+        "weights_1: /job:ps/task:0", "weights_1/exp_avg: /job:ps/task:0", "weights_1/exp_avg_sq: /job:ps/task:0",
+        "biases_1: /job:ps/task:1"]
 
 
 @pytest.mark.parametrize("optimizer, kwargs, slots", [("sgd", {}, 0), ("SGD", {"momentum": 0.9}, 1),
