@@ -69,17 +69,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch) 
 
 
 def worker_rounds(work: int, loaders: int) -> None:
-    """A pscluster worker of the real runtime (``train_from_environment``, PSCLUSTER_CONFIG set): each round a new
+    """A pscluster worker of the real runtime (``procs.runtime_worker``, PSCLUSTER_CONFIG set): each round a new
     sync run of ``steps`` steps on ``Augmented(work=work)`` with ``loaders`` loader processes; its progress lines,
     one every ``TICK`` steps, are its clock (the first ``WARMUP`` steps left out)."""
-    from pscluster.runtime.standalone import train_from_environment
     runs = itertools.count(1)
 
     def run(steps: int) -> dict:
         ticks = []
-        train_from_environment(model_fn, Augmented(work=work), torch.nn.CrossEntropyLoss(), optimizer="sgd", lr=LR,
-                               steps=WARMUP + steps, batch_size=BATCH, log_every=TICK, run_id=next(runs),
-                               loader_workers=loaders, log=lambda line: ticks.append(time.perf_counter()))
+        procs.runtime_worker(model_fn, Augmented(work=work), torch.nn.CrossEntropyLoss(), optimizer="sgd", lr=LR,
+                             steps=WARMUP + steps, batch_size=BATCH, log_every=TICK, run_id=next(runs),
+                             loader_workers=loaders, log=lambda line: ticks.append(time.perf_counter()))
         first, last = ticks[WARMUP // TICK - 1], ticks[-1]
         return {"samples_per_s": (len(ticks) - WARMUP // TICK) * TICK * BATCH / (last - first)}
     serve_rounds(run)
@@ -140,7 +139,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
                         "of augmentation per image). Without loader processes a worker's step costs both; with them "
                         "at best the larger: 2 at most, on 2 cores that the worker, its loader processes and the ps "
                         "share.")
-    result.notes.append(f"Each repetition a new run of {WARMUP} + {steps} steps through train_from_environment "
+    result.notes.append(f"Each repetition a new run of {WARMUP} + {steps} steps through procs.runtime_worker "
                         f"(the runtime's worker, loader processes forked at its start, prefetch_factor 2), the first "
                         f"{WARMUP} left out; 1 torch thread in every process.")
     return result

@@ -4,7 +4,7 @@ a bare ZeroMQ ps (1 ps + 2 workers, sync and async); the MLP of ``workload.py``,
 torch thread per process. Speed: aggregate samples/s, the sum of every worker's steady-state speed.
 
 pscluster runs as the product runs outside a notebook: each ps a ``python -m pscluster.runtime`` process,
-each worker a process calling ``train_from_environment``."""
+each worker a process running the runtime's worker loop (``procs.runtime_worker``)."""
 
 from __future__ import annotations
 

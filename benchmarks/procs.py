@@ -116,6 +116,22 @@ def workload_workers(mode: str, workers: int, pipeline: bool = False) -> Rounds:
                   after=cluster.close)
 
 
+def runtime_worker(model_fn, dataset, loss_fn, *, run_id: int, log, **options) -> dict:
+    """Train as the worker PSCLUSTER_CONFIG names on the runtime alone (no run store, no supervisor): one run,
+    ``run_id``, whose chief (worker 0) initializes the ps tasks; ``options`` as ``Cluster.train``'s. Its
+    summary."""
+    from dataclasses import replace
+
+    from pscluster.runtime.standalone import script_plan
+    from pscluster.runtime.worker import run_worker
+    from pscluster.task_config import from_environment
+
+    spec, task = from_environment()
+    plan, dataset, collate_fn = script_plan(spec, model_fn, dataset, **options)
+    return run_worker(spec, task.index, replace(plan, run_id=run_id), model_fn, dataset, loss_fn,
+                      collate_fn=collate_fn, log=log)
+
+
 def serve_rounds(run_round) -> None:
     """A child's side of ``Rounds``: for each line of stdin (numbers), print ``run_round(*numbers)`` as JSON."""
     for line in sys.stdin:

@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from pscluster.runtime.client import PSClient
-from pscluster.spec import from_environment
+from pscluster.task_config import from_environment
 
 from . import procs
 from .common import Result, Target, alternate, compare, repetitions

@@ -18,7 +18,7 @@ import torch
 
 from pscluster.runtime.data import worker_batches
 
-from .procs import serve_rounds
+from .procs import runtime_worker, serve_rounds
 
 BATCH = 128
 LR = 0.01
@@ -97,20 +97,19 @@ def plain_rounds() -> None:
 
 
 def pscluster_rounds(mode: str, pipeline: bool = False) -> None:
-    """A worker of the real runtime (``train_from_environment``): each round a new run (INIT by the chief) of
+    """A worker of the real runtime (``procs.runtime_worker``): each round a new run (INIT by the chief) of
     about ``steps`` steps of this worker; its progress lines, one every ``TICK`` steps, are its clock.
     ``pipeline``: the next gradients are computed while the push-pull is in flight (async)."""
-    from pscluster.runtime.standalone import train_from_environment
-    from pscluster.spec import from_environment
+    from pscluster.task_config import from_environment
     world = len(from_environment()[0].workers)
     runs = itertools.count(1)
 
     def run(steps: int) -> dict:
         clock = Clock()
-        summary = train_from_environment(model_fn, Synthetic(), torch.nn.CrossEntropyLoss(), optimizer="sgd",
-                                         lr=LR, mode=mode, steps=steps * (1 if mode == "sync" else world),
-                                         batch_size=BATCH, log_every=TICK, run_id=next(runs), pipeline=pipeline,
-                                         log=lambda line: clock.tick(TICK))
+        summary = runtime_worker(model_fn, Synthetic(), torch.nn.CrossEntropyLoss(), optimizer="sgd",
+                                 lr=LR, mode=mode, steps=steps * (1 if mode == "sync" else world),
+                                 batch_size=BATCH, log_every=TICK, run_id=next(runs), pipeline=pipeline,
+                                 log=lambda line: clock.tick(TICK))
         return clock.result(**{k: summary[k] for k in ("dropped", "compute_s", "comm_s", "wait_s")})
     serve_rounds(run)
 

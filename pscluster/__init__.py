@@ -14,7 +14,8 @@ from .spec import ClusterSpec, TaskSpec
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "clusters", "compare", "datasets",
-           "environ", "evaluate", "load_ipython_extension", "placement", "runs", "__version__"]
+           "environ", "evaluate", "load_ipython_extension", "placement", "runs", "train_from_environment",
+           "__version__"]
 
 
 def __getattr__(name):
@@ -26,6 +27,10 @@ def __getattr__(name):
         from .cluster.run import Run
 
         return Run
+    if name == "train_from_environment":
+        from .cluster.script_run import train_from_environment
+
+        return train_from_environment
     if name == "evaluate":  # the module (evaluate(), auc()): torch, loaded on first use
         return importlib.import_module(".evaluate", __name__)
     if name == "compare":

@@ -25,7 +25,7 @@ class TaskSpec:
     role: str
     index: int
     host: str = "127.0.0.1"
-    port: int = 0          # data-plane port (ps tasks); 0 for workers
+    port: int = 0          # ps: its data-plane port; the chief of a script run: its metrics port; else 0
     device: str = "cpu"    # "cpu" or "cuda:<physical gpu index>"
     engine_id: int | None = None
     pid: int | None = None

@@ -12,7 +12,8 @@
 - ``chief``: a task of its own, as in TF's parameter-server strategy: it trains and does the chief's duties
   (initializes or restores the variables, writes the checkpoints). pscluster numbers it worker 0 and TF's
   ``worker`` i worker i + 1. Without a ``chief``, TF's worker 0 is the chief, as in TF 1.x.
-- The workers' ports are not used: workers connect to the ps tasks, nothing connects to a worker.
+- The chief's port is where it receives every task's metric events (it runs the run's supervisor); the other
+  workers' ports are not used: nothing connects to them.
 - ``evaluator`` (TF's side task that evaluates checkpoints) may be listed; a process started as one is told
   that pscluster has no evaluator task yet.
 
@@ -75,8 +76,8 @@ def cluster_from_tf_config(text: str) -> tuple[ClusterSpec, TaskSpec]:
     if not addresses["chief"] and not addresses["worker"]:
         raise ConfigError(f"{environ.TF_CONFIG} lists no chief and no worker: add \"chief\": [\"host:port\"]")
     ps = tuple(TaskSpec("ps", i, host=host, port=port) for i, (host, port) in enumerate(addresses["ps"]))
-    workers = tuple(TaskSpec("worker", i, host=host)
-                    for i, (host, _) in enumerate(addresses["chief"] + addresses["worker"]))
+    workers = tuple(TaskSpec("worker", i, host=host, port=port if i == 0 else 0)
+                    for i, (host, port) in enumerate(addresses["chief"] + addresses["worker"]))
     spec = ClusterSpec(ps=ps, workers=workers, secret=_secret(), name="tf_config")
     return spec, _task(spec, config.get("task"), has_chief=bool(addresses["chief"]))
 

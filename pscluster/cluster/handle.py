@@ -383,8 +383,7 @@ class Cluster:
         check_step(model, loss_fn, step_fn, first_batch(dataset, 2, collate_fn))
         payload = ship(model_fn, dataset, loss_fn, step_fn, collate_fn)
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
-        config = {k: v for k, v in run_plan.to_dict().items() if k not in ("run_id", "variables", "state_keys")}
-        run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=config,
+        run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=run_plan.settings(),
                                        spec=spec.public_dict(), code=code or _source(model_fn))
         directory = checkpoint_dir or Path(self.store.path).parent / "checkpoints" / f"run-{run_id}"
         run_plan = replace(run_plan, run_id=run_id, checkpoint_dir=str(directory))

@@ -196,6 +196,10 @@ class Supervisor:
         done = self._workers_done.get(f"worker:{i}")
         return done is not None and time.monotonic() - done[0] > RESULT_GRACE_S
 
+    def reported(self, i: int) -> bool:
+        """Whether worker ``i`` has sent its "done" event (its summary) in the current attempt."""
+        return f"worker:{i}" in self._workers_done
+
     def _reported_summary(self, i: int) -> dict:
         """Worker ``i``'s summary as its "done" event reported it (JSON: staleness by string keys)."""
         summary = dict(self._workers_done[f"worker:{i}"][1], task=i)

@@ -303,6 +303,11 @@ class PSClient:
         meta = {k: v for k, v in (("at_step", at_step), ("attempt", attempt)) if v is not None}
         return max(m.value for m in self.request(Op.STOP, meta=meta or None))
 
+    def close_run(self) -> None:
+        """Tell every ps the run is over for good (its supervisor has finalized it): a ps serving one run, a
+        script's, ends."""
+        self.request(Op.STOP, meta={"closed": True})
+
     def park(self) -> int:
         """Every ps holds pushes from its current step on (the first half of a clean stop); returns the
         highest step a ps parked at: ``stop(at_step=that)`` ends every ps on it."""

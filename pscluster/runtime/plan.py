@@ -248,6 +248,10 @@ class TrainPlan:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def settings(self) -> dict:
+        """The run's settings as the run store keeps them: the plan less its id and its model's variables."""
+        return {k: v for k, v in self.to_dict().items() if k not in ("run_id", "variables", "state_keys")}
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 

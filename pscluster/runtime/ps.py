@@ -115,6 +115,7 @@ class _RunState:
     emitter: MetricsEmitter | None = None
     step: int = 0
     stopped: bool = False
+    finalized: bool = False  # its supervisor has closed it: a ps serving one run (a script's) may end
     accum: list | None = None  # sync: per variable, a summed dense gradient or a list of (rows, values)
     accum_count: int = 0
     contributors: list[int] = field(default_factory=list)
@@ -130,6 +131,7 @@ class _RunState:
     staleness: Counter = field(default_factory=Counter)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    metrics_address: str | None = None  # where the run's metric events go (told to workers that join by STATS)
     attempt: int = 0  # restarts of the run after a ps was lost
     save_at: set = field(default_factory=set)  # steps to write a shard at (CHECKPOINT)
     saved: set = field(default_factory=set)
@@ -298,10 +300,10 @@ class ParameterServer:
         return self._thread is not None and self._thread.is_alive()
 
     def done_serving(self, quiet_s: float) -> bool:
-        """Whether the run this server holds has ended and no request came for ``quiet_s`` seconds (every
-        worker has had its last answer)."""
+        """Whether the run this server holds is over: its supervisor closed it, or it ended and no request
+        came for ``quiet_s`` seconds (a supervisor that died before closing it)."""
         run = self.run
-        return run is not None and run.stopped and time.monotonic() - self.last_request > quiet_s
+        return run is not None and (run.finalized or run.stopped and time.monotonic() - self.last_request > quiet_s)
 
     # --- dispatch ------------------------------------------------------------------
     def _handle(self, frames) -> None:
@@ -441,7 +443,7 @@ class ParameterServer:
                             sparse=list(cfg.sparse), num_workers=cfg.num_workers, staleness_bound=cfg.staleness_bound,
                             step=cfg.step, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
                             attempt=cfg.attempt, kinds=list(cfg.kinds), buffer_rule=cfg.buffers,
-                            half=PRECISIONS[cfg.precision])
+                            half=PRECISIONS[cfg.precision], metrics_address=cfg.metrics_address)
             self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.state)
             run.optimizer.restore(run.step, cfg.schedule_state)  # the schedule at the starting step
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
@@ -584,7 +586,8 @@ class ParameterServer:
         meta = {"ps": self.index, "rejected": dict(self.rejected), "failed_requests": self.failed_requests,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
         if run is not None:
-            meta.update(run_id=run.run_id, mode=run.mode, step=run.step, stopped=run.stopped,
+            meta.update(run_id=run.run_id, attempt=run.attempt, metrics_address=run.metrics_address,
+                        checkpoint_dir=run.checkpoint_dir, mode=run.mode, step=run.step, stopped=run.stopped,
                         pushes=run.pushes, pulls=run.pulls, pulled=sorted(run.pulled), applied=run.applied,
                         dropped_stale=run.dropped_stale, late=run.late,
                         staleness={str(k): v for k, v in sorted(run.staleness.items())},
@@ -595,7 +598,8 @@ class ParameterServer:
     def _stop_run(self, identity, msg):
         """Stop now, or (meta {"at_step": S}) once step S is applied; meta {"hold": true}: park at the current
         step, and answer it (the first of two STOPs that end every ps on the same step). Meta {"attempt": A}:
-        only attempt A of the run (a failed attempt's stop must not end the next one)."""
+        only attempt A of the run (a failed attempt's stop must not end the next one). Meta {"closed": true}:
+        stop now, and the run is over for good (its supervisor has finalized it)."""
         run = self.run
         meta = msg.meta or {}
         attempt = None if meta.get("attempt") is None else int(meta["attempt"])
@@ -606,6 +610,8 @@ class ParameterServer:
         if attempt is not None and attempt < run.attempt:  # that attempt is over: this ps serves a later one
             self._reply(identity, msg, Op.OK, value=run.step)
             return
+        if meta.get("closed"):
+            run.finalized = True
         if meta.get("hold") and not run.stopped:
             if run.park_at is None:
                 run.park_at, run.parked_since = run.step, time.monotonic()

@@ -1,35 +1,34 @@
-"""Running a task without a notebook: the cluster and the task come from ``PSCLUSTER_CONFIG`` or ``TF_CONFIG``
-(see ``task_config``).
+"""The runtime side of tasks started without a notebook, from ``PSCLUSTER_CONFIG`` or ``TF_CONFIG`` (see
+``task_config``; ``pscluster.train_from_environment`` puts these together with the chief's supervisor).
 
-Every task runs the same script, as with TF's Estimator::
-
-    from pscluster.runtime.standalone import train_from_environment
-    summary = train_from_environment(model_fn, dataset, loss_fn, optimizer="sgd", lr=0.1, steps=1000)
-
-A ps task serves the run until it has ended and its workers have had their last answers (``PS_QUIET_S``
-without a request), then returns; a worker trains and returns its summary. A ps that serves run after run
-(until SIGTERM) is ``python -m pscluster.runtime``. Every worker derives the same plan (placement is a pure
-function of the model), so no coordinator is needed: the chief initializes the ps tasks as usual.
+- ``serve_ps``: ``python -m pscluster.runtime``, a ps that serves run after run until SIGTERM/SIGINT.
+- ``serve_run``: a ps that serves one run, and returns once its supervisor (the chief's) has closed it, or
+  ``PS_QUIET_S`` after its end without a request (a chief that died).
+- ``script_plan``: the run's plan, which every task derives alike from the same arguments (placement is a
+  pure function of the model), so no coordinator hands it out.
+- ``join_run``: a worker other than the chief: it learns the run's id, attempt, metrics address and checkpoint
+  folder from the ps tasks once the chief has started the run there, then trains.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
+from dataclasses import replace
 
-from ..errors import ConfigError, TrainingError
+from ..errors import ConfigError, RuntimeTimeout
 from ..spec import ClusterSpec, TaskSpec
 from ..task_config import from_environment
+from .client import PSClient
 from .data import training_input
 from .optim import OptimizerSpec, check
-from .client import PSClient
-from .evaluation import evaluate
-from .plan import TrainPlan, assemble, state_dict_of
+from .plan import TrainPlan
 from .ps import ParameterServer
 from .worker import build_model, run_worker
 
-
-PS_QUIET_S = 5.0
+PS_QUIET_S = 60.0
+DISCOVER_POLL_S = 0.2
 
 
 def serve_ps() -> None:
@@ -38,6 +37,11 @@ def serve_ps() -> None:
     if task.role != "ps":
         raise ConfigError(f"{task.name} is a worker: run it from your script with train_from_environment()")
     _serve(spec, task, one_run=False)
+
+
+def serve_run(spec: ClusterSpec, task: TaskSpec) -> dict:
+    """Serve ps ``task`` for one run: ``{"task": index, "role": "ps", "global_step": its last step}``."""
+    return {"task": task.index, "role": "ps", "global_step": _serve(spec, task, one_run=True)}
 
 
 def _serve(spec: ClusterSpec, task: TaskSpec, *, one_run: bool) -> int | None:
@@ -53,54 +57,56 @@ def _serve(spec: ClusterSpec, task: TaskSpec, *, one_run: bool) -> int | None:
     return server.run.step if server.run is not None else None
 
 
-def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, optimizer="sgd", param_groups=None,
-                           scheduler=None, scheduler_options: dict | None = None, mode: str = "sync",
-                           steps: int = 1000, batch_size: int | None = None, replicas_to_aggregate: int | None = None,
-                           seed: int = 0, log_every: int = 100, run_id: int = 1,
-                           request_timeout: float = 120.0, staleness_bound: int = 2, placement="round_robin",
-                           partition: dict | None = None, shared_memory: bool = True, pipeline: bool = False,
-                           buffers: str = "chief", max_grad_norm: float | None = None, on_nonfinite: str = "fail",
-                           precision: str = "fp32", collate_fn=None, loader_workers: int = 0,
-                           prefetch_factor: int | None = None, pin_memory: bool = False, log=print,
-                           test_dataset=None, **optimizer_kwargs) -> dict:
-    """Train as the worker named in ``PSCLUSTER_CONFIG`` or ``TF_CONFIG`` and return its summary; as a ps task,
-    serve the run until it ends and return ``{"task": index, "role": "ps", "global_step": step}``. Every
-    worker must be given the same arguments (they make the same plan). ``shared_memory``: exchange values with a ps
-    on the same host through shared memory (False: always over the socket). ``pipeline`` (async): compute the
-    next gradients while the push-pull is in flight; ``step_fn``, ``param_groups``, ``scheduler`` (a torch name or
-    an importable ``module:Class``: a ps started from PSCLUSTER_CONFIG is given no code), ``buffers``,
-    ``max_grad_norm``, ``on_nonfinite``, ``precision``, the dataset (or DataLoader) and its loader options: as in
-    ``Cluster.train``. ``test_dataset``: the chief evaluates the trained parameters on it at the end (its summary's
-    ``test_loss``, ``test_accuracy`` and ``test_step``, the global step evaluated)."""
-    spec, task = from_environment()
-    if task.role == "ps":
-        return {"task": task.index, "role": "ps", "global_step": _serve(spec, task, one_run=True)}
+def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer="sgd", param_groups=None, scheduler=None,
+                scheduler_options: dict | None = None, mode: str = "sync", steps: int = 1000,
+                batch_size: int | None = None, replicas_to_aggregate: int | None = None, seed: int = 0,
+                log_every: int = 100, request_timeout: float = 120.0, staleness_bound: int = 2,
+                placement="round_robin", partition: dict | None = None, shared_memory: bool = True,
+                pipeline: bool = False, buffers: str = "chief", max_grad_norm: float | None = None,
+                on_nonfinite: str = "fail", precision: str = "fp32", collate_fn=None, loader_workers: int = 0,
+                prefetch_factor: int | None = None, pin_memory: bool = False, checkpoint_every: int = 0,
+                restore: bool = True, **optimizer_kwargs) -> tuple[TrainPlan, object, object]:
+    """``(plan, dataset, collate_fn)`` of a run on ``spec`` (run id 1 until the chief's run store gives it
+    one; the dataset and collate function as a DataLoader given for ``dataset`` unpacks into); the options
+    as ``Cluster.train``'s. Checks the model and optimizer, as ``train()`` does."""
     dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
                                                              prefetch_factor, pin_memory)
     model = build_model(model_fn, seed)
-    spec_of_optimizer = OptimizerSpec(optimizer, optimizer_kwargs, groups=param_groups or (), scheduler=scheduler,
-                                      scheduler_options=scheduler_options or {})
+    spec_of_optimizer = OptimizerSpec(optimizer, optimizer_kwargs, groups=param_groups or (),
+                                      scheduler=scheduler, scheduler_options=scheduler_options or {})
     check(model, spec_of_optimizer, steps=steps)
     plan = TrainPlan.for_model(model, spec_of_optimizer, num_ps=len(spec.ps), placement=placement,
-                               partition=partition, run_id=run_id, mode=mode, steps=steps, batch_size=batch_size,
+                               partition=partition, run_id=1, mode=mode, steps=steps, batch_size=batch_size,
                                replicas_to_aggregate=replicas_to_aggregate or len(spec.workers),
                                num_workers=len(spec.workers), staleness_bound=staleness_bound, seed=seed,
-                               log_every=log_every, request_timeout=request_timeout, shared_memory=shared_memory,
-                               pipeline=pipeline, buffers=buffers, max_grad_norm=max_grad_norm,
-                               on_nonfinite=on_nonfinite, precision=precision, loader=loader)
-    summary = run_worker(spec, task.index, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
-                         collate_fn=collate_fn, log=log)
-    if task.is_chief and test_dataset is not None:
-        summary.update(_evaluate_trained(spec, plan, model, test_dataset, loss_fn, step_fn, collate_fn))
-    return summary
+                               log_every=log_every, request_timeout=request_timeout,
+                               shared_memory=shared_memory, pipeline=pipeline, buffers=buffers,
+                               max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite, precision=precision,
+                               loader=loader, checkpoint_every=checkpoint_every, restore=restore)
+    return plan, dataset, collate_fn
 
 
-def _evaluate_trained(spec: ClusterSpec, plan: TrainPlan, model, test_dataset, loss_fn, step_fn, collate_fn) -> dict:
-    """The test loss and accuracy of the parameters the ps tasks hold at the end of the run."""
-    with PSClient(spec, run_id=plan.run_id, timeout=plan.request_timeout) as client:
-        reply = client.pull_all()
-    if reply is None:
-        raise TrainingError("the ps tasks no longer hold the run's variables: nothing to evaluate")
-    model.load_state_dict(state_dict_of(plan.state_keys, assemble(plan.variables, reply.messages)), strict=False)
-    result = evaluate(model, test_dataset, loss_fn, step_fn=step_fn, collate_fn=collate_fn)
-    return {"test_loss": result["loss"], "test_accuracy": result["accuracy"], "test_step": reply.step}
+def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn, *, step_fn=None,
+             collate_fn=None, log=print) -> dict:
+    """Train as worker ``index`` (not the chief) in the run the chief starts on the ps tasks: its summary."""
+    run = _started_run(spec, index, plan.request_timeout)
+    plan = replace(plan, run_id=run["run_id"], attempt=run["attempt"], metrics_address=run["metrics_address"],
+                   checkpoint_dir=run["checkpoint_dir"])
+    return run_worker(spec, index, plan, model_fn, dataset, loss_fn, step_fn=step_fn, collate_fn=collate_fn,
+                      log=log)
+
+
+def _started_run(spec: ClusterSpec, index: int, timeout: float) -> dict:
+    """The run every ps holds and has not ended (its id, attempt, metrics address and checkpoint folder), once
+    the chief has started it; RuntimeTimeout after ``timeout`` s without one."""
+    deadline = time.monotonic() + timeout
+    with PSClient(spec, task=index, run_id=1, timeout=timeout) as client:
+        while True:
+            held = client.stats()
+            ids = {s.get("run_id") for s in held}
+            if len(ids) == 1 and None not in ids and not any(s.get("stopped") for s in held):
+                return held[0]
+            if time.monotonic() > deadline:
+                raise RuntimeTimeout(f"the chief started no run on the ps tasks within {timeout:.0f}s: start the "
+                                     "chief's task (TF's chief, or worker 0) with the same script")
+            time.sleep(DISCOVER_POLL_S)

@@ -1,4 +1,6 @@
-"""The runtime without a notebook or ipyparallel: processes joined through PSCLUSTER_CONFIG or TF_CONFIG."""
+"""Training from a script, without a notebook or ipyparallel: every task a process of its own, joined through
+PSCLUSTER_CONFIG or TF_CONFIG and nothing but environment variables; the chief supervises the run, into the
+run store, as a notebook's kernel does."""
 
 import json
 import os
@@ -9,21 +11,26 @@ import textwrap
 import pytest
 import zmq
 
+import pscluster
+from pscluster.metrics.store import RunStore
 from pscluster.spec import ClusterSpec, TaskSpec
 
 pytestmark = pytest.mark.integration
 
-WORKER_SCRIPT = textwrap.dedent("""
-    import json, torch, pscluster
-    from pscluster.runtime.standalone import train_from_environment
+# seed 000's "Distributed Estimator": one script, run by every task
+SCRIPT = textwrap.dedent("""
+    import json, sys, torch, pscluster
 
     def model_fn():
-        return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
-    summary = train_from_environment(model_fn, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(),
-                                     optimizer="sgd", lr=0.1, mode="sync", steps=40, batch_size=32,
-                                     log_every=20, log=lambda line: print("LOG", line, flush=True))
-    print("SUMMARY", json.dumps({k: summary[k] for k in ("task", "local_steps", "global_step")}))
+    result = pscluster.train_from_environment(
+        model_fn, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), optimizer="sgd", lr=0.1,
+        mode="sync", steps=int(sys.argv[1]), batch_size=32, log_every=100, checkpoint_every=100,
+        test_dataset=pscluster.datasets.digits("test"), log=lambda line: print("LOG", line, flush=True))
+    if isinstance(result, pscluster.Run):  # the chief
+        result = {"run_id": result.id, "global_step": result.global_step, "local_steps": result.local_steps}
+    print("SUMMARY", json.dumps(result))
 """)
 
 
@@ -34,77 +41,92 @@ def free_port() -> int:
     return port
 
 
-def test_ps_and_workers_from_pscluster_config(tmp_path):
-    spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=free_port()),),
-                       workers=(TaskSpec("worker", 0), TaskSpec("worker", 1)))
-    script = tmp_path / "train.py"
-    script.write_text(WORKER_SCRIPT)
+def start(script, steps: int, home, **config):
+    """The process of one task: this interpreter running ``script`` with nothing but environment variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PSCLUSTER_CONFIG", "TF_CONFIG")}
+    env.update(PSCLUSTER_HOME=str(home), **config)
+    return subprocess.Popen([sys.executable, str(script), str(steps)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
-    def launch(args, role, index):
-        env = {**os.environ, "PSCLUSTER_CONFIG": spec.config_for(role, index)}
-        return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
 
-    ps = launch(["-m", "pscluster.runtime"], "ps", 0)
-    workers = [launch([str(script)], "worker", i) for i in range(2)]
+def finish(processes, timeout: float = 240) -> list[dict]:
+    """Each process's printed summary, once every one has ended by itself with exit status 0."""
     try:
-        outputs = [w.communicate(timeout=120)[0] for w in workers]
+        outputs = [p.communicate(timeout=timeout)[0] for p in processes]
     finally:
-        ps.terminate()
-        ps.wait(10)
-        for w in workers:
-            w.kill()
-    assert ps.returncode == 0  # SIGTERM is a clean shutdown
-    for i, out in enumerate(outputs):
-        summary = json.loads(out.split("SUMMARY", 1)[1])
-        assert summary == {"task": i, "local_steps": 40, "global_step": 40}
-        assert "LOG After 20 training steps (20 global steps), loss" in out
+        for p in processes:
+            p.kill()
+    assert [p.returncode for p in processes] == [0] * len(processes), outputs
+    return [json.loads(out.split("SUMMARY", 1)[1]) for out in outputs], outputs
 
 
-# seed 000's "Distributed Estimator": one script, run by the ps, the chief and two workers in four terminals
-ESTIMATOR_SCRIPT = textwrap.dedent("""
-    import json, torch, pscluster
-    from pscluster.runtime.standalone import train_from_environment
-
-    def model_fn():
-        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-
-    summary = train_from_environment(model_fn, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(),
-                                     optimizer="sgd", lr=0.1, mode="sync", steps=300, batch_size=32,
-                                     log_every=100, test_dataset=pscluster.datasets.digits("test"))
-    print("SUMMARY", json.dumps(summary))
-""")
+@pytest.fixture
+def estimator(tmp_path):
+    script = tmp_path / "estimator.py"
+    script.write_text(SCRIPT)
+    return script
 
 
-def test_seed_000s_tf_config_layout_ps_chief_and_two_workers_as_four_processes(tmp_path):
+def seed_000_job(script, steps: int, home, cluster: dict, secret: str):
+    """Seed 000's four terminals: a ps, the chief and two workers."""
+    def task(job, index):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+        return start(script, steps, home, TF_CONFIG=tf_config, PSCLUSTER_SECRET=secret)
+    return [task("ps", 0), task("chief", 0), task("worker", 0), task("worker", 1)]
+
+
+def test_seed_000s_tf_config_job_trains_into_the_run_store_and_resumes_when_started_again(estimator, tmp_path):
     cluster = {"ps": [f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
                "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
-    script = tmp_path / "estimator.py"
-    script.write_text(ESTIMATOR_SCRIPT)
-    environment = {k: v for k, v in os.environ.items() if k != "PSCLUSTER_CONFIG"}
-    environment["PSCLUSTER_SECRET"] = os.urandom(16).hex()
+    secret, home = os.urandom(16).hex(), tmp_path / "home"
+    (ps, chief, *workers), outputs = finish(seed_000_job(estimator, 300, home, cluster, secret))
+    assert ps == {"task": 0, "role": "ps", "global_step": 300}  # the ps ended by itself, once the run was over
+    # TF's chief is worker 0 and TF's workers 0 and 1 are workers 1 and 2: each pushed once per global step
+    assert (chief["global_step"], chief["local_steps"]) == (300, [300, 300, 300])
+    assert [(w["task"], w["local_steps"]) for w in workers] == [(1, 300), (2, 300)]
+    # the chief prints every worker's progress, as a notebook does
+    assert all(f"[worker:{i}] After 300 training steps (300 global steps)" in outputs[1] for i in range(3))
 
-    def launch(job, index):
-        tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
-        return subprocess.Popen([sys.executable, str(script)], env={**environment, "TF_CONFIG": tf_config},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = pscluster.runs(home / "runs.sqlite")
+    assert list(runs["name"]) == ["estimator"] and list(runs["status"]) == ["finished"]
+    with RunStore(home / "runs.sqlite") as store:
+        run_id = chief["run_id"]
+        assert sorted(store.metrics(run_id)["worker"].unique()) == [0, 1, 2]
+        evaluations = store.evaluations(run_id)
+        assert evaluations["global_step"].iloc[-1] == 300 and evaluations["accuracy"].iloc[-1] >= 0.93
+        checkpoints = store.events(run_id).query("kind == 'checkpoint'")
+        assert [d["step"] for d in checkpoints["detail"]] == [100, 200, 300]
+        assert "checkpoints/estimator" in checkpoints["detail"].iloc[-1]["path"]
 
-    tasks = [launch("ps", 0), launch("chief", 0), launch("worker", 0), launch("worker", 1)]
-    try:  # every task ends by itself, the ps once the run is over
-        outputs = [t.communicate(timeout=240)[0] for t in tasks]
-    finally:
-        for t in tasks:
-            t.kill()
-    summaries = [json.loads(out.split("SUMMARY", 1)[1]) for out in outputs]
-    assert [t.returncode for t in tasks] == [0, 0, 0, 0], outputs
-    ps, chief, *workers = summaries
-    assert ps == {"task": 0, "role": "ps", "global_step": 300}
-    # TF's chief is worker 0, TF's workers 0 and 1 are workers 1 and 2: each pushed once per global step
-    assert [s["task"] for s in (chief, *workers)] == [0, 1, 2]
-    assert [s["local_steps"] for s in (chief, *workers)] == [300] * 3
-    assert chief["test_step"] == 300 and chief["test_accuracy"] >= 0.93
-    assert "test_accuracy" not in workers[0]
-    assert "After 100 training steps (100 global steps)" in outputs[1]
+    # the whole job started again, to 400 steps: it goes on from the latest checkpoint, as
+    # MonitoredTrainingSession does, never from 0
+    (ps, chief, *workers), _ = finish(seed_000_job(estimator, 400, home, cluster, secret))
+    assert ps["global_step"] == 400 and chief["global_step"] == 400
+    assert chief["local_steps"] == [100, 100, 100]
+    with RunStore(home / "runs.sqlite") as store:
+        resumed = chief["run_id"]
+        assert store.metrics(resumed)["global_step"].min() == 301
+        assert [d["step"] for d in store.events(resumed).query("kind == 'restored'")["detail"]] == [300]
+        assert store.evaluations(resumed)["accuracy"].iloc[-1] >= 0.93
+    assert list(pscluster.runs(home / "runs.sqlite")["status"]) == ["finished", "finished"]
+
+
+def test_ps_and_workers_from_pscluster_config(estimator, tmp_path):
+    spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=free_port()),),
+                       workers=(TaskSpec("worker", 0), TaskSpec("worker", 1)))
+    ps = subprocess.Popen([sys.executable, "-m", "pscluster.runtime"], text=True,
+                          env={**os.environ, "PSCLUSTER_CONFIG": spec.config_for("ps", 0)})
+    workers = [start(estimator, 100, tmp_path, PSCLUSTER_CONFIG=spec.config_for("worker", i)) for i in range(2)]
+    try:
+        (chief, worker), outputs = finish(workers, timeout=120)
+    finally:  # this ps serves run after run: it ends on SIGTERM
+        ps.terminate()
+        ps.wait(10)
+    assert ps.returncode == 0
+    assert (chief["global_step"], chief["local_steps"]) == (100, [100, 100])
+    assert (worker["task"], worker["local_steps"], worker["global_step"]) == (1, 100, 100)
+    assert "[worker:1] After 100 training steps (100 global steps)" in outputs[0]  # the chief prints them all
+    assert "LOG After 100 training steps (100 global steps), loss" in outputs[1]  # a worker, its own
 
 
 def test_worker_config_given_to_ps_entry_point_is_a_one_line_error():

@@ -694,3 +694,19 @@ def test_a_frame_past_a_ps_frame_limit_is_a_clear_error_before_it_is_sent(local_
         client.init(RUN_ID, {0: ([0, 1], list(big.values()))}, [ps_config(list(big))])
     client.init(RUN_ID, {0: ([0], [big["w"]])}, [ps_config(["w"])])  # the connection is fine
     assert server.run.names == ["w"] and sum(server.rejected.values()) == 0
+
+
+def test_a_ps_serving_one_run_is_done_once_the_supervisor_closes_it_and_tells_joining_workers_the_run(start_run,
+                                                                                                      values):
+    run = start_run(values, num_ps=2)
+    controller = run.client()
+    # a script's worker that starts after the chief learns the run from any ps: id, attempt, where metrics go
+    for stats in controller.stats():
+        assert (stats["run_id"], stats["attempt"], stats["stopped"]) == (RUN_ID, 0, False)
+        assert "metrics_address" in stats and "checkpoint_dir" in stats
+    assert not any(s.done_serving(quiet_s=3600) for s in run.servers)
+    controller.stop()  # ended, not yet finalized: a ps waits for the supervisor (or an hour of quiet)
+    assert not any(s.done_serving(quiet_s=3600) for s in run.servers)
+    assert all(s.done_serving(quiet_s=0) for s in run.servers)  # ...which a supervisor that died never ends
+    controller.close_run()
+    assert all(s.done_serving(quiet_s=3600) for s in run.servers)

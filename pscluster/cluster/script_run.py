@@ -1,0 +1,148 @@
+"""``train_from_environment``: training from a script, every task of the cluster running the same one, as
+with TF's Estimator and ``MonitoredTrainingSession``. The cluster and this process's task come from
+``TF_CONFIG`` or ``PSCLUSTER_CONFIG`` (``task_config``).
+
+- A ps task serves the run, and returns once the chief has finalized it (``runtime.standalone.serve_run``).
+- The chief (TF's ``chief``, else worker 0) trains and runs the run's ``Supervisor``, as a notebook's kernel
+  does: the run goes into the run store (``pscluster.runs()``, ``compare()``, the side panel and
+  ``run.dashboard()`` in a notebook see it while it trains), every task's metric events come to its collector
+  (on the chief's address and port as the config lists them), it commits the checkpoints the ps tasks write,
+  evaluates ``test_dataset``, and starts from the latest checkpoint in ``checkpoint_dir`` when there is one:
+  the whole job started again resumes where it stopped. It returns the ``Run``.
+- Any other worker learns the run from the ps tasks once the chief has started it there, trains, and returns
+  its summary (``runtime.standalone.join_run``).
+
+The workers of a script are processes the user (or a scheduler) starts: nobody here can replace a lost one,
+so a lost task fails the run, and starting the job again resumes it from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import ConfigError, TrainingError
+from ..metrics.store import RunStore
+from ..runtime import standalone
+from ..runtime.client import PSClient
+from ..runtime.data import first_batch
+from ..runtime.steps import check_step
+from ..runtime.worker import build_model, run_worker
+from ..task_config import from_environment
+from .checkpoint_commits import CheckpointCoordinator
+from .run import Run
+from .supervisor import Supervisor
+
+PEER_END_S = 10.0  # how long after the chief's end a worker's summary may still arrive
+
+
+class _ChiefWorker:
+    """The chief's own worker, in a thread of this process, as the supervisor follows a worker (ipyparallel's
+    ``ready``, ``successful``, ``get``)."""
+
+    def __init__(self, train):
+        self._result: Future = Future()
+        self.ended_at: float | None = None
+        threading.Thread(target=self._run, args=(train,), name="pscluster-chief", daemon=True).start()
+
+    def _run(self, train) -> None:
+        try:
+            self._result.set_result(train())
+        except BaseException as e:  # noqa: BLE001 - the supervisor reports it as the run's error
+            self._result.set_exception(e)
+        self.ended_at = time.monotonic()
+
+    def ready(self) -> bool:
+        return self._result.done()
+
+    def successful(self) -> bool:
+        return self._result.done() and self._result.exception() is None
+
+    def get(self, timeout: float | None = None):
+        return self._result.result(timeout)
+
+
+class _PeerWorker:
+    """A worker in a process of its own: the supervisor follows it by its "done" event. Once the chief has
+    ended ``PEER_END_S`` ago without that event, it counts as failed."""
+
+    def __init__(self, index: int, chief: _ChiefWorker, supervisor: Supervisor):
+        self.index, self._chief, self._supervisor = index, chief, supervisor
+
+    def ready(self) -> bool:
+        ended = self._chief.ended_at
+        return (not self._supervisor.reported(self.index) and ended is not None
+                and time.monotonic() - ended > PEER_END_S)
+
+    def successful(self) -> bool:
+        return False
+
+    def get(self, timeout: float | None = None):
+        raise TrainingError(f"worker {self.index} sent no summary within {PEER_END_S:.0f}s of the chief's end: "
+                            "see its own output")
+
+
+def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, name: str | None = None,
+                           store: str | os.PathLike | None = None, test_dataset=None, eval_every: int | None = None,
+                           checkpoint_dir: str | os.PathLike | None = None, checkpoint_secs: float | None = 600.0,
+                           keep_checkpoints: int = 5, log=print, **options):
+    """Run this process's task of the cluster in ``TF_CONFIG`` / ``PSCLUSTER_CONFIG``: the chief returns the
+    ``Run`` (as ``Cluster.train(...).wait()`` does), another worker its summary, a ps task
+    ``{"task", "role": "ps", "global_step"}``. Every task is given the same arguments.
+
+    ``name``: the run's name in the run store (default: the script's file name, e.g. ``estimator``);
+    ``store``: the run store (default ``$PSCLUSTER_HOME/runs.sqlite``). ``checkpoint_dir`` (default
+    ``checkpoints/<name>`` beside the run store): where the ps tasks write their shards, and where the chief
+    looks for the latest checkpoint to start from (``restore=False``: start from scratch). ``test_dataset``,
+    ``eval_every``, ``checkpoint_secs``, ``keep_checkpoints`` and the other options (``optimizer``, ``mode``,
+    ``steps``, ``batch_size``, ``checkpoint_every``...) as in ``Cluster.train``. ``log``: where a worker prints
+    its progress lines (the chief prints every worker's); None: silent."""
+    spec, task = from_environment()
+    if task.role == "ps":
+        return standalone.serve_run(spec, task)
+    if step_fn is None and not callable(loss_fn):
+        raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss(), or give "
+                          "step_fn=f(model, batch) -> loss")
+    plan, dataset, collate_fn = standalone.script_plan(spec, model_fn, dataset, collate_fn=options.pop(
+        "collate_fn", None), **options)
+    if not task.is_chief:
+        return standalone.join_run(spec, task.index, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
+                                   collate_fn=collate_fn, log=log)
+    check_step(build_model(model_fn, plan.seed), loss_fn, step_fn, first_batch(dataset, 2, collate_fn))
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
+    name = name or script.stem or "script"
+    runs = RunStore(store)
+    run_id = runs.create_run(name=name, cluster=spec.name, mode=plan.mode, config=plan.settings(),
+                             spec=spec.public_dict(), code=script.read_text() if script.is_file() else None)
+    directory = checkpoint_dir or Path(runs.path).parent / "checkpoints" / name
+    plan = replace(plan, run_id=run_id, checkpoint_dir=str(directory))
+    runs.record_placement(run_id, plan.variables)
+    run = Run(spec, plan, model_fn, loss_fn, runs, step_fn=step_fn, collate_fn=collate_fn,
+              test_dataset=test_dataset, eval_every=eval_every,
+              checkpoints=CheckpointCoordinator(runs, every_s=checkpoint_secs or None, keep=keep_checkpoints),
+              metrics_host=task.host, metrics_port=task.port)
+
+    def launch(supervisor: Supervisor) -> list:
+        chief = _ChiefWorker(lambda: run_worker(spec, 0, supervisor.plan, model_fn, dataset, loss_fn,
+                                                step_fn=step_fn, collate_fn=collate_fn))
+        return [chief, *(_PeerWorker(i, chief, supervisor) for i in range(1, len(spec.workers)))]
+
+    run.supervisor.start(launch)
+    try:
+        return run.wait(verbose=log is not None)
+    finally:
+        _close(spec, run.id)
+
+
+def _close(spec, run_id: int) -> None:
+    """Tell the ps tasks the run is finalized: a ps serving this one run ends."""
+    try:
+        with PSClient(spec, run_id=run_id, timeout=10.0) as client:
+            client.close_run()
+    except Exception:  # a ps gone already: nothing to end
+        pass
