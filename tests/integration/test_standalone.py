@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import zmq
@@ -60,6 +61,19 @@ def finish(processes, timeout: float = 240) -> list[dict]:
     return [json.loads(out.split("SUMMARY", 1)[1]) for out in outputs], outputs
 
 
+def live_workers(home) -> list[int]:
+    """The workers with metrics in the run store's run that is training now (none: [])."""
+    if not (home / "runs.sqlite").exists():
+        return []
+    runs = pscluster.runs(home / "runs.sqlite")
+    training = runs[runs["status"] == "training"]
+    if training.empty:
+        return []
+    with RunStore(home / "runs.sqlite") as store:
+        workers = sorted(int(w) for w in store.metrics(int(training["id"].iloc[0]))["worker"].unique())
+    return workers if len(workers) == 3 else []
+
+
 @pytest.fixture
 def estimator(tmp_path):
     script = tmp_path / "estimator.py"
@@ -79,7 +93,13 @@ def test_seed_000s_tf_config_job_trains_into_the_run_store_and_resumes_when_star
     cluster = {"ps": [f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
                "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
     secret, home = os.urandom(16).hex(), tmp_path / "home"
-    (ps, chief, *workers), outputs = finish(seed_000_job(estimator, 300, home, cluster, secret))
+    job = seed_000_job(estimator, 300, home, cluster, secret)
+    # while it trains, another process (a notebook) sees the run and its workers' metrics in the run store
+    deadline = time.monotonic() + 180
+    while not live_workers(home) and time.monotonic() < deadline and all(p.poll() is None for p in job):
+        time.sleep(0.2)
+    assert live_workers(home) == [0, 1, 2]
+    (ps, chief, *workers), outputs = finish(job)
     assert ps == {"task": 0, "role": "ps", "global_step": 300}  # the ps ended by itself, once the run was over
     # TF's chief is worker 0 and TF's workers 0 and 1 are workers 1 and 2: each pushed once per global step
     assert (chief["global_step"], chief["local_steps"]) == (300, [300, 300, 300])
