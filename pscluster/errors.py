@@ -67,6 +67,11 @@ class FencedOff(ProtocolError):
     counter = "fenced"
 
 
+class RunOver(TrainingError):
+    """The ps tasks serve a newer run than the one a request is about: its chief started it again (a script's
+    chief restarted), so a worker of the old one joins the new."""
+
+
 class StaleTask(TrainingError):
     """This task was declared lost and replaced while it did not answer: it must end (see ``FencedOff``)."""
 

@@ -17,7 +17,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..errors import ConfigError, PeerLost, ProtocolError, RuntimeTimeout, StaleTask, TrainingError
+from ..errors import ConfigError, PeerLost, ProtocolError, RunOver, RuntimeTimeout, StaleTask, TrainingError
 from ..spec import ClusterSpec
 from . import curve, protocol
 from .lanes import Lane, LaneError
@@ -186,8 +186,9 @@ class PSClient:
                     self._nonces[i] = msg.nonce
                     self._max_frame[i] = int((msg.meta or {}).get("max_frame_bytes", 0)) or 2**63
                 if msg.op is Op.ERROR:
-                    error = StaleTask if (msg.meta or {}).get("fenced") else TrainingError
-                    raise error(f"ps {i}: {(msg.meta or {}).get('error', 'error')}")
+                    meta = msg.meta or {}
+                    error = StaleTask if meta.get("fenced") else RunOver if meta.get("over") else TrainingError
+                    raise error(f"ps {i}: {meta.get('error', 'error')}")
                 replies[i] = msg
         return [replies[i] for i in sorted(replies)]
 

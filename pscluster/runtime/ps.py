@@ -382,8 +382,9 @@ class ParameterServer:
         """The run a request is about, or None after answering NOT_READY / ERROR."""
         run = self.run
         if run is None or run.run_id != msg.run_id:
-            if msg.run_id in self._past_runs:
-                self._error(identity, msg, f"run {msg.run_id} is over: ps {self.index} serves run {run.run_id}")
+            if msg.run_id in self._past_runs:  # "over": the client raises RunOver
+                self._reply(identity, msg, Op.ERROR, meta={
+                    "error": f"run {msg.run_id} is over: ps {self.index} serves run {run.run_id}", "over": True})
             else:
                 self._reply(identity, msg, Op.NOT_READY)
             return None

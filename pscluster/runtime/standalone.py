@@ -7,7 +7,8 @@
 - ``script_plan``: the run's plan, which every task derives alike from the same arguments (placement is a
   pure function of the model), so no coordinator hands it out.
 - ``join_run``: a worker other than the chief: it learns the run's id, attempt, metrics address and checkpoint
-  folder from the ps tasks once the chief has started the run there, then trains.
+  folder from the ps tasks once the chief has started the run there, then trains; a chief restarted starts a
+  new run (from the latest checkpoint), which the worker joins.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 import time
 from dataclasses import replace
 
-from ..errors import ConfigError, RuntimeTimeout
+from ..errors import ConfigError, RunOver, RuntimeTimeout
 from ..spec import ClusterSpec, TaskSpec
 from ..task_config import from_environment
 from .client import PSClient
@@ -88,23 +89,33 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer="sgd", param_
 
 def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn, *, step_fn=None,
              collate_fn=None, log=print) -> dict:
-    """Train as worker ``index`` (not the chief) in the run the chief starts on the ps tasks: its summary."""
-    run = _started_run(spec, index, plan.request_timeout)
-    plan = replace(plan, run_id=run["run_id"], attempt=run["attempt"], metrics_address=run["metrics_address"],
-                   checkpoint_dir=run["checkpoint_dir"])
-    return run_worker(spec, index, plan, model_fn, dataset, loss_fn, step_fn=step_fn, collate_fn=collate_fn,
-                      log=log)
+    """Train as worker ``index`` (not the chief) in the run the chief starts on the ps tasks: its summary. When
+    the chief starts the run again (restarted, it resumes from the latest checkpoint), this worker joins the new
+    one."""
+    over = None
+    while True:
+        run = _started_run(spec, index, plan.request_timeout, not_run=over)
+        joined = replace(plan, run_id=run["run_id"], attempt=run["attempt"], metrics_address=run["metrics_address"],
+                         checkpoint_dir=run["checkpoint_dir"])
+        try:
+            return run_worker(spec, index, joined, model_fn, dataset, loss_fn, step_fn=step_fn,
+                              collate_fn=collate_fn, log=log)
+        except RunOver:
+            over = joined.run_id
+            if log is not None:
+                log(f"run {over} was started again by its chief: joining the new one")
 
 
-def _started_run(spec: ClusterSpec, index: int, timeout: float) -> dict:
+def _started_run(spec: ClusterSpec, index: int, timeout: float, not_run: int | None = None) -> dict:
     """The run every ps holds and has not ended (its id, attempt, metrics address and checkpoint folder), once
-    the chief has started it; RuntimeTimeout after ``timeout`` s without one."""
+    the chief has started it (``not_run``: a run other than that one); RuntimeTimeout after ``timeout`` s
+    without one."""
     deadline = time.monotonic() + timeout
     with PSClient(spec, task=index, run_id=1, timeout=timeout) as client:
         while True:
             held = client.stats()
             ids = {s.get("run_id") for s in held}
-            if len(ids) == 1 and None not in ids and not any(s.get("stopped") for s in held):
+            if len(ids) == 1 and not ids & {None, not_run} and not any(s.get("stopped") for s in held):
                 return held[0]
             if time.monotonic() > deadline:
                 raise RuntimeTimeout(f"the chief started no run on the ps tasks within {timeout:.0f}s: start the "

@@ -131,6 +131,46 @@ def test_seed_000s_tf_config_job_trains_into_the_run_store_and_resumes_when_star
     assert list(pscluster.runs(home / "runs.sqlite")["status"]) == ["finished", "finished"]
 
 
+def committed_steps(home) -> list[int]:
+    """The checkpoint steps committed in the run store's training run (none yet: [])."""
+    if not (home / "runs.sqlite").exists():
+        return []
+    runs = pscluster.runs(home / "runs.sqlite")
+    training = runs[runs["status"] == "training"]
+    if training.empty:
+        return []
+    with RunStore(home / "runs.sqlite") as store:
+        events = store.events(int(training["id"].iloc[0]))
+    return [d["step"] for d in events.query("kind == 'checkpoint'")["detail"]]
+
+
+def test_a_chief_killed_and_started_again_resumes_from_the_latest_checkpoint_and_the_workers_join_it(estimator,
+                                                                                                     tmp_path):
+    cluster = {"ps": [f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
+               "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
+    secret, home = os.urandom(16).hex(), tmp_path / "home"
+    ps, chief, *workers = seed_000_job(estimator, 600, home, cluster, secret)
+    deadline = time.monotonic() + 180
+    while not committed_steps(home) and time.monotonic() < deadline and chief.poll() is None:
+        time.sleep(0.1)
+    assert committed_steps(home), "no checkpoint before the chief was to be killed"
+    chief.kill()  # SIGKILL, mid run: its supervisor dies with it
+    chief.wait(10)
+    again = start(estimator, 600, home, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "chief",
+                                                                                              "index": 0}}),
+                  PSCLUSTER_SECRET=secret)
+    (ps, chief, *workers), outputs = finish([ps, again, *workers])
+    assert ps["global_step"] == chief["global_step"] == 600
+    assert all("was started again by its chief: joining the new one" in out for out in outputs[2:])
+    with RunStore(home / "runs.sqlite") as store:
+        resumed = chief["run_id"]
+        [restored] = [d["step"] for d in store.events(resumed).query("kind == 'restored'")["detail"]]
+        assert restored >= 100 and restored % 100 == 0  # the latest committed checkpoint, never 0
+        assert store.metrics(resumed)["global_step"].min() == restored + 1
+        assert store.evaluations(resumed)["accuracy"].iloc[-1] >= 0.93
+    assert chief["local_steps"] == [600 - restored] * 3
+
+
 def test_ps_and_workers_from_pscluster_config(estimator, tmp_path):
     spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=free_port()),),
                        workers=(TaskSpec("worker", 0), TaskSpec("worker", 1)))
