@@ -61,16 +61,21 @@ def finish(processes, timeout: float = 240) -> list[dict]:
     return [json.loads(out.split("SUMMARY", 1)[1]) for out in outputs], outputs
 
 
-def live_workers(home) -> list[int]:
-    """The workers with metrics in the run store's run that is training now (none: [])."""
+def training_run(home) -> int | None:
+    """The id of the run store's run that is training now, if any."""
     if not (home / "runs.sqlite").exists():
-        return []
+        return None
     runs = pscluster.runs(home / "runs.sqlite")
     training = runs[runs["status"] == "training"]
-    if training.empty:
+    return None if training.empty else int(training["id"].iloc[0])
+
+
+def live_workers(home) -> list[int]:
+    """The workers with metrics in the run that is training now, once all three have some (else [])."""
+    if (run_id := training_run(home)) is None:
         return []
     with RunStore(home / "runs.sqlite") as store:
-        workers = sorted(int(w) for w in store.metrics(int(training["id"].iloc[0]))["worker"].unique())
+        workers = sorted(int(w) for w in store.metrics(run_id)["worker"].unique())
     return workers if len(workers) == 3 else []
 
 
@@ -132,15 +137,11 @@ def test_seed_000s_tf_config_job_trains_into_the_run_store_and_resumes_when_star
 
 
 def committed_steps(home) -> list[int]:
-    """The checkpoint steps committed in the run store's training run (none yet: [])."""
-    if not (home / "runs.sqlite").exists():
-        return []
-    runs = pscluster.runs(home / "runs.sqlite")
-    training = runs[runs["status"] == "training"]
-    if training.empty:
+    """The checkpoint steps committed in the run that is training now (none yet: [])."""
+    if (run_id := training_run(home)) is None:
         return []
     with RunStore(home / "runs.sqlite") as store:
-        events = store.events(int(training["id"].iloc[0]))
+        events = store.events(run_id)
     return [d["step"] for d in events.query("kind == 'checkpoint'")["detail"]]
 
 
