@@ -60,6 +60,13 @@ class CheckpointError(PSClusterError, RuntimeError):
     """A checkpoint is missing, damaged, or does not fit the model."""
 
 
+class OtherRun(ProtocolError):
+    """A metrics batch of another run than the collector's (a worker of a run its restarted chief replaced, still
+    sending to the same address)."""
+
+    counter = "other_run"
+
+
 class FencedOff(ProtocolError):
     """A request of a session of a worker the run declared lost (it hung, and was replaced): refused with an
     answer that ends the stale worker, so it never trains beside its replacement."""

@@ -85,10 +85,10 @@ class Supervisor:
         self.state_dict: dict[str, torch.Tensor] | None = None
         self.ended = threading.Event()
         self._workers_done: dict[str, tuple[float, dict]] = {}  # task: (when, summary) of its "done" event
-        self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port)
+        self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port, run_id=plan.run_id)
                           if metrics_port or not metrics_ports else
-                          bind_in_range(lambda p: Collector(self._on_batch, spec.key, host=metrics_host, port=p),
-                                        metrics_ports))
+                          bind_in_range(lambda p: Collector(self._on_batch, spec.key, host=metrics_host, port=p,
+                                                            run_id=plan.run_id), metrics_ports))
         self.plan = replace(plan, metrics_address=self.collector.address)
 
     @property

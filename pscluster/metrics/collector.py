@@ -23,11 +23,12 @@ class Collector:
     """Receives event batches on ``address`` and calls ``on_batch(events)`` for each."""
 
     def __init__(self, on_batch, key: bytes, host: str = "127.0.0.1", context: zmq.Context | None = None,
-                 port: int = 0):
+                 port: int = 0, run_id: int | None = None):
         """``key``: the cluster secret's bytes (``ClusterSpec.key``) the batches are signed with. ``port``: listen
-        there (the address the emitters of a run adopted from another kernel send to); 0: a free port."""
+        there (the address the emitters of a run adopted from another kernel send to); 0: a free port.
+        ``run_id``: take only that run's batches (counted as ``other_run`` otherwise); None: any run's."""
         self._on_batch = on_batch
-        self._receiver = BatchReceiver(key)
+        self._receiver = BatchReceiver(key, run_id)
         self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)

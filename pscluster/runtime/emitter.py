@@ -10,9 +10,10 @@ A batch is signed like a data-plane message (HMAC-SHA256 with the cluster secret
 
     [header, json, mac]
 
-``header`` holds a magic, the version, the emitter's random 8-byte id and the batch's sequence
+``header`` holds a magic, the version, the emitter's random 8-byte id, its run's id and the batch's sequence
 number, which grows by one per batch: ``BatchReceiver.open`` refuses an unsigned, wrongly signed, malformed
-or replayed batch (a sequence number not after the last one of its emitter).
+or replayed batch (a sequence number not after the last one of its emitter), and one of another run than
+the receiver's.
 """
 
 from __future__ import annotations
@@ -25,28 +26,30 @@ from collections import OrderedDict
 
 import zmq
 
-from ..errors import BadSignature, MalformedMessage, ReplayedMessage, UnsignedMessage
+from ..errors import BadSignature, MalformedMessage, OtherRun, ReplayedMessage, UnsignedMessage
 from .protocol import MAC_SIZE, mac, remember
 
 FLUSH_S = 0.25
 MAX_BATCH_BYTES = 16 << 20
 BATCH_FRAMES = 3  # header, JSON, signature
 MAX_EMITTERS = 4096  # emitters whose last sequence number a collector keeps
-_MAGIC, _VERSION = b"PSCM", 1
-_HEADER = struct.Struct("!4sH8sQ")
+_MAGIC, _VERSION = b"PSCM", 2
+_HEADER = struct.Struct("!4sH8sIQ")
 
 
-def sign_batch(events: list[dict], key: bytes, emitter: bytes, sequence: int) -> list[bytes]:
-    """The frames of one batch of ``events`` from ``emitter`` (8 bytes), number ``sequence``."""
-    frames = [_HEADER.pack(_MAGIC, _VERSION, emitter, sequence), json.dumps(events).encode()]
+def sign_batch(events: list[dict], key: bytes, emitter: bytes, sequence: int, run_id: int = 0) -> list[bytes]:
+    """The frames of one batch of ``events`` of run ``run_id`` from ``emitter`` (8 bytes), number ``sequence``."""
+    frames = [_HEADER.pack(_MAGIC, _VERSION, emitter, run_id, sequence), json.dumps(events).encode()]
     return [*frames, mac(key, frames)]
 
 
 class BatchReceiver:
-    """The collector's checks of signed batches; remembers each emitter's last sequence number."""
+    """The collector's checks of signed batches; remembers each emitter's last sequence number. ``run_id``:
+    the run whose batches it takes (None: any run's)."""
 
-    def __init__(self, key: bytes):
+    def __init__(self, key: bytes, run_id: int | None = None):
         self._key = key
+        self._run_id = run_id
         self._last: OrderedDict[bytes, int] = OrderedDict()
 
     def open(self, frames: list[bytes]) -> list:
@@ -57,9 +60,11 @@ class BatchReceiver:
             raise BadSignature("metrics batch with a bad signature")
         if len(frames[0]) != _HEADER.size:
             raise MalformedMessage("metrics batch with a malformed header")
-        magic, version, emitter, sequence = _HEADER.unpack(frames[0])
+        magic, version, emitter, run_id, sequence = _HEADER.unpack(frames[0])
         if (magic, version) != (_MAGIC, _VERSION):
             raise MalformedMessage(f"metrics batch of version {version}: install the same pscluster everywhere")
+        if self._run_id is not None and run_id != self._run_id:
+            raise OtherRun(f"metrics batch of run {run_id}, not of run {self._run_id}")
         if sequence <= self._last.get(emitter, -1):
             raise ReplayedMessage(f"metrics batch {sequence} of an emitter past it: sent before")
         try:
@@ -73,9 +78,12 @@ class BatchReceiver:
 class MetricsEmitter:
     """Buffers events of one task and sends them in signed batches; never blocks."""
 
-    def __init__(self, address: str | None, task: str, key: bytes, context: zmq.Context | None = None):
-        """``key``: the cluster secret's bytes (``ClusterSpec.key``), which the collector checks batches with."""
+    def __init__(self, address: str | None, task: str, key: bytes, context: zmq.Context | None = None, *,
+                 run_id: int = 0):
+        """``key``: the cluster secret's bytes (``ClusterSpec.key``), which the collector checks batches with;
+        ``run_id``: the run the events are of (its collector takes no other run's)."""
         self.task = task
+        self.run_id = run_id
         self.dropped = 0
         self._key = key
         self._id = secrets.token_bytes(8)
@@ -104,7 +112,7 @@ class MetricsEmitter:
         self._last_flush = time.monotonic()
         self._sequence += 1
         try:
-            self._sock.send_multipart(sign_batch(batch, self._key, self._id, self._sequence), zmq.NOBLOCK)
+            self._sock.send_multipart(sign_batch(batch, self._key, self._id, self._sequence, self.run_id), zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += len(batch)
 

@@ -456,7 +456,8 @@ class ParameterServer:
             self._close_run()
         self._lanes.clear()
         if cfg.metrics_address:
-            run.emitter = MetricsEmitter(cfg.metrics_address, f"ps:{self.index}", self.key, context=self._ctx)
+            run.emitter = MetricsEmitter(cfg.metrics_address, f"ps:{self.index}", self.key, context=self._ctx,
+                                         run_id=run.run_id)
         run.stopped = bool({(run.run_id, None), (run.run_id, run.attempt)} & self._stop_requested) \
             or run.step >= run.steps
         self.run = run

@@ -298,7 +298,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
     device = local_device(task)
     model = build_model(model_fn, plan.seed).to(device)
     shards = _Shards(model, plan, len(spec.ps))
-    emitter = MetricsEmitter(plan.metrics_address, f"worker:{index}", spec.key)
+    emitter = MetricsEmitter(plan.metrics_address, f"worker:{index}", spec.key, run_id=plan.run_id)
     started = time.time()
     client = PSClient(spec, task=index, run_id=plan.run_id, timeout=plan.request_timeout)
     batches = None

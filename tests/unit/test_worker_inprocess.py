@@ -446,3 +446,23 @@ def test_collector_counts_bad_batches_and_ignores_odd_ones(collector):
         push.close(linger=0)
     assert events == [{"kind": "ok"}]
     assert c.rejected == {"unsigned": 2, "bad_signature": 3, "replayed": 1, "malformed": 2}
+
+
+def test_a_runs_collector_takes_no_other_runs_events():
+    # a script's chief started again listens where its first incarnation did: the workers of the run it replaced
+    # may still send there until they join the new one
+    events = []
+    c = Collector(events.extend, KEY, run_id=8)
+    old = MetricsEmitter(c.address, "worker:1", KEY, run_id=7)
+    new = MetricsEmitter(c.address, "worker:1", KEY, run_id=8)
+    try:
+        old.emit("step", global_step=100)
+        new.emit("step", global_step=101)
+        old.flush()
+        new.flush()
+        assert wait_until(lambda: events and c.rejected, 5)
+    finally:
+        old.close()
+        new.close()
+        c.close()
+    assert [e["global_step"] for e in events] == [101] and c.rejected == {"other_run": 1}
