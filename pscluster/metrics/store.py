@@ -263,16 +263,44 @@ class RunStore:
         else:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=timeout)
-            self._db.execute("PRAGMA journal_mode=WAL")
+            self._use_wal(timeout)
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._migrate()
 
+    def _use_wal(self, timeout: float) -> None:
+        """Switch the file to WAL. On a new file that other processes open at the same moment, SQLite answers
+        "locked" without waiting for the lock: tried again until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
     def _migrate(self) -> None:
-        version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
-            with self._db:
-                self._db.executescript(f"BEGIN; {script}; PRAGMA user_version = {number}; COMMIT;")
-        if version < 5 <= len(MIGRATIONS):
+        """Bring the schema up to date, each migration in a transaction that holds the write lock from its start
+        and reads the version inside it: processes that open a new store at once (a script's chief writing it,
+        a notebook reading it) apply each migration once."""
+        found = self.schema_version
+        while True:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                version = self.schema_version
+                if version < len(MIGRATIONS):
+                    for statement in MIGRATIONS[version].split(";"):  # no migration has a ';' but between statements
+                        if statement.strip():
+                            self._db.execute(statement)
+                    self._db.execute(f"PRAGMA user_version = {version + 1}")
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            if version + 1 >= len(MIGRATIONS):
+                break
+        if found < 5 <= len(MIGRATIONS):
             self._backfill()
 
     def _backfill(self, chunk: int = 50_000) -> None:

@@ -26,6 +26,33 @@ def step(worker, local, global_, t=1.0, **extra):
             "loss": 1.0 / local, **extra}
 
 
+def open_at_once(path, n: int) -> tuple[list[int], list[Exception]]:
+    """``n`` threads open the store at ``path`` at the same moment: the schema version each saw, the errors."""
+    opened, errors, start = [], [], threading.Barrier(n)
+
+    def open_store():
+        start.wait()
+        try:
+            with RunStore(path) as store:
+                opened.append(store.schema_version)
+        except sqlite3.Error as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_store) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return opened, errors
+
+
+def test_a_new_store_opened_by_several_at_once_is_created_once(tmp_path):
+    # a script's chief creates the store while a notebook (or another task) opens it to read
+    for trial in range(20):
+        opened, errors = open_at_once(tmp_path / f"{trial}.sqlite", 6)
+        assert not errors and opened == [len(MIGRATIONS)] * 6, errors
+
+
 def test_schema_is_versioned_and_in_wal_mode(store):
     assert store.schema_version == len(MIGRATIONS)
     assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
