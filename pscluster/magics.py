@@ -12,6 +12,7 @@
     ...
     %pscluster placement        (which ps task holds each variable, or each shard, of the latest run)
     %pscluster status
+    %pscluster tensorboard      (TensorBoard on the runs' event files, shown inline; --stop ends it)
     %pscluster stop
 
 Errors are shown as one line (IPython's UsageError), never a traceback, and
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import shlex
+from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -30,10 +32,12 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from .cluster.handle import Cluster
 from .cluster.launchers import KINDS
 from .errors import ConfigError, PSClusterError
+from .metrics.store import default_path
 from .runtime.plan import BUFFER_RULES, NONFINITE
 from .runtime.steps import PRECISIONS
+from .tensorboard_server import TensorBoard
 
-USAGE = ("usage: %pscluster start|attach|train|status|placement|checkpoint|kill|scale|stop [options]  "
+USAGE = ("usage: %pscluster start|attach|train|status|placement|checkpoint|kill|scale|tensorboard|stop [options]  "
          "(%pscluster <command> --help for options)")
 LAUNCHER_OPTIONS = ("hosts", "ps_hosts", "interface", "ports", "ssh_args", "remote_python", "partition", "account",
                     "time_limit", "qos", "sbatch_args", "mpi_args")
@@ -181,13 +185,18 @@ def _parsers() -> dict[str, _Parser]:
     scale = _Parser(prog="%pscluster scale", description="add or remove workers, during a run too")
     scale.add_argument("--workers", type=int, required=True, help="the number of workers from now on (>= 1)")
 
+    tensorboard = _Parser(prog="%pscluster tensorboard",
+                          description="TensorBoard on the runs' event files, on 127.0.0.1, shown inline")
+    tensorboard.add_argument("--port", type=int, default=0, help="its port (default: a free one)")
+    tensorboard.add_argument("--stop", action="store_true", help="stop the TensorBoard this kernel started")
     return {"start": start, "train": train, "status": _Parser(prog="%pscluster status"), "scale": scale,
             "attach": attach,
             "placement": _Parser(prog="%pscluster placement",
                                  description="one line per variable or shard of the latest run: its ps task"),
             "stop": _Parser(prog="%pscluster stop"), "kill": kill,
             "checkpoint": _Parser(prog="%pscluster checkpoint",
-                                  description="write a checkpoint of the latest run now; prints its manifest")}
+                                  description="write a checkpoint of the latest run now; prints its manifest"),
+            "tensorboard": tensorboard}
 
 
 @magics_class
@@ -198,6 +207,7 @@ class PSClusterMagics(Magics):
         super().__init__(shell)
         self.cluster: Cluster | None = None
         self.last_run = None
+        self.board: TensorBoard | None = None
 
     @line_cell_magic
     def pscluster(self, line: str, cell: str | None = None):
@@ -329,6 +339,18 @@ class PSClusterMagics(Magics):
         path = self.last_run.checkpoint()
         print(f"checkpoint written: {path}")
         return None
+
+    def _tensorboard(self, args, cell):
+        if self.board is not None:
+            self.board.stop()
+            self.board = None
+        if args.stop:
+            print("TensorBoard stopped")
+            return None
+        store = self.cluster.store.path if self.cluster is not None else default_path()
+        self.board = TensorBoard(Path(store).parent / "tensorboard", port=args.port).start()
+        print(f"TensorBoard: {self.board.url} (tensorboard --logdir {self.board.logdir})")
+        return self.board
 
     def _stop(self, args, cell):
         cluster = self._running("stop")

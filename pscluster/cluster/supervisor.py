@@ -28,6 +28,7 @@ import torch
 from ..errors import TrainingError
 from ..metrics.collector import Collector
 from ..metrics.store import RunStore
+from ..metrics.tensorboard import EventWriter, run_logdir
 from ..runtime import checkpoint
 from ..runtime.client import PSClient
 from ..runtime.network import bind_in_range
@@ -85,6 +86,7 @@ class Supervisor:
         self.state_dict: dict[str, torch.Tensor] | None = None
         self.ended = threading.Event()
         self._workers_done: dict[str, tuple[float, dict]] = {}  # task: (when, summary) of its "done" event
+        self.event_files = EventWriter(run_logdir(store.path, self.name, plan.run_id))
         self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port, run_id=plan.run_id)
                           if metrics_port or not metrics_ports else
                           bind_in_range(lambda p: Collector(self._on_batch, spec.key, host=metrics_host, port=p,
@@ -106,6 +108,7 @@ class Supervisor:
     # --- the workers' metrics --------------------------------------------------------------
     def _on_batch(self, events: list[dict]) -> None:
         self.store.add_batch(self.id, events)
+        self.event_files.add_events(events)
         for event in events:
             if event.get("kind") == "step":
                 self.latest_step = max(self.latest_step, event.get("global_step", 0))
@@ -186,6 +189,7 @@ class Supervisor:
             self.finished = self.finished or time.time()
             self.store.set_status(self.id, "failed")
         finally:
+            self.event_files.close()
             self.ended.set()
 
     def _worker_ended(self, i: int) -> bool:
@@ -292,6 +296,7 @@ class Supervisor:
     def _record_evaluation(self, step: int, state: dict) -> None:
         result = self.evaluator(state)
         self.store.add_evaluation(self.id, step, result["loss"], result["accuracy"])
+        self.event_files.add_evaluation(step, result["loss"], result["accuracy"])
 
     # --- the end -----------------------------------------------------------------------------
     def _finish(self) -> None:

@@ -1,5 +1,9 @@
 """The magics on real engines: start, a train cell, bad input that loses nothing, stop."""
 
+import json
+import time
+import urllib.request
+
 import pytest
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import start_ipython
@@ -15,6 +19,14 @@ model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.L
 loss_fn = torch.nn.CrossEntropyLoss()
 dataset = pscluster.datasets.digits("train")
 """
+
+
+def wait_for(read, timeout: float = 60.0):
+    """``read()`` once it returns something (TensorBoard loads the event files after it starts)."""
+    deadline = time.monotonic() + timeout
+    while not (value := read()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return value
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +53,14 @@ def test_magic_session(ip, capsys):
     assert run.global_step == 40 and run.local_steps == [40, 40]
     out = capsys.readouterr().out
     assert "[worker:1] After 20 training steps (20 global steps), loss" in out
+    # the run's event files, through TensorBoard's own API: each worker's and each ps's charts
+    board = ip.run_line_magic("pscluster", "tensorboard")
+    assert f"TensorBoard: {board.url}" in capsys.readouterr().out
+    tags = wait_for(lambda: json.loads(urllib.request.urlopen(board.url + "data/plugin/scalars/tags").read()))
+    folder = f"{run.name}-{run.id}"
+    assert {"loss", "accuracy"} <= set(tags[f"{folder}/worker_0"]) and "lr" in tags[f"{folder}/ps_0"]
+    ip.run_line_magic("pscluster", "tensorboard --stop")
+    assert not board.running
     with pytest.raises(UsageError, match="unknown optimizer 'nope'"):
         ip.run_cell_magic("pscluster", "train --optimizer nope", TRAIN_CELL)
     with pytest.raises(UsageError, match="pipeline=True with mode='sync': use mode='async'"):

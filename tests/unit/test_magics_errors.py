@@ -50,7 +50,8 @@ def usage_error(shell, line, cell=None) -> str:
 
 @pytest.mark.parametrize("line, fragments", [
     ("", [USAGE]),
-    ("bogus", ["unknown command 'bogus'", "%pscluster start|attach|train|status|placement|checkpoint|kill|scale|stop"]),
+    ("bogus", ["unknown command 'bogus'",
+               "%pscluster start|attach|train|status|placement|checkpoint|kill|scale|tensorboard|stop"]),
     ("start --ps 0", ["ps=0", "use an integer >= 1"]),
     ("start --workers -1", ["workers=-1", "use an integer >= 1"]),
     ("start --gpus 999", ["gpus=999", "use gpus <="]),

@@ -1,0 +1,121 @@
+"""A run's events as TensorBoard event files, beside its run store: ``tensorboard/<run name>-<id>/<task>/``.
+
+One folder per task, so TensorBoard draws the workers (and the ps tasks) of a run as curves of one chart:
+
+- ``worker_<i>``: ``loss``, ``accuracy``, each of a ``step_fn``'s metrics (``metrics/<name>``) at every reported
+  step, its ``steps_per_s`` once a second, and the ``staleness`` of its applied gradients as a histogram every
+  ``HISTOGRAM_STEPS`` of its steps; all against the global step.
+- ``ps_<i>``: ``lr``, ``updates_per_s``, ``waiting_for`` (workers a sync step waits on), ``bytes_in_per_s`` and
+  ``bytes_out_per_s``, as the ps reports them.
+- ``eval``: ``loss`` and ``accuracy`` of each evaluation of the test dataset.
+
+``tensorboard --logdir <store folder>/tensorboard`` shows every run; ``%pscluster tensorboard`` starts it.
+The writer never fails a run: an event it cannot write is counted in ``errors``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+HISTOGRAM_STEPS = 100
+RATE_S = 1.0  # how often a task's rates are written
+
+
+def run_logdir(store_path: str | Path, name: str, run_id: int) -> Path:
+    """Where run ``run_id`` (named ``name``) of the run store at ``store_path`` writes its event files."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    return Path(store_path).parent / "tensorboard" / f"{safe}-{run_id}"
+
+
+class EventWriter:
+    """Writes the events of one run (the batches its collector receives, its evaluations) under ``logdir``."""
+
+    def __init__(self, logdir: str | Path):
+        self.logdir = Path(logdir)
+        self.errors = 0
+        self._writers: dict[str, object] = {}
+        self._last_rate: dict[str, tuple[float, float, dict]] = {}  # task: (time, local step, ps counters)
+        self._staleness: dict[str, list[int]] = defaultdict(list)
+        self._last_step: dict[str, int] = {}
+
+    def _writer(self, folder: str):
+        if folder not in self._writers:
+            from torch.utils.tensorboard import SummaryWriter  # tensorboard: loaded when a run first writes
+
+            self._writers[folder] = SummaryWriter(str(self.logdir / folder), flush_secs=2)
+        return self._writers[folder]
+
+    def add_events(self, events: list[dict]) -> None:
+        """The events of one batch: ``step`` (a worker's), ``ps`` (a ps task's); others are not charted."""
+        for event in events:
+            try:
+                if event.get("kind") == "step":
+                    self._step(event)
+                elif event.get("kind") == "ps":
+                    self._ps(event)
+            except Exception:  # a malformed event, a full disk: the run goes on without this point
+                self.errors += 1
+
+    def _step(self, e: dict) -> None:
+        task = str(e["task"]).replace(":", "_")
+        writer, step = self._writer(task), int(e["global_step"])
+        self._last_step[task] = step
+        for tag in ("loss", "accuracy"):
+            if e.get(tag) is not None:
+                writer.add_scalar(tag, float(e[tag]), step, walltime=e.get("time"))
+        for name, value in (e.get("metrics") or {}).items():
+            writer.add_scalar(f"metrics/{name}", float(value), step, walltime=e.get("time"))
+        if e.get("staleness") is not None:
+            self._staleness[task].append(int(e["staleness"]))
+            if len(self._staleness[task]) >= HISTOGRAM_STEPS:
+                self._histogram(task, step)
+        then = self._last_rate.get(task)
+        if then is None:
+            self._last_rate[task] = (e["time"], e["local_step"], {})
+        elif e["time"] - then[0] >= RATE_S:
+            writer.add_scalar("steps_per_s", (e["local_step"] - then[1]) / (e["time"] - then[0]), step,
+                              walltime=e["time"])
+            self._last_rate[task] = (e["time"], e["local_step"], {})
+
+    def _histogram(self, task: str, step: int) -> None:
+        import numpy as np
+
+        self._writer(task).add_histogram("staleness", np.asarray(self._staleness.pop(task)), step)
+
+    def _ps(self, e: dict) -> None:
+        task = str(e["task"]).replace(":", "_")
+        writer, step, now = self._writer(task), int(e["step"]), e["time"]
+        if e.get("lr") is not None:
+            writer.add_scalar("lr", float(e["lr"]), step, walltime=now)
+        writer.add_scalar("waiting_for", len(e.get("waiting_for") or ()), step, walltime=now)
+        counters = {k: e[k] for k in ("applied", "bytes_in", "bytes_out") if k in e}
+        then = self._last_rate.get(task)
+        if then is not None and now - then[0] >= RATE_S:
+            for name, tag in (("applied", "updates_per_s"), ("bytes_in", "bytes_in_per_s"),
+                              ("bytes_out", "bytes_out_per_s")):
+                if name in counters and name in then[2]:
+                    writer.add_scalar(tag, (counters[name] - then[2][name]) / (now - then[0]), step, walltime=now)
+        if then is None or now - then[0] >= RATE_S:
+            self._last_rate[task] = (now, 0, counters)
+
+    def add_evaluation(self, step: int, loss: float, accuracy: float | None) -> None:
+        try:
+            writer = self._writer("eval")
+            writer.add_scalar("loss", float(loss), step)
+            if accuracy is not None:
+                writer.add_scalar("accuracy", float(accuracy), step)
+        except Exception:
+            self.errors += 1
+
+    def close(self) -> None:
+        """Write what is pending (the staleness of the last steps) and close every file."""
+        for task in list(self._staleness):
+            if self._staleness[task]:
+                try:
+                    self._histogram(task, self._last_step.get(task, 0))
+                except Exception:
+                    self.errors += 1
+        for writer in self._writers.values():
+            writer.close()

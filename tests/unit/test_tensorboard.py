@@ -1,0 +1,81 @@
+"""A run's events as TensorBoard event files, read back by TensorBoard's own event reader."""
+
+import json
+import math
+import socket
+import urllib.request
+
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+from pscluster.errors import ClusterStateError
+from pscluster.metrics.tensorboard import HISTOGRAM_STEPS, EventWriter, run_logdir
+from pscluster.tensorboard_server import TensorBoard
+
+
+def read(logdir) -> EventMultiplexer:
+    every = {event_accumulator.SCALARS: 0, event_accumulator.HISTOGRAMS: 0}  # 0: keep all, not a sample
+    events = EventMultiplexer(size_guidance=every).AddRunsFromDirectory(str(logdir))
+    events.Reload()
+    return events
+
+
+def step(worker: int, i: int, **fields) -> dict:
+    return {"kind": "step", "task": f"worker:{worker}", "time": 1000.0 + i / 10, "local_step": i,
+            "global_step": 2 * i + worker, "loss": 1.0 / i, "accuracy": 0.5 + worker / 10, "staleness": i % 3,
+            **fields}
+
+
+def test_each_task_is_a_run_of_curves_against_the_global_step(tmp_path):
+    writer = EventWriter(tmp_path)
+    for i in range(1, HISTOGRAM_STEPS + 21):
+        writer.add_events([step(0, i, metrics={"auc": 0.7}), step(1, i),
+                           {"kind": "ps", "task": "ps:0", "time": 1000.0 + i / 10, "step": 2 * i, "applied": 2 * i,
+                            "bytes_in": 100 * i, "bytes_out": 50 * i, "waiting_for": [1], "lr": 0.1 / i},
+                           {"kind": "log", "task": "worker:0", "line": "not charted"}])
+    writer.add_evaluation(240, 0.25, 0.95)
+    writer.close()
+    events = read(tmp_path)
+    runs = events.Runs()
+    assert sorted(runs) == ["eval", "ps_0", "worker_0", "worker_1"]
+    assert set(runs["worker_0"]["scalars"]) == {"loss", "accuracy", "metrics/auc", "steps_per_s"}
+    loss = events.Scalars("worker_1", "loss")
+    assert [(e.step, e.value) for e in loss[:2]] == [(3, 1.0), (5, 0.5)] and len(loss) == HISTOGRAM_STEPS + 20
+    assert events.Scalars("worker_0", "steps_per_s")[0].value == pytest.approx(10.0)  # 1 local step per 0.1 s
+    assert events.Scalars("ps_0", "updates_per_s")[0].value == pytest.approx(20.0)
+    assert math.isclose(events.Scalars("ps_0", "lr")[-1].value, 0.1 / (HISTOGRAM_STEPS + 20), rel_tol=1e-6)
+    assert [(e.step, e.value) for e in events.Scalars("eval", "accuracy")] == [(240, pytest.approx(0.95))]
+    # the staleness of every applied gradient: one histogram per HISTOGRAM_STEPS steps, the rest at the end
+    histograms = events.Histograms("worker_0", "staleness")
+    assert [h.step for h in histograms] == [2 * HISTOGRAM_STEPS, 2 * (HISTOGRAM_STEPS + 20)]
+    assert histograms[0].histogram_value.num == HISTOGRAM_STEPS and histograms[1].histogram_value.num == 20
+    assert writer.errors == 0
+
+
+def test_a_malformed_event_is_counted_and_the_rest_written(tmp_path):
+    writer = EventWriter(tmp_path)
+    writer.add_events([{"kind": "step", "task": "worker:0"}, step(0, 1)])
+    writer.close()
+    assert writer.errors == 1
+    assert [e.value for e in read(tmp_path).Scalars("worker_0", "loss")] == [1.0]
+
+
+def test_a_runs_folder_is_beside_its_store_named_for_it(tmp_path):
+    assert run_logdir(tmp_path / "runs.sqlite", "lr sweep/0.1", 7) == tmp_path / "tensorboard" / "lr_sweep_0.1-7"
+
+
+def test_tensorboard_serves_the_folder_and_a_busy_port_is_a_one_line_error(tmp_path):
+    board = TensorBoard(tmp_path).start()
+    try:
+        assert json.loads(urllib.request.urlopen(board.url + "data/runs", timeout=30).read()) == []
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            with pytest.raises(ClusterStateError) as info:
+                TensorBoard(tmp_path, port=taken.getsockname()[1]).start()
+        message = str(info.value)
+        assert "\n" not in message and "already in use" in message and "pick another port with --port" in message
+    finally:
+        board.stop()
+    assert not board.running
