@@ -2,9 +2,10 @@
 
 One folder per task, so TensorBoard draws the workers (and the ps tasks) of a run as curves of one chart:
 
-- ``worker_<i>``: ``loss``, ``accuracy``, each of a ``step_fn``'s metrics (``metrics/<name>``) at every reported
-  step, its ``steps_per_s`` once a second, and the ``staleness`` of its applied gradients as a histogram every
-  ``HISTOGRAM_STEPS`` of its steps; all against the global step.
+- ``worker_<i>``: ``loss``, ``accuracy`` and each of a ``step_fn``'s metrics (``metrics/<name>``) of its steps,
+  at most one step per ``POINT_S`` (a chart has no use for more: a fast worker's every step would cost the
+  kernel a core) and its last step; its ``steps_per_s`` once a second, and the ``staleness`` of every applied
+  gradient as a histogram every ``HISTOGRAM_STEPS`` of its steps; all against the global step.
 - ``ps_<i>``: ``lr``, ``updates_per_s``, ``waiting_for`` (workers a sync step waits on), ``bytes_in_per_s`` and
   ``bytes_out_per_s``, as the ps reports them.
 - ``eval``: ``loss`` and ``accuracy`` of each evaluation of the test dataset.
@@ -15,12 +16,14 @@ The writer never fails a run: an event it cannot write is counted in ``errors``.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
 
 HISTOGRAM_STEPS = 100
 RATE_S = 1.0  # how often a task's rates are written
+POINT_S = 0.05  # the shortest time between two charted steps of a worker
 
 
 def run_logdir(store_path: str | Path, name: str, run_id: int) -> Path:
@@ -39,6 +42,8 @@ class EventWriter:
         self._last_rate: dict[str, tuple[float, float, dict]] = {}  # task: (time, local step, ps counters)
         self._staleness: dict[str, list[int]] = defaultdict(list)
         self._last_step: dict[str, int] = {}
+        self._charted_at: dict[str, float] = {}  # task: the time of its last charted step
+        self._uncharted: dict[str, dict] = {}  # task: its latest step not charted yet
 
     def _writer(self, folder: str):
         if folder not in self._writers:
@@ -62,11 +67,10 @@ class EventWriter:
         task = str(e["task"]).replace(":", "_")
         writer, step = self._writer(task), int(e["global_step"])
         self._last_step[task] = step
-        for tag in ("loss", "accuracy"):
-            if e.get(tag) is not None:
-                writer.add_scalar(tag, float(e[tag]), step, walltime=e.get("time"))
-        for name, value in (e.get("metrics") or {}).items():
-            writer.add_scalar(f"metrics/{name}", float(value), step, walltime=e.get("time"))
+        if e["time"] - self._charted_at.get(task, -math.inf) >= POINT_S:
+            self._chart(task, e)
+        else:
+            self._uncharted[task] = e
         if e.get("staleness") is not None:
             self._staleness[task].append(int(e["staleness"]))
             if len(self._staleness[task]) >= HISTOGRAM_STEPS:
@@ -78,6 +82,17 @@ class EventWriter:
             writer.add_scalar("steps_per_s", (e["local_step"] - then[1]) / (e["time"] - then[0]), step,
                               walltime=e["time"])
             self._last_rate[task] = (e["time"], e["local_step"], {})
+
+    def _chart(self, task: str, e: dict) -> None:
+        """Write the loss, accuracy and metrics of step event ``e`` of ``task``."""
+        writer, step, now = self._writer(task), int(e["global_step"]), e["time"]
+        for tag in ("loss", "accuracy"):
+            if e.get(tag) is not None:
+                writer.add_scalar(tag, float(e[tag]), step, walltime=now)
+        for name, value in (e.get("metrics") or {}).items():
+            writer.add_scalar(f"metrics/{name}", float(value), step, walltime=now)
+        self._charted_at[task] = now
+        self._uncharted.pop(task, None)
 
     def _histogram(self, task: str, step: int) -> None:
         import numpy as np
@@ -110,7 +125,13 @@ class EventWriter:
             self.errors += 1
 
     def close(self) -> None:
-        """Write what is pending (the staleness of the last steps) and close every file."""
+        """Write what is pending (each worker's last step, the staleness of its last steps) and close every
+        file."""
+        for task, event in list(self._uncharted.items()):
+            try:
+                self._chart(task, event)
+            except Exception:
+                self.errors += 1
         for task in list(self._staleness):
             if self._staleness[task]:
                 try:

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
 from pscluster.errors import ClusterStateError
-from pscluster.metrics.tensorboard import HISTOGRAM_STEPS, EventWriter, run_logdir
+from pscluster.metrics.tensorboard import HISTOGRAM_STEPS, POINT_S, EventWriter, run_logdir
 from pscluster.tensorboard_server import TensorBoard
 
 
@@ -51,6 +51,19 @@ def test_each_task_is_a_run_of_curves_against_the_global_step(tmp_path):
     assert [h.step for h in histograms] == [2 * HISTOGRAM_STEPS, 2 * (HISTOGRAM_STEPS + 20)]
     assert histograms[0].histogram_value.num == HISTOGRAM_STEPS and histograms[1].histogram_value.num == 20
     assert writer.errors == 0
+
+
+def test_a_fast_workers_steps_are_charted_at_most_one_per_point_s_and_its_last_one_always(tmp_path):
+    writer = EventWriter(tmp_path)
+    per_s = 1000  # steps per second: 20 times more than charted
+    writer.add_events([{"kind": "step", "task": "worker:0", "time": 1000.0 + i / per_s, "local_step": i,
+                        "global_step": i, "loss": 1.0 / i, "staleness": 0} for i in range(1, 1001)])
+    writer.close()
+    events = read(tmp_path)
+    steps = [e.step for e in events.Scalars("worker_0", "loss")]
+    assert steps[0] == 1 and steps[-1] == 1000 and len(steps) <= 1 / POINT_S + 2
+    assert all(b - a >= POINT_S * per_s - 1 for a, b in zip(steps[:-2], steps[1:-1]))
+    assert sum(h.histogram_value.num for h in events.Histograms("worker_0", "staleness")) == 1000  # every one
 
 
 def test_a_malformed_event_is_counted_and_the_rest_written(tmp_path):
