@@ -809,6 +809,8 @@ class _Sync:
         """The gradients ``worker`` gives each step: one, or when the step aggregates more than there are live
         workers an even share of them, the lower-numbered workers taking one more each for the remainder.
         Every ps computes the same quotas, so each answers a worker's pushes alike."""
+        if run.replicas <= run.num_workers - len(run.lost):  # the usual case, on every push: one each
+            return 1
         live, needed = run.live(), run.replicas_now()
         if needed <= len(live) or worker not in live:
             return 1
