@@ -14,7 +14,7 @@ from .spec import ClusterSpec, TaskSpec
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "clusters", "compare", "datasets",
-           "environ", "evaluate", "load_ipython_extension", "placement", "runs", "train_from_environment",
+           "environ", "evaluate", "load_ipython_extension", "open_run", "placement", "runs", "train_from_environment",
            "__version__"]
 
 
@@ -31,6 +31,10 @@ def __getattr__(name):
         from .cluster.script_run import train_from_environment
 
         return train_from_environment
+    if name == "open_run":
+        from .stored_run import open_run
+
+        return open_run
     if name == "evaluate":  # the module (evaluate(), auc()): torch, loaded on first use
         return importlib.import_module(".evaluate", __name__)
     if name == "compare":

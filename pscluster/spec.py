@@ -15,12 +15,13 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .errors import ConfigError
 
-ROLES = ("ps", "worker")
+ROLES = ("ps", "worker", "evaluator")
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """One task: a ps or a worker. Worker 0 is the chief."""
+    """One task: a ps, a worker or the evaluator (TF's side task that evaluates checkpoints). Worker 0 is the
+    chief."""
 
     role: str
     index: int
@@ -32,7 +33,7 @@ class TaskSpec:
 
     def __post_init__(self):
         if self.role not in ROLES:
-            raise ConfigError(f"unknown role {self.role!r}: use 'ps' or 'worker'")
+            raise ConfigError(f"unknown role {self.role!r}: use 'ps', 'worker' or 'evaluator'")
         if self.index < 0:
             raise ConfigError(f"task index {self.index} is negative: indices start at 0")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda:")):
@@ -55,14 +56,16 @@ class TaskSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """The whole cluster: ps tasks, worker tasks and the data-plane secret (the key every data-plane message
-    is signed with). ``encrypt``: the data plane also runs over ZeroMQ CURVE encryption."""
+    """The whole cluster: ps tasks, worker tasks, the evaluator if it has one, and the data-plane secret (the key
+    every data-plane message is signed with). ``encrypt``: the data plane also runs over ZeroMQ CURVE
+    encryption."""
 
     ps: tuple[TaskSpec, ...]
     workers: tuple[TaskSpec, ...]
     secret: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     name: str = "pscluster"
     encrypt: bool = False
+    evaluator: TaskSpec | None = None
 
     def __post_init__(self):
         if not self.ps:
@@ -72,6 +75,8 @@ class ClusterSpec:
         for role, tasks in (("ps", self.ps), ("worker", self.workers)):
             if [t.index for t in tasks] != list(range(len(tasks))) or any(t.role != role for t in tasks):
                 raise ConfigError(f"{role} tasks must be numbered 0..{len(tasks) - 1} in order")
+        if self.evaluator is not None and (self.evaluator.role, self.evaluator.index) != ("evaluator", 0):
+            raise ConfigError("a cluster has at most one evaluator task, evaluator 0")
         if not isinstance(self.encrypt, bool):
             raise ConfigError(f"encrypt={self.encrypt!r}: use True or False")
 
@@ -85,9 +90,10 @@ class ClusterSpec:
         return self.workers[0]
 
     def task(self, role: str, index: int) -> TaskSpec:
-        tasks = self.ps if role == "ps" else self.workers if role == "worker" else None
+        evaluators = (self.evaluator,) if self.evaluator else ()
+        tasks = {"ps": self.ps, "worker": self.workers, "evaluator": evaluators}.get(role)
         if tasks is None:
-            raise ConfigError(f"unknown role {role!r}: use 'ps' or 'worker'")
+            raise ConfigError(f"unknown role {role!r}: use 'ps', 'worker' or 'evaluator'")
         if not 0 <= index < len(tasks):
             raise ConfigError(f"no {role} task {index}: this cluster has {len(tasks)}")
         return tasks[index]
@@ -105,14 +111,16 @@ class ClusterSpec:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "secret": self.secret, "encrypt": self.encrypt,
-                "ps": [asdict(t) for t in self.ps], "worker": [asdict(t) for t in self.workers]}
+                "ps": [asdict(t) for t in self.ps], "worker": [asdict(t) for t in self.workers],
+                "evaluator": asdict(self.evaluator) if self.evaluator else None}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ClusterSpec":
         try:
             return cls(ps=tuple(TaskSpec(**t) for t in d["ps"]),
                        workers=tuple(TaskSpec(**t) for t in d["worker"]),
-                       secret=d["secret"], name=d.get("name", "pscluster"), encrypt=d.get("encrypt", False))
+                       secret=d["secret"], name=d.get("name", "pscluster"), encrypt=d.get("encrypt", False),
+                       evaluator=TaskSpec(**d["evaluator"]) if d.get("evaluator") else None)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"not a ClusterSpec ({e}): expected keys name, secret, ps, worker") from None
 

@@ -14,8 +14,9 @@
   ``worker`` i worker i + 1. Without a ``chief``, TF's worker 0 is the chief, as in TF 1.x.
 - The chief's port is where it receives every task's metric events (it runs the run's supervisor); the other
   workers' ports are not used: nothing connects to them.
-- ``evaluator`` (TF's side task that evaluates checkpoints) may be listed; a process started as one is told
-  that pscluster has no evaluator task yet.
+- ``evaluator`` (TF's ``train_and_evaluate`` side task, at most one): it evaluates each checkpoint the run
+  commits on the test dataset while training goes on, into the run store and TensorBoard; the chief then
+  leaves evaluation to it. Its port is not used.
 
 TF_CONFIG carries no secret: every data-plane message is signed with the key in ``PSCLUSTER_SECRET`` (hex, at
 least 16 bytes) or in the file ``PSCLUSTER_SECRET_FILE`` names, the same in every task's environment.
@@ -69,8 +70,9 @@ def cluster_from_tf_config(text: str) -> tuple[ClusterSpec, TaskSpec]:
         raise ConfigError(f"{environ.TF_CONFIG} names the job {unknown[0]!r}: pscluster's jobs are "
                           f"{', '.join(JOBS)}")
     addresses = {job: _addresses(job, cluster.get(job, [])) for job in JOBS}
-    if len(addresses["chief"]) > 1:
-        raise ConfigError(f"{environ.TF_CONFIG} lists {len(addresses['chief'])} chiefs: a cluster has one")
+    for job in ("chief", "evaluator"):
+        if len(addresses[job]) > 1:
+            raise ConfigError(f"{environ.TF_CONFIG} lists {len(addresses[job])} {job} tasks: a cluster has one")
     if not addresses["ps"]:
         raise ConfigError(f"{environ.TF_CONFIG} lists no ps task: add \"ps\": [\"host:port\"] to its cluster")
     if not addresses["chief"] and not addresses["worker"]:
@@ -78,7 +80,8 @@ def cluster_from_tf_config(text: str) -> tuple[ClusterSpec, TaskSpec]:
     ps = tuple(TaskSpec("ps", i, host=host, port=port) for i, (host, port) in enumerate(addresses["ps"]))
     workers = tuple(TaskSpec("worker", i, host=host, port=port if i == 0 else 0)
                     for i, (host, port) in enumerate(addresses["chief"] + addresses["worker"]))
-    spec = ClusterSpec(ps=ps, workers=workers, secret=_secret(), name="tf_config")
+    evaluator = TaskSpec("evaluator", 0, host=addresses["evaluator"][0][0]) if addresses["evaluator"] else None
+    spec = ClusterSpec(ps=ps, workers=workers, secret=_secret(), name="tf_config", evaluator=evaluator)
     return spec, _task(spec, config.get("task"), has_chief=bool(addresses["chief"]))
 
 
@@ -103,15 +106,13 @@ def _task(spec: ClusterSpec, task, *, has_chief: bool) -> TaskSpec:
     job, index = task["type"], task.get("index", 0)
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ConfigError(f"{environ.TF_CONFIG}'s task index {index!r}: give an integer >= 0")
-    if job == "evaluator":
-        raise ConfigError(f"{environ.TF_CONFIG}'s task is an evaluator, and pscluster has no evaluator task yet: "
-                          "give the chief test_dataset= (it evaluates the trained parameters)")
-    if job == "chief":
-        if not has_chief or index != 0:
-            raise ConfigError(f"{environ.TF_CONFIG}'s task is chief {index}, and its cluster lists "
-                              f"{'one chief (index 0)' if has_chief else 'no chief'}: add \"chief\": "
-                              "[\"host:port\"] to the cluster, or make this task a worker")
-        return spec.chief
+    if job in ("chief", "evaluator"):
+        listed = has_chief if job == "chief" else spec.evaluator is not None
+        if not listed or index != 0:
+            raise ConfigError(f"{environ.TF_CONFIG}'s task is {job} {index}, and its cluster lists "
+                              f"{f'one {job} (index 0)' if listed else f'no {job}'}: add \"{job}\": "
+                              "[\"host:port\"] to the cluster" + (", or make this task a worker" * (job == "chief")))
+        return spec.chief if job == "chief" else spec.evaluator
     count = len(spec.ps) if job == "ps" else len(spec.workers) - has_chief
     if index >= count:
         raise ConfigError(f"{environ.TF_CONFIG}'s task is {job} {index}, and its cluster lists {count} {job} "

@@ -11,6 +11,8 @@ with TF's Estimator and ``MonitoredTrainingSession``. The cluster and this proce
   the whole job started again resumes where it stopped. It returns the ``Run``.
 - Any other worker learns the run from the ps tasks once the chief has started it there, trains, and returns
   its summary (``runtime.standalone.join_run``).
+- The evaluator, when the cluster lists one, evaluates ``test_dataset`` on each checkpoint the run commits
+  (``script_evaluator``); the chief then evaluates nothing itself.
 
 The workers of a script are processes the user (or a scheduler) starts: nobody here can replace a lost one,
 so a lost task fails the run, and starting the job again resumes it from its latest checkpoint.
@@ -36,6 +38,7 @@ from ..runtime.worker import build_model, run_worker
 from ..task_config import from_environment
 from .checkpoint_commits import CheckpointCoordinator
 from .run import Run
+from .script_evaluator import evaluate_checkpoints
 from .supervisor import Supervisor
 
 PEER_END_S = 10.0  # how long after the chief's end a worker's summary may still arrive
@@ -93,13 +96,15 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
                            keep_checkpoints: int = 5, log=print, **options):
     """Run this process's task of the cluster in ``TF_CONFIG`` / ``PSCLUSTER_CONFIG``: the chief returns the
     ``Run`` (as ``Cluster.train(...).wait()`` does), another worker its summary, a ps task
-    ``{"task", "role": "ps", "global_step"}``. Every task is given the same arguments.
+    ``{"task", "role": "ps", "global_step"}``, the evaluator ``{"task", "role": "evaluator", "run_id",
+    "evaluated": [steps]}``. Every task is given the same arguments.
 
     ``name``: the run's name in the run store (default: the script's file name, e.g. ``estimator``);
     ``store``: the run store (default ``$PSCLUSTER_HOME/runs.sqlite``). ``checkpoint_dir`` (default
     ``checkpoints/<name>`` beside the run store): where the ps tasks write their shards, and where the chief
-    looks for the latest checkpoint to start from (``restore=False``: start from scratch). ``test_dataset``,
-    ``eval_every``, ``checkpoint_secs``, ``keep_checkpoints`` and the other options (``optimizer``, ``mode``,
+    looks for the latest checkpoint to start from (``restore=False``: start from scratch). ``test_dataset``: what
+    the evaluator task evaluates each checkpoint on, or without one the chief every ``eval_every`` global steps
+    and at the end; ``checkpoint_secs``, ``keep_checkpoints`` and the other options (``optimizer``, ``mode``,
     ``steps``, ``batch_size``, ``checkpoint_every``...) as in ``Cluster.train``. ``log``: where a worker prints
     its progress lines (the chief prints every worker's); None: silent."""
     spec, task = from_environment()
@@ -110,6 +115,9 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
                           "step_fn=f(model, batch) -> loss")
     plan, dataset, collate_fn = standalone.script_plan(spec, model_fn, dataset, collate_fn=options.pop(
         "collate_fn", None), **options)
+    if task.role == "evaluator":
+        return evaluate_checkpoints(spec, plan, model_fn, test_dataset, loss_fn, step_fn=step_fn,
+                                    collate_fn=collate_fn, store=store, log=log)
     if not task.is_chief:
         return standalone.join_run(spec, task.index, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
                                    collate_fn=collate_fn, log=log)
@@ -123,7 +131,7 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     plan = replace(plan, run_id=run_id, checkpoint_dir=str(directory))
     runs.record_placement(run_id, plan.variables)
     run = Run(spec, plan, model_fn, loss_fn, runs, step_fn=step_fn, collate_fn=collate_fn,
-              test_dataset=test_dataset, eval_every=eval_every,
+              test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every,
               checkpoints=CheckpointCoordinator(runs, every_s=checkpoint_secs or None, keep=keep_checkpoints),
               metrics_host=task.host, metrics_port=task.port)
 

@@ -7,8 +7,8 @@
 - ``script_plan``: the run's plan, which every task derives alike from the same arguments (placement is a
   pure function of the model), so no coordinator hands it out.
 - ``join_run``: a worker other than the chief: it learns the run's id, attempt, metrics address and checkpoint
-  folder from the ps tasks once the chief has started the run there, then trains; a chief restarted starts a
-  new run (from the latest checkpoint), which the worker joins.
+  folder from the ps tasks (``started_run``) once the chief has started the run there, then trains; a chief
+  restarted starts a new run (from the latest checkpoint), which the worker joins.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .client import PSClient
 from .data import training_input
 from .optim import OptimizerSpec, check
 from .plan import TrainPlan
+from .protocol import NO_TASK
 from .ps import ParameterServer
 from .worker import build_model, run_worker
 
@@ -94,7 +95,7 @@ def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, 
     one."""
     over = None
     while True:
-        run = _started_run(spec, index, plan.request_timeout, not_run=over)
+        run = started_run(spec, plan.request_timeout, task=index, not_run=over)
         joined = replace(plan, run_id=run["run_id"], attempt=run["attempt"], metrics_address=run["metrics_address"],
                          checkpoint_dir=run["checkpoint_dir"])
         try:
@@ -106,12 +107,12 @@ def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, 
                 log(f"run {over} was started again by its chief: joining the new one")
 
 
-def _started_run(spec: ClusterSpec, index: int, timeout: float, not_run: int | None = None) -> dict:
+def started_run(spec: ClusterSpec, timeout: float, *, task: int = NO_TASK, not_run: int | None = None) -> dict:
     """The run every ps holds and has not ended (its id, attempt, metrics address and checkpoint folder), once
-    the chief has started it (``not_run``: a run other than that one); RuntimeTimeout after ``timeout`` s
-    without one."""
+    the chief has started it (``not_run``: a run other than that one), asked as worker ``task`` (default: as
+    no worker); RuntimeTimeout after ``timeout`` s without one."""
     deadline = time.monotonic() + timeout
-    with PSClient(spec, task=index, run_id=1, timeout=timeout) as client:
+    with PSClient(spec, task=task, run_id=1, timeout=timeout) as client:
         while True:
             held = client.stats()
             ids = {s.get("run_id") for s in held}

@@ -12,8 +12,11 @@ import time
 import pytest
 import zmq
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 import pscluster
 from pscluster.metrics.store import RunStore
+from pscluster.widgets.dashboard import Dashboard
 from pscluster.spec import ClusterSpec, TaskSpec
 
 pytestmark = pytest.mark.integration
@@ -87,24 +90,43 @@ def estimator(tmp_path):
 
 
 def seed_000_job(script, steps: int, home, cluster: dict, secret: str):
-    """Seed 000's four terminals: a ps, the chief and two workers."""
+    """Seed 000's four terminals: a ps, the chief and two workers (and the evaluator when ``cluster`` lists
+    one, last)."""
     def task(job, index):
         tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
         return start(script, steps, home, TF_CONFIG=tf_config, PSCLUSTER_SECRET=secret)
-    return [task("ps", 0), task("chief", 0), task("worker", 0), task("worker", 1)]
+    return [task("ps", 0), task("chief", 0), task("worker", 0), task("worker", 1),
+            *([task("evaluator", 0)] if "evaluator" in cluster else [])]
+
+
+def live_dashboard(home) -> dict[str, list]:
+    """What a notebook's dashboard of the script's run shows while it trains: the convergence chart's loss
+    curves by name, read once every worker has metrics (else {})."""
+    if not live_workers(home):
+        return {}
+    run = pscluster.open_run("estimator", store=home / "runs.sqlite")
+    dashboard = Dashboard(run.store.path, run.id)
+    try:
+        dashboard.refresh()
+        assert not dashboard.final and dashboard.error is None
+        return {trace["name"]: list(trace["y"]) for trace in dashboard.panels["convergence"].spec().traces
+                if trace.get("yaxis") == "y" and trace["name"] in ("worker 0", "worker 1", "worker 2")}
+    finally:
+        dashboard.stop()
 
 
 def test_seed_000s_tf_config_job_trains_into_the_run_store_and_resumes_when_started_again(estimator, tmp_path):
     cluster = {"ps": [f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
-               "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
+               "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"],
+               "evaluator": [f"localhost:{free_port()}"]}
     secret, home = os.urandom(16).hex(), tmp_path / "home"
     job = seed_000_job(estimator, 300, home, cluster, secret)
-    # while it trains, another process (a notebook) sees the run and its workers' metrics in the run store
+    # while it trains, another process (a notebook) sees the run, and its dashboard every worker's loss
     deadline = time.monotonic() + 180
-    while not live_workers(home) and time.monotonic() < deadline and all(p.poll() is None for p in job):
+    while not (shown := live_dashboard(home)) and time.monotonic() < deadline and all(p.poll() is None for p in job):
         time.sleep(0.2)
-    assert live_workers(home) == [0, 1, 2]
-    (ps, chief, *workers), outputs = finish(job)
+    assert len(shown) == 3 and all(shown.values()), shown
+    (ps, chief, *workers, evaluator), outputs = finish(job)
     assert ps == {"task": 0, "role": "ps", "global_step": 300}  # the ps ended by itself, once the run was over
     # TF's chief is worker 0 and TF's workers 0 and 1 are workers 1 and 2: each pushed once per global step
     assert (chief["global_step"], chief["local_steps"]) == (300, [300, 300, 300])
@@ -114,26 +136,38 @@ def test_seed_000s_tf_config_job_trains_into_the_run_store_and_resumes_when_star
 
     runs = pscluster.runs(home / "runs.sqlite")
     assert list(runs["name"]) == ["estimator"] and list(runs["status"]) == ["finished"]
+    # the evaluator evaluated each checkpoint as it was committed, and the chief evaluated nothing itself
+    assert evaluator == {"task": 0, "role": "evaluator", "run_id": chief["run_id"], "evaluated": [100, 200, 300]}
+    assert "[evaluator] global step 300: loss" in outputs[4]
     with RunStore(home / "runs.sqlite") as store:
         run_id = chief["run_id"]
         assert sorted(store.metrics(run_id)["worker"].unique()) == [0, 1, 2]
         evaluations = store.evaluations(run_id)
-        assert evaluations["global_step"].iloc[-1] == 300 and evaluations["accuracy"].iloc[-1] >= 0.93
+        assert list(evaluations["global_step"]) == [100, 200, 300] and evaluations["accuracy"].iloc[-1] >= 0.93
         checkpoints = store.events(run_id).query("kind == 'checkpoint'")
         assert [d["step"] for d in checkpoints["detail"]] == [100, 200, 300]
         assert "checkpoints/estimator" in checkpoints["detail"].iloc[-1]["path"]
+    assert_evaluator_charts(home, "estimator", run_id, [100, 200, 300])
 
     # the whole job started again, to 400 steps: it goes on from the latest checkpoint, as
     # MonitoredTrainingSession does, never from 0
-    (ps, chief, *workers), _ = finish(seed_000_job(estimator, 400, home, cluster, secret))
+    (ps, chief, *workers, evaluator), _ = finish(seed_000_job(estimator, 400, home, cluster, secret))
     assert ps["global_step"] == 400 and chief["global_step"] == 400
     assert chief["local_steps"] == [100, 100, 100]
+    assert evaluator["evaluated"] == [400]  # not the earlier run's checkpoints in the same folder
     with RunStore(home / "runs.sqlite") as store:
         resumed = chief["run_id"]
         assert store.metrics(resumed)["global_step"].min() == 301
         assert [d["step"] for d in store.events(resumed).query("kind == 'restored'")["detail"]] == [300]
         assert store.evaluations(resumed)["accuracy"].iloc[-1] >= 0.93
     assert list(pscluster.runs(home / "runs.sqlite")["status"]) == ["finished", "finished"]
+
+
+def assert_evaluator_charts(home, name: str, run_id: int, steps: list[int]) -> None:
+    """TensorBoard's own reader finds the evaluator's accuracy at each of ``steps`` in the run's eval folder."""
+    accumulator = EventAccumulator(str(home / "tensorboard" / f"{name}-{run_id}" / "eval"))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("accuracy")] == steps
 
 
 def committed_steps(home) -> list[int]:

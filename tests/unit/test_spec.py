@@ -76,7 +76,7 @@ def test_config_for_and_from_environment(spec, monkeypatch, role, index):
 
 
 @pytest.mark.parametrize("role, index, fragments", [
-    ("chief", 0, ["unknown role 'chief'", "use 'ps' or 'worker'"]),
+    ("chief", 0, ["unknown role 'chief'", "use 'ps', 'worker' or 'evaluator'"]),
     ("worker", 3, ["no worker task 3", "this cluster has 3"]),
     ("ps", -1, ["no ps task -1"]),
 ])
@@ -95,7 +95,7 @@ def test_config_for_unknown_task(spec, role, index, fragments):
      ["worker tasks must be numbered 0..1"]),
     (lambda: ClusterSpec(ps=(TaskSpec("ps", 0),), workers=(TaskSpec("ps", 0),)),
      ["worker tasks must be numbered"]),
-    (lambda: TaskSpec("chief", 0), ["unknown role 'chief'", "use 'ps' or 'worker'"]),
+    (lambda: TaskSpec("chief", 0), ["unknown role 'chief'", "use 'ps', 'worker' or 'evaluator'"]),
     (lambda: TaskSpec("ps", -1), ["negative", "start at 0"]),
     (lambda: TaskSpec("worker", 0, device="gpu:0"), ["device 'gpu:0'", "use 'cpu' or 'cuda:<n>'"]),
 ], ids=["no-ps", "no-worker", "ps-misnumbered", "workers-out-of-order", "role-in-wrong-list", "bad-role",

@@ -5,8 +5,10 @@ import threading
 
 import pytest
 
+from pscluster.errors import ConfigError, RuntimeTimeout
 from pscluster.metrics.store import MIGRATIONS, RunStore, default_path, placement_frame
 from pscluster.runtime.plan import VariableSpec
+from pscluster.stored_run import open_run
 from pscluster.widgets.figures import placement_lines
 
 
@@ -207,3 +209,23 @@ def test_a_reader_in_a_loop_never_makes_the_writer_fail(store):
         thread.join(10)
     assert not errors and reads[0] > 0
     assert len(store.metrics(run)) == 300
+
+
+def test_open_run_finds_a_run_by_id_by_name_or_the_newest_and_names_the_fix_otherwise(store):
+    first, second, third = new_run(store, name="estimator"), new_run(store, name="estimator"), new_run(store)
+    store.add_batch(second, [step(0, 1, 1), step(1, 1, 1)])
+    store.add_evaluation(second, 1, 0.5, 0.9)
+    assert open_run(first, store=store).name == "estimator"
+    by_name = open_run("estimator", store=store.path)  # its newest run of that name
+    assert by_name.id == second and by_name.status == "starting" and by_name.summary() is None
+    assert sorted(by_name.metrics()["worker"]) == [0, 1] and list(by_name.evaluations()["accuracy"]) == [0.9]
+    assert open_run(store=store).id == third
+    with pytest.raises(RuntimeTimeout, match="still starting"):
+        by_name.wait(timeout=0.1)
+    store.set_status(second, "finished", {"global_step": 1})
+    assert by_name.wait(timeout=5).summary() == {"global_step": 1}
+    with pytest.raises(ConfigError, match=r"^no run 'estimatr' in the run store .*\(its newest: run-3, estimator\): "
+                                          r"see pscluster.runs\(\)$"):
+        open_run("estimatr", store=store)
+    with pytest.raises(ConfigError, match="give a run id, a run name or nothing"):
+        open_run(2.5, store=store)

@@ -57,6 +57,16 @@ def test_without_a_chief_worker_0_is_the_chief_as_in_tf_1(monkeypatch):
     assert len(spec.workers) == 2 and task.is_chief
 
 
+def test_an_evaluator_is_a_task_of_its_own_that_trains_nothing(monkeypatch):
+    tf_config(monkeypatch, cluster={**SEED_000, "evaluator": ["localhost:2225"]}, task={"type": "evaluator"})
+    spec, task = from_environment()
+    assert task == spec.evaluator and task.name == "/job:evaluator/task:0"
+    assert len(spec.workers) == 3 and spec.task("evaluator", 0) is task
+    assert ClusterSpec.from_json(spec.to_json()) == spec  # PSCLUSTER_CONFIG carries it as well
+    tf_config(monkeypatch, task={"type": "chief", "index": 0})
+    assert from_environment()[0].evaluator is None
+
+
 def test_pscluster_config_comes_first_and_needs_no_secret_variable(monkeypatch):
     tf_config(monkeypatch, secret=None)
     spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=5000),), workers=(TaskSpec("worker", 0), TaskSpec("worker", 1)))
@@ -91,14 +101,17 @@ def test_a_weak_or_garbled_secret_is_refused(monkeypatch, secret):
     (SEED_000, {"type": "worker", "index": 2}, ["worker 2", "lists 2 worker task(s)", "counts from 0"]),
     (SEED_000, {"type": "master", "index": 0}, ["must name this process's job", "ps, chief, worker, evaluator"]),
     (SEED_000, {"type": "worker", "index": -1}, ["task index -1", "integer >= 0"]),
-    (SEED_000, {"type": "evaluator", "index": 0}, ["no evaluator task yet"]),
+    (SEED_000, {"type": "evaluator", "index": 0}, ["evaluator 0", "no evaluator", 'add "evaluator"']),
+    ({**SEED_000, "evaluator": ["h:5"]}, {"type": "evaluator", "index": 1}, ["evaluator 1", "one evaluator"]),
     ({**SEED_000, "master": ["h:1"]}, None, ["names the job 'master'", "ps, chief, worker, evaluator"]),
     ({"ps": "localhost:2221", "worker": ["h:2"]}, None, ["the ps job must be a list", "localhost:2222"]),
     ({"ps": ["localhost"], "worker": ["h:2"]}, None, ["ps address 'localhost' is not host:port"]),
     ({"ps": [], "worker": ["h:2"]}, None, ["no ps task"]),
     ({"ps": ["h:1"]}, None, ["no chief and no worker"]),
-    ({**SEED_000, "chief": ["h:1", "h:2"]}, None, ["2 chiefs"]),
-], ids=["chief-1", "no-chief-listed", "worker-out-of-range", "unknown-type", "negative-index", "evaluator",
+    ({**SEED_000, "chief": ["h:1", "h:2"]}, None, ["2 chief tasks"]),
+    ({**SEED_000, "evaluator": ["h:1", "h:2"]}, None, ["2 evaluator tasks"]),
+], ids=["chief-1", "no-chief-listed", "worker-out-of-range", "unknown-type", "negative-index", "no-evaluator-listed",
+        "evaluator-1", "two-evaluators",
         "unknown-job", "job-not-a-list", "no-port", "no-ps", "no-worker", "two-chiefs"])
 def test_mistakes_in_tf_config(monkeypatch, cluster, task, fragments):
     tf_config(monkeypatch, cluster=cluster, task=task)
