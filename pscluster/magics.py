@@ -4,7 +4,7 @@
     %pscluster start --launcher ssh --hosts node1,node2=2 --ps-hosts node1 --interface 10.0.0.1 --ports 20000-20100
     %pscluster start --launcher slurm --partition gpu --account proj --time-limit 01:00:00 --sbatch-arg=--nodes=2
     %pscluster start --launcher mpi --mpi-arg=--hostfile --mpi-arg=hosts.txt --interface 10.0.0.1
-    %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1 [--wait]
+    %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1 [--wait] [--name N --resume]
     model = ...; loss_fn = ...; dataset = ...; test_dataset = ... (optional)
     %%pscluster train --step-fn step --opt weight_decay=0.01 --max-grad-norm 1.0 [--reuse]
     model = ...; dataset = ...; def step(model, batch): ... return loss, {"metric": value}
@@ -175,6 +175,9 @@ def _parsers() -> dict[str, _Parser]:
     train.add_argument("--checkpoint-dir", default=None,
                        help="where checkpoints go; the run starts from the latest one there (default: "
                             "checkpoints/run-<id> next to the run store)")
+    train.add_argument("--resume", action="store_const", const="latest", default=None,
+                       help="continue the newest earlier run of the same --name from its latest checkpoint "
+                            "(none yet: from scratch)")
 
     kill = _Parser(prog="%pscluster kill", description="SIGKILL one task, to try a failure: the run recovers")
     kill.add_argument("task", help="role:index, e.g. worker:1 or ps:0")
@@ -298,7 +301,7 @@ class PSClusterMagics(Magics):
                             test_dataset=test_dataset, staleness_bound=args.staleness_bound,
                             placement=args.placement, partition=dict(args.partition) or None,
                             pipeline=args.pipeline, checkpoint_every=args.checkpoint_every,
-                            checkpoint_dir=args.checkpoint_dir, **kwargs)
+                            checkpoint_dir=args.checkpoint_dir, resume=args.resume, **kwargs)
         self.last_run = run
         run.dashboard()
         if args.wait:

@@ -31,7 +31,7 @@ from ..runtime.plan import TrainPlan, describe_variables
 from ..runtime.steps import check_step
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec, TaskSpec
-from . import reaper, registry, scaling
+from . import reaper, registry, run_records, scaling
 from .checkpoint_commits import CheckpointCoordinator
 from .engines import EngineSet
 from . import launchers
@@ -281,7 +281,8 @@ class Cluster:
               placement="round_robin", partition: dict | None = None, staleness_bound: int = 2,
               checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
               checkpoint_secs: float | None = 600.0, keep_checkpoints: int = 5, restore: bool = True,
-              shared_memory: bool = True, pipeline: bool = False, buffers: str = "chief",
+              resume: str | int | None = None, shared_memory: bool = True, pipeline: bool = False,
+              buffers: str = "chief",
               max_grad_norm: float | None = None, on_nonfinite: str = "fail", precision: str = "fp32",
               collate_fn=None, loader_workers: int = 0, prefetch_factor: int | None = None, pin_memory: bool = False,
               **optimizer_kwargs) -> Run:
@@ -346,8 +347,10 @@ class Cluster:
         ``checkpoints/run-<id>`` next to the run store) every ``checkpoint_every`` global steps and every
         ``checkpoint_secs`` seconds (either 0 / None: off), on ``run.checkpoint()`` and at the end; the
         newest ``keep_checkpoints`` are kept. With ``restore``, the chief starts from the latest checkpoint
-        in ``checkpoint_dir`` when there is one. Lost workers and ps tasks are replaced during the run: a
-        lost ps rolls every ps back to the latest checkpoint.
+        in ``checkpoint_dir`` when there is one. ``resume="latest"`` continues the newest earlier run of the same
+        ``name`` (``resume=<run id>``: that run): its checkpoint folder becomes this run's, so training goes on
+        from its latest checkpoint (no earlier run of that name: from scratch). Lost workers and ps tasks are
+        replaced during the run: a lost ps rolls every ps back to the latest checkpoint.
         """
         spec = self._require_running("train")
         if self.active_run is not None:
@@ -383,11 +386,11 @@ class Cluster:
         check_step(model, loss_fn, step_fn, first_batch(dataset, 2, collate_fn))
         payload = ship(model_fn, dataset, loss_fn, step_fn, collate_fn)
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
-        run_id = self.store.create_run(name=name, cluster=self.name, mode=mode, config=run_plan.settings(),
-                                       spec=spec.public_dict(), code=code or _source(model_fn))
-        directory = checkpoint_dir or Path(self.store.path).parent / "checkpoints" / f"run-{run_id}"
-        run_plan = replace(run_plan, run_id=run_id, checkpoint_dir=str(directory))
-        self.store.record_placement(run_id, run_plan.variables)
+        run_plan, resumed = run_records.create_run(
+            self.store, run_plan, name=name, cluster=self.name, spec=spec.public_dict(), code=code or _source(model_fn),
+            checkpoint_dir=checkpoint_dir, resume=resume,
+            default_dir=lambda run_id: Path(self.store.path).parent / "checkpoints" / f"run-{run_id}")
+        run_id = run_plan.run_id
         self._ship_to_ps(optim.shipped(optimizer_spec))
         run = Run(spec, run_plan, model_fn, loss_fn, self.store, step_fn=step_fn, collate_fn=collate_fn,
                   test_dataset=test_dataset,
@@ -396,6 +399,10 @@ class Cluster:
                   metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports)
         if self.detached:
             registry.write_payload(self.name, run_id, payload)  # for replacement workers after an attach
+        if resume is not None:
+            run.supervisor.note("resuming", "controller",
+                                {"run": resumed.run_id, "checkpoint_dir": resumed.checkpoint_dir} if resumed else
+                                {"run": None, "from": "scratch: no earlier run of this name"})
         run.supervisor.start(lambda supervisor: [self.launch_worker(spec, t.index, supervisor) for t in spec.workers])
         self.runs.append(run)
         self.record()

@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError, TrainingError
@@ -36,6 +35,7 @@ from ..runtime.data import first_batch
 from ..runtime.steps import check_step
 from ..runtime.worker import build_model, run_worker
 from ..task_config import from_environment
+from . import run_records
 from .checkpoint_commits import CheckpointCoordinator
 from .run import Run
 from .script_evaluator import evaluate_checkpoints
@@ -125,11 +125,10 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
     name = name or script.stem or "script"
     runs = RunStore(store)
-    run_id = runs.create_run(name=name, cluster=spec.name, mode=plan.mode, config=plan.settings(),
-                             spec=spec.public_dict(), code=script.read_text() if script.is_file() else None)
-    directory = checkpoint_dir or Path(runs.path).parent / "checkpoints" / name
-    plan = replace(plan, run_id=run_id, checkpoint_dir=str(directory))
-    runs.record_placement(run_id, plan.variables)
+    plan, _ = run_records.create_run(runs, plan, name=name, cluster=spec.name, spec=spec.public_dict(),
+                                     code=script.read_text() if script.is_file() else None,
+                                     checkpoint_dir=checkpoint_dir,
+                                     default_dir=lambda _: Path(runs.path).parent / "checkpoints" / name)
     run = Run(spec, plan, model_fn, loss_fn, runs, step_fn=step_fn, collate_fn=collate_fn,
               test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every,
               checkpoints=CheckpointCoordinator(runs, every_s=checkpoint_secs or None, keep=keep_checkpoints),

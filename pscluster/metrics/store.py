@@ -344,6 +344,11 @@ class RunStore:
             self._db.execute("UPDATE runs SET name = ? WHERE id = ?", (name or f"run-{run_id}", run_id))
         return run_id
 
+    def set_config(self, run_id: int, config: dict) -> None:
+        """The run's settings, once all are known (its checkpoint folder may name its id)."""
+        with self._lock, self._db:
+            self._db.execute("UPDATE runs SET config = ? WHERE id = ?", (json.dumps(config), run_id))
+
     def set_spec(self, run_id: int, spec: dict) -> None:
         """The run's cluster now (tasks replaced, workers added or removed), without its secret."""
         with self._lock, self._db:

@@ -53,6 +53,11 @@ def test_magic_session(ip, capsys):
     assert run.global_step == 40 and run.local_steps == [40, 40]
     out = capsys.readouterr().out
     assert "[worker:1] After 20 training steps (20 global steps), loss" in out
+    # the cell again with --resume: it goes on from the first run's final checkpoint, to 60 global steps
+    resumed = ip.run_cell_magic("pscluster", f"train --mode sync --steps 60 --batch-size 32 --lr 0.1 --name {run.name} "
+                                "--resume --wait", TRAIN_CELL)
+    assert resumed.global_step == 60 and resumed.local_steps == [20, 20]
+    assert resumed.events().query("kind == 'restored'")["detail"].tolist()[0]["step"] == 40
     # the run's event files, through TensorBoard's own API: each worker's and each ps's charts
     board = ip.run_line_magic("pscluster", "tensorboard")
     assert f"TensorBoard: {board.url}" in capsys.readouterr().out

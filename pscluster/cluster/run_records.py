@@ -1,0 +1,70 @@
+"""A new run in the run store, for a notebook's ``Cluster.train`` and a script's chief alike: its row, its
+checkpoint folder and the plan that names both. ``resume`` continues an earlier run from its checkpoint folder,
+as TF's ``MonitoredTrainingSession`` does when it is given the same ``checkpoint_dir`` again:
+
+- ``resume="latest"``: the newest earlier run of the same ``name``; none yet: the run starts from scratch
+  (so a notebook cell with it runs the same the first time and every time after);
+- ``resume=<run id>``: that run, whatever its name.
+
+The run then writes its checkpoints into that folder too, and its chief starts from the latest one there.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..metrics.store import RunStore
+from ..runtime.plan import TrainPlan
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The earlier run a new one continues: its id and its checkpoint folder."""
+
+    run_id: int
+    checkpoint_dir: str
+
+
+def create_run(store: RunStore, plan: TrainPlan, *, name: str | None, cluster: str, spec: dict, code: str | None,
+               default_dir: Callable[[int], Path], checkpoint_dir=None,
+               resume: str | int | None = None) -> tuple[TrainPlan, Resumed | None]:
+    """``plan`` as run ``run_id`` of ``store`` (recorded with its settings and placement) and the run it resumes.
+    Its checkpoint folder: ``checkpoint_dir``, else the resumed run's, else ``default_dir(run_id)``."""
+    resumed = _resumed(store, name, resume, checkpoint_dir, plan.restore, default_dir)
+    run_id = store.create_run(name=name, cluster=cluster, mode=plan.mode, config=plan.settings(), spec=spec,
+                              code=code)
+    directory = checkpoint_dir or (resumed.checkpoint_dir if resumed else default_dir(run_id))
+    plan = replace(plan, run_id=run_id, checkpoint_dir=str(directory))
+    store.set_config(run_id, plan.settings())
+    store.record_placement(run_id, plan.variables)
+    return plan, resumed
+
+
+def _resumed(store: RunStore, name, resume, checkpoint_dir, restore: bool, default_dir) -> Resumed | None:
+    if resume is None or resume is False:
+        return None
+    if checkpoint_dir is not None:
+        raise ConfigError("give resume= or checkpoint_dir=, not both: resume continues in the earlier run's "
+                          "checkpoint folder")
+    if not restore:
+        raise ConfigError("resume= starts from the earlier run's latest checkpoint: drop restore=False")
+    if resume == "latest":
+        if not name:
+            raise ConfigError("resume='latest' continues the newest earlier run of the same name: give name=...")
+        runs = store.runs()
+        earlier = runs[runs["name"] == name]
+        if earlier.empty:
+            return None
+        run_id = int(earlier["id"].iloc[0])
+    elif isinstance(resume, numbers.Integral) and not isinstance(resume, bool):
+        run_id = int(resume)
+        if store.run(run_id) is None:
+            raise ConfigError(f"resume={run_id}: the run store {store.path} has no run {run_id}: see pscluster.runs()")
+    else:
+        raise ConfigError(f"resume={resume!r}: give 'latest' (the newest run of the same name) or a run id")
+    config = store.run(run_id)["config"] or {}
+    return Resumed(run_id, str(config.get("checkpoint_dir") or default_dir(run_id)))

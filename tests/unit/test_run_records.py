@@ -1,0 +1,61 @@
+"""A new run's row, checkpoint folder and plan (``cluster.run_records``): ``resume`` finds the earlier run and
+its folder in a real run store, and every contradiction is a one-line error before anything is recorded."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from pscluster.cluster.run_records import create_run
+from pscluster.errors import ConfigError
+from pscluster.metrics.store import RunStore
+from pscluster.runtime.optim import OptimizerSpec
+from pscluster.runtime.plan import TrainPlan
+
+
+@pytest.fixture
+def store(tmp_path):
+    with RunStore(tmp_path / "runs.sqlite") as s:
+        yield s
+
+
+@pytest.fixture
+def plan():
+    return TrainPlan.for_model(torch.nn.Linear(4, 2), OptimizerSpec("sgd", {"lr": 0.1}), num_ps=2, run_id=1,
+                               mode="sync", steps=10, batch_size=8, restore=True)
+
+
+def new(store, plan, **kw):
+    kw.setdefault("default_dir", lambda run_id: Path(store.path).parent / f"run-{run_id}")
+    return create_run(store, plan, cluster="c", spec={"ps": [], "worker": []}, code=None, **kw)
+
+
+def test_a_run_records_its_folder_and_a_resumed_one_writes_into_the_same(store, plan, tmp_path):
+    first, resumed = new(store, plan, name="mnist", resume="latest")
+    assert resumed is None and first.checkpoint_dir == str(tmp_path / f"run-{first.run_id}")
+    assert store.run(first.run_id)["config"]["checkpoint_dir"] == first.checkpoint_dir
+    assert len(store.placement(first.run_id)) == 2
+    new(store, plan, name="other")
+    second, resumed = new(store, plan, name="mnist", resume="latest")
+    assert (resumed.run_id, resumed.checkpoint_dir) == (first.run_id, first.checkpoint_dir)
+    assert second.checkpoint_dir == first.checkpoint_dir and second.run_id > first.run_id
+    third, resumed = new(store, plan, name="renamed", resume=first.run_id)
+    assert resumed.run_id == first.run_id and third.checkpoint_dir == first.checkpoint_dir
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(name=None, resume="latest"), "give name="),
+    (dict(name="a", resume="newest"), "give .latest. \\(the newest run of the same name\\) or a run id"),
+    (dict(name="a", resume=99), "has no run 99"),
+    (dict(name="a", resume="latest", checkpoint_dir="/x"), "resume= or checkpoint_dir=, not both"),
+], ids=["no-name", "unknown-word", "no-such-run", "both"])
+def test_contradictions_are_one_line_errors_that_record_nothing(store, plan, kw, fragment):
+    with pytest.raises(ConfigError, match=fragment) as info:
+        new(store, plan, **kw)
+    assert "\n" not in str(info.value) and store.runs().empty
+
+
+def test_resume_with_restore_off_is_refused(store, plan):
+    with pytest.raises(ConfigError, match="drop restore=False"):
+        new(store, replace(plan, restore=False), name="a", resume="latest")
