@@ -7,6 +7,9 @@ as TF's ``MonitoredTrainingSession`` does when it is given the same ``checkpoint
 - ``resume=<run id>``: that run, whatever its name.
 
 The run then writes its checkpoints into that folder too, and its chief starts from the latest one there.
+
+``end_orphans``: a script's chief started again (after a kill, or the whole job) marks the runs it takes over
+(not ended, same checkpoint folder: their chief is gone) ``failed``, naming the run that continues them.
 """
 
 from __future__ import annotations
@@ -68,3 +71,19 @@ def _resumed(store: RunStore, name, resume, checkpoint_dir, restore: bool, defau
         raise ConfigError(f"resume={resume!r}: give 'latest' (the newest run of the same name) or a run id")
     config = store.run(run_id)["config"] or {}
     return Resumed(run_id, str(config.get("checkpoint_dir") or default_dir(run_id)))
+
+
+def end_orphans(store: RunStore, plan: TrainPlan) -> list[int]:
+    """Mark ``failed`` every other run of ``store`` that has not ended and writes into ``plan``'s checkpoint
+    folder: two live runs never share one, so their chief is gone and run ``plan.run_id`` continues them.
+    Their ids."""
+    runs = store.runs()
+    ended = []
+    for run_id in runs[runs["status"].isin(("starting", "training"))]["id"]:
+        config = store.run(int(run_id))["config"] or {}
+        if int(run_id) != plan.run_id and config.get("checkpoint_dir") == plan.checkpoint_dir:
+            error = f"its chief was lost: run {plan.run_id} continues it from its latest checkpoint"
+            store.set_status(int(run_id), "failed")
+            store.add_event(int(run_id), "controller", "end", {"status": "failed", "error": error})
+            ended.append(int(run_id))
+    return ended

@@ -8,7 +8,8 @@ with TF's Estimator and ``MonitoredTrainingSession``. The cluster and this proce
   ``run.dashboard()`` in a notebook see it while it trains), every task's metric events come to its collector
   (on the chief's address and port as the config lists them), it commits the checkpoints the ps tasks write,
   evaluates ``test_dataset``, and starts from the latest checkpoint in ``checkpoint_dir`` when there is one:
-  the whole job started again resumes where it stopped. It returns the ``Run``.
+  the whole job started again resumes where it stopped (the run it continues, whose chief died, is marked
+  ``failed``). It returns the ``Run``.
 - Any other worker learns the run from the ps tasks once the chief has started it there, trains, and returns
   its summary (``runtime.standalone.join_run``).
 - The evaluator, when the cluster lists one, evaluates ``test_dataset`` on each checkpoint the run commits
@@ -129,6 +130,7 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
                                      code=script.read_text() if script.is_file() else None,
                                      checkpoint_dir=checkpoint_dir,
                                      default_dir=lambda _: Path(runs.path).parent / "checkpoints" / name)
+    run_records.end_orphans(runs, plan)
     run = Run(spec, plan, model_fn, loss_fn, runs, step_fn=step_fn, collate_fn=collate_fn,
               test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every,
               checkpoints=CheckpointCoordinator(runs, every_s=checkpoint_secs or None, keep=keep_checkpoints),

@@ -203,6 +203,11 @@ def test_a_chief_killed_and_started_again_resumes_from_the_latest_checkpoint_and
         assert restored >= 100 and restored % 100 == 0  # the latest committed checkpoint, never 0
         assert store.metrics(resumed)["global_step"].min() == restored + 1
         assert store.evaluations(resumed)["accuracy"].iloc[-1] >= 0.93
+        # the killed chief's run does not stay "training": the chief started again ended it
+        [killed] = [int(i) for i in store.runs()["id"] if i != resumed]
+        assert store.run(killed)["status"] == "failed"
+        assert store.events(killed).query("kind == 'end'")["detail"].tolist() == [
+            {"status": "failed", "error": f"its chief was lost: run {resumed} continues it from its latest checkpoint"}]
     assert chief["local_steps"] == [600 - restored] * 3
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pscluster.cluster.run_records import create_run
+from pscluster.cluster.run_records import create_run, end_orphans
 from pscluster.errors import ConfigError
 from pscluster.metrics.store import RunStore
 from pscluster.runtime.optim import OptimizerSpec
@@ -59,3 +59,17 @@ def test_contradictions_are_one_line_errors_that_record_nothing(store, plan, kw,
 def test_resume_with_restore_off_is_refused(store, plan):
     with pytest.raises(ConfigError, match="drop restore=False"):
         new(store, replace(plan, restore=False), name="a", resume="latest")
+
+
+def test_a_chief_started_again_ends_the_unended_runs_of_its_folder_only(store, plan):
+    done, _ = new(store, plan, name="job", default_dir=lambda _: "/ckpt/job")
+    killed, _ = new(store, plan, name="job", default_dir=lambda _: "/ckpt/job")
+    elsewhere, _ = new(store, plan, name="other", default_dir=lambda _: "/ckpt/other")
+    store.set_status(done.run_id, "finished")
+    for p in (killed, elsewhere):
+        store.set_status(p.run_id, "training")
+    again, _ = new(store, plan, name="job", default_dir=lambda _: "/ckpt/job")
+    assert end_orphans(store, again) == [killed.run_id]
+    assert [store.run(p.run_id)["status"] for p in (done, killed, elsewhere, again)] == [
+        "finished", "failed", "training", "starting"]
+    assert f"run {again.run_id} continues it" in store.events(killed.run_id)["detail"].iloc[-1]["error"]
