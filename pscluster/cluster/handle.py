@@ -383,7 +383,8 @@ class Cluster:
                                        buffers=buffers, max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite,
                                        precision=precision, loader=loader)
         optim.check(model, optimizer_spec, steps=steps)
-        check_step(model, loss_fn, step_fn, first_batch(dataset, 2, collate_fn))
+        example_batch = first_batch(dataset, 2, collate_fn)
+        check_step(model, loss_fn, step_fn, example_batch)
         payload = ship(model_fn, dataset, loss_fn, step_fn, collate_fn)
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
         run_plan, resumed = run_records.create_run(
@@ -393,10 +394,9 @@ class Cluster:
         run_id = run_plan.run_id
         self._ship_to_ps(optim.shipped(optimizer_spec))
         run = Run(spec, run_plan, model_fn, loss_fn, self.store, step_fn=step_fn, collate_fn=collate_fn,
-                  test_dataset=test_dataset,
-                  eval_every=eval_every,
-                  tasks=self, checkpoints=checkpoints, payload=payload,
-                  metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports)
+                  test_dataset=test_dataset, eval_every=eval_every, tasks=self, checkpoints=checkpoints,
+                  payload=payload, metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports,
+                  example_batch=example_batch)
         if self.detached:
             registry.write_payload(self.name, run_id, payload)  # for replacement workers after an attach
         if resume is not None:

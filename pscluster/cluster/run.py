@@ -24,6 +24,7 @@ from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.evaluation import evaluate
 from ..runtime.plan import TrainPlan
+from ..runtime.steps import traceable_inputs
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
 from . import recovery
@@ -38,14 +39,15 @@ class Run:
     Its ``supervisor`` follows the workers, evaluates the model on ``test_dataset``
     every ``eval_every`` global steps (into the run store), commits the checkpoints the ps tasks write,
     replaces lost tasks (with ``tasks``, the cluster; see ``recovery``), and finalizes the run when the
-    workers end. The rest of the arguments are the supervisor's.
+    workers end. ``example_batch``: a batch of the dataset, on which the model's graph is traced for
+    TensorBoard. The rest of the arguments are the supervisor's.
     """
 
     def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore, *, step_fn=None,
                  collate_fn=None, test_dataset=None, eval_every: int | None = None,
                  tasks: recovery.Tasks | None = None, checkpoints: CheckpointCoordinator | None = None,
                  payload: bytes = b"", metrics_port: int = 0, metrics_host: str = "127.0.0.1",
-                 metrics_ports: tuple[int, int] | None = None):
+                 metrics_ports: tuple[int, int] | None = None, example_batch=None):
         self.store = store
         self._model_fn = model_fn
         self._loss_fn = loss_fn
@@ -59,6 +61,10 @@ class Run:
                                      metrics_port=metrics_port, metrics_host=metrics_host,
                                      metrics_ports=metrics_ports)
         self.name = self.supervisor.name
+        inputs = traceable_inputs(example_batch, step_fn)
+        if inputs is not None:  # traced beside the run's start, which it must not delay
+            threading.Thread(target=self.supervisor.event_files.add_graph, name="pscluster-graph", daemon=True,
+                             args=(build_model(model_fn, plan.seed), inputs)).start()
 
     @classmethod
     def adopt(cls, spec: ClusterSpec, plan: TrainPlan, store: RunStore, worker_results, *, tasks: recovery.Tasks,

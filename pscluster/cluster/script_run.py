@@ -122,7 +122,8 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     if not task.is_chief:
         return standalone.join_run(spec, task.index, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
                                    collate_fn=collate_fn, log=log)
-    check_step(build_model(model_fn, plan.seed), loss_fn, step_fn, first_batch(dataset, 2, collate_fn))
+    example_batch = first_batch(dataset, 2, collate_fn)
+    check_step(build_model(model_fn, plan.seed), loss_fn, step_fn, example_batch)
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
     name = name or script.stem or "script"
     runs = RunStore(store)
@@ -134,7 +135,7 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     run = Run(spec, plan, model_fn, loss_fn, runs, step_fn=step_fn, collate_fn=collate_fn,
               test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every,
               checkpoints=CheckpointCoordinator(runs, every_s=checkpoint_secs or None, keep=keep_checkpoints),
-              metrics_host=task.host, metrics_port=task.port)
+              metrics_host=task.host, metrics_port=task.port, example_batch=example_batch)
 
     def launch(supervisor: Supervisor) -> list:
         chief = _ChiefWorker(lambda: run_worker(spec, 0, supervisor.plan, model_fn, dataset, loss_fn,

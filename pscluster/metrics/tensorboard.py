@@ -9,6 +9,7 @@ One folder per task, so TensorBoard draws the workers (and the ps tasks) of a ru
 - ``ps_<i>``: ``lr``, ``updates_per_s``, ``waiting_for`` (workers a sync step waits on), ``bytes_in_per_s`` and
   ``bytes_out_per_s``, as the ps reports them.
 - ``eval``: ``loss`` and ``accuracy`` of each evaluation of the test dataset.
+- the model's graph, in ``worker_0``, where torch can trace it (``add_graph``).
 
 ``tensorboard --logdir <store folder>/tensorboard`` shows every run; ``%pscluster tensorboard`` starts it.
 The writer never fails a run: an event it cannot write is counted in ``errors``.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import math
 import re
+import threading
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,6 +42,7 @@ class EventWriter:
         self.logdir = Path(logdir)
         self.errors = 0
         self._writers: dict[str, object] = {}
+        self._opening = threading.Lock()
         self._last_rate: dict[str, tuple[float, float, dict]] = {}  # task: (time, local step, ps counters)
         self._staleness: dict[str, list[int]] = defaultdict(list)
         self._last_step: dict[str, int] = {}
@@ -46,11 +50,12 @@ class EventWriter:
         self._uncharted: dict[str, dict] = {}  # task: its latest step not charted yet
 
     def _writer(self, folder: str):
-        if folder not in self._writers:
-            from torch.utils.tensorboard import SummaryWriter  # tensorboard: loaded when a run first writes
+        with self._opening:  # the collector's thread and the graph's may open a folder at once
+            if folder not in self._writers:
+                from torch.utils.tensorboard import SummaryWriter  # tensorboard: loaded when a run first writes
 
-            self._writers[folder] = SummaryWriter(str(self.logdir / folder), flush_secs=2)
-        return self._writers[folder]
+                self._writers[folder] = SummaryWriter(str(self.logdir / folder), flush_secs=2)
+            return self._writers[folder]
 
     def add_events(self, events: list[dict]) -> None:
         """The events of one batch: ``step`` (a worker's), ``ps`` (a ps task's); others are not charted."""
@@ -123,6 +128,25 @@ class EventWriter:
                 writer.add_scalar("accuracy", float(accuracy), step)
         except Exception:
             self.errors += 1
+
+    def add_graph(self, model, inputs: tuple) -> bool:
+        """The model's graph (TensorBoard's Graphs tab), traced by ``torch.jit.trace`` on ``inputs``, in the
+        chief's folder; whether it was written. A model torch cannot trace is left out (counted in ``errors``)
+        without a word: the user asked for training, not for a trace."""
+        import torch
+
+        try:
+            with warnings.catch_warnings():
+                # a trace's doubts about data-dependent branches concern the graph only; the filter is
+                # process-wide while it lasts, which costs other threads nothing but these warnings
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace's, which add_graph uses
+                torch.jit.trace(model, inputs, strict=False, check_trace=False)  # raises; add_graph would print
+                self._writer("worker_0").add_graph(model, inputs)
+            return True
+        except Exception:
+            self.errors += 1
+            return False
 
     def close(self) -> None:
         """Write what is pending (each worker's last step, the staleness of its last steps) and close every

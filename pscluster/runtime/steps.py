@@ -81,6 +81,19 @@ def call_model(model: torch.nn.Module, inputs):
     return model(inputs)
 
 
+def traceable_inputs(batch, step_fn) -> tuple[torch.Tensor, ...] | None:
+    """The positional tensors the default step calls the model with on ``batch`` (what ``torch.jit.trace``
+    takes), or None: a ``step_fn`` calls the model its own way, and keyword or nested inputs do not trace."""
+    if step_fn is not None or not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        return None
+    inputs = batch[0]
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,)
+    if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(t, torch.Tensor) for t in inputs):
+        return tuple(inputs)
+    return None
+
+
 def forward(model: torch.nn.Module, loss_fn, step_fn, batch) -> tuple:
     """(loss, output, target, metrics) of one batch by the default step or ``step_fn`` (see the module)."""
     if step_fn is not None:

@@ -64,6 +64,10 @@ def test_magic_session(ip, capsys):
     tags = wait_for(lambda: json.loads(urllib.request.urlopen(board.url + "data/plugin/scalars/tags").read()))
     folder = f"{run.name}-{run.id}"
     assert {"loss", "accuracy"} <= set(tags[f"{folder}/worker_0"]) and "lr" in tags[f"{folder}/ps_0"]
+    # and the model's graph, traced on a batch of the dataset, in the chief's folder
+    graphs = wait_for(lambda: json.loads(urllib.request.urlopen(board.url + "data/plugin/graphs/info").read()).get(
+        f"{folder}/worker_0"))
+    assert graphs["run_graph"] is True
     ip.run_line_magic("pscluster", "tensorboard --stop")
     assert not board.running
     with pytest.raises(UsageError, match="unknown optimizer 'nope'"):

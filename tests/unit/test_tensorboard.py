@@ -6,11 +6,13 @@ import socket
 import urllib.request
 
 import pytest
+import torch
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
 from pscluster.errors import ClusterStateError
 from pscluster.metrics.tensorboard import HISTOGRAM_STEPS, POINT_S, EventWriter, run_logdir
+from pscluster.runtime.steps import traceable_inputs
 from pscluster.tensorboard_server import TensorBoard
 
 
@@ -92,3 +94,37 @@ def test_tensorboard_serves_the_folder_and_a_busy_port_is_a_one_line_error(tmp_p
     finally:
         board.stop()
     assert not board.running
+
+
+class Residual(torch.nn.Module):
+    """A model people train: conv, BatchNorm, a skip connection, two inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4 * 8 * 8 + 3, 10)
+
+    def forward(self, image, extra):
+        x = torch.relu(self.norm(self.conv(image))) + image
+        return self.head(torch.cat([x.flatten(1), extra], dim=1))
+
+
+class Untraceable(torch.nn.Module):
+    def forward(self, x):
+        return {"logits": x, "count": len(x.shape)}  # a dict with a plain int: torch.jit.trace refuses it
+
+
+def test_the_model_graph_is_traced_on_a_batch_of_the_dataset_where_torch_can(tmp_path):
+    batch = ((torch.randn(2, 1, 8, 8), torch.randn(2, 3)), torch.tensor([1, 2]))
+    writer = EventWriter(tmp_path)
+    assert writer.add_graph(Residual(), traceable_inputs(batch, None))
+    assert not writer.add_graph(Untraceable(), (torch.randn(2, 3),)) and writer.errors == 1
+    writer.close()
+    graph = read(tmp_path).Graph("worker_0")
+    ops = {node.op for node in graph.node}
+    assert {"aten::_convolution", "aten::batch_norm", "aten::linear"} <= ops, ops
+    # what the default step cannot hand to torch.jit.trace: a step_fn's batch, keyword inputs
+    assert traceable_inputs(batch, step_fn=lambda model, b: 0) is None
+    assert traceable_inputs(({"x": torch.ones(1)}, torch.ones(1)), None) is None
+    assert traceable_inputs((torch.ones(2, 3), torch.ones(2)), None)[0].shape == (2, 3)
