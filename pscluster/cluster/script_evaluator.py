@@ -6,8 +6,9 @@ It learns the run (id, checkpoint folder) from the ps tasks once the chief has s
 first, evaluates each checkpoint the run commits (not those of earlier runs in the same folder): into the run store
 (``run.evaluations()``, the dashboard's convergence chart) and into TensorBoard's ``eval`` folder of the run,
 one line each on ``log``. A checkpoint pruned before its turn is passed over. It ends once it has evaluated
-the run's last step, or the ps tasks end or stop answering (after one last look for new checkpoints). A chief
-started again starts a new run from the latest checkpoint; the evaluator follows it there.
+the run's last step, or the run is closed, or the ps tasks stay silent for ``GONE_S`` (after one last look for
+new checkpoints). A chief started again starts a new run from the latest checkpoint; the evaluator follows it
+there, and through a lost ps's recovery.
 
 The checkpoints are read where the ps tasks write them and the evaluations written into the chief's run
 store: run the evaluator where both are (the chief's machine, or a shared filesystem), as TF's evaluator
@@ -30,6 +31,7 @@ from ..spec import ClusterSpec
 
 POLL_S = 0.5  # how often the checkpoint folder and the ps tasks are looked at
 STATS_TIMEOUT_S = 5.0  # a ps that does not answer a poll within this is taken as gone
+GONE_S = 60.0  # the ps tasks silent this long: the run is over (a lost ps is started again sooner)
 
 
 def evaluate_checkpoints(spec: ClusterSpec, plan: TrainPlan, model_fn, test_dataset, loss_fn, *, step_fn=None,
@@ -43,6 +45,7 @@ def evaluate_checkpoints(spec: ClusterSpec, plan: TrainPlan, model_fn, test_data
     model = build_model(model_fn, plan.seed)
     evaluated: list[int] = []
     seen = -1  # the newest checkpoint step looked at, evaluated or passed over
+    answered = time.monotonic()  # when the ps tasks last answered
     run = standalone.started_run(spec, plan.request_timeout)
     writer = _open_run(runs, run)
     try:
@@ -60,10 +63,17 @@ def evaluate_checkpoints(spec: ClusterSpec, plan: TrainPlan, model_fn, test_data
                         log(f"[evaluator] global step {step}: loss {result['loss']:.4f}"
                             + (f", accuracy {result['accuracy']:.4f}" if result["accuracy"] is not None else ""))
             held = _held(spec)
-            if held is None or (all(s.get("stopped") for s in held) and seen >= max(s.get("step", 0) for s in held)):
-                if held is None and max(checkpoint.committed_steps(run["checkpoint_dir"]), default=-1) > seen:
-                    continue  # the final checkpoint was committed as the ps tasks ended: evaluate it first
+            if held is not None:
+                answered = time.monotonic()
+            if time.monotonic() - answered > GONE_S or held is not None and (
+                    any(s.get("finalized") for s in held)
+                    or all(s.get("stopped") for s in held) and seen >= max(s.get("step", 0) for s in held)):
+                if max(checkpoint.committed_steps(run["checkpoint_dir"]), default=-1) > seen:
+                    continue  # the final checkpoint was committed as the run ended: evaluate it first
                 break
+            if held is None:  # a ps lost, and perhaps started again: the run goes on from its next attempt
+                time.sleep(POLL_S)
+                continue
             ids = {s.get("run_id") for s in held}
             if len(ids) == 1 and None not in ids and ids != {run["run_id"]}:  # the chief started a new run
                 writer.close()

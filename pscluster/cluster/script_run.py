@@ -15,20 +15,19 @@ with TF's Estimator and ``MonitoredTrainingSession``. The cluster and this proce
 - The evaluator, when the cluster lists one, evaluates ``test_dataset`` on each checkpoint the run commits
   (``script_evaluator``); the chief then evaluates nothing itself.
 
-The workers of a script are processes the user (or a scheduler) starts: nobody here can replace a lost one,
-so a lost task fails the run, and starting the job again resumes it from its latest checkpoint.
+The tasks of a script are processes the user (or a scheduler) starts, which nothing here can start again
+(``script_tasks``): a ps lost and started again (same config) is recovered as a notebook's lost ps is, from
+the newest state there is, and the workers rejoin the run's next attempt; a ps not started again fails the
+run, and starting the job again resumes it from its latest checkpoint.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
-from concurrent.futures import Future
 from pathlib import Path
 
-from ..errors import ConfigError, TrainingError
+from ..errors import ConfigError
 from ..metrics.store import RunStore
 from ..runtime import standalone
 from ..runtime.client import PSClient
@@ -40,56 +39,7 @@ from . import run_records
 from .checkpoint_commits import CheckpointCoordinator
 from .run import Run
 from .script_evaluator import evaluate_checkpoints
-from .supervisor import Supervisor
-
-PEER_END_S = 10.0  # how long after the chief's end a worker's summary may still arrive
-
-
-class _ChiefWorker:
-    """The chief's own worker, in a thread of this process, as the supervisor follows a worker (ipyparallel's
-    ``ready``, ``successful``, ``get``)."""
-
-    def __init__(self, train):
-        self._result: Future = Future()
-        self.ended_at: float | None = None
-        threading.Thread(target=self._run, args=(train,), name="pscluster-chief", daemon=True).start()
-
-    def _run(self, train) -> None:
-        try:
-            self._result.set_result(train())
-        except BaseException as e:  # noqa: BLE001 - the supervisor reports it as the run's error
-            self._result.set_exception(e)
-        self.ended_at = time.monotonic()
-
-    def ready(self) -> bool:
-        return self._result.done()
-
-    def successful(self) -> bool:
-        return self._result.done() and self._result.exception() is None
-
-    def get(self, timeout: float | None = None):
-        return self._result.result(timeout)
-
-
-class _PeerWorker:
-    """A worker in a process of its own: the supervisor follows it by its "done" event. Once the chief has
-    ended ``PEER_END_S`` ago without that event, it counts as failed."""
-
-    def __init__(self, index: int, chief: _ChiefWorker, supervisor: Supervisor):
-        self.index, self._chief, self._supervisor = index, chief, supervisor
-
-    def ready(self) -> bool:
-        ended = self._chief.ended_at
-        return (not self._supervisor.reported(self.index) and ended is not None
-                and time.monotonic() - ended > PEER_END_S)
-
-    def successful(self) -> bool:
-        return False
-
-    def get(self, timeout: float | None = None):
-        raise TrainingError(f"worker {self.index} sent no summary within {PEER_END_S:.0f}s of the chief's end: "
-                            "see its own output")
-
+from .script_tasks import ScriptTasks
 
 def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, name: str | None = None,
                            store: str | os.PathLike | None = None, test_dataset=None, eval_every: int | None = None,
@@ -132,17 +82,13 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
                                      checkpoint_dir=checkpoint_dir,
                                      default_dir=lambda _: Path(runs.path).parent / "checkpoints" / name)
     run_records.end_orphans(runs, plan)
+    tasks = ScriptTasks(lambda plan, join: run_worker(spec, 0, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
+                                                      collate_fn=collate_fn, join=join))
     run = Run(spec, plan, model_fn, loss_fn, runs, step_fn=step_fn, collate_fn=collate_fn,
-              test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every,
+              test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every, tasks=tasks,
               checkpoints=CheckpointCoordinator(runs, every_s=checkpoint_secs or None, keep=keep_checkpoints),
               metrics_host=task.host, metrics_port=task.port, example_batch=example_batch)
-
-    def launch(supervisor: Supervisor) -> list:
-        chief = _ChiefWorker(lambda: run_worker(spec, 0, supervisor.plan, model_fn, dataset, loss_fn,
-                                                step_fn=step_fn, collate_fn=collate_fn))
-        return [chief, *(_PeerWorker(i, chief, supervisor) for i in range(1, len(spec.workers)))]
-
-    run.supervisor.start(launch)
+    run.supervisor.start(lambda supervisor: [tasks.launch_worker(spec, t.index, supervisor) for t in spec.workers])
     try:
         return run.wait(verbose=log is not None)
     finally:

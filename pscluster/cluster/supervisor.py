@@ -86,6 +86,7 @@ class Supervisor:
         self.state_dict: dict[str, torch.Tensor] | None = None
         self.ended = threading.Event()
         self._workers_done: dict[str, tuple[float, dict]] = {}  # task: (when, summary) of its "done" event
+        self._workers_left: dict[str, tuple] = {}  # task: (attempt, error) of its "left" event (it failed)
         self.event_files = EventWriter(run_logdir(store.path, self.name, plan.run_id))
         self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port, run_id=plan.run_id)
                           if metrics_port or not metrics_ports else
@@ -112,9 +113,11 @@ class Supervisor:
         for event in events:
             if event.get("kind") == "step":
                 self.latest_step = max(self.latest_step, event.get("global_step", 0))
-            elif event.get("kind") == "done":
-                summary = {k: v for k, v in event.items() if k not in ("kind", "task", "time")}
+            elif event.get("kind") == "done" and event.get("attempt", self.plan.attempt) == self.plan.attempt:
+                summary = {k: v for k, v in event.items() if k not in ("kind", "task", "time", "attempt")}
                 self._workers_done[event.get("task")] = (time.monotonic(), summary)
+            elif event.get("kind") == "left":
+                self._workers_left[event.get("task")] = (event.get("attempt"), str(event.get("error")))
             elif event.get("kind") == "log":
                 self._log(f"[{event['task']}] {event['line']}")
 
@@ -204,7 +207,12 @@ class Supervisor:
         """Whether worker ``i`` has sent its "done" event (its summary) in the current attempt."""
         return f"worker:{i}" in self._workers_done
 
-    def _reported_summary(self, i: int) -> dict:
+    def left(self, i: int) -> str | None:
+        """Why worker ``i`` failed out of the current attempt (its "left" event), or None."""
+        attempt, error = self._workers_left.get(f"worker:{i}", (None, None))
+        return error if attempt == self.plan.attempt else None
+
+    def reported_summary(self, i: int) -> dict:
         """Worker ``i``'s summary as its "done" event reported it (JSON: staleness by string keys)."""
         summary = dict(self._workers_done[f"worker:{i}"][1], task=i)
         summary["staleness"] = {int(k): n for k, n in (summary.get("staleness") or {}).items()}
@@ -303,7 +311,7 @@ class Supervisor:
         errors, tracebacks, results = [], [], []
         for i, ar in enumerate(self.worker_results):
             try:
-                results.append(ar.get(0) if ar.ready() else self._reported_summary(i))
+                results.append(ar.get(0) if ar.ready() else self.reported_summary(i))
             except Exception as e:  # a RemoteError: its one-line form, and the whole remote traceback
                 errors.append(f"worker {i} failed: {one_line(e)}{_last_frame(e)}")
                 tracebacks.append(f"worker {i}:\n{_traceback(e)}")

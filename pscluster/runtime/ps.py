@@ -590,6 +590,7 @@ class ParameterServer:
         if run is not None:
             meta.update(run_id=run.run_id, attempt=run.attempt, metrics_address=run.metrics_address,
                         checkpoint_dir=run.checkpoint_dir, mode=run.mode, step=run.step, stopped=run.stopped,
+                        finalized=run.finalized,
                         pushes=run.pushes, pulls=run.pulls, pulled=sorted(run.pulled), applied=run.applied,
                         dropped_stale=run.dropped_stale, late=run.late,
                         staleness={str(k): v for k, v in sorted(run.staleness.items())},

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import replace
 
-from ..errors import ConfigError, RunOver, RuntimeTimeout
+from ..errors import ConfigError, PeerLost, RunOver, RuntimeTimeout, StaleTask
 from ..spec import ClusterSpec, TaskSpec
 from ..task_config import from_environment
 from .client import PSClient
@@ -90,35 +90,69 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer="sgd", param_
 
 def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn, *, step_fn=None,
              collate_fn=None, log=print) -> dict:
-    """Train as worker ``index`` (not the chief) in the run the chief starts on the ps tasks: its summary. When
-    the chief starts the run again (restarted, it resumes from the latest checkpoint), this worker joins the new
-    one."""
-    over = None
+    """Train as worker ``index`` (not the chief) in the run the chief starts on the ps tasks: its summary once the
+    run is over. The worker follows the run wherever it goes: a chief started again starts a new run (from the
+    latest checkpoint), a lost ps a new attempt of the same run (recovery), and the worker joins it."""
+    after = None  # (run id, attempt) this worker trained in last
     while True:
-        run = started_run(spec, plan.request_timeout, task=index, not_run=over)
+        run = started_run(spec, plan.request_timeout, task=index, after=after)
         joined = replace(plan, run_id=run["run_id"], attempt=run["attempt"], metrics_address=run["metrics_address"],
                          checkpoint_dir=run["checkpoint_dir"])
+        after = (joined.run_id, joined.attempt)
         try:
-            return run_worker(spec, index, joined, model_fn, dataset, loss_fn, step_fn=step_fn,
-                              collate_fn=collate_fn, log=log)
+            summary = run_worker(spec, index, joined, model_fn, dataset, loss_fn, step_fn=step_fn,
+                                 collate_fn=collate_fn, log=log)
         except RunOver:
-            over = joined.run_id
-            if log is not None:
-                log(f"run {over} was started again by its chief: joining the new one")
+            note = f"run {joined.run_id} was started again by its chief: joining the new one"
+        except (PeerLost, StaleTask) as e:  # a ps lost: the chief starts the run's next attempt
+            note = f"run {joined.run_id} lost a ps ({type(e).__name__}): joining its next attempt"
+        else:
+            if summary["global_step"] >= joined.steps or _ended(spec, index, after, joined.request_timeout):
+                return summary
+            note = f"run {joined.run_id} stopped attempt {joined.attempt}: joining the next"
+        if log is not None:
+            log(note)
 
 
-def started_run(spec: ClusterSpec, timeout: float, *, task: int = NO_TASK, not_run: int | None = None) -> dict:
-    """The run every ps holds and has not ended (its id, attempt, metrics address and checkpoint folder), once
-    the chief has started it (``not_run``: a run other than that one), asked as worker ``task`` (default: as
-    no worker); RuntimeTimeout after ``timeout`` s without one."""
+def _ended(spec: ClusterSpec, index: int, attempt: tuple[int, int], timeout: float) -> bool:
+    """After attempt ``(run id, attempt)`` stopped short of its target: True once its supervisor has closed the
+    run (or the ps tasks are gone), False once the ps tasks hold another attempt or run."""
     deadline = time.monotonic() + timeout
-    with PSClient(spec, task=task, run_id=1, timeout=timeout) as client:
-        while True:
-            held = client.stats()
-            ids = {s.get("run_id") for s in held}
-            if len(ids) == 1 and not ids & {None, not_run} and not any(s.get("stopped") for s in held):
-                return held[0]
+    while time.monotonic() < deadline:
+        try:
+            with PSClient(spec, task=index, run_id=attempt[0], timeout=10.0) as client:
+                held = client.stats()
+        except (RuntimeTimeout, PeerLost):
+            return True
+        if any(s.get("finalized") for s in held):
+            return True
+        if any((s.get("run_id"), s.get("attempt")) != attempt for s in held):
+            return False
+        time.sleep(DISCOVER_POLL_S)
+    return True
+
+
+def started_run(spec: ClusterSpec, timeout: float, *, task: int = NO_TASK,
+                after: tuple[int, int] | None = None) -> dict:
+    """The run every ps holds and has not ended (its id, attempt, metrics address and checkpoint folder), once
+    the chief has started it (``after``: a run or attempt other than that ``(run id, attempt)``), asked as
+    worker ``task`` (default: as no worker); RuntimeTimeout after ``timeout`` s without one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with PSClient(spec, task=task, run_id=1, timeout=timeout) as client:
+                while True:
+                    held = client.stats()
+                    ids = {(s.get("run_id"), s.get("attempt")) for s in held}
+                    if (len(ids) == 1 and None not in next(iter(ids)) and ids != {after}
+                            and not any(s.get("stopped") for s in held)):
+                        return held[0]
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(DISCOVER_POLL_S)
+        except PeerLost:  # a ps lost, and not started again yet
             if time.monotonic() > deadline:
-                raise RuntimeTimeout(f"the chief started no run on the ps tasks within {timeout:.0f}s: start the "
-                                     "chief's task (TF's chief, or worker 0) with the same script")
+                break
             time.sleep(DISCOVER_POLL_S)
+    raise RuntimeTimeout(f"the chief started no run on the ps tasks within {timeout:.0f}s: start the chief's task "
+                         "(TF's chief, or worker 0) with the same script, and every ps task")

@@ -375,8 +375,11 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
                         log(line)
         except StaleTask:
             raise  # its copy is older than its replacement's
-        except Exception:
+        except Exception as e:
             _leave_copy(shards, plan, index, reply.step)
+            # the run's supervisor learns at once that this worker is out of the attempt (a script's worker
+            # is a process of its own, with no ipyparallel result to tell it)
+            emitter.emit("left", attempt=plan.attempt, error=f"{type(e).__name__}: {e}")
             raise
         summary = {"task": index, "local_steps": local_step, "global_step": reply.step,
                    "dropped": dropped, "samples": samples, "wall_s": time.time() - started,
@@ -386,7 +389,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
                    "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
                    "metrics_dropped": emitter.dropped}
         # the summary again on the run's own channel: the run ends on it if ipyparallel never delivers the result
-        emitter.emit("done", **{k: v for k, v in summary.items() if k != "task"})
+        emitter.emit("done", attempt=plan.attempt, **{k: v for k, v in summary.items() if k != "task"})
         return summary
     finally:
         if batches is not None:

@@ -211,6 +211,87 @@ def test_a_chief_killed_and_started_again_resumes_from_the_latest_checkpoint_and
     assert chief["local_steps"] == [600 - restored] * 3
 
 
+def test_the_whole_job_killed_mid_run_and_started_again_resumes_from_its_latest_checkpoint(estimator, tmp_path):
+    cluster = {"ps": [f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
+               "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
+    secret, home = os.urandom(16).hex(), tmp_path / "home"
+    job = seed_000_job(estimator, 600, home, cluster, secret)
+    deadline = time.monotonic() + 180
+    while not committed_steps(home) and time.monotonic() < deadline and all(p.poll() is None for p in job):
+        time.sleep(0.1)
+    assert committed_steps(home), "no checkpoint before the job was to be killed"
+    for p in job:  # the machine lost power, or the scheduler killed the whole job
+        p.kill()
+    for p in job:
+        p.wait(10)
+    (ps, chief, *workers), _ = finish(seed_000_job(estimator, 600, home, cluster, secret))
+    assert ps["global_step"] == chief["global_step"] == 600
+    with RunStore(home / "runs.sqlite") as store:
+        resumed = chief["run_id"]
+        [restored] = [d["step"] for d in store.events(resumed).query("kind == 'restored'")["detail"]]
+        assert restored >= 100 and restored % 100 == 0  # the latest committed checkpoint, never 0
+        assert chief["local_steps"] == [600 - restored] * 3
+        assert store.evaluations(resumed)["accuracy"].iloc[-1] >= 0.93
+        # the killed job's run is not left "training": the chief started again ended it
+        assert [store.run(i)["status"] for i in sorted(store.runs()["id"])] == ["failed", "finished"]
+
+
+def test_a_ps_killed_and_started_again_by_its_scheduler_costs_a_few_steps_and_the_workers_rejoin(estimator,
+                                                                                                   tmp_path):
+    cluster = {"ps": [f"localhost:{free_port()}", f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
+               "worker": [f"localhost:{free_port()}"]}
+    secret, home = os.urandom(16).hex(), tmp_path / "home"
+
+    def task(job, index):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+        return start(estimator, 1000, home, TF_CONFIG=tf_config, PSCLUSTER_SECRET=secret)
+    ps0, ps1, chief, worker = task("ps", 0), task("ps", 1), task("chief", 0), task("worker", 0)
+    deadline = time.monotonic() + 180
+    while not committed_steps(home) and time.monotonic() < deadline and chief.poll() is None:
+        time.sleep(0.1)
+    assert committed_steps(home), "no checkpoint before the ps was to be killed"
+    ps1.kill()  # SIGKILL mid run; its scheduler starts it again a moment later, with the same config
+    ps1.wait(10)
+    time.sleep(1.0)
+    (ps0, again, chief, worker), outputs = finish([ps0, task("ps", 1), chief, worker])
+    assert ps0["global_step"] == again["global_step"] == chief["global_step"] == 1000
+    with RunStore(home / "runs.sqlite") as store:
+        run_id = chief["run_id"]
+        assert store.run(run_id)["status"] == "finished"
+        events = store.events(run_id)
+        assert "ps:1" in set(events.query("kind == 'lost'")["task"])
+        [restarting] = events.query("kind == 'restarting'")["detail"].tolist()
+        assert restarting["attempt"] == 1 and restarting["from_step"] >= 100  # never from 0
+        assert store.evaluations(run_id)["accuracy"].iloc[-1] >= 0.93
+    assert "lost a ps (PeerLost): joining its next attempt" in outputs[3] or "stopped attempt 0" in outputs[3]
+    assert worker["global_step"] == 1000
+
+
+def test_a_worker_killed_and_started_again_by_its_scheduler_rejoins_the_run(estimator, tmp_path):
+    cluster = {"ps": [f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
+               "worker": [f"localhost:{free_port()}"]}
+    secret, home = os.urandom(16).hex(), tmp_path / "home"
+
+    def task(job, index):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+        return start(estimator, 600, home, TF_CONFIG=tf_config, PSCLUSTER_SECRET=secret)
+    ps, chief, worker = task("ps", 0), task("chief", 0), task("worker", 0)
+    deadline = time.monotonic() + 180
+    while not committed_steps(home) and time.monotonic() < deadline and chief.poll() is None:
+        time.sleep(0.1)
+    assert committed_steps(home), "no checkpoint before the worker was to be killed"
+    worker.kill()
+    worker.wait(10)
+    time.sleep(1.0)  # meanwhile the sync run waits for its gradients
+    (ps, chief, worker), _ = finish([ps, chief, task("worker", 0)])
+    assert ps["global_step"] == chief["global_step"] == worker["global_step"] == 600
+    # the restarted worker gave a gradient to every global step from the one it joined at
+    assert 0 < worker["local_steps"] < 600 and chief["local_steps"][0] == 600
+    with RunStore(home / "runs.sqlite") as store:
+        assert store.run(chief["run_id"])["status"] == "finished"
+        assert store.evaluations(chief["run_id"])["accuracy"].iloc[-1] >= 0.93
+
+
 def test_ps_and_workers_from_pscluster_config(estimator, tmp_path):
     spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=free_port()),),
                        workers=(TaskSpec("worker", 0), TaskSpec("worker", 1)))
