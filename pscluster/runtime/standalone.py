@@ -7,8 +7,8 @@
 - ``script_plan``: the run's plan, which every task derives alike from the same arguments (placement is a
   pure function of the model), so no coordinator hands it out.
 - ``join_run``: a worker other than the chief: it learns the run's id, attempt, metrics address and checkpoint
-  folder from the ps tasks (``started_run``) once the chief has started the run there, then trains; a chief
-  restarted starts a new run (from the latest checkpoint), which the worker joins.
+  folder from the ps tasks (``started_run``) once the chief has started the run there, then trains; it
+  follows the run to a new one (a chief started again) or a new attempt (a lost ps recovered).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from .client import PSClient
 from .data import training_input
 from .optim import OptimizerSpec, check
 from .plan import TrainPlan
-from .protocol import NO_TASK
 from .ps import ParameterServer
 from .worker import build_model, run_worker
 
@@ -95,7 +94,7 @@ def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, 
     latest checkpoint), a lost ps a new attempt of the same run (recovery), and the worker joins it."""
     after = None  # (run id, attempt) this worker trained in last
     while True:
-        run = started_run(spec, plan.request_timeout, task=index, after=after)
+        run = started_run(spec, plan.request_timeout, after=after)
         joined = replace(plan, run_id=run["run_id"], attempt=run["attempt"], metrics_address=run["metrics_address"],
                          checkpoint_dir=run["checkpoint_dir"])
         after = (joined.run_id, joined.attempt)
@@ -107,24 +106,21 @@ def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, 
         except (PeerLost, StaleTask) as e:  # a ps lost: the chief starts the run's next attempt
             note = f"run {joined.run_id} lost a ps ({type(e).__name__}): joining its next attempt"
         else:
-            if summary["global_step"] >= joined.steps or _ended(spec, index, after, joined.request_timeout):
+            if summary["global_step"] >= joined.steps or _ended(spec, after, joined.request_timeout):
                 return summary
             note = f"run {joined.run_id} stopped attempt {joined.attempt}: joining the next"
         if log is not None:
             log(note)
 
 
-def _ended(spec: ClusterSpec, index: int, attempt: tuple[int, int], timeout: float) -> bool:
+def _ended(spec: ClusterSpec, attempt: tuple[int, int], timeout: float) -> bool:
     """After attempt ``(run id, attempt)`` stopped short of its target: True once its supervisor has closed the
-    run (or the ps tasks are gone), False once the ps tasks hold another attempt or run."""
+    run (or every ps task is gone), False once a ps holds another attempt or run. A ps gone while the others
+    still hold the attempt was lost: its recovery starts the next attempt."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with PSClient(spec, task=index, run_id=attempt[0], timeout=10.0) as client:
-                held = client.stats()
-        except (RuntimeTimeout, PeerLost):
-            return True
-        if any(s.get("finalized") for s in held):
+        held = [s for s in (_stats_of(spec, attempt[0], i) for i in range(len(spec.ps))) if s is not None]
+        if not held or any(s.get("finalized") for s in held):
             return True
         if any((s.get("run_id"), s.get("attempt")) != attempt for s in held):
             return False
@@ -132,15 +128,24 @@ def _ended(spec: ClusterSpec, index: int, attempt: tuple[int, int], timeout: flo
     return True
 
 
-def started_run(spec: ClusterSpec, timeout: float, *, task: int = NO_TASK,
-                after: tuple[int, int] | None = None) -> dict:
+def _stats_of(spec: ClusterSpec, run_id: int, ps: int) -> dict | None:
+    """What ps ``ps`` says of the run it holds, or None when it does not answer."""
+    try:
+        with PSClient(spec, run_id=run_id, timeout=10.0, only=[ps]) as client:
+            return client.stats()[0]
+    except (RuntimeTimeout, PeerLost):
+        return None
+
+
+def started_run(spec: ClusterSpec, timeout: float, *, after: tuple[int, int] | None = None) -> dict:
     """The run every ps holds and has not ended (its id, attempt, metrics address and checkpoint folder), once
-    the chief has started it (``after``: a run or attempt other than that ``(run id, attempt)``), asked as
-    worker ``task`` (default: as no worker); RuntimeTimeout after ``timeout`` s without one."""
+    the chief has started it (``after``: a run or attempt other than that ``(run id, attempt)``); RuntimeTimeout
+    after ``timeout`` s without one. It asks as no worker: a recovery fences off the sessions of the workers of
+    the failed attempt, not those of their questions."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with PSClient(spec, task=task, run_id=1, timeout=timeout) as client:
+            with PSClient(spec, run_id=1, timeout=timeout) as client:
                 while True:
                     held = client.stats()
                     ids = {(s.get("run_id"), s.get("attempt")) for s in held}
