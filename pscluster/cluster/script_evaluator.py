@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import time
 
-from ..errors import CheckpointError, ConfigError, PeerLost, RuntimeTimeout
+from ..errors import CheckpointError, ConfigError
 from ..metrics.store import RunStore
 from ..metrics.tensorboard import EventWriter, run_logdir
 from ..runtime import checkpoint, standalone
-from ..runtime.client import PSClient
 from ..runtime.evaluation import evaluate
 from ..runtime.plan import TrainPlan
 from ..runtime.worker import build_model
@@ -62,7 +61,7 @@ def evaluate_checkpoints(spec: ClusterSpec, plan: TrainPlan, model_fn, test_data
                     if log is not None:
                         log(f"[evaluator] global step {step}: loss {result['loss']:.4f}"
                             + (f", accuracy {result['accuracy']:.4f}" if result["accuracy"] is not None else ""))
-            held = _held(spec)
+            held = standalone.held_runs(spec, timeout=STATS_TIMEOUT_S)
             if held is not None:
                 answered = time.monotonic()
             if time.monotonic() - answered > GONE_S or held is not None and (
@@ -106,13 +105,3 @@ def _evaluate(model, run: dict, step: int, test_dataset, loss_fn, step_fn, colla
         return None
     model.load_state_dict(ckpt.state_dict())
     return evaluate(model, test_dataset, loss_fn, step_fn=step_fn, collate_fn=collate_fn)
-
-
-def _held(spec: ClusterSpec) -> list[dict] | None:
-    """What every ps says of the run it holds, or None when one does not answer (the ps tasks have ended)."""
-    try:
-        with PSClient(spec, run_id=1, timeout=STATS_TIMEOUT_S) as client:
-            return client.stats()
-    except (RuntimeTimeout, PeerLost):
-        return None
-

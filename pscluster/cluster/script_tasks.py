@@ -21,8 +21,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from ..errors import PeerLost, RuntimeTimeout, TrainingError
-from ..runtime.client import HEARTBEAT_TIMEOUT_MS, PSClient
+from ..errors import TrainingError
+from ..runtime import standalone
+from ..runtime.client import HEARTBEAT_TIMEOUT_MS
 from ..runtime.plan import TrainPlan
 from ..spec import ClusterSpec, TaskSpec
 from .supervisor import Supervisor
@@ -135,8 +136,5 @@ class ScriptTasks:
 
     def _stats(self, task: TaskSpec) -> dict | None:
         """What ps ``task`` says of the run it holds, or None when it does not answer."""
-        try:
-            with PSClient(self._run.spec, run_id=self._run.id, timeout=PROBE_S, only=[task.index]) as client:
-                return client.stats()[0]
-        except (RuntimeTimeout, PeerLost):
-            return None
+        held = standalone.held_runs(self._run.spec, only=[task.index], timeout=PROBE_S)
+        return held and held[0]

@@ -119,7 +119,7 @@ def _ended(spec: ClusterSpec, attempt: tuple[int, int], timeout: float) -> bool:
     still hold the attempt was lost: its recovery starts the next attempt."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        held = [s for s in (_stats_of(spec, attempt[0], i) for i in range(len(spec.ps))) if s is not None]
+        held = [s[0] for s in (held_runs(spec, only=[i]) for i in range(len(spec.ps))) if s is not None]
         if not held or any(s.get("finalized") for s in held):
             return True
         if any((s.get("run_id"), s.get("attempt")) != attempt for s in held):
@@ -128,11 +128,12 @@ def _ended(spec: ClusterSpec, attempt: tuple[int, int], timeout: float) -> bool:
     return True
 
 
-def _stats_of(spec: ClusterSpec, run_id: int, ps: int) -> dict | None:
-    """What ps ``ps`` says of the run it holds, or None when it does not answer."""
+def held_runs(spec: ClusterSpec, *, only: list[int] | None = None, timeout: float = 10.0) -> list[dict] | None:
+    """What every ps (``only``: these) says of the run it holds (its STATS), asked as no worker; None when one
+    does not answer within ``timeout`` s."""
     try:
-        with PSClient(spec, run_id=run_id, timeout=10.0, only=[ps]) as client:
-            return client.stats()[0]
+        with PSClient(spec, run_id=1, timeout=timeout, only=only) as client:
+            return client.stats()
     except (RuntimeTimeout, PeerLost):
         return None
 
