@@ -44,6 +44,9 @@ def main(argv: list[str]) -> None:
     copies, path, since = int(argv[1]), argv[2], float(argv[3])
     del argv[1:4]  # the rest is ipengine's
     import pscluster.runtime.remote  # noqa: F401  (loaded once, shared by the forks)
+    from pscluster.runtime import optim
+
+    optim.preload()
     from ipyparallel.engine.app import main as engine
 
     os.environ["IPP_CONNECTION_INFO"] = json.dumps(connection_info(path, since))

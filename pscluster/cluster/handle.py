@@ -122,6 +122,7 @@ class Cluster:
         if self.detached and registry.find(self.name) is not None:
             raise ClusterStateError(f"a cluster named {self.name} is running: attach to it "
                                     f"(Cluster.attach({self.name!r})) or pick another name")
+        optim.preload_in_background()  # for train()'s optimizer check, while the engines start
         launcher = self.launcher
         counts = launcher.engine_counts(self.num_ps, self.num_workers) if launcher.kind == "ssh" else None
         engines = EngineSet(self.num_ps + self.num_workers, self.name, detached=self.detached, launcher=launcher,
@@ -389,7 +390,7 @@ class Cluster:
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
         run_plan, resumed = run_records.create_run(
             self.store, run_plan, name=name, cluster=self.name, spec=spec.public_dict(), code=code or _source(model_fn),
-            checkpoint_dir=checkpoint_dir, resume=resume,
+            checkpoint_dir=checkpoint_dir, resume=resume, own_default=True,
             default_dir=lambda run_id: Path(self.store.path).parent / "checkpoints" / f"run-{run_id}")
         run_id = run_plan.run_id
         self._ship_to_ps(optim.shipped(optimizer_spec))

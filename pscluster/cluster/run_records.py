@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..metrics.store import RunStore
+from ..runtime import checkpoint
 from ..runtime.plan import TrainPlan
 
 
@@ -33,18 +34,36 @@ class Resumed:
 
 
 def create_run(store: RunStore, plan: TrainPlan, *, name: str | None, cluster: str, spec: dict, code: str | None,
-               default_dir: Callable[[int], Path], checkpoint_dir=None,
-               resume: str | int | None = None) -> tuple[TrainPlan, Resumed | None]:
+               default_dir: Callable[[int], Path], checkpoint_dir=None, resume: str | int | None = None,
+               own_default: bool = False) -> tuple[TrainPlan, Resumed | None]:
     """``plan`` as run ``run_id`` of ``store`` (recorded with its settings and placement) and the run it resumes.
-    Its checkpoint folder: ``checkpoint_dir``, else the resumed run's, else ``default_dir(run_id)``."""
+    Its checkpoint folder: ``checkpoint_dir``, else the resumed run's, else ``default_dir(run_id)``. With
+    ``own_default`` (a notebook's folders, named by run id) a default folder that already holds anything was left
+    by a run of an earlier store of the same path (deleted and made again): a fresh one beside it is taken, so a
+    new run never starts from another store's checkpoints (a script's default folder, named by the script, is
+    shared by its runs on purpose). A given or resumed folder whose latest checkpoint does not fit the plan's
+    model is refused now (CheckpointError naming the fix), with nothing recorded."""
     resumed = _resumed(store, name, resume, checkpoint_dir, plan.restore, default_dir)
+    chosen = checkpoint_dir or (resumed.checkpoint_dir if resumed else None)
+    if chosen is not None and plan.restore:
+        checkpoint.check_fits(chosen, plan.variables)
     run_id = store.create_run(name=name, cluster=cluster, mode=plan.mode, config=plan.settings(), spec=spec,
                               code=code)
-    directory = checkpoint_dir or (resumed.checkpoint_dir if resumed else default_dir(run_id))
+    directory = chosen or (_unused(Path(default_dir(run_id))) if own_default else default_dir(run_id))
     plan = replace(plan, run_id=run_id, checkpoint_dir=str(directory))
     store.set_config(run_id, plan.settings())
     store.record_placement(run_id, plan.variables)
     return plan, resumed
+
+
+def _unused(directory: Path) -> Path:
+    """``directory``, or when it holds anything, the first of ``<name>.2``, ``<name>.3``... that does not exist."""
+    if not directory.exists() or not any(directory.iterdir()):
+        return directory
+    k = 2
+    while directory.with_name(f"{directory.name}.{k}").exists():
+        k += 1
+    return directory.with_name(f"{directory.name}.{k}")
 
 
 def _resumed(store: RunStore, name, resume, checkpoint_dir, restore: bool, default_dir) -> Resumed | None:

@@ -364,6 +364,13 @@ def committed_steps(directory) -> list[int]:
 
 
 # --- restore -------------------------------------------------------------------------------------
+def _manifest_variables(manifest: dict) -> tuple[VariableSpec, ...]:
+    return tuple(VariableSpec(id=v["id"], name=v["name"], shape=tuple(v["shape"]), dtype=v["dtype"], ps=v["ps"],
+                              variable="" if v["variable"] == v["name"] else v["variable"], start=v["start"],
+                              sparse=v["sparse"], kind=v.get("kind", "param"))
+                 for v in manifest["variables"])
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A committed checkpoint: its manifest, read and checked against its shard files."""
@@ -387,10 +394,7 @@ class Checkpoint:
             m = json.loads(path.read_text())
             if m.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"format version {m.get('format_version')}, this pscluster reads {FORMAT_VERSION}")
-            variables = tuple(VariableSpec(id=v["id"], name=v["name"], shape=tuple(v["shape"]), dtype=v["dtype"],
-                                           ps=v["ps"], variable="" if v["variable"] == v["name"] else v["variable"],
-                                           start=v["start"], sparse=v["sparse"], kind=v.get("kind", "param"))
-                              for v in m["variables"])
+            variables = _manifest_variables(m)
             ckpt = cls(path=path, step=int(m["step"]), run_id=int(m["run_id"]), variables=variables,
                        shards=tuple(m["shards"]), optimizer=m["optimizer"],
                        optimizer_kwargs=m.get("optimizer_kwargs") or {},
@@ -471,23 +475,55 @@ def latest(directory, *, on_refused=None) -> Checkpoint | None:
     return None
 
 
+def _whole_shapes(variables) -> dict[str, tuple[tuple, str]]:
+    """(whole shape, dtype) of each model parameter of ``variables``, its parts' rows summed."""
+    whole: dict[str, tuple[tuple, str]] = {}
+    for v in variables:
+        shape = tuple(v.shape)
+        if v.parameter in whole:
+            rows = whole[v.parameter][0][0] + shape[0]
+            shape = (rows, *shape[1:])
+        whole[v.parameter] = (shape, v.dtype)
+    return whole
+
+
+def _check_fits(name: str, saved, variables) -> None:
+    """CheckpointError unless the variables of checkpoint ``name`` (``saved``, as its manifest lists them: any
+    placement) hold the same parameters, whole shapes and dtypes as ``variables``."""
+    held, wanted = _whole_shapes(saved), _whole_shapes(variables)
+    if set(wanted) != set(held):
+        missing, extra = sorted(set(wanted) - set(held)), sorted(set(held) - set(wanted))
+        raise CheckpointError(f"checkpoint {name} does not fit this model (missing {missing}, unexpected {extra}): "
+                              "train with another checkpoint_dir or restore=False")
+    for parameter, (shape, dtype) in held.items():
+        if (shape, dtype) != wanted[parameter]:
+            raise CheckpointError(f"checkpoint {name} holds {parameter} as {shape} {dtype}, the model as "
+                                  f"{wanted[parameter][0]} {wanted[parameter][1]}: train with another "
+                                  "checkpoint_dir or restore=False")
+
+
+def check_fits(directory, variables) -> None:
+    """CheckpointError when the newest readable manifest in ``directory`` (the checkpoint a chief restoring
+    from it would take) does not fit ``variables``; nothing when there is none. Reads manifests only: what the
+    controller checks at ``train()``, before any task starts."""
+    for step in reversed(committed_steps(directory)):
+        path = manifest_path(Path(directory), step)
+        try:
+            saved = _manifest_variables(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # refused by the chief's ``latest`` too, which then tries the one before
+        _check_fits(path.name, saved, variables)
+        return
+
+
 def reshard(ckpt: Checkpoint, variables) -> tuple[dict[int, torch.Tensor], dict[int, dict]]:
     """The checkpoint's values and optimizer state cut to ``variables`` (any placement and number of ps):
     (value by variable id, optimizer state by variable id). CheckpointError when the model differs."""
+    _check_fits(ckpt.path.name, ckpt.variables, variables)
     params, slots = ckpt.tensors()
-    wanted = {v.parameter: v for v in variables}
-    if set(wanted) != set(params):
-        missing, extra = sorted(set(wanted) - set(params)), sorted(set(params) - set(wanted))
-        raise CheckpointError(f"checkpoint {ckpt.path.name} does not fit this model (missing {missing}, "
-                              f"unexpected {extra}): train with another checkpoint_dir or restore=False")
     values, states = {}, {}
     for v in variables:
         whole = params[v.parameter]
-        full_shape = (whole.shape[0], *v.shape[1:]) if v.partitioned else tuple(v.shape)
-        if tuple(whole.shape) != tuple(full_shape) or str(whole.dtype).removeprefix("torch.") != v.dtype:
-            raise CheckpointError(f"checkpoint {ckpt.path.name} holds {v.parameter} as {tuple(whole.shape)} "
-                                  f"{whole.dtype}, the model as {full_shape} {v.dtype}: train with another "
-                                  "checkpoint_dir or restore=False")
         values[v.id] = whole[v.start:v.stop].clone() if v.partitioned else whole.clone()
         states[v.id] = {slot: t[v.start:v.stop].clone() if _per_row(t, whole.shape) and v.partitioned else
                         t.clone() if isinstance(t, torch.Tensor) else t

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import pscluster
-from pscluster.errors import ClusterStateError, ConfigError, TrainingError
+from pscluster.errors import CheckpointError, ClusterStateError, ConfigError, TrainingError
+from pscluster.runtime import checkpoint
 
 from .conftest import mlp
 
@@ -101,6 +102,31 @@ def test_worker_error_is_one_line_and_cluster_stays_usable(cluster_1ps_2w, digit
     assert "Traceback" in run.error and "CUDA out of memory (simulated)" in run.error
     again = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, steps=20).wait(verbose=False)
     assert again.global_step == 20
+
+
+def wider_mlp():
+    return torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(), torch.nn.Linear(48, 10))
+
+
+def test_a_checkpoint_dir_of_another_model_is_refused_at_train_and_loses_nothing(cluster_1ps_2w, digits_train,
+                                                                                tmp_path):
+    folder = tmp_path / "mnist-checkpoints"
+    first = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, steps=60, checkpoint_dir=folder).wait(verbose=False)
+    runs = len(first.store.runs())
+    # the notebook's model cell changed (a wider hidden layer), the checkpoint_dir did not: refused at train(),
+    # where before the chief failed on its restore and the other worker waited 120 s for it
+    with pytest.raises(CheckpointError) as refused:
+        cluster_1ps_2w.train(wider_mlp, digits_train, LOSS, lr=0.1, steps=120, checkpoint_dir=folder)
+    assert "\n" not in str(refused.value) and "holds 0.weight as (32, 64) float32, the model as (48, 64)" in \
+        str(refused.value) and "train with another checkpoint_dir or restore=False" in str(refused.value)
+    assert len(first.store.runs()) == runs and cluster_1ps_2w.active_run is None
+    assert checkpoint.committed_steps(folder)[-1] == 60  # what was trained is still there
+    # the same model goes on from it; the wider one trains from scratch where told to
+    again = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, steps=120, checkpoint_dir=folder).wait(verbose=False)
+    assert again.global_step == 120 and sum(r["local_steps"] for r in again.results) == 60 * 2
+    fresh = cluster_1ps_2w.train(wider_mlp, digits_train, LOSS, lr=0.1, steps=30, checkpoint_dir=folder,
+                                 restore=False).wait(verbose=False)
+    assert fresh.global_step == 30
 
 
 def test_second_train_while_one_runs_is_refused(cluster_1ps_2w, digits_train):

@@ -157,12 +157,32 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_previous_is_use
         assert torch.equal(params[name], value), name
 
 
-def test_a_checkpoint_of_another_model_is_refused(local_ps, bags, tmp_path):
-    train(local_ps, bags, num_ps=1, partition=None, steps=5, directory=tmp_path)
-    spec = local_ps.start(num_ps=1, num_workers=1)
-    other = make_plan(spec, lambda: torch.nn.Linear(4, 1), steps=5)
-    with pytest.raises(CheckpointError, match="does not fit this model"):
-        checkpoint.reshard(checkpoint.latest(tmp_path), other.variables)
+class WiderBags(BagModel):
+    """The same layers, the embedding one column wider."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.EmbeddingBag(self.embedding.num_embeddings, self.embedding.embedding_dim + 1,
+                                               mode="sum", sparse=True)
+        self.out = torch.nn.Linear(self.embedding.embedding_dim, 1)
+
+
+def test_a_checkpoint_of_another_model_is_refused_from_its_manifest_alone(local_ps, bags, tmp_path):
+    train(local_ps, bags, num_ps=2, partition={"embedding": 2}, steps=5, directory=tmp_path)
+    spec = local_ps.start(num_ps=3, num_workers=1)
+    for model_fn, partition, fragment in [
+            (lambda: torch.nn.Linear(4, 1), None, r"missing \['bias', 'weight'\], unexpected \['embedding.weight'"),
+            (WiderBags, {"embedding": 3}, r"holds embedding.weight as \(60, 8\) float32, the model as \(60, 9\)")]:
+        variables = make_plan(spec, model_fn, steps=5, partition=partition).variables
+        with pytest.raises(CheckpointError, match=fragment):
+            checkpoint.reshard(checkpoint.latest(tmp_path), variables)
+        with pytest.raises(CheckpointError, match=fragment):
+            checkpoint.check_fits(tmp_path, variables)  # what train() checks
+    # the same model cut over three ps fits; the shards are not read (check_fits goes by the manifest)
+    same = make_plan(spec, BagModel, steps=5, partition={"embedding": 3})
+    for shard in tmp_path.glob("step-*/*"):
+        shard.write_bytes(b"damaged")
+    checkpoint.check_fits(tmp_path, same.variables)
 
 
 def test_the_export_loads_into_a_fresh_model_with_plain_torch(local_ps, bags, tmp_path):

@@ -73,3 +73,23 @@ def test_a_chief_started_again_ends_the_unended_runs_of_its_folder_only(store, p
     assert [store.run(p.run_id)["status"] for p in (done, killed, elsewhere, again)] == [
         "finished", "failed", "training", "starting"]
     assert f"run {again.run_id} continues it" in store.events(killed.run_id)["detail"].iloc[-1]["error"]
+
+
+def test_a_store_made_again_at_the_same_path_never_takes_the_old_runs_checkpoints(store, plan, tmp_path):
+    """The runs.sqlite deleted and the notebook run again: run ids start at 1 again, and run 1's default folder
+    holds the old run 1's checkpoints, which the new run 1 must not restore (it would train nothing when the old
+    one had reached the same step target). A script's folder, named by the script, is shared on purpose."""
+    def folder(run_id):
+        return tmp_path / "checkpoints" / f"run-{run_id}"
+
+    old, _ = new(store, plan, name="mnist", default_dir=folder, own_default=True)
+    (Path(old.checkpoint_dir) / "step-000000010").mkdir(parents=True)
+    store.close()
+    Path(store.path).unlink()
+    with RunStore(tmp_path / "runs.sqlite") as again:
+        first, _ = new(again, plan, name="mnist", default_dir=folder, own_default=True)
+        second, _ = new(again, plan, name="mnist", default_dir=folder, own_default=True)
+        script, _ = new(again, plan, name="job", default_dir=lambda _: folder(1))
+    assert first.run_id == old.run_id and first.checkpoint_dir == str(folder(1).with_name("run-1.2"))
+    assert second.checkpoint_dir == str(folder(second.run_id))  # its own folder was free
+    assert script.checkpoint_dir == str(folder(1))
