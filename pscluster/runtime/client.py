@@ -177,7 +177,7 @@ class PSClient:
                 i = self._index[sock]
                 frames = sock.recv_multipart(copy=False)
                 self.bytes_received += sum(len(f) for f in frames)
-                msg = protocol.decode(frames, self.spec.key)
+                msg = protocol.decode(frames, self.spec.key, release=True)
                 if i not in pending or not _answers(msg, *pending[i], hello=op is Op.HELLO):
                     continue  # a late reply to a request that timed out earlier
                 if msg.flags & Flag.SHARED:

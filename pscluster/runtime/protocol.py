@@ -256,14 +256,16 @@ def encode(msg: Message, key: bytes, digests: list[bytes] | None = None) -> list
     return frames
 
 
-def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
+def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS, *, release: bool = False) -> Message:
     """Check and decode received frames (``zmq.Frame`` or bytes-like).
 
     Raises a ProtocolError subclass naming what failed: MalformedMessage (beyond ``limits``, or not the
     wire format), UnsignedMessage, BadSignature. Freshness (replays) is the receiver's check: see
     ``Sessions``. Tensors in the result are read-only views of the received buffers (a tensor of several
     chunks is put together in a tensor of its own): copy them before the frames go away if they must outlive
-    the message.
+    the message. With ``release`` (``frames`` a list that holds the only references to its frames), each chunk
+    of a tensor of several is dropped from ``frames`` once copied: decoding a message of N bytes then holds
+    about N plus one chunk, not 2N.
     """
     bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
     if len(bufs) > limits.max_frames:
@@ -299,13 +301,13 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
         raise MalformedMessage("tensor table does not match the frames")
     frame = 3
     for var_id, dtype, shape, numel, nbytes in described:
-        chunks = bufs[frame:frame + chunk_count(nbytes)]
-        frame += len(chunks)
-        received = sum(c.nbytes for c in chunks)
-        if received != nbytes or any(c.nbytes != CHUNK_BYTES for c in chunks[:-1]):
-            raise MalformedMessage(f"tensor {var_id}: {received} bytes for shape {tuple(shape)}")
+        first, count = frame, chunk_count(nbytes)
+        frame += count
+        sizes = [b.nbytes for b in bufs[first:frame]]
+        if sum(sizes) != nbytes or any(size != CHUNK_BYTES for size in sizes[:-1]):
+            raise MalformedMessage(f"tensor {var_id}: {sum(sizes)} bytes for shape {tuple(shape)}")
         msg.ids.append(var_id)
-        msg.tensors.append(_tensor(chunks, dtype, numel).view(tuple(shape)))
+        msg.tensors.append(_tensor(bufs, first, count, dtype, numel, frames if release else None).view(tuple(shape)))
     if bufs[2].nbytes:
         try:
             msg.meta = json.loads(bytes(bufs[2]))
@@ -332,18 +334,22 @@ def _described(fields) -> tuple[int, torch.dtype, tuple, int, int]:
     return var_id, dtype, tuple(shape), numel, numel * _ITEMSIZE[code]
 
 
-def _tensor(chunks: list, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """The flat tensor of ``numel`` elements whose bytes ``chunks`` hold: a read-only view of a single frame, or
-    the chunks copied into a tensor of its own."""
+def _tensor(bufs: list, first: int, count: int, dtype: torch.dtype, numel: int, frames=None) -> torch.Tensor:
+    """The flat tensor of ``numel`` elements whose bytes ``bufs[first:first + count]`` hold: a read-only view of
+    a single frame, or the chunks copied into a tensor of its own; given ``frames`` (the list ``bufs`` views),
+    each chunk is dropped from both once copied."""
     if not numel:
         return torch.empty(0, dtype=dtype)
-    if len(chunks) == 1:
-        return torch.frombuffer(chunks[0], dtype=dtype, count=numel)
+    if count == 1:
+        return torch.frombuffer(bufs[first], dtype=dtype, count=numel)
     t = torch.empty(numel, dtype=dtype)
     data, offset = t.view(torch.uint8), 0
-    for c in chunks:
-        data[offset:offset + c.nbytes].copy_(torch.frombuffer(c, dtype=torch.uint8))
-        offset += c.nbytes
+    for k in range(first, first + count):
+        size = bufs[k].nbytes
+        data[offset:offset + size].copy_(torch.frombuffer(bufs[k], dtype=torch.uint8))
+        offset += size
+        if frames is not None:
+            bufs[k] = frames[k] = None
     return t
 
 

@@ -86,6 +86,7 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 POLL_MS = 100
 REPORT_S = 0.5  # how often a ps sends its counters to the collector
 PARK_S = 30.0  # how long a ps parked by a first STOP waits for the second
+SENT_WAIT_S = 0.01  # how long an update waits for ZeroMQ to let go of values it sends zero-copy (see release_sent)
 RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT excepted)
 MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
 MAX_LANES = 1024
@@ -121,6 +122,7 @@ class _RunState:
     contributors: list[int] = field(default_factory=list)
     waiting: list[tuple[bytes, Message, float]] = field(default_factory=list)  # (identity, header, since)
     snapshot: tuple[int, list[torch.Tensor], list[bytes]] | None = None  # step, values, their digests
+    sending: list = field(default_factory=list)  # zmq.MessageTrackers of replies sending dense values zero-copy
     clocks: Counter = field(default_factory=Counter)  # ssp: pushes per worker
     pushes: int = 0
     pulls: int = 0
@@ -151,6 +153,7 @@ class _RunState:
         exchanged = [not sparse and kind != "frozen" for sparse, kind in zip(self.sparse, self.kinds)]
         self.dense_ids = [vid for vid, x in zip(self.ids, exchanged) if x]
         self.dense_params = [p for p, x in zip(self.params, exchanged) if x]
+        self.zero_copy = [p for p in self.dense_params if p.numel() * p.element_size() >= protocol.COPY_LIMIT]
         self.trained = [i for i, kind in enumerate(self.kinds) if kind == "param"]
         self.trained_params = [self.params[i] for i in self.trained]
         self.buffers = [self.params[i] for i, kind in enumerate(self.kinds) if kind == "buffer"]
@@ -178,6 +181,25 @@ class _RunState:
         """SSP: how many pushes ``worker`` is ahead of the slowest live worker."""
         return self.clocks[worker] - min(self.clocks[w] for w in self.live())
 
+    def release_sent(self) -> None:
+        """Before the dense values change in place: wait up to ``SENT_WAIT_S`` for ZeroMQ to be done with the
+        replies that send them without a copy (a worker reads its reply before it sends its next gradient, so
+        it nearly always is); a reply still in flight then (a slow or stopped reader) keeps the memory it sends,
+        and each value sent without a copy moves to a copy of it: a variable's bytes are held twice only
+        while a reply of them is stuck."""
+        pending, self.sending = self.sending, []
+        deadline = time.monotonic() + SENT_WAIT_S
+        try:
+            for tracker in pending:
+                tracker.wait(max(0.0, deadline - time.monotonic()))
+            return
+        except zmq.NotDone:
+            pass
+        with torch.no_grad():
+            for p in self.zero_copy:
+                p.data = p.detach().clone()
+        self.snapshot = None
+
     def optimizer_state(self, i: int) -> dict:
         """The optimizer state of variable ``i`` (none for a frozen parameter or a buffer)."""
         return self.optimizer.state(self.params[i]) if self.kinds[i] == "param" else {}
@@ -185,12 +207,12 @@ class _RunState:
     def params_snapshot(self) -> tuple[list[torch.Tensor], list[bytes]]:
         """The current dense values to reply with and the digests of their payload frames (``protocol.digest``,
         ``protocol.payload_frames``), made once per step
-        (every reply of a sync step, and every pull, sends the same values, hashed once). A value sent without
-        a copy (from ``protocol.COPY_LIMIT`` bytes up) is a copy, since the next update changes the parameter
-        in place before ZeroMQ is done with it; a smaller one is the parameter itself, copied as it is sent."""
+        (every reply of a sync step, and every pull, sends the same values, hashed once). The values are the
+        variables themselves: one of ``protocol.COPY_LIMIT`` bytes or more goes without a copy, so the reply is
+        tracked (``sending``) and the next update leaves its memory alone until ZeroMQ is done with it
+        (``release_sent``); a smaller one is copied as it is sent."""
         if self.snapshot is None or self.snapshot[0] != self.step:
-            values = [p.detach().clone() if p.numel() * p.element_size() >= protocol.COPY_LIMIT else p.detach()
-                      for p in self.dense_params]
+            values = [p.detach() for p in self.dense_params]
             digests = [protocol.digest(frame) for v in values for frame in protocol.payload_frames(v)]
             self.snapshot = (self.step, values, digests)
         return self.snapshot[1], self.snapshot[2]
@@ -312,9 +334,10 @@ class ParameterServer:
             self.rejected["malformed"] += 1  # more frames than any message has: not even kept
             return
         identity, body = frames[0].bytes, frames[1:]
+        frames.clear()  # body alone holds the payload frames, which decode lets go of as it copies them
         self.bytes_in += sum(len(f) for f in body)
         try:
-            msg = protocol.decode(body, self.key, self._limits(body))
+            msg = protocol.decode(body, self.key, self._limits(body), release=True)
             if msg.op is Op.HELLO:
                 msg.nonce = self._sessions.open(msg)
             else:
@@ -350,10 +373,17 @@ class ParameterServer:
             self.failed_requests += 1
             self._error(identity, msg, f"{msg.op.name} failed: {type(e).__name__}: {e}")
 
-    def _send(self, identity: bytes, msg: Message, digests: list[bytes] | None = None) -> None:
-        frames = protocol.encode(msg, self.key, digests)
-        self.bytes_out += sum(memoryview(f).nbytes for f in frames)
-        self._sock.send_multipart([identity, *frames], copy=False)
+    def _send(self, identity: bytes, msg: Message, digests: list[bytes] | None = None, *, track: bool = False):
+        """Send ``msg``; with ``track``, a zmq.MessageTracker that is done once ZeroMQ is done with every frame
+        sent without a copy (pyzmq's ``send_multipart`` tracks its last frame only)."""
+        frames = [identity, *protocol.encode(msg, self.key, digests)]
+        self.bytes_out += sum(memoryview(f).nbytes for f in frames[1:])
+        if not track:
+            self._sock.send_multipart(frames, copy=False)
+            return None
+        trackers = [self._sock.send(f, zmq.SNDMORE, copy=False, track=True) for f in frames[:-1]]
+        trackers.append(self._sock.send(frames[-1], copy=False, track=True))
+        return zmq.MessageTracker(*trackers)
 
     def _reply(self, identity: bytes, req: Message, op: Op, *, flags=Flag.NONE, value: int = 0,
                wait_us: int = 0, with_params: bool = False, meta: dict | None = None) -> None:
@@ -373,6 +403,9 @@ class ParameterServer:
         elif with_params:
             reply.ids = run.dense_ids
             reply.tensors, digests = run.params_snapshot()
+            if run.zero_copy:
+                run.sending.append(self._send(identity, reply, digests, track=True))
+                return
         self._send(identity, reply, digests)
 
     def _error(self, identity: bytes, req: Message, text: str) -> None:
@@ -694,6 +727,7 @@ class ParameterServer:
     def _apply(self, run: _RunState, grads: list, count: int) -> None:
         """One optimizer step with the mean of ``count`` summed gradients (of the variables this ps owns;
         sparse ones as lists of (rows, values) parts)."""
+        run.release_sent()
         lr = run.optimizer.plain_sgd_rate(run.step)
         if lr is not None and grads:  # what SGD's step does without momentum or decay, less its per-call overhead
             with torch.no_grad():
