@@ -107,13 +107,14 @@ class Rounds:
             self.after()
 
 
-def workload_workers(mode: str, workers: int, pipeline: bool = False) -> Rounds:
-    """1 ps and ``workers`` workers of the real runtime training ``workload.py``'s MLP in ``mode``, one round per
-    command; ``pipeline``: async workers compute their next gradients while the push-pull is in flight."""
+def workload_workers(mode: str, workers: int, pipeline: bool = False, **env: str) -> Rounds:
+    """1 ps and ``workers`` workers of the real runtime training ``workload.py``'s model in ``mode``, one round
+    per command; ``pipeline``: async workers compute their next gradients while the push-pull is in flight;
+    ``env``: more of the workers' environment (``WORKLOAD_MODEL``...)."""
     cluster = PSProcesses(1, workers=workers)
     how = ["pipeline"] if pipeline else []
-    return Rounds([spawn("workload", "pscluster", mode, *how, **cluster.worker_env(i)) for i in range(workers)],
-                  after=cluster.close)
+    return Rounds([spawn("workload", "pscluster", mode, *how, **cluster.worker_env(i), **env)
+                   for i in range(workers)], after=cluster.close)
 
 
 def runtime_worker(model_fn, dataset, loss_fn, *, run_id: int, log, **options) -> dict:

@@ -14,12 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from . import dashboard_scale, exchange, hidden, input_pipeline, memory, overheads, peers, recovery, report, scaling
+from . import (convnet, dashboard_scale, exchange, hidden, input_pipeline, memory, overheads, peers, recovery, report,
+               scaling)
 from .common import run_benchmark
 
-BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "peers": peers.run, "scaling": scaling.run,
-              "overheads": overheads.run, "memory": memory.run, "input_pipeline": input_pipeline.run,
-              "dashboard_scale": dashboard_scale.run, "recovery": recovery.run}
+BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "peers": peers.run, "convnet": convnet.run,
+              "scaling": scaling.run, "overheads": overheads.run, "memory": memory.run,
+              "input_pipeline": input_pipeline.run, "dashboard_scale": dashboard_scale.run, "recovery": recovery.run}
 HERE = Path(__file__).parent
 
 

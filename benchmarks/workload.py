@@ -1,6 +1,7 @@
 """The training workload every peer benchmark runs: a 784-256-10 MLP, batch 128 per worker, SGD, on a
 fixed synthetic data set, and how a worker's speed is measured (steady-state samples/s, the first
-``WARMUP`` steps left out).
+``WARMUP`` steps left out). ``WORKLOAD_MODEL=conv`` in the environment trains a small conv net on the same
+inputs seen as 28x28 images instead (compute-bound), ``WORKLOAD_BATCH`` sets the batch.
 
     python -m benchmarks.workload plain            a plain single-process loop
     python -m benchmarks.workload pscluster MODE   a pscluster worker (PSCLUSTER_CONFIG set)
@@ -11,6 +12,7 @@ Both run one round per step count read from stdin (see ``procs.Rounds``).
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 
@@ -20,7 +22,7 @@ from pscluster.runtime.data import worker_batches
 
 from .procs import runtime_worker, serve_rounds
 
-BATCH = 128
+BATCH = int(os.environ.get("WORKLOAD_BATCH", 128))
 LR = 0.01
 WARMUP = 20  # steps left out of every speed: connections, first allocations
 TICK = 10  # a pscluster worker's clock ticks with its progress lines, one every TICK steps
@@ -44,8 +46,20 @@ class Synthetic(torch.utils.data.Dataset):
         return self.x[index], self.y[index]
 
 
-def model_fn() -> torch.nn.Module:
+def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
+def conv_net() -> torch.nn.Module:
+    """Two 3x3 convolutions, a max pool and two dense layers (1.2 MB of parameters): most of its time is the
+    convolutions' compute, little the exchange of its parameters."""
+    return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 28, 28)), torch.nn.Conv2d(1, 16, 3), torch.nn.ReLU(),
+                               torch.nn.Conv2d(16, 32, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                               torch.nn.Linear(32 * 12 * 12, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+MODELS = {"mlp": mlp, "conv": conv_net}
+model_fn = MODELS[os.environ.get("WORKLOAD_MODEL", "mlp")]
 
 
 def batches(rank: int = 0, world: int = 1):

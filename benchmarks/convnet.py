@@ -1,0 +1,42 @@
+"""A compute-bound model: 1 ps + 2 workers of the real runtime (one torch thread each, sync) training
+``workload.py``'s conv net against the best single process on the same 2 cores (2 torch threads, the workers'
+batch or twice it, whichever is faster in that round); aggregate samples/s ratio."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import procs
+from .common import Result, Target, alternate, compare, repetitions
+
+CONV = {"WORKLOAD_MODEL": "conv"}
+BATCH = 64
+
+
+def run(tiny: bool, out_dir: Path) -> Result:
+    steps = 40 if tiny else 200
+    cluster = procs.workload_workers("sync", 2, **CONV, WORKLOAD_BATCH=str(BATCH))
+    single = {batch: procs.Rounds([procs.spawn("workload", "plain", threads=2, **CONV, WORKLOAD_BATCH=str(batch))])
+              for batch in (BATCH, 2 * BATCH)}
+    per_batch: dict[int, list[float]] = {batch: [] for batch in single}
+
+    def best_single() -> float:
+        for batch, rounds in single.items():
+            per_batch[batch].append(rounds.round(steps)[0]["samples_per_s"])
+        return max(per_batch[batch][-1] for batch in single)
+    try:
+        speeds = alternate({"pscluster": lambda: sum(out["samples_per_s"] for out in cluster.round(steps)),
+                            "single": best_single}, repetitions(tiny))
+    finally:
+        for r in (cluster, *single.values()):
+            r.close()
+    result = Result("convnet", "A compute-bound conv net: 1 ps + 2 workers against the best single process", tiny)
+    result.rows.append(compare(f"conv net (2 conv + 2 dense, 1.2 MB), sync, batch {BATCH} per worker",
+                               "1 ps + 2 workers", speeds["pscluster"], "best single process, 2 threads",
+                               speeds["single"], "samples/s", Target(0.95)))
+    result.extra["single_by_batch"] = {str(b): v for b, v in per_batch.items()}
+    result.notes.append(f"{steps} steps per repetition and process (the first 20 left out); the single process "
+                        f"ran batches of {BATCH} and {2 * BATCH} each round and the faster counts: "
+                        + ", ".join(f"batch {b}: median {sorted(v)[len(v) // 2]:,.0f} samples/s"
+                                    for b, v in per_batch.items()) + ".")
+    return result
