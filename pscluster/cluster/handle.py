@@ -345,10 +345,12 @@ class Cluster:
         worker's latest values. Every worker starts each step from the ps's buffers.
 
         Checkpoints (every ps writes its shard, a manifest commits them) go to ``checkpoint_dir`` (default:
-        ``checkpoints/run-<id>`` next to the run store) every ``checkpoint_every`` global steps and every
+        ``checkpoints/run-<id>`` next to the run store, or ``run-<id>.2``... where an earlier store of the same
+        path left one) every ``checkpoint_every`` global steps and every
         ``checkpoint_secs`` seconds (either 0 / None: off), on ``run.checkpoint()`` and at the end; the
         newest ``keep_checkpoints`` are kept. With ``restore``, the chief starts from the latest checkpoint
-        in ``checkpoint_dir`` when there is one. ``resume="latest"`` continues the newest earlier run of the same
+        in ``checkpoint_dir`` when there is one (one of another model is refused here, CheckpointError).
+        ``resume="latest"`` continues the newest earlier run of the same
         ``name`` (``resume=<run id>``: that run): its checkpoint folder becomes this run's, so training goes on
         from its latest checkpoint (no earlier run of that name: from scratch). Lost workers and ps tasks are
         replaced during the run: a lost ps rolls every ps back to the latest checkpoint.
