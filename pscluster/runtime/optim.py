@@ -62,11 +62,9 @@ def preload() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def preload_in_background() -> threading.Thread:
-    """``preload`` in a daemon thread (started); a caller that builds an optimizer meanwhile waits on the import."""
-    thread = threading.Thread(target=preload, name="pscluster-preload", daemon=True)
-    thread.start()
-    return thread
+def preload_in_background() -> None:
+    """``preload`` in a daemon thread; a caller that builds an optimizer meanwhile waits on the import."""
+    threading.Thread(target=preload, name="pscluster-preload", daemon=True).start()
 
 
 def sparse_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

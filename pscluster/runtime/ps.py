@@ -187,6 +187,8 @@ class _RunState:
         it nearly always is); a reply still in flight then (a slow or stopped reader) keeps the memory it sends,
         and each value sent without a copy moves to a copy of it: a variable's bytes are held twice only
         while a reply of them is stuck."""
+        if not self.sending:  # nothing sent zero-copy since the last update: most runs, every step
+            return
         pending, self.sending = self.sending, []
         deadline = time.monotonic() + SENT_WAIT_S
         try:
