@@ -25,8 +25,10 @@ ROOT = Path(__file__).absolute().parent.parent
 
 
 def child_env(threads: int = 1, **extra: str) -> dict:
-    """The environment of a child: this repository importable, ``threads`` intra-op threads for torch."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    """The environment of a child: this repository importable (before what PYTHONPATH held), ``threads``
+    intra-op threads for torch."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env.update(extra)
     return env
 
@@ -107,11 +109,11 @@ class Rounds:
             self.after()
 
 
-def workload_workers(mode: str, workers: int, pipeline: bool = False, **env: str) -> Rounds:
+def workload_workers(mode: str, workers: int, pipeline: bool = False, device: str = "cpu", **env: str) -> Rounds:
     """1 ps and ``workers`` workers of the real runtime training ``workload.py``'s model in ``mode``, one round
     per command; ``pipeline``: async workers compute their next gradients while the push-pull is in flight;
-    ``env``: more of the workers' environment (``WORKLOAD_MODEL``...)."""
-    cluster = PSProcesses(1, workers=workers)
+    ``device``: the workers' (``cuda:0``); ``env``: more of the workers' environment (``WORKLOAD_MODEL``...)."""
+    cluster = PSProcesses(1, workers=workers, device=device)
     how = ["pipeline"] if pipeline else []
     return Rounds([spawn("workload", "pscluster", mode, *how, **cluster.worker_env(i), **env)
                    for i in range(workers)], after=cluster.close)
@@ -140,11 +142,12 @@ def serve_rounds(run_round) -> None:
 
 
 class PSProcesses:
-    """``num_ps`` ps tasks (and ``workers`` worker slots) of a fresh cluster, each its own process."""
+    """``num_ps`` ps tasks (and ``workers`` worker slots on ``device``) of a fresh cluster, each its own
+    process."""
 
-    def __init__(self, num_ps: int, workers: int = 1, threads: int = 1):
+    def __init__(self, num_ps: int, workers: int = 1, threads: int = 1, device: str = "cpu"):
         self.spec = ClusterSpec(ps=tuple(TaskSpec("ps", i, port=p) for i, p in enumerate(free_ports(num_ps))),
-                                workers=tuple(TaskSpec("worker", i) for i in range(workers)))
+                                workers=tuple(TaskSpec("worker", i, device=device) for i in range(workers)))
         self.procs = [subprocess.Popen([sys.executable, "-m", "pscluster.runtime"], cwd=ROOT,
                                        env=child_env(threads, PSCLUSTER_CONFIG=self.spec.config_for("ps", i)),
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)

@@ -1,7 +1,9 @@
 """The training workload every peer benchmark runs: a 784-256-10 MLP, batch 128 per worker, SGD, on a
 fixed synthetic data set, and how a worker's speed is measured (steady-state samples/s, the first
 ``WARMUP`` steps left out). ``WORKLOAD_MODEL=conv`` in the environment trains a small conv net on the same
-inputs seen as 28x28 images instead (compute-bound), ``WORKLOAD_BATCH`` sets the batch.
+inputs seen as 28x28 images instead (compute-bound), ``WORKLOAD_MODEL=wide_conv`` a wider one sized for a GPU,
+``WORKLOAD_BATCH`` sets the batch, ``WORKLOAD_DEVICE`` the plain loop's device (``cuda:0``; a pscluster worker's
+comes from its task).
 
     python -m benchmarks.workload plain            a plain single-process loop
     python -m benchmarks.workload pscluster MODE   a pscluster worker (PSCLUSTER_CONFIG set)
@@ -58,7 +60,18 @@ def conv_net() -> torch.nn.Module:
                                torch.nn.Linear(32 * 12 * 12, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
-MODELS = {"mlp": mlp, "conv": conv_net}
+def wide_conv_net() -> torch.nn.Module:
+    """Three 3x3 convolutions of 64, 128 and 256 channels and two dense layers (14.6 MB of parameters): a
+    model a GPU worker is given, whose exchange per step is large against its compute on a GPU."""
+    return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 28, 28)), torch.nn.Conv2d(1, 64, 3), torch.nn.ReLU(),
+                               torch.nn.Conv2d(64, 128, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                               torch.nn.Conv2d(128, 256, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                               torch.nn.Flatten(), torch.nn.Linear(256 * 5 * 5, 512), torch.nn.ReLU(),
+                               torch.nn.Linear(512, 10))
+
+
+MODELS = {"mlp": mlp, "conv": conv_net, "wide_conv": wide_conv_net}
+DEVICE = torch.device(os.environ.get("WORKLOAD_DEVICE", "cpu"))
 model_fn = MODELS[os.environ.get("WORKLOAD_MODEL", "mlp")]
 
 
@@ -91,22 +104,26 @@ class Clock:
 
 def local_loop(model: torch.nn.Module, steps: int, rank: int = 0, world: int = 1) -> Clock:
     """Forward, backward and an SGD step of ``model`` on this rank's batches, ``steps`` times."""
+    device = next(model.parameters()).device
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loss_fn = torch.nn.CrossEntropyLoss()
     clock, data = Clock(), batches(rank, world)
     for _ in range(steps):
-        x, y = next(data)
+        x, y = (t.to(device, non_blocking=True) for t in next(data))
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         optimizer.step()
         clock.tick()
+    if device.type == "cuda":  # the steps queued on the GPU count until they have run
+        torch.cuda.synchronize(device)
+        clock.tick(0)
     return clock
 
 
 def plain_rounds() -> None:
     """The reference: one process, forward, backward, optimizer step."""
     torch.manual_seed(0)
-    model = model_fn()
+    model = model_fn().to(DEVICE)
     serve_rounds(lambda steps: local_loop(model, steps).result())
 
 

@@ -19,7 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import ConfigError, PeerLost, ProtocolError, RunOver, RuntimeTimeout, StaleTask, TrainingError
 from ..spec import ClusterSpec
-from . import curve, protocol
+from . import curve, host_copies, protocol
 from .lanes import Lane, LaneError
 from .protocol import Flag, Message, Op
 
@@ -105,6 +105,8 @@ class PSClient:
             monitor.close(linger=0)
             s.close(linger=0)
         self._socks, self._monitors, self._index = {}, {}, {}
+        for lane in self._lanes.values():
+            lane.unpin()
         self._lanes = {}
 
     def __enter__(self):
@@ -129,16 +131,20 @@ class PSClient:
         """The first half of ``request``: send, and return what ``collect`` waits for. In between, the caller
         may do other work (not with this client, nor with the tensors it sent)."""
         targets = list(self._socks) if targets is None else targets
-        pending = {}
+        copies = host_copies.Copies()  # a CUDA worker's tensors, copied to the host all at once
+        messages = {}
         for i in targets:
-            rid = next(self._ids)
             nonce = protocol.challenge() if op is Op.HELLO else self._nonces[i]
             ids, tensors = (per_ps or {}).get(i, ([], []))
             m = meta[i] if isinstance(meta, list) else meta
-            flags, ids, tensors = self._into_lane(i, op, ids, tensors, m)
-            frames = protocol.encode(Message(op=op, flags=flags, task=self.task, run_id=self.run_id,
-                                             request_id=rid, step=step, ids=ids, tensors=tensors, meta=m,
-                                             nonce=nonce), self.spec.key)
+            flags, ids, tensors = self._into_lane(i, op, ids, tensors, m, copies)
+            messages[i] = Message(op=op, flags=flags, task=self.task, run_id=self.run_id, request_id=next(self._ids),
+                                  step=step, ids=ids, tensors=[copies.to_host(t) for t in tensors], meta=m,
+                                  nonce=nonce)
+        copies.wait()
+        pending = {}
+        for i, msg in messages.items():
+            frames = protocol.encode(msg, self.spec.key)
             sizes = [memoryview(f).nbytes for f in frames]
             if max(sizes) > self._max_frame.get(i, max(sizes)):
                 raise ConfigError(f"a frame of {max(sizes)} bytes for ps {i}, which receives at most "
@@ -146,7 +152,7 @@ class PSClient:
                                   f"{protocol.MAX_FRAME_BYTES} (the largest frame the protocol sends)")
             self.bytes_sent += sum(sizes)
             self._socks[i].send_multipart(frames, copy=False)
-            pending[i] = (rid, nonce)
+            pending[i] = (msg.request_id, msg.nonce)
         return Pending(op, pending)
 
     def collect(self, sent: "Pending", timeout: float | None = None) -> list[Message]:
@@ -192,20 +198,26 @@ class PSClient:
                 replies[i] = msg
         return [replies[i] for i in sorted(replies)]
 
-    def _into_lane(self, i: int, op: Op, ids: list[int], tensors: list[torch.Tensor], meta):
+    def _into_lane(self, i: int, op: Op, ids: list[int], tensors: list[torch.Tensor], meta,
+                   copies: host_copies.Copies):
         """The flags, ids and tensors of a request to ps ``i``: with its lane, the dense values (the first
-        ones, in the lane's order) are copied into the lane, the rest go in frames."""
+        ones, in the lane's order) are copied into the lane (by ``copies``; the lane page-locked first when they
+        come from a GPU), the rest go in frames."""
         lane = self._lanes.get(i)
         if lane is None or op not in _LANE_OPS or (meta or {}).get("all") or (meta or {}).get("frozen"):
             return Flag.NONE, ids, tensors
+        if lane.pinned:
+            copies.fence()  # the ps writes the lane's values, which the GPU may still be reading
         if op is Op.PULL:
             return Flag.SHARED, ids, tensors
         n = len(lane.ids)
         if ids[:n] != lane.ids:
             return Flag.NONE, ids, tensors
+        if any(t.is_cuda for t in tensors[:n]):
+            lane.pin()
         with torch.no_grad():
             for slot, t in zip(lane.grads, tensors[:n]):
-                slot.copy_(t)
+                copies.into(slot, t)
         self.bytes_sent += lane.nbytes
         return Flag.SHARED, ids[n:], tensors[n:]
 

@@ -28,6 +28,8 @@ import secrets
 
 import torch
 
+from . import host_copies
+
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # each slot starts on a cache line
 TOKEN_BYTES = 16
@@ -83,6 +85,11 @@ class Segment:
         except FileNotFoundError:
             pass
 
+    @property
+    def address(self) -> int:
+        """Where the segment is mapped in this process."""
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
+
 
 class Lane:
     """The two segments of one session, as tensor views: ``grads`` and ``params``, one per variable id
@@ -113,6 +120,7 @@ class Lane:
         self.grads = grads.tensors(layout, grad_offsets)
         self.params = params.tensors(layout, param_offsets)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.params)
+        self.pinned: list[int] = []  # addresses of the segments page-locked for a CUDA worker's copies
 
     @classmethod
     def for_tensors(cls, ids: list[int], tensors: list[torch.Tensor]) -> "Lane":
@@ -137,3 +145,16 @@ class Lane:
         """Remove the segments' names (the mapped memory stays until both sides let go of it)."""
         for segment in self.segments:
             segment.unlink()
+
+    def pin(self) -> None:
+        """Page-lock both segments (the client's side, when it copies to and from a GPU), once."""
+        if not self.pinned:
+            self.pinned = [s.address for s in self.segments if host_copies.pin(s.address, len(s.map))]
+
+    def unpin(self) -> None:
+        """Undo ``pin``, once the GPU's copies from and to the segments are done."""
+        if self.pinned:
+            torch.cuda.synchronize()
+        for address in self.pinned:
+            host_copies.unpin(address)
+        self.pinned = []

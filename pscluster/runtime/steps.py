@@ -35,9 +35,10 @@ class Computed(NamedTuple):
 
 
 def to_device(batch, device: torch.device):
-    """``batch`` with every tensor in it moved to ``device`` (tuples, named tuples, lists and dicts rebuilt)."""
+    """``batch`` with every tensor in it moved to ``device`` (tuples, named tuples, lists and dicts rebuilt); to a GPU
+    without waiting (from pinned memory, a DMA copy)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device)
+        return batch.to(device, non_blocking=device.type == "cuda")
     if isinstance(batch, Mapping):
         moved = {k: to_device(v, device) for k, v in batch.items()}
         return moved if type(batch) is dict else type(batch)(moved)

@@ -111,9 +111,11 @@ class _Shards:
 
     @torch.no_grad()
     def load(self, reply) -> None:
+        """The reply's values into the model; to a GPU without waiting (see ``host_copies``)."""
         for msg in reply.messages:
             for vid, t in zip(msg.ids, msg.tensors):
-                self.view(self.by_id[vid]).copy_(t)
+                value = self.view(self.by_id[vid])
+                value.copy_(t, non_blocking=value.is_cuda)
 
 
 class _SparseRows:

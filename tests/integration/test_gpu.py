@@ -27,7 +27,8 @@ def test_a_batchnorm_cnn_on_a_gpu_worker(gpu_cluster, digits_train, tmp_path, pr
     test = pscluster.datasets.digits("test")
     run = gpu_cluster.train(BNNet, digits_train, nn.CrossEntropyLoss(), mode="sync", steps=steps, batch_size=BATCH,
                             seed=SEED, precision=precision, checkpoint_secs=None, **options).wait(verbose=False)
-    reference = plain_loop(BNNet, digits_train, steps, loss_fn=nn.CrossEntropyLoss(), **options)
+    reference = plain_loop(BNNet, digits_train, steps, loss_fn=nn.CrossEntropyLoss(), device="cuda",
+                           precision=precision, **options)
     model = assert_loads_strictly(BNNet, run, tmp_path)
     assert abs(accuracy(model, test) - accuracy(reference, test)) <= 0.02
     assert run.state_dict()["features.2.num_batches_tracked"].item() == steps

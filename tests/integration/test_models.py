@@ -105,21 +105,35 @@ def dict_step(model, batch):
 
 # --- plain torch, the reference ----------------------------------------------------------------
 def plain_loop(model_fn, dataset, steps, *, optimizer=torch.optim.SGD, loss_fn=None, step_fn=None, clip=None,
-               scheduler=None, batch=BATCH, collate_fn=None, **options) -> nn.Module:
+               scheduler=None, batch=BATCH, collate_fn=None, device="cpu", precision="fp32", **options) -> nn.Module:
     """``steps`` steps of one process, batches in the order a single pscluster worker reads them, on one thread as
-    the engines of these clusters compute (another thread count sums in another order)."""
+    the engines of these clusters compute (another thread count sums in another order). On ``device`` in
+    ``precision``: bf16 / fp16 autocast (fp16 with torch's GradScaler), the gradients rounded to that dtype
+    before the step, as a worker sends them (and DDP's bf16 compression hook would); the model is returned on
+    the CPU."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, scheduler, batch, collate_fn,
-                           options)
+                           torch.device(device), precision, options).cpu()
     finally:
         torch.set_num_threads(threads)
 
 
-def _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, scheduler, batch, collate_fn, options):
+def _on(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _on(v, device) for k, v in batch.items()}
+    return type(batch)(_on(v, device) for v in batch) if isinstance(batch, (tuple, list)) else batch
+
+
+def _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, scheduler, batch, collate_fn, device,
+                precision, options):
     torch.manual_seed(SEED)
-    model = model_fn()
+    model = model_fn().to(device)
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     # torch's fused kernel where it has one, as the ps steps (it rounds differently from the per-tensor loop)
     fused = {"fused": True} if "fused" in inspect.signature(optimizer).parameters and "foreach" not in options else {}
     opt = optimizer([p for p in model.parameters() if p.requires_grad], **fused, **options)
@@ -132,16 +146,24 @@ def _plain_loop(model_fn, dataset, steps, optimizer, loss_fn, step_fn, clip, sch
             if step == steps:
                 break
             opt.zero_grad()
-            if step_fn is not None:
-                loss = step_fn(model, b)[0]
-            else:
-                inputs, target = b
-                output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-                loss = loss_fn(output, target)
-            loss.backward()
+            b = _on(b, device)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                if step_fn is not None:
+                    loss = step_fn(model, b)[0]
+                else:
+                    inputs, target = b
+                    output = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+                    loss = loss_fn(output, target)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
             if clip:
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
+            if dtype is not None:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad = p.grad.to(dtype).to(p.dtype)
+            scaler.step(opt)
+            scaler.update()
             if schedule:
                 schedule.step()
             step += 1

@@ -132,3 +132,24 @@ def test_segments_are_private_and_named_by_the_lane_module_only():
         lane.unlink()
     with pytest.raises(LaneError, match="not a lane segment name"):
         Lane.attach([0], [torch.zeros(5)], {"grads": "../etc/passwd", "params": "x", "token": "00" * 16})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_gradients_on_a_gpu_go_through_a_pinned_lane_and_pinned_frames(start_run, values, num_ps):
+    through_lane = start_run(values, mode="async", num_ps=num_ps)
+    over_socket = start_run(values, mode="async", num_ps=num_ps)
+    lane_client, socket_client = shared_client(through_lane, 0), over_socket.client(task=0)
+    expected = [t.clone() for t in values.values()]
+    for step in range(4):
+        on_gpu = [t.cuda() for t in grads(step, expected)]
+        expected = [p - LR * d.cpu() for p, d in zip(expected, on_gpu)]
+        for client, run in ((lane_client, through_lane), (socket_client, over_socket)):
+            reply = client.push_pull(step, run.split(on_gpu))
+            by_id = {i: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
+            assert_values([by_id[i] for i in range(len(expected))], expected, tol=1e-6)
+    pinned = list(lane_client._lanes.values())
+    assert pinned and all(t.is_pinned() for lane in pinned for t in lane.grads + lane.params)
+    lane_client.close()
+    assert not any(t.is_pinned() for lane in pinned for t in lane.grads + lane.params)

@@ -1,0 +1,58 @@
+"""GPU workers: 1 ps (CPU) + 1 worker of the real runtime on ``cuda:0`` against a plain torch loop on the same
+GPU, sync and async pipelined, for the conv net of ``workload.py`` (1.2 MB) and its wider one (14.6 MB);
+samples/s ratio, and where the worker's time goes (compute, exchange, waiting). Not run without a CUDA GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import procs
+from .common import Result, Target, alternate, compare, repetitions
+
+DEVICE = "cuda:0"
+BATCH = 256
+MODELS = {"conv": "conv net (2 conv + 2 dense, 1.2 MB)",
+          "wide_conv": "wide conv net (3 conv + 2 dense, 14.6 MB)"}
+WORKER_TIMES = ("compute_s", "comm_s", "wait_s")
+
+
+def _model_rows(model: str, label: str, steps: int, rounds: int) -> tuple[list, dict]:
+    """The rows of one model, and the worker's median seconds of a round by mode and part."""
+    env = {"WORKLOAD_MODEL": model, "WORKLOAD_BATCH": str(BATCH)}
+    contenders = {"sync": procs.workload_workers("sync", 1, device=DEVICE, **env),
+                  "pipelined": procs.workload_workers("async", 1, pipeline=True, device=DEVICE, **env),
+                  "plain": procs.Rounds([procs.spawn("workload", "plain", threads=4, WORKLOAD_DEVICE=DEVICE, **env)])}
+    times: dict[str, list[dict]] = {"sync": [], "pipelined": []}
+
+    def measure(name: str) -> float:
+        (out,) = contenders[name].round(steps)
+        if name in times:
+            times[name].append({k: out[k] for k in WORKER_TIMES})
+        return out["samples_per_s"]
+    try:
+        speeds = alternate({name: (lambda name=name: measure(name)) for name in contenders}, rounds)
+    finally:
+        for r in contenders.values():
+            r.close()
+    rows = [compare(f"{label}, {how}, batch {BATCH}", "1 ps + 1 GPU worker", speeds[mode], "plain loop on the GPU",
+                    speeds["plain"], "samples/s", Target(0.85))
+            for mode, how in (("sync", "sync"), ("pipelined", "async, pipelined"))]
+    medians = {mode: {k: sorted(t[k] for t in ts)[len(ts) // 2] for k in WORKER_TIMES} for mode, ts in times.items()}
+    return rows, medians
+
+
+def run(tiny: bool, out_dir: Path) -> Result:
+    result = Result("gpu", "GPU workers: 1 ps + 1 worker on the GPU against a plain loop on the same GPU", tiny)
+    if not torch.cuda.is_available():
+        result.skipped = "no CUDA GPU on this machine"
+        return result
+    steps = 40 if tiny else 300
+    for model, label in MODELS.items():
+        rows, result.extra[model] = _model_rows(model, label, steps, repetitions(tiny))
+        result.rows += rows
+    result.notes.append(f"{steps} steps per repetition and process (the first 20 left out); the ps runs on the CPU "
+                        "(one torch thread), the plain loop with 4. extra: the worker's median seconds of a round "
+                        "in compute (forward, backward, device copies), exchange and waiting.")
+    return result
