@@ -54,5 +54,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
         result.rows += rows
     result.notes.append(f"{steps} steps per repetition and process (the first 20 left out); the ps runs on the CPU "
                         "(one torch thread), the plain loop with 4. extra: the worker's median seconds of a round "
-                        "in compute (forward, backward, device copies), exchange and waiting.")
+                        "in compute (batch to the GPU, forward, backward, the gradient checks, the next batch), "
+                        "exchange (the gradients to the host, the round trip, the parameters to the GPU) and "
+                        "waiting for the ps.")
     return result
