@@ -274,9 +274,12 @@ class PSClient:
         return sorted(self._lanes)
 
     def pull(self, attempt: int | None = None) -> Reply | None:
-        """Current parameters, or None while the chief has not initialized the run (its ``attempt``)."""
+        """Current parameters, or None while the chief has not initialized the run (its ``attempt``); a reply
+        flagged STOPPED with no values when the run was stopped before its chief initialized it."""
         msgs = self.request(Op.PULL, meta=None if attempt is None else {"attempt": attempt})
         if any(m.op is Op.NOT_READY for m in msgs):
+            if any((m.meta or {}).get("stopped") for m in msgs):
+                return Reply(step=0, flags=Flag.STOPPED, value=0, wait_s=0.0, messages=[])
             return None
         return self.merge(msgs)
 

@@ -420,6 +420,9 @@ class ParameterServer:
             if msg.run_id in self._past_runs:  # "over": the client raises RunOver
                 self._reply(identity, msg, Op.ERROR, meta={
                     "error": f"run {msg.run_id} is over: ps {self.index} serves run {run.run_id}", "over": True})
+            elif {(msg.run_id, None), (msg.run_id, (msg.meta or {}).get("attempt"))} & self._stop_requested:
+                # stopped before its chief initialized it (the chief failed first, or a stop came at once)
+                self._reply(identity, msg, Op.NOT_READY, meta={"stopped": True})
             else:
                 self._reply(identity, msg, Op.NOT_READY)
             return None

@@ -1,5 +1,8 @@
 """Sync and async semantics on real engines (1 ps + 2 workers, and 2 ps tasks)."""
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -102,6 +105,37 @@ def test_worker_error_is_one_line_and_cluster_stays_usable(cluster_1ps_2w, digit
     assert "Traceback" in run.error and "CUDA out of memory (simulated)" in run.error
     again = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=0.1, steps=20).wait(verbose=False)
     assert again.global_step == 20
+
+
+def pretrained_head():
+    """A model whose first layer starts from weights in a file, read where the model is built: the path is
+    ``PRETRAINED`` in that process's environment (a shared folder that one host may lack)."""
+    model = mlp()
+    model[0].weight.data.copy_(torch.load(os.environ["PRETRAINED"]))
+    return model
+
+
+def test_a_chief_that_fails_before_it_initializes_the_run_ends_it_at_once(cluster_1ps_2w, digits_train, tmp_path,
+                                                                          monkeypatch):
+    weights = tmp_path / "pretrained.pt"
+    torch.save(torch.zeros(32, 64), weights)
+    monkeypatch.setenv("PRETRAINED", str(weights))  # the controller's, for train()'s checks
+    chief = cluster_1ps_2w._engines.view(cluster_1ps_2w.spec.workers[0].engine_id)
+    other = cluster_1ps_2w._engines.view(cluster_1ps_2w.spec.workers[1].engine_id)
+    chief.execute(f"import os; os.environ['PRETRAINED'] = {str(tmp_path / 'missing.pt')!r}", block=True)
+    other.execute(f"import os; os.environ['PRETRAINED'] = {str(weights)!r}", block=True)
+    try:
+        began = time.monotonic()
+        run = cluster_1ps_2w.train(pretrained_head, digits_train, LOSS, lr=0.1, steps=50, request_timeout=60)
+        with pytest.raises(TrainingError, match="worker 0 failed: FileNotFoundError"):
+            run.wait(timeout=120, verbose=False)
+        # the other worker stopped waiting for the chief as soon as the run was stopped: it ends with no step,
+        # where before it waited request_timeout (60 s here, 120 by default) and failed on RuntimeTimeout
+        assert time.monotonic() - began < 30 and "RuntimeTimeout" not in run.error
+    finally:
+        chief.execute(f"import os; os.environ['PRETRAINED'] = {str(weights)!r}", block=True)
+    again = cluster_1ps_2w.train(pretrained_head, digits_train, LOSS, lr=0.1, steps=20).wait(verbose=False)
+    assert again.global_step == 20 and again.local_steps == [20, 20]
 
 
 def wider_mlp():
