@@ -17,6 +17,8 @@ the lane, which waits for the GPU first (``fence``).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 
@@ -52,7 +54,19 @@ class Copies:
 
 def pin(address: int, size: int) -> bool:
     """Page-lock ``size`` bytes at ``address`` for CUDA's copies; False where CUDA refuses (nothing changes)."""
-    return int(torch.cuda.cudart().cudaHostRegister(address, size, 0)) == 0
+    if int(torch.cuda.cudart().cudaHostRegister(address, size, 0)) == 0:
+        return True
+    _reset_last_error()
+    return False
+
+
+def _reset_last_error() -> None:
+    """A refused cudaHostRegister stays the CUDA runtime's last error, which torch's check after its next kernel
+    launch would raise as that kernel's: reset it (cudaGetLastError of each CUDA runtime this process loaded)."""
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "/libcudart" in line}
+    for path in runtimes:
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 def unpin(address: int) -> None:

@@ -120,7 +120,7 @@ class Lane:
         self.grads = grads.tensors(layout, grad_offsets)
         self.params = params.tensors(layout, param_offsets)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.params)
-        self.pinned: list[int] = []  # addresses of the segments page-locked for a CUDA worker's copies
+        self.pinned: list[int] | None = None  # segments page-locked for a CUDA worker's copies (None: not tried)
 
     @classmethod
     def for_tensors(cls, ids: list[int], tensors: list[torch.Tensor]) -> "Lane":
@@ -147,14 +147,14 @@ class Lane:
             segment.unlink()
 
     def pin(self) -> None:
-        """Page-lock both segments (the client's side, when it copies to and from a GPU), once."""
-        if not self.pinned:
+        """Page-lock both segments (the client's side, when it copies to and from a GPU): tried once."""
+        if self.pinned is None:
             self.pinned = [s.address for s in self.segments if host_copies.pin(s.address, len(s.map))]
 
     def unpin(self) -> None:
         """Undo ``pin``, once the GPU's copies from and to the segments are done."""
         if self.pinned:
             torch.cuda.synchronize()
-        for address in self.pinned:
+        for address in self.pinned or ():
             host_copies.unpin(address)
-        self.pinned = []
+        self.pinned = None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pscluster.errors import TrainingError
-from pscluster.runtime import lanes
+from pscluster.runtime import host_copies, lanes
 from pscluster.runtime.lanes import Lane, LaneError
 from pscluster.runtime.protocol import Flag, Message, Op
 
@@ -153,3 +153,17 @@ def test_gradients_on_a_gpu_go_through_a_pinned_lane_and_pinned_frames(start_run
     assert pinned and all(t.is_pinned() for lane in pinned for t in lane.grads + lane.params)
     lane_client.close()
     assert not any(t.is_pinned() for lane in pinned for t in lane.grads + lane.params)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_memory_cuda_refuses_to_page_lock_leaves_no_error_for_the_next_kernel():
+    lane = Lane.for_tensors([0], [torch.zeros(1 << 20)])
+    try:
+        segment = lane.segments[0]
+        assert host_copies.pin(segment.address, len(segment.map))
+        assert not host_copies.pin(segment.address, len(segment.map))  # already page-locked: refused
+        assert (torch.ones(4, device="cuda") * 2).sum().item() == 8  # torch's launch check finds no error
+        host_copies.unpin(segment.address)
+    finally:
+        lane.unlink()
