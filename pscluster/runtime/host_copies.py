@@ -64,7 +64,7 @@ def _reset_last_error() -> None:
     """A refused cudaHostRegister stays the CUDA runtime's last error, which torch's check after its next kernel
     launch would raise as that kernel's: reset it (cudaGetLastError of each CUDA runtime this process loaded)."""
     with open("/proc/self/maps") as maps:
-        runtimes = {line.split()[-1] for line in maps if "/libcudart" in line}
+        runtimes = {line.split(maxsplit=5)[-1].strip() for line in maps if "/libcudart" in line}
     for path in runtimes:
         ctypes.CDLL(path).cudaGetLastError()
 

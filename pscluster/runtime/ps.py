@@ -420,8 +420,7 @@ class ParameterServer:
             if msg.run_id in self._past_runs:  # "over": the client raises RunOver
                 self._reply(identity, msg, Op.ERROR, meta={
                     "error": f"run {msg.run_id} is over: ps {self.index} serves run {run.run_id}", "over": True})
-            elif {(msg.run_id, None), (msg.run_id, (msg.meta or {}).get("attempt"))} & self._stop_requested:
-                # stopped before its chief initialized it (the chief failed first, or a stop came at once)
+            elif self._stopped_before_init(msg):
                 self._reply(identity, msg, Op.NOT_READY, meta={"stopped": True})
             else:
                 self._reply(identity, msg, Op.NOT_READY)
@@ -434,6 +433,13 @@ class ParameterServer:
             run.lost.discard(msg.task)
             run.clocks[msg.task] = min((run.clocks[w] for w in run.live() if w != msg.task), default=0)
         return run
+
+    def _stopped_before_init(self, msg: Message) -> bool:
+        """Whether the run (its attempt) ``msg`` is about was stopped before its chief initialized it here: the
+        chief failed first, or a stop came at once."""
+        attempt = (msg.meta or {}).get("attempt")
+        return (msg.run_id, None) in self._stop_requested or \
+            (isinstance(attempt, int) and (msg.run_id, attempt) in self._stop_requested)
 
     # --- requests ------------------------------------------------------------------
     def _hello(self, identity, msg):
