@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import report
+from benchmarks.common import Result, compare, run_benchmark
 from benchmarks.run import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +29,25 @@ def test_update_readme_replaces_only_between_markers(tmp_path):
     assert text.startswith("# Benchmarks\n\nhand-written\n")
     assert "table two" in text and "table one" not in text
     assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
+
+
+def test_a_benchmark_this_machine_cannot_run_keeps_the_result_measured_elsewhere(tmp_path):
+    def measured(tiny, out_dir):
+        result = Result("gpu", "on a GPU", tiny)
+        result.rows.append(compare("case", "a", [2.0], "b", [4.0], "samples/s"))
+        return result
+
+    def no_gpu(tiny, out_dir):
+        return Result("gpu", "on a GPU", tiny, skipped="no CUDA GPU on this machine")
+
+    def broken(tiny, out_dir):
+        raise RuntimeError("the benchmark itself broke")
+
+    first = run_benchmark("gpu", measured, False, tmp_path)
+    assert run_benchmark("gpu", no_gpu, False, tmp_path) == first
+    assert json.loads((tmp_path / "gpu.json").read_text())["rows"][0]["ratio"]["median"] == 0.5
+    failed = run_benchmark("gpu", broken, False, tmp_path)  # a failure is news: it replaces the result
+    assert json.loads((tmp_path / "gpu.json").read_text()) == failed and failed["extra"]["failed"]
 
 
 @pytest.mark.integration
