@@ -30,9 +30,10 @@ POINT_S = 0.05  # the shortest time between two charted steps of a worker
 
 
 def run_logdir(store_path: str | Path, name: str, run_id: int) -> Path:
-    """Where run ``run_id`` (named ``name``) of the run store at ``store_path`` writes its event files."""
+    """Where run ``run_id`` (named ``name``) of the run store at ``store_path`` writes its event files:
+    ``<name>-<id>``, or ``run-<id>`` for a run of that default name."""
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-    return Path(store_path).parent / "tensorboard" / f"{safe}-{run_id}"
+    return Path(store_path).parent / "tensorboard" / (safe if safe == f"run-{run_id}" else f"{safe}-{run_id}")
 
 
 class EventWriter:

@@ -78,6 +78,9 @@ def test_a_malformed_event_is_counted_and_the_rest_written(tmp_path):
 
 def test_a_runs_folder_is_beside_its_store_named_for_it(tmp_path):
     assert run_logdir(tmp_path / "runs.sqlite", "lr sweep/0.1", 7) == tmp_path / "tensorboard" / "lr_sweep_0.1-7"
+    # an unnamed run (its default name says its id already), and one named so by hand for another run
+    assert run_logdir(tmp_path / "runs.sqlite", "run-7", 7) == tmp_path / "tensorboard" / "run-7"
+    assert run_logdir(tmp_path / "runs.sqlite", "run-7", 9) == tmp_path / "tensorboard" / "run-7-9"
 
 
 def test_tensorboard_serves_the_folder_and_a_busy_port_is_a_one_line_error(tmp_path):
