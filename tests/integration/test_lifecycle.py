@@ -21,7 +21,7 @@ from pscluster.cluster.reaper import alive
 from pscluster.errors import ClusterStateError, TrainingError
 
 from ..ports import quiet_port_range
-from .conftest import mlp
+from .conftest import mlp, wait_for_step
 
 pytestmark = pytest.mark.integration
 
@@ -197,15 +197,19 @@ def test_two_clusters_with_one_port_range_bind_loopback_ports_apart_and_a_rerun_
     ports = quiet_port_range(5)  # 2 ps + 1 collector, then 1 ps + 1 collector, at once: the range is nearly full
     first = start_cluster(ps=2, workers=1, ports=ports, threads=1)
     second = start_cluster(ps=1, workers=1, ports=ports, threads=1)
-    runs = [c.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1, steps=20,
+    # runs long enough to be training at once (a 20-step run could end, and free its collector's port for the
+    # other run's, before the other started: seen once in three suites beside two CPU hogs)
+    runs = [c.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1, steps=10**6,
                     batch_size=32, checkpoint_secs=None) for c in (first, second)]
+    assert not any(run.done for run in runs)
     addresses = [t.address for c in (first, second) for t in c.spec.ps] + [r.plan.metrics_address for r in runs]
     assert len(set(addresses)) == len(addresses) == 5
     for address in addresses:  # the data plane and the metrics listen on loopback only, in the range
         host, port = address[len("tcp://"):].rsplit(":", 1)
         assert host == "127.0.0.1" and ports[0] <= int(port) <= ports[1]
     for run in runs:
-        assert run.wait(verbose=False).global_step == 20
+        wait_for_step(run, 10)
+        assert run.stop().status == "stopped" and run.global_step >= 10
     rerun = first.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=0.1, steps=10,
                         batch_size=32, checkpoint_secs=None)
     assert ports[0] <= int(rerun.plan.metrics_address.rsplit(":", 1)[1]) <= ports[1]
