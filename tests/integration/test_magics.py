@@ -62,7 +62,8 @@ def test_magic_session(ip, capsys):
     board = ip.run_line_magic("pscluster", "tensorboard")
     assert f"TensorBoard: {board.url}" in capsys.readouterr().out
     tags = wait_for(lambda: json.loads(urllib.request.urlopen(board.url + "data/plugin/scalars/tags").read()))
-    folder = f"{run.name}-{run.id}"
+    folder = f"run-{run.id}"  # an unnamed run's folder: its default name, run-<id>
+    assert run.name == folder
     assert {"loss", "accuracy"} <= set(tags[f"{folder}/worker_0"]) and "lr" in tags[f"{folder}/ps_0"]
     # and the model's graph, traced on a batch of the dataset, in the chief's folder
     graphs = wait_for(lambda: json.loads(urllib.request.urlopen(board.url + "data/plugin/graphs/info").read()).get(
