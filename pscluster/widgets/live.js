@@ -100,16 +100,26 @@ function render({ model, el }) {
   el.appendChild(div);
   let figure = null;
   let choice = null; // the viewer's smoothing, log scale and x axis, once the figure has controls
+  // Draws are coalesced: the messages that come before the next animation frame are drawn once, and at most
+  // one draw waits behind the one in flight. (A draw per message fell behind for good on a page slower than
+  // the kernel's refreshes, a browser on a loaded machine: its main thread never idle, the page unanswering.)
+  let scheduled = false;
   let drawing = Promise.resolve();
-  const draw = () => {
+  const drawNow = () => {
+    scheduled = false;
     const { data, layout } = viewed(figure, choice);
     const revision = choice ? `${choice.x}/${choice.log}` : 'pscluster';
-    drawing = drawing
-      .then(loadPlotly)
+    return loadPlotly()
       .then(Plotly => Plotly.react(div, data, { uirevision: revision, ...layout }, { displaylogo: false, responsive: true }))
       .catch(error => {
         div.textContent = String(error.message || error);
       });
+  };
+  const draw = () => {
+    if (!scheduled) {
+      scheduled = true;
+      drawing = drawing.then(() => new Promise(requestAnimationFrame)).then(drawNow);
+    }
   };
   const onMessage = message => {
     if (message.type === 'figure') {
