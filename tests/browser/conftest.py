@@ -144,13 +144,18 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture
 def page(browser, lab, request):
-    """A page of the lab. When the test fails, a screenshot of the page goes to ``reports/<test name>.png``."""
+    """A page of the lab. When the test fails, a screenshot of the page goes to ``reports/<test name>.png`` and
+    the browser console's errors and warnings to the test's report."""
     context = browser.new_context(viewport={"width": 1400, "height": 900})
     page = context.new_page()
+    console = []
+    page.on("console", lambda m: console.append(f"{time.strftime('%H:%M:%S')} {m.type}: {m.text[:500]}")
+            if m.type in ("error", "warning") else None)
     page.goto(f"{lab.url}/lab?reset&token={lab.token}")
     page.locator(".jp-LauncherCard").first.wait_for(timeout=60_000)
     yield page
     if getattr(request.node, "call_report", None) is not None and request.node.call_report.failed:
+        print("browser console, errors and warnings:", *console[-100:], sep="\n")
         FAILURES.mkdir(exist_ok=True)
         page.screenshot(path=str(FAILURES / f"{request.node.name}.png"))
     context.close()

@@ -13,9 +13,10 @@ def mlp():
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def start_cluster():
-    """Factory: start a Cluster; all of them are stopped, and their processes checked dead, at the end."""
+    """Factory: start a Cluster; all of them are stopped, and their processes checked dead, at the end of the
+    module: no idle cluster of an earlier module runs beside the later ones."""
     started = []
 
     def start(**kwargs) -> pscluster.Cluster:
