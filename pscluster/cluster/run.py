@@ -32,6 +32,8 @@ from .checkpoint_commits import CheckpointCoordinator
 from .progress import StepProgress
 from .supervisor import Supervisor
 
+DASHBOARD_END_S = 10.0  # the most wait() waits for a dashboard it displayed to show the run's end
+
 
 class Run:
     """A training run on a cluster. ``cluster.train(...)`` returns one; it trains in the background.
@@ -55,6 +57,7 @@ class Run:
         self._collate_fn = collate_fn
         self._rates, self._rates_row = speed.RunRates(), 0  # from the store's metric rows up to that row
         self._rates_lock = threading.Lock()
+        self._dashboards = []  # those run.dashboard() displayed: wait() returns once they show the end
         evaluator = None if test_dataset is None else lambda state: self._evaluate_state(state, test_dataset)
         self.supervisor = Supervisor(spec, plan, store, tasks=tasks, checkpoints=checkpoints, payload=payload,
                                      evaluator=evaluator, eval_every=eval_every, summarize=self.summary,
@@ -168,8 +171,8 @@ class Run:
 
     # --- control -------------------------------------------------------------------------
     def wait(self, timeout: float | None = None, *, verbose: bool = True, progress: bool = False) -> "Run":
-        """Block until training ends, printing each worker's progress lines as they arrive;
-        ``progress=True`` adds a progress bar of the global step."""
+        """Block until training ends and the dashboards ``dashboard()`` displayed show its end, printing each
+        worker's progress lines as they arrive; ``progress=True`` adds a progress bar of the global step."""
         deadline = None if timeout is None else time.monotonic() + timeout
         bar = None
         if progress:
@@ -184,6 +187,8 @@ class Run:
                                          "call run.wait() again, or run.stop() to end it")
             if bar is not None:
                 bar.update(self.global_step, self.rates().run(live=False), force=True)
+            for dashboard in self._dashboards:  # else its final update lands in the output of a later cell
+                dashboard.join(DASHBOARD_END_S if deadline is None else max(0.0, deadline - time.monotonic()))
         finally:
             self._print_pending(verbose, bar)
             if bar is not None:
@@ -256,7 +261,7 @@ class Run:
         """
         from ..widgets import show
 
-        show(self.store.path, self.id)
+        self._dashboards.append(show(self.store.path, self.id))
 
     def metrics(self) -> pd.DataFrame:
         """Per-step worker metrics from the run store: one row per reported step per worker

@@ -148,6 +148,13 @@ class Dashboard:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    def join(self, timeout: float) -> bool:
+        """Wait, at most ``timeout`` seconds, until the polling thread has ended: after the run's end, once the
+        display shows the final figures. True when it has."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        return not self.running
+
     def close(self) -> None:
         """Stop polling and close the store connection of the caller's thread."""
         self.stop()

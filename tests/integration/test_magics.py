@@ -95,6 +95,8 @@ def test_placement_magic_lists_shards(ip, capsys):
                                 "--partition 0.weight=2 --wait", TRAIN_CELL)
         assert run.global_step == 4
         capsys.readouterr()
+        # the dashboard's final update came before train --wait returned, never into a later cell's output
+        time.sleep(1)
         ip.run_line_magic("pscluster", "placement")
         lines = capsys.readouterr().out.splitlines()
         assert lines == cluster.placement() and len(lines) == 5  # 0.weight in two shards, 0.bias, 2.*
