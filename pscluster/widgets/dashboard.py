@@ -145,15 +145,13 @@ class Dashboard:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the polling thread and wait for it (at most ``timeout`` seconds)."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        self.join(timeout)
 
-    def join(self, timeout: float) -> bool:
-        """Wait, at most ``timeout`` seconds, until the polling thread has ended: after the run's end, once the
-        display shows the final figures. True when it has."""
+    def join(self, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, until the polling thread has ended (by itself: after the run's end,
+        once the display shows the final figures)."""
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        return not self.running
 
     def close(self) -> None:
         """Stop polling and close the store connection of the caller's thread."""
