@@ -1,14 +1,18 @@
 """Hosts for multi-host tests, on this machine: network namespaces on a bridge, each running its own sshd.
 
-The root namespace holds the bridge at 10.231.0.1 (where the controller listens); host ``i`` is namespace
-``pscl<tag>h<i>`` at 10.231.0.<i+2>, reached by root with a key made for the test session, on that address
-only. Everything started here is stopped by pid, and the namespaces and bridge are deleted, even when a test
-fails. Where namespaces cannot be made (not root, no ``ip``, no sshd), the tests skip with the reason.
+The root namespace holds the bridge at 10.231.<n>.1 (where the controller listens); host ``i`` is namespace
+``pscl<tag>h<i>`` at 10.231.<n>.<i+2>, reached by root with a key made for the test session, on that address
+only. ``<tag>`` is the test session's pid and ``<n>`` the first subnet no route of this machine uses. Everything
+started here is stopped by pid, and the namespaces and bridge are deleted, even when a test fails; those a killed
+test session left behind (its pid gone) are deleted when the next one starts, since a bridge left holding a
+subnet takes the traffic meant for a new one. Where namespaces cannot be made (not root, no ``ip``, no sshd), the
+tests skip with the reason.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +23,7 @@ import pytest
 
 from pscluster.cluster.reaper import alive
 
-SUBNET = "10.231.0"
+SUBNETS = [f"10.231.{n}" for n in range(256)]
 SSHD = "/usr/sbin/sshd"
 
 
@@ -50,10 +54,14 @@ class Hosts:
 
     tmp: str
     tag: str
+    subnet: str
     names: list[str] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
     sshd: list[subprocess.Popen] = field(default_factory=list)
-    controller_ip: str = f"{SUBNET}.1"
+
+    @property
+    def controller_ip(self) -> str:
+        return f"{self.subnet}.1"
 
     @property
     def bridge(self) -> str:
@@ -88,7 +96,7 @@ class Hosts:
 
     def add(self) -> None:
         i = len(self.names)
-        name, address = f"pscl{self.tag}h{i}", f"{SUBNET}.{i + 2}"
+        name, address = f"pscl{self.tag}h{i}", f"{self.subnet}.{i + 2}"
         inner = f"pscl{self.tag}n{i}"
         sh("ip", "netns", "add", name)
         self.names.append(name)
@@ -105,12 +113,16 @@ class Hosts:
                     f"AuthorizedKeysFile {self.tmp}/authorized_keys\nPermitRootLogin prohibit-password\n"
                     "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
                     "PrintMotd no\nSubsystem sftp internal-sftp\n")
-        self.sshd.append(subprocess.Popen(["ip", "netns", "exec", name, SSHD, "-D", "-e", "-f", config],
+        log = os.path.join(self.tmp, f"sshd-{i}.log")
+        self.sshd.append(subprocess.Popen(["ip", "netns", "exec", name, SSHD, "-D", "-E", log, "-f", config],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 15
-        while sh("ssh", *self.ssh_args, address, "true", check=False).returncode != 0:
+        while (tried := sh("ssh", *self.ssh_args, address, "true", check=False)).returncode != 0:
             if time.monotonic() > deadline or self.sshd[-1].poll() is not None:
-                raise RuntimeError(f"sshd in {name} did not answer on {address}")
+                with open(log) as f:
+                    logged = f.read()[-2000:]
+                raise RuntimeError(f"sshd in {name} did not answer on {address}: ssh said {tried.stderr.strip()!r}; "
+                                   f"sshd logged {logged!r}")
             time.sleep(0.2)
 
     def teardown(self) -> None:
@@ -122,6 +134,28 @@ class Hosts:
         for name in self.names:
             sh("ip", "netns", "delete", name, check=False)
         sh("ip", "link", "delete", self.bridge, check=False)
+
+
+def remove_stale() -> None:
+    """Delete the namespaces (and what runs in them) and bridges of test sessions whose pid is gone."""
+    for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
+        match = re.match(r"pscl(\d+)h\d+\b", line)
+        if match and not alive(int(match[1])):
+            for pid in sh("ip", "netns", "pids", match[0], check=False).stdout.split():
+                _kill(int(pid))
+            sh("ip", "netns", "delete", match[0], check=False)  # its veth pair goes with it
+    for match in re.finditer(r"^\d+: (pscl(\d+)br):", sh("ip", "-o", "link", "show", check=False).stdout, re.M):
+        if not alive(int(match[2])):
+            sh("ip", "link", "delete", match[1], check=False)
+
+
+def free_subnet() -> str:
+    """The first of ``SUBNETS`` that no route of this machine uses (another test session may hold one)."""
+    routes = sh("ip", "-4", "route", "show", check=False).stdout
+    for subnet in SUBNETS:
+        if not re.search(rf"(?<![\d.]){re.escape(subnet)}\.", routes):
+            return subnet
+    raise RuntimeError("every subnet 10.231.0-255.0/24 is routed already: delete the pscl* links (ip link)")
 
 
 def _kill(pid: int) -> None:
@@ -146,7 +180,8 @@ def hosts(tmp_path_factory):
     sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", os.path.join(tmp, "host_key"))
     sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", os.path.join(tmp, "id"))
     shutil.copy(os.path.join(tmp, "id.pub"), os.path.join(tmp, "authorized_keys"))
-    made = Hosts(tmp=tmp, tag=str(os.getpid() % 100000))
+    remove_stale()
+    made = Hosts(tmp=tmp, tag=str(os.getpid()), subnet=free_subnet())
     try:
         sh("ip", "link", "add", made.bridge, "type", "bridge")
         sh("ip", "addr", "add", f"{made.controller_ip}/24", "dev", made.bridge)
