@@ -420,9 +420,11 @@ def peek_op(header) -> int | None:
 
 def receive(sock, max_frames: int) -> list | None:
     """One multipart message from ``sock`` as ``zmq.Frame`` parts, or None when it has more than
-    ``max_frames`` parts: those past the limit are read and let go, never kept."""
-    frames = [sock.recv(copy=False)]
-    while sock.getsockopt(zmq.RCVMORE):
+    ``max_frames`` parts: those past the limit are read and let go, never kept. (Each frame's own ``more``, not
+    the socket's RCVMORE option: asking the socket took two thirds of the time of a message of many frames.)"""
+    part = sock.recv(copy=False)
+    frames = [part]
+    while part.more:
         part = sock.recv(copy=False)
         if frames is not None:
             frames.append(part)
