@@ -2,6 +2,7 @@
 trains like the same cluster on local engines; a host cut off during a run is detected by the controller's
 heartbeats, named, and recovered from (or the run ends with its name) within a bounded time."""
 
+import faulthandler
 import time
 
 import psutil
@@ -88,6 +89,10 @@ def test_a_host_cut_off_mid_run_is_named_and_the_run_recovers_or_ends_in_bounded
         deadline = cut_at + 120
         while not (lost := _events(run, "lost")) and not run.done and time.monotonic() < deadline:
             time.sleep(0.2)
+        if not lost:  # where each thread of this process is, and what the controller still counts, for the report
+            faulthandler.dump_traceback(all_threads=True)
+            print(f"engines registered: {sorted(cluster._engines.registered())}; {cluster.spec}; "
+                  f"step {run.global_step}; events:\n{run.events().tail(20).to_string()}")
         assert lost, f"the lost ps was not detected within 120s ({run.error})"
         assert (lost[0]["task"], lost[0]["host"]) == ("ps:0", h.addresses[0])
         # recovered (the ps replaced on a live host, training past the step of the cut) or ended naming the host
