@@ -18,6 +18,7 @@ import pytest
 import torch
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+from benchmarks.run_view import DRAWN_MS  # the same measure as the benchmark of the run view
 import pscluster
 from pscluster.cluster import registry
 from pscluster.metrics.store import RunStore
@@ -43,9 +44,6 @@ CELLS = [
 # the time from the click on a run to its loss chart drawn with data, measured in the page
 CLICKED = """() => document.addEventListener('click', () => { window.psclusterClickedAt = performance.now(); },
     {capture: true, once: true})"""
-DRAWN_MS = """(selector) => { const plot = document.querySelector(selector);
-    return plot && plot.querySelector('.main-svg .scatterlayer .trace')
-        && performance.now() - window.psclusterClickedAt; }"""
 # what a plotly chart draws: its y axis type and the names of its traces in the legend
 CHART = """(div) => ({yaxis: div._fullLayout.yaxis.type, xtype: div._fullLayout.xaxis.type,
     xrange: div._fullLayout.xaxis.range, legend: div._fullData.filter(t => t.showlegend).map(t => t.name)})"""
