@@ -2,8 +2,9 @@
 
 Requests to several ps tasks are all sent before any reply is awaited; each
 reply is matched by its session and request id (see ``protocol``), and every wait has a timeout. A ps whose connection
-drops (its process died, or ZeroMQ heartbeats went unanswered for ``HEARTBEAT_TIMEOUT_MS``)
-fails the requests waiting on it at once with PeerLost instead of at the timeout. A worker on the same
+drops (its process died, or ZeroMQ heartbeats went unanswered for ``HEARTBEAT_TIMEOUT_MS``), or that refuses the
+handshake (one side encrypted and not the other), fails the requests waiting on it at once with PeerLost instead
+of at the timeout; a send that ZeroMQ cannot queue (a connection the handshake ended) fails within the timeout. A worker on the same
 host as a ps moves its dense values through a shared-memory lane (``share``, see ``lanes``).
 """
 
@@ -27,6 +28,7 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 CONNECT_RETRIES = 20  # refused connection attempts (100 ms apart) before a ps counts as lost
 _LANE_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
+_HANDSHAKE_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 @dataclass
@@ -46,6 +48,20 @@ class Reply:
     value: int         # ps 0's value (staleness for pushes)
     wait_s: float      # the longest a ps held the request (sync: waiting for other replicas)
     messages: list[Message]
+
+
+_NO_CONNECTION = ("it has no connection with this client (the handshake failed: is one of them encrypted "
+                  "and not the other?), or it was lost")
+
+
+def _lost(event: int) -> str:
+    """What monitor ``event`` of a ps's socket says happened to the ps."""
+    if event == zmq.EVENT_CONNECT_RETRIED:
+        return "refuses connections: it was lost"
+    if event & _HANDSHAKE_REFUSED:
+        return ("refused this client's handshake: start both with the same encrypt setting and secret "
+                "(PSCLUSTER_SECRET)")
+    return "disconnected: it was lost"
 
 
 def _answers(reply: Message, request_id: int, nonce: bytes, *, hello: bool) -> bool:
@@ -84,9 +100,10 @@ class PSClient:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            if spec.encrypt:
+            s.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))  # a DEALER whose connection a failed handshake
+            if spec.encrypt:                                  # ended blocks its sends until this
                 curve.make_client(s, spec.key)
-            monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            monitor = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | _HANDSHAKE_REFUSED)
             s.connect(ps.address)
             self._socks[ps.index] = s
             self._index[s] = ps.index
@@ -151,7 +168,11 @@ class PSClient:
                                   f"{self._max_frame[i]}: start it with max_frame_bytes of at least "
                                   f"{protocol.MAX_FRAME_BYTES} (the largest frame the protocol sends)")
             self.bytes_sent += sum(sizes)
-            self._socks[i].send_multipart(frames, copy=False)
+            try:
+                self._socks[i].send_multipart(frames, copy=False)
+            except zmq.Again:
+                raise PeerLost(f"ps {i} at {self.spec.ps[i].address} took no {op.name} within {self.timeout:.0f}s: "
+                               f"{_NO_CONNECTION}") from None
             pending[i] = (msg.request_id, msg.nonce)
         return Pending(op, pending)
 
@@ -176,9 +197,7 @@ class PSClient:
                         if self._refused[i] < CONNECT_RETRIES:
                             continue
                     if i in pending and i not in replies:
-                        what = "refuses connections" if event == zmq.EVENT_CONNECT_RETRIED else "disconnected"
-                        raise PeerLost(f"ps {i} at {self.spec.ps[i].address} {what} during {op.name}: "
-                                       "it was lost")
+                        raise PeerLost(f"ps {i} at {self.spec.ps[i].address} {_lost(event)} during {op.name}")
                     continue
                 i = self._index[sock]
                 frames = sock.recv_multipart(copy=False)

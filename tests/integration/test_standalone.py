@@ -179,16 +179,29 @@ def committed_steps(home) -> list[int]:
     return [d["step"] for d in events.query("kind == 'checkpoint'")["detail"]]
 
 
+def wait_for_a_checkpoint(home, processes, before: str, timeout: float = 180) -> None:
+    """Wait until the run training now has committed a checkpoint, while every one of ``processes`` lives; else
+    fail saying why (``before``: what the test was about to do), with what each task printed."""
+    started = time.monotonic()
+    while not committed_steps(home):
+        ended = [p for p in processes if p.poll() is not None]
+        if ended or time.monotonic() - started > timeout:
+            for p in processes:
+                p.kill()
+            printed = "\n".join(f"--- task {i} (exit status {p.wait()}):\n{p.stdout.read()}"
+                                for i, p in enumerate(processes))
+            why = f"{len(ended)} task(s) ended" if ended else "none came"
+            pytest.fail(f"no checkpoint within {time.monotonic() - started:.0f}s before {before}: {why}\n{printed}")
+        time.sleep(0.1)
+
+
 def test_a_chief_killed_and_started_again_resumes_from_the_latest_checkpoint_and_the_workers_join_it(estimator,
                                                                                                      tmp_path):
     cluster = {"ps": [f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
                "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
     secret, home = os.urandom(16).hex(), tmp_path / "home"
     ps, chief, *workers = seed_000_job(estimator, 600, home, cluster, secret)
-    deadline = time.monotonic() + 180
-    while not committed_steps(home) and time.monotonic() < deadline and chief.poll() is None:
-        time.sleep(0.1)
-    assert committed_steps(home), "no checkpoint before the chief was to be killed"
+    wait_for_a_checkpoint(home, [ps, chief, *workers], "the chief was to be killed")
     chief.kill()  # SIGKILL, mid run: its supervisor dies with it
     chief.wait(10)
     again = start(estimator, 600, home, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "chief",
@@ -216,10 +229,7 @@ def test_the_whole_job_killed_mid_run_and_started_again_resumes_from_its_latest_
                "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
     secret, home = os.urandom(16).hex(), tmp_path / "home"
     job = seed_000_job(estimator, 600, home, cluster, secret)
-    deadline = time.monotonic() + 180
-    while not committed_steps(home) and time.monotonic() < deadline and all(p.poll() is None for p in job):
-        time.sleep(0.1)
-    assert committed_steps(home), "no checkpoint before the job was to be killed"
+    wait_for_a_checkpoint(home, job, "the job was to be killed")
     for p in job:  # the machine lost power, or the scheduler killed the whole job
         p.kill()
     for p in job:
@@ -246,10 +256,7 @@ def test_a_ps_killed_and_started_again_by_its_scheduler_costs_a_few_steps_and_th
         tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
         return start(estimator, 1000, home, TF_CONFIG=tf_config, PSCLUSTER_SECRET=secret)
     ps0, ps1, chief, worker = task("ps", 0), task("ps", 1), task("chief", 0), task("worker", 0)
-    deadline = time.monotonic() + 180
-    while not committed_steps(home) and time.monotonic() < deadline and chief.poll() is None:
-        time.sleep(0.1)
-    assert committed_steps(home), "no checkpoint before the ps was to be killed"
+    wait_for_a_checkpoint(home, [ps0, ps1, chief, worker], "the ps was to be killed")
     ps1.kill()  # SIGKILL mid run; its scheduler starts it again a moment later, with the same config
     ps1.wait(10)
     time.sleep(1.0)
@@ -276,10 +283,7 @@ def test_a_worker_killed_and_started_again_by_its_scheduler_rejoins_the_run(esti
         tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
         return start(estimator, 600, home, TF_CONFIG=tf_config, PSCLUSTER_SECRET=secret)
     ps, chief, worker = task("ps", 0), task("chief", 0), task("worker", 0)
-    deadline = time.monotonic() + 180
-    while not committed_steps(home) and time.monotonic() < deadline and chief.poll() is None:
-        time.sleep(0.1)
-    assert committed_steps(home), "no checkpoint before the worker was to be killed"
+    wait_for_a_checkpoint(home, [ps, chief, worker], "the worker was to be killed")
     worker.kill()
     worker.wait(10)
     time.sleep(1.0)  # meanwhile the sync run waits for its gradients
