@@ -1,10 +1,10 @@
 """PSClient: a worker's (or the controller's) connection to every ps task.
 
-Requests to several ps tasks are all sent before any reply is awaited; each
-reply is matched by its session and request id (see ``protocol``), and every wait has a timeout. A ps whose connection
-drops (its process died, or ZeroMQ heartbeats went unanswered for ``HEARTBEAT_TIMEOUT_MS``), or that refuses the
-handshake (one side encrypted and not the other), fails the requests waiting on it at once with PeerLost instead
-of at the timeout; a send that ZeroMQ cannot queue (a connection the handshake ended) fails within the timeout. A worker on the same
+Requests to several ps tasks are all sent before any reply is awaited; each reply is matched by its session and
+request id (see ``protocol``), and every wait has a timeout. A ps whose connection drops (its process died, or
+ZeroMQ heartbeats went unanswered for ``HEARTBEAT_TIMEOUT_MS``), or that refuses the handshake (one side
+encrypted and not the other), fails the requests waiting on it at once with PeerLost instead of at the timeout;
+a send that ZeroMQ cannot queue (a connection the handshake ended) fails within the timeout. A worker on the same
 host as a ps moves its dense values through a shared-memory lane (``share``, see ``lanes``).
 """
 
@@ -20,7 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import ConfigError, PeerLost, ProtocolError, RunOver, RuntimeTimeout, StaleTask, TrainingError
 from ..spec import ClusterSpec
-from . import curve, host_copies, protocol
+from . import curve, host_copies, parts, protocol
 from .lanes import Lane, LaneError
 from .protocol import Flag, Message, Op
 
@@ -54,14 +54,14 @@ _NO_CONNECTION = ("it has no connection with this client (the handshake failed: 
                   "and not the other?), or it was lost")
 
 
-def _lost(event: int) -> str:
-    """What monitor ``event`` of a ps's socket says happened to the ps."""
+def _lost(event: int, op: Op) -> str:
+    """What monitor ``event`` of a ps's socket, seen during ``op``, says happened to the ps."""
     if event == zmq.EVENT_CONNECT_RETRIED:
-        return "refuses connections: it was lost"
+        return f"refuses connections during {op.name}: it was lost"
     if event & _HANDSHAKE_REFUSED:
-        return ("refused this client's handshake: start both with the same encrypt setting and secret "
-                "(PSCLUSTER_SECRET)")
-    return "disconnected: it was lost"
+        return (f"refused this client's handshake during {op.name}: start both with the same encrypt setting "
+                "and secret (PSCLUSTER_SECRET)")
+    return f"disconnected during {op.name}: it was lost"
 
 
 def _answers(reply: Message, request_id: int, nonce: bytes, *, hello: bool) -> bool:
@@ -94,6 +94,7 @@ class PSClient:
         self._socks, self._monitors, self._index = {}, {}, {}  # ps index -> socket, socket -> ps index
         self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
         self._lanes: dict[int, Lane] = {}  # ps index -> the shared-memory lane of its session
+        self._assembling: dict[int, parts.Assembly] = {}  # ps index -> its reply arriving in parts
         self._poller = zmq.Poller()
         for ps in spec.ps if only is None else [spec.ps[i] for i in only]:
             s = protocol.configure(self._ctx.socket(zmq.DEALER))
@@ -161,20 +162,23 @@ class PSClient:
         copies.wait()
         pending = {}
         for i, msg in messages.items():
-            frames = protocol.encode(msg, self.spec.key)
-            sizes = [memoryview(f).nbytes for f in frames]
-            if max(sizes) > self._max_frame.get(i, max(sizes)):
-                raise ConfigError(f"a frame of {max(sizes)} bytes for ps {i}, which receives at most "
-                                  f"{self._max_frame[i]}: start it with max_frame_bytes of at least "
-                                  f"{protocol.MAX_FRAME_BYTES} (the largest frame the protocol sends)")
-            self.bytes_sent += sum(sizes)
-            try:
-                self._socks[i].send_multipart(frames, copy=False)
-            except zmq.Again:
-                raise PeerLost(f"ps {i} at {self.spec.ps[i].address} took no {op.name} within {self.timeout:.0f}s: "
-                               f"{_NO_CONNECTION}") from None
+            for frames in parts.messages(msg, self.spec.key):
+                self._send_frames(i, op, frames)
             pending[i] = (msg.request_id, msg.nonce)
         return Pending(op, pending)
+
+    def _send_frames(self, i: int, op: Op, frames: list) -> None:
+        sizes = [memoryview(f).nbytes for f in frames]
+        if max(sizes) > self._max_frame.get(i, max(sizes)):
+            raise ConfigError(f"a frame of {max(sizes)} bytes for ps {i}, which receives at most "
+                              f"{self._max_frame[i]}: start it with max_frame_bytes of at least "
+                              f"{protocol.MAX_FRAME_BYTES} (the largest frame the protocol sends)")
+        self.bytes_sent += sum(sizes)
+        try:
+            self._socks[i].send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise PeerLost(f"ps {i} at {self.spec.ps[i].address} took no {op.name} within {self.timeout:.0f}s: "
+                           f"{_NO_CONNECTION}") from None
 
     def collect(self, sent: "Pending", timeout: float | None = None) -> list[Message]:
         """The second half of ``request``: one reply from each ps ``sent`` went to, in ps order."""
@@ -197,12 +201,12 @@ class PSClient:
                         if self._refused[i] < CONNECT_RETRIES:
                             continue
                     if i in pending and i not in replies:
-                        raise PeerLost(f"ps {i} at {self.spec.ps[i].address} {_lost(event)} during {op.name}")
+                        raise PeerLost(f"ps {i} at {self.spec.ps[i].address} {_lost(event, op)}")
                     continue
                 i = self._index[sock]
-                frames = sock.recv_multipart(copy=False)
-                self.bytes_received += sum(len(f) for f in frames)
-                msg = protocol.decode(frames, self.spec.key, release=True)
+                msg = self._receive(i, sock)
+                if msg is None:
+                    continue  # a head, or a part, of a message in parts not yet whole
                 if i not in pending or not _answers(msg, *pending[i], hello=op is Op.HELLO):
                     continue  # a late reply to a request that timed out earlier
                 if msg.flags & Flag.SHARED:
@@ -216,6 +220,29 @@ class PSClient:
                     raise error(f"ps {i}: {meta.get('error', 'error')}")
                 replies[i] = msg
         return [replies[i] for i in sorted(replies)]
+
+    def _receive(self, i: int, sock: zmq.Socket) -> Message | None:
+        """The next message from ps ``i``, or None while a message in parts is not yet whole (its head, or
+        one of its parts, came)."""
+        frames = sock.recv_multipart(copy=False)
+        self.bytes_received += sum(len(f) for f in frames)
+        if parts.is_part(frames):
+            assembly = self._assembling.get(i)
+            if assembly is None:
+                return None  # the rest of a message whose head was refused (that raised)
+            try:
+                if not assembly.feed(frames):
+                    return None
+            except ProtocolError:
+                del self._assembling[i]
+                raise
+            del self._assembling[i]
+            return assembly.message
+        msg = protocol.decode(frames, self.spec.key, release=True)
+        if msg.flags & Flag.PARTS:
+            self._assembling[i] = parts.Assembly(msg, frames[0], self.spec.key)
+            return None
+        return msg
 
     def _into_lane(self, i: int, op: Op, ids: list[int], tensors: list[torch.Tensor], meta,
                    copies: host_copies.Copies):

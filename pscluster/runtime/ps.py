@@ -72,7 +72,7 @@ import torch
 import zmq
 
 from ..errors import FencedOff, MalformedMessage, ProtocolError
-from . import checkpoint, curve, protocol
+from . import checkpoint, curve, parts, protocol
 from .emitter import MetricsEmitter
 from .lanes import Lane, LaneError
 from .optim import OptimizerSpec, PsOptimizer, build
@@ -87,6 +87,7 @@ POLL_MS = 100
 REPORT_S = 0.5  # how often a ps sends its counters to the collector
 PARK_S = 30.0  # how long a ps parked by a first STOP waits for the second
 SENT_WAIT_S = 0.01  # how long an update waits for ZeroMQ to let go of values it sends zero-copy (see release_sent)
+ASSEMBLY_S = 300.0  # a message in parts not whole this long after its head is dropped
 RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT excepted)
 MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
 MAX_LANES = 1024
@@ -121,7 +122,7 @@ class _RunState:
     accum_count: int = 0
     contributors: list[int] = field(default_factory=list)
     waiting: list[tuple[bytes, Message, float]] = field(default_factory=list)  # (identity, header, since)
-    snapshot: tuple[int, list[torch.Tensor], list[bytes]] | None = None  # step, values, their digests
+    snapshot: tuple[int, list[torch.Tensor], protocol.PayloadTags] | None = None  # step, values, their tags
     sending: list = field(default_factory=list)  # zmq.MessageTrackers of replies sending dense values zero-copy
     clocks: Counter = field(default_factory=Counter)  # ssp: pushes per worker
     pushes: int = 0
@@ -206,17 +207,16 @@ class _RunState:
         """The optimizer state of variable ``i`` (none for a frozen parameter or a buffer)."""
         return self.optimizer.state(self.params[i]) if self.kinds[i] == "param" else {}
 
-    def params_snapshot(self) -> tuple[list[torch.Tensor], list[bytes]]:
-        """The current dense values to reply with and the digests of their payload frames (``protocol.digest``,
-        ``protocol.payload_frames``), made once per step
-        (every reply of a sync step, and every pull, sends the same values, hashed once). The values are the
+    def params_snapshot(self) -> tuple[list[torch.Tensor], protocol.PayloadTags]:
+        """The current dense values to reply with and the tags of their payload frames, kept for the step
+        (every reply of a sync step, and every pull, sends the same values, tagged once, as the first reply is
+        sent: see ``parts``). The values are the
         variables themselves: one of ``protocol.COPY_LIMIT`` bytes or more goes without a copy, so the reply is
         tracked (``sending``) and the next update leaves its memory alone until ZeroMQ is done with it
         (``release_sent``); a smaller one is copied as it is sent."""
         if self.snapshot is None or self.snapshot[0] != self.step:
             values = [p.detach() for p in self.dense_params]
-            digests = [protocol.digest(frame) for v in values for frame in protocol.payload_frames(v)]
-            self.snapshot = (self.step, values, digests)
+            self.snapshot = (self.step, values, protocol.PayloadTags())
         return self.snapshot[1], self.snapshot[2]
 
 
@@ -261,6 +261,7 @@ class ParameterServer:
         self._stop_requested: set[tuple[int, int | None]] = set()
         self._past_runs: set[int] = set()
         self._lanes: OrderedDict[bytes, Lane] = OrderedDict()  # session nonce -> its shared-memory lane
+        self.assembling: dict[bytes, parts.Assembly] = {}  # connection identity -> its message arriving in parts
         self.rejected: Counter = Counter(dict.fromkeys(REJECTED, 0))  # messages dropped or refused, by reason
         self.failed_requests = 0
         self.bytes_in = 0
@@ -288,6 +289,7 @@ class ParameterServer:
                     last_report = time.monotonic()
                     self._report()
                     self._check_park()
+                    self._drop_stale_assemblies()
         finally:
             self._close_run()
             self._sock.close(linger=0)
@@ -338,6 +340,9 @@ class ParameterServer:
         identity, body = frames[0].bytes, frames[1:]
         frames.clear()  # body alone holds the payload frames, which decode lets go of as it copies them
         self.bytes_in += sum(len(f) for f in body)
+        if parts.is_part(body):
+            self._take_part(identity, body)
+            return
         try:
             msg = protocol.decode(body, self.key, self._limits(body), release=True)
             if msg.op is Op.HELLO:
@@ -351,7 +356,33 @@ class ParameterServer:
         except ProtocolError as e:
             self.rejected[e.counter] += 1
             return
+        if msg.flags & Flag.PARTS:  # served once its parts are in (one message in parts per connection)
+            self.assembling[identity] = parts.Assembly(msg, body[0], self.key)
+            return
         self._serve(identity, msg)
+
+    def _take_part(self, identity: bytes, body) -> None:
+        """One part of the message arriving in parts from ``identity``: serve the message once it is whole;
+        drop it, counting why, at a part that does not belong."""
+        assembly = self.assembling.get(identity)
+        try:
+            if assembly is None:
+                raise MalformedMessage("a part without its message's head on this connection")
+            if not assembly.feed(body):
+                return
+        except ProtocolError as e:
+            self.rejected[e.counter] += 1
+            self.assembling.pop(identity, None)
+            return
+        del self.assembling[identity]
+        self._serve(identity, assembly.message)
+
+    def _drop_stale_assemblies(self) -> None:
+        """Forget messages whose parts stopped coming ``ASSEMBLY_S`` ago (a sender that died on the way)."""
+        now = time.monotonic()
+        for identity in [i for i, a in self.assembling.items() if now - a.started > ASSEMBLY_S]:
+            del self.assembling[identity]
+            self.rejected["malformed"] += 1
 
     def _limits(self, body) -> protocol.Limits:
         """What a message may hold: a running run's requests are held to the sizes of its variables; INIT
@@ -375,17 +406,19 @@ class ParameterServer:
             self.failed_requests += 1
             self._error(identity, msg, f"{msg.op.name} failed: {type(e).__name__}: {e}")
 
-    def _send(self, identity: bytes, msg: Message, digests: list[bytes] | None = None, *, track: bool = False):
+    def _send(self, identity: bytes, msg: Message, tags: protocol.PayloadTags | None = None, *,
+              track: bool = False):
         """Send ``msg``; with ``track``, a zmq.MessageTracker that is done once ZeroMQ is done with every frame
         sent without a copy (pyzmq's ``send_multipart`` tracks its last frame only)."""
-        frames = [identity, *protocol.encode(msg, self.key, digests)]
-        self.bytes_out += sum(memoryview(f).nbytes for f in frames[1:])
-        if not track:
-            self._sock.send_multipart(frames, copy=False)
-            return None
-        trackers = [self._sock.send(f, zmq.SNDMORE, copy=False, track=True) for f in frames[:-1]]
-        trackers.append(self._sock.send(frames[-1], copy=False, track=True))
-        return zmq.MessageTracker(*trackers)
+        trackers = []
+        for frames in parts.messages(msg, self.key, tags):
+            self.bytes_out += sum(memoryview(f).nbytes for f in frames)
+            if not track:
+                self._sock.send_multipart([identity, *frames], copy=False)
+                continue
+            trackers += [self._sock.send(f, zmq.SNDMORE, copy=False, track=True) for f in [identity, *frames[:-1]]]
+            trackers.append(self._sock.send(frames[-1], copy=False, track=True))
+        return zmq.MessageTracker(*trackers) if track else None
 
     def _reply(self, identity: bytes, req: Message, op: Op, *, flags=Flag.NONE, value: int = 0,
                wait_us: int = 0, with_params: bool = False, meta: dict | None = None) -> None:
@@ -394,7 +427,7 @@ class ParameterServer:
                         step=run.step if run else 0, value=value, wait_us=wait_us, meta=meta)
         if run is not None and run.stopped:
             reply.flags |= Flag.STOPPED
-        digests = None
+        tags = None
         lane = self._lanes.get(req.nonce) if with_params and req.flags & Flag.SHARED else None
         if lane is not None:
             with torch.no_grad():
@@ -404,11 +437,11 @@ class ParameterServer:
             self.bytes_out += lane.nbytes
         elif with_params:
             reply.ids = run.dense_ids
-            reply.tensors, digests = run.params_snapshot()
+            reply.tensors, tags = run.params_snapshot()
             if run.zero_copy:
-                run.sending.append(self._send(identity, reply, digests, track=True))
+                run.sending.append(self._send(identity, reply, tags, track=True))
                 return
-        self._send(identity, reply, digests)
+        self._send(identity, reply, tags)
 
     def _error(self, identity: bytes, req: Message, text: str) -> None:
         self._reply(identity, req, Op.ERROR, meta={"error": text})

@@ -10,8 +10,8 @@ import itertools
 
 import zmq
 
-from pscluster.runtime import protocol
-from pscluster.runtime.protocol import Message, Op
+from pscluster.runtime import parts, protocol
+from pscluster.runtime.protocol import Flag, Message, Op
 
 
 class RawPeer:
@@ -52,9 +52,19 @@ class RawPeer:
         return self.reply(timeout_ms)
 
     def reply(self, timeout_ms: int) -> Message | None:
+        """The next message from the ps, put back together when it comes in parts (None: none came)."""
         if not self.sock.poll(timeout_ms):
             return None
-        return protocol.decode(self.sock.recv_multipart(copy=False), self.key)
+        frames = self.sock.recv_multipart(copy=False)
+        msg = protocol.decode(frames, self.key)
+        if not msg.flags & Flag.PARTS:
+            return msg
+        assembly = parts.Assembly(msg, frames[0], self.key)
+        while True:
+            if not self.sock.poll(timeout_ms):
+                return None
+            if assembly.feed(self.sock.recv_multipart(copy=False)):
+                return assembly.message
 
     def drain(self) -> int:
         """Read and count the replies waiting."""

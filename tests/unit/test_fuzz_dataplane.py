@@ -205,7 +205,7 @@ class Fuzzer:
 
     def _bad_header(self, field: str, n: int) -> list:
         fields = dict(zip(("magic", "version", "op", "flags", "task", "run_id", "nonce", "request_id", "step",
-                           "value", "wait_us", "count"), protocol._HEADER.unpack(self.signed_push()[0])))
+                           "value", "wait_us", "count", "salt"), protocol._HEADER.unpack(self.signed_push()[0])))
         fields[field] = {"magic": b"XSCL", "version": protocol.PROTOCOL_VERSION + n, "op": 100 + n % 100,
                          "flags": 8 + n % 200, "count": fields["count"] + n}[field]
         return self._resigned(self.signed_push(), 0, protocol._HEADER.pack(*fields.values()))

@@ -6,11 +6,11 @@ import hmac
 import json
 import struct
 
-import blake3
 import numpy as np
 import pytest
 import torch
 import zmq
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from pscluster.errors import BadSignature, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
 from pscluster.runtime import protocol
@@ -41,7 +41,7 @@ def round_trip(msg: Message, key: bytes = KEY) -> Message:
 def resign(frames, key: bytes = KEY, **header):
     """``frames`` with header fields replaced and a fresh, valid signature."""
     fields = dict(zip(("magic", "version", "op", "flags", "task", "run_id", "nonce", "request_id", "step",
-                       "value", "wait_us", "count"), protocol._HEADER.unpack(frames[0])))
+                       "value", "wait_us", "count", "salt"), protocol._HEADER.unpack(frames[0])))
     fields.update(header)
     return sign([protocol._HEADER.pack(*fields.values()), *frames[1:-1]], key)
 
@@ -158,13 +158,37 @@ def test_mac_covers_frame_boundaries():
     assert protocol.mac(KEY, [b"ab", b"c"]) != protocol.mac(KEY, [b"a", b"bc"])
 
 
-def test_mac_is_hmac_sha256_of_the_length_prefixed_frames_payloads_by_their_blake3(frames):
+def test_mac_is_hmac_sha256_of_the_length_prefixed_frames_payloads_by_their_gmac(frames):
+    gmac = AESGCM(hmac.new(KEY, b"pscluster payload GMAC key", hashlib.sha256).digest())
+    salt = bytes(frames[0])[-protocol.SALT_SIZE:]
+
     def item(i, f):
         raw = bytes(memoryview(f))
-        return struct.pack("!Q", len(raw)) + (raw if i < 3 else blake3.blake3(raw).digest())
+        if i >= 3:  # a payload: by its AES-GMAC, the nonce the header's salt with the payload's index in its end
+            nonce = salt[:8] + (int.from_bytes(salt[8:], "big") ^ (i - 3)).to_bytes(4, "big")
+            raw = gmac.encrypt(nonce, b"", raw)
+        return struct.pack("!Q", memoryview(f).nbytes) + raw
     signed = b"".join(item(i, f) for i, f in enumerate(frames[:-1]))
+    assert len(frames) - 4 == 2  # two payloads
     assert bytes(frames[-1]) == hmac.new(KEY, signed, hashlib.sha256).digest()
     assert protocol.mac(KEY, frames[:-1]) == protocol.mac(KEY, frames[:-1])  # the cached key state is not consumed
+
+
+def test_every_message_has_a_salt_of_its_own_and_a_tag_cached_for_one_salt_serves_that_salt_only():
+    msg = Message(op=Op.PARAMS, ids=[0], tensors=[sample(torch.float32)])
+    salts = {bytes(encode(msg, KEY)[0])[-protocol.SALT_SIZE:] for _ in range(100)}
+    assert len(salts) == 100
+    tags = protocol.PayloadTags()
+    first = encode(msg, KEY, tags)  # tags the payload, and keeps its tag
+    assert len(tags.tags) == 1 and bytes(first[0])[-protocol.SALT_SIZE:] == tags.salt
+    again = encode(msg, KEY, tags)  # the ps's next reply of the same values: the same salt and tag
+    assert bytes(again[-1]) == bytes(first[-1]) and decode(again, KEY).tensors[0].equal(msg.tensors[0])
+    other = protocol.PayloadTags()
+    encode(msg, KEY, other)
+    assert other.salt != tags.salt and other.tags != tags.tags
+    forged = encode(msg, KEY, protocol.PayloadTags(tags.salt, other.tags))  # tags of another salt
+    with pytest.raises(BadSignature):
+        decode(forged, KEY)
 
 
 # --- what decode refuses -------------------------------------------------------------------
@@ -186,6 +210,12 @@ def test_a_flipped_byte_anywhere_is_refused(frames, index):
         frames[index][len(frames[index]) // 2] ^= 0x01
     with pytest.raises(BadSignature):
         decode(frames, KEY)
+
+
+@pytest.mark.parametrize("header", [b"", b"z", bytes(protocol.SALT_SIZE + 1)], ids=["empty", "1-byte", "short"])
+def test_garbage_with_payload_frames_and_a_short_header_is_refused_as_badly_signed(header):
+    with pytest.raises(BadSignature):  # its payload tags take a salt the header cannot hold: computed all the same
+        decode([header, b"z", b"z", b"z", b"zz", bytes(protocol.MAC_SIZE)], KEY)
 
 
 def test_other_protocol_version_says_to_install_the_same_version(frames):

@@ -1,0 +1,132 @@
+"""Large messages in parts: the payload of a message of more than ``PART_BYTES`` travels in messages of its own
+after the message itself (its head), so that a sender tags each part while ZeroMQ sends the one before it, and a
+receiver checks and copies each part while the next one arrives. (ZeroMQ sends a multipart message only once
+its last frame is queued, and delivers it only whole: in one message, the tags of every payload run before the
+transfer on one side and after it on the other.)
+
+Wire format (see ``protocol`` for the rest):
+
+- The head is a protocol message with ``Flag.PARTS`` and no payload frames: its tensor table describes every
+  tensor, its signature covers header, table and json, and its header's salt is the payloads' salt.
+- Each part is ``[part header, payload frames..., tags]``: the part header packs ``PART_MAGIC``, the protocol
+  version, the head's salt and the index of the part's first payload frame (payload frames are numbered over
+  the whole message, tensor after tensor, as ``protocol.payload_frames`` cuts them); ``tags`` holds the 16-byte
+  AES-GMAC tag of each of its payload frames (``protocol.payload_tag``).
+
+A part is checked by its tags: each tag's nonce is made of the head's salt and the frame's index, so a part
+verifies only in its own place in its own message, and nobody without the cluster's secret can make a tag that
+verifies. A part that arrives without its head, out of order, of the wrong size, or with a tag that does not
+verify is refused (``MalformedMessage``, ``BadSignature``) and the message it belonged to is dropped.
+
+Call order: a sender sends every frame list ``messages(msg, key)`` yields, in order, on one socket. A receiver
+decodes each message that is not a part (``is_part``) with ``protocol.decode``; a decoded head (``Flag.PARTS``)
+opens an ``Assembly`` of the sender's next messages, ``feed`` takes each part and says when the message is whole
+(``Assembly.message``, its tensors filled in).
+"""
+
+from __future__ import annotations
+
+import hmac
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import torch
+
+from ..errors import BadSignature, MalformedMessage
+from . import protocol
+from .protocol import Flag, Message
+
+PART_BYTES = protocol.CHUNK_BYTES  # a message of a larger payload goes in parts of about this size
+PART_MAGIC = b"PSCP"
+TAG_SIZE = 16
+_PART = struct.Struct(f"!4sH{protocol.SALT_SIZE}sI")
+
+
+def messages(msg: Message, key: bytes, tags: protocol.PayloadTags | None = None) -> Iterator[list]:
+    """The frame lists that carry ``msg``, to send in order on one socket: the message itself when its payload is
+    ``PART_BYTES`` or less, else its head and then its parts, each part's tags computed as it is yielded.
+    ``tags``: those the sender keeps for these payloads (see ``protocol.encode``)."""
+    payloads = [frame for t in msg.tensors for frame in protocol.payload_frames(t)]
+    if sum(memoryview(f).nbytes for f in payloads) <= PART_BYTES:
+        yield protocol.encode(msg, key, tags)
+        return
+    tags = protocol.PayloadTags() if tags is None else tags
+    yield protocol.encode(replace(msg, flags=msg.flags | Flag.PARTS), key, protocol.PayloadTags(tags.salt))
+    first = 0
+    for group in _groups(payloads):
+        part_tags = b"".join(tags.tag(key, first + k, f) for k, f in enumerate(group))
+        yield [_PART.pack(PART_MAGIC, protocol.PROTOCOL_VERSION, tags.salt, first), *group, part_tags]
+        first += len(group)
+
+
+def _groups(payloads: list) -> Iterator[list]:
+    """Consecutive payload frames in groups of ``PART_BYTES`` or less (a frame is never larger)."""
+    group, size = [], 0
+    for frame in payloads:
+        nbytes = memoryview(frame).nbytes
+        if group and size + nbytes > PART_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(frame)
+        size += nbytes
+    if group:
+        yield group
+
+
+def is_part(frames) -> bool:
+    """Whether received ``frames`` (``zmq.Frame`` or bytes-like) are a part rather than a protocol message."""
+    if not frames:
+        return False
+    header = frames[0].buffer if hasattr(frames[0], "buffer") else memoryview(frames[0])
+    return header.nbytes == _PART.size and bytes(header[:4]) == PART_MAGIC
+
+
+class Assembly:
+    """A message whose head arrived and whose parts are arriving: ``feed`` each part in the order it came."""
+
+    def __init__(self, head: Message, header, key: bytes):
+        """``head``: the decoded head (its tensors allocated, not filled); ``header``: its header frame (the salt
+        is its last bytes)."""
+        self.message = head
+        self.started = time.monotonic()
+        self._key = key
+        self._salt = bytes(memoryview(header.buffer if hasattr(header, "buffer") else header)[-protocol.SALT_SIZE:])
+        self._slots = [slot for t in head.tensors for slot in _chunk_views(t)]
+        self._next = 0  # the index of the next payload frame expected
+
+    def feed(self, frames) -> bool:
+        """Check part ``frames`` and copy its payloads into the message's tensors; True once the message is
+        whole. Raises MalformedMessage or BadSignature on a part that does not belong here."""
+        bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+        if len(bufs) < 3 or bufs[0].nbytes != _PART.size:
+            raise MalformedMessage(f"part of {len(bufs)} frames: a header, payloads and their tags expected")
+        magic, version, salt, first = _PART.unpack(bufs[0])
+        payloads, tags = bufs[1:-1], bytes(bufs[-1])
+        if (magic, version) != (PART_MAGIC, protocol.PROTOCOL_VERSION) or salt != self._salt:
+            raise MalformedMessage("part of another message or protocol version")
+        if first != self._next or first + len(payloads) > len(self._slots):
+            raise MalformedMessage(f"part of payloads {first}.. where {self._next} of {len(self._slots)} is next")
+        if len(tags) != TAG_SIZE * len(payloads):
+            raise MalformedMessage("part whose tags do not match its payloads")
+        for k, (frame, slot) in enumerate(zip(payloads, self._slots[first:])):
+            if frame.nbytes != slot.numel():
+                raise MalformedMessage(f"payload {first + k} of {frame.nbytes} bytes where {slot.numel()} belong")
+            tag = protocol.payload_tag(self._key, self._salt, first + k, frame)
+            if not hmac.compare_digest(tag, tags[k * TAG_SIZE:(k + 1) * TAG_SIZE]):
+                raise BadSignature("part with a bad tag: the sender does not hold this cluster's secret")
+            if frame.nbytes:
+                slot.copy_(torch.frombuffer(frame, dtype=torch.uint8))
+        self._next += len(payloads)
+        if self._next < len(self._slots):
+            return False
+        self.message.flags &= ~Flag.PARTS  # whole now: as if it had come in one message
+        return True
+
+
+def _chunk_views(t: torch.Tensor) -> list[torch.Tensor]:
+    """Byte views of ``t`` (contiguous, allocated by ``protocol.decode``) in the payload frames it travels in."""
+    data = t.reshape(-1).view(torch.uint8)
+    chunk = protocol.CHUNK_BYTES
+    return [data[i * chunk:(i + 1) * chunk] for i in range(protocol.chunk_count(data.numel()))]
