@@ -143,7 +143,8 @@ class Result:
 def run_benchmark(name: str, fn: Callable[[bool, Path], Result], tiny: bool, out_dir: Path) -> dict:
     """Run one benchmark (``fn(tiny, out_dir)``), with the load average before and after, and write its JSON
     to ``out_dir``; returns it (when it failed: no rows, the error in ``skipped``, ``extra["failed"]``). One
-    this machine cannot run (skipped, say for want of a GPU) leaves an earlier result with rows in place."""
+    this machine cannot run at all (skipped with no rows, say for want of a GPU) leaves an earlier result with
+    rows in place; one run in part (rows, and a part skipped) replaces it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     before, start = os.getloadavg(), time.monotonic()
     try:
@@ -153,7 +154,7 @@ def run_benchmark(name: str, fn: Callable[[bool, Path], Result], tiny: bool, out
                         extra={"failed": True})
     data = result.to_dict(load_before=before, load_after=os.getloadavg(), seconds=time.monotonic() - start)
     path = out_dir / f"{name}.json"
-    if result.skipped and not result.extra.get("failed") and path.exists():
+    if result.skipped and not result.rows and not result.extra.get("failed") and path.exists():
         earlier = json.loads(path.read_text())
         if earlier["rows"]:  # measured where this machine cannot (a GPU's): kept, not replaced by "not run"
             return earlier

@@ -50,6 +50,21 @@ def test_a_benchmark_this_machine_cannot_run_keeps_the_result_measured_elsewhere
     assert json.loads((tmp_path / "gpu.json").read_text()) == failed and failed["extra"]["failed"]
 
 
+def test_a_benchmark_run_in_part_replaces_the_earlier_result_and_says_what_it_left_out(tmp_path):
+    def measured(median):
+        def run(tiny, out_dir):  # as exchange without Ray: its own rows, and the Ray step not run
+            result = Result("exchange", "exchange", tiny, skipped="Ray step: Ray is not installed")
+            result.rows.append(compare("case", "a", [median], "b", [4.0], "GB/s"))
+            return result
+        return run
+
+    run_benchmark("exchange", measured(2.0), False, tmp_path)
+    again = run_benchmark("exchange", measured(3.0), False, tmp_path)
+    assert json.loads((tmp_path / "exchange.json").read_text()) == again
+    assert again["rows"][0]["ratio"]["median"] == 0.75
+    assert "Not run: Ray step: Ray is not installed" in report.table(again, "results")
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_tiny_run_writes_every_result_and_the_tables(tmp_path):
