@@ -48,10 +48,10 @@ def messages(msg: Message, key: bytes, tags: protocol.PayloadTags | None = None)
     """The frame lists that carry ``msg``, to send in order on one socket: the message itself when its payload is
     ``PART_BYTES`` or less, else its head and then its parts, each part's tags computed as it is yielded.
     ``tags``: those the sender keeps for these payloads (see ``protocol.encode``)."""
-    payloads = [frame for t in msg.tensors for frame in protocol.payload_frames(t)]
-    if sum(memoryview(f).nbytes for f in payloads) <= PART_BYTES:
+    if msg.nbytes() <= PART_BYTES:
         yield protocol.encode(msg, key, tags)
         return
+    payloads = [frame for t in msg.tensors for frame in protocol.payload_frames(t)]
     tags = protocol.PayloadTags() if tags is None else tags
     yield protocol.encode(replace(msg, flags=msg.flags | Flag.PARTS), key, protocol.PayloadTags(tags.salt))
     first = 0
