@@ -94,7 +94,7 @@ class PSClient:
         self._socks, self._monitors, self._index = {}, {}, {}  # ps index -> socket, socket -> ps index
         self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
         self._lanes: dict[int, Lane] = {}  # ps index -> the shared-memory lane of its session
-        self._assembling: dict[int, parts.Assembly] = {}  # ps index -> its reply arriving in parts
+        self._assembling = parts.Assemblies(spec.key)  # by ps index: replies arriving in parts
         self._poller = zmq.Poller()
         for ps in spec.ps if only is None else [spec.ps[i] for i in only]:
             s = protocol.configure(self._ctx.socket(zmq.DEALER))
@@ -226,21 +226,11 @@ class PSClient:
         one of its parts, came)."""
         frames = sock.recv_multipart(copy=False)
         self.bytes_received += sum(len(f) for f in frames)
-        if parts.is_part(frames):
-            assembly = self._assembling.get(i)
-            if assembly is None:
-                return None  # the rest of a message whose head was refused (that raised)
-            try:
-                if not assembly.feed(frames):
-                    return None
-            except ProtocolError:
-                del self._assembling[i]
-                raise
-            del self._assembling[i]
-            return assembly.message
+        if parts.is_part(frames):  # none open: the rest of a message whose head was refused (that raised)
+            return self._assembling.take(i, frames) if i in self._assembling else None
         msg = protocol.decode(frames, self.spec.key, release=True)
         if msg.flags & Flag.PARTS:
-            self._assembling[i] = parts.Assembly(msg, frames[0], self.spec.key)
+            self._assembling.open(i, msg, frames[0])
             return None
         return msg
 

@@ -20,8 +20,8 @@ verify is refused (``MalformedMessage``, ``BadSignature``) and the message it be
 
 Call order: a sender sends every frame list ``messages(msg, key)`` yields, in order, on one socket. A receiver
 decodes each message that is not a part (``is_part``) with ``protocol.decode``; a decoded head (``Flag.PARTS``)
-opens an ``Assembly`` of the sender's next messages, ``feed`` takes each part and says when the message is whole
-(``Assembly.message``, its tensors filled in).
+opens an ``Assembly`` of the sender's next messages (``Assemblies.open``), and ``Assemblies.take`` feeds it each
+part and gives the message once it is whole, its tensors filled in.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import BadSignature, MalformedMessage
+from ..errors import BadSignature, MalformedMessage, ProtocolError
 from . import protocol
 from .protocol import Flag, Message
 
@@ -130,3 +130,45 @@ def _chunk_views(t: torch.Tensor) -> list[torch.Tensor]:
     data = t.reshape(-1).view(torch.uint8)
     chunk = protocol.CHUNK_BYTES
     return [data[i * chunk:(i + 1) * chunk] for i in range(protocol.chunk_count(data.numel()))]
+
+
+class Assemblies:
+    """The messages arriving in parts, at most one per sender (a ps: per connection; a client: per ps)."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+        self._open: dict = {}  # sender -> its Assembly
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, sender) -> bool:
+        return sender in self._open
+
+    def open(self, sender, head: Message, header) -> None:
+        """Expect the parts of ``head`` (decoded, with ``Flag.PARTS``; ``header``: its header frame) from
+        ``sender``, instead of any message of it still unfinished."""
+        self._open[sender] = Assembly(head, header, self._key)
+
+    def take(self, sender, frames) -> Message | None:
+        """Part ``frames`` from ``sender`` fed to its message: the message once whole, else None. Raises
+        MalformedMessage (no message of ``sender`` open) or what ``Assembly.feed`` raises, and then drops it."""
+        assembly = self._open.get(sender)
+        try:
+            if assembly is None:
+                raise MalformedMessage("a part without its message's head on this connection")
+            if not assembly.feed(frames):
+                return None
+        except ProtocolError:
+            self._open.pop(sender, None)
+            raise
+        del self._open[sender]
+        return assembly.message
+
+    def drop_older_than(self, seconds: float) -> int:
+        """Forget the messages opened more than ``seconds`` ago (a sender that died on the way); how many."""
+        now = time.monotonic()
+        stale = [sender for sender, a in self._open.items() if now - a.started > seconds]
+        for sender in stale:
+            del self._open[sender]
+        return len(stale)

@@ -261,7 +261,7 @@ class ParameterServer:
         self._stop_requested: set[tuple[int, int | None]] = set()
         self._past_runs: set[int] = set()
         self._lanes: OrderedDict[bytes, Lane] = OrderedDict()  # session nonce -> its shared-memory lane
-        self.assembling: dict[bytes, parts.Assembly] = {}  # connection identity -> its message arriving in parts
+        self.assembling = parts.Assemblies(key)  # by connection identity: messages arriving in parts
         self.rejected: Counter = Counter(dict.fromkeys(REJECTED, 0))  # messages dropped or refused, by reason
         self.failed_requests = 0
         self.bytes_in = 0
@@ -289,7 +289,7 @@ class ParameterServer:
                     last_report = time.monotonic()
                     self._report()
                     self._check_park()
-                    self._drop_stale_assemblies()
+                    self.rejected["malformed"] += self.assembling.drop_older_than(ASSEMBLY_S)
         finally:
             self._close_run()
             self._sock.close(linger=0)
@@ -357,32 +357,20 @@ class ParameterServer:
             self.rejected[e.counter] += 1
             return
         if msg.flags & Flag.PARTS:  # served once its parts are in (one message in parts per connection)
-            self.assembling[identity] = parts.Assembly(msg, body[0], self.key)
+            self.assembling.open(identity, msg, body[0])
             return
         self._serve(identity, msg)
 
     def _take_part(self, identity: bytes, body) -> None:
         """One part of the message arriving in parts from ``identity``: serve the message once it is whole;
         drop it, counting why, at a part that does not belong."""
-        assembly = self.assembling.get(identity)
         try:
-            if assembly is None:
-                raise MalformedMessage("a part without its message's head on this connection")
-            if not assembly.feed(body):
-                return
+            msg = self.assembling.take(identity, body)
         except ProtocolError as e:
             self.rejected[e.counter] += 1
-            self.assembling.pop(identity, None)
             return
-        del self.assembling[identity]
-        self._serve(identity, assembly.message)
-
-    def _drop_stale_assemblies(self) -> None:
-        """Forget messages whose parts stopped coming ``ASSEMBLY_S`` ago (a sender that died on the way)."""
-        now = time.monotonic()
-        for identity in [i for i, a in self.assembling.items() if now - a.started > ASSEMBLY_S]:
-            del self.assembling[identity]
-            self.rejected["malformed"] += 1
+        if msg is not None:
+            self._serve(identity, msg)
 
     def _limits(self, body) -> protocol.Limits:
         """What a message may hold: a running run's requests are held to the sizes of its variables; INIT

@@ -59,12 +59,12 @@ class RawPeer:
         msg = protocol.decode(frames, self.key)
         if not msg.flags & Flag.PARTS:
             return msg
-        assembly = parts.Assembly(msg, frames[0], self.key)
-        while True:
-            if not self.sock.poll(timeout_ms):
-                return None
-            if assembly.feed(self.sock.recv_multipart(copy=False)):
-                return assembly.message
+        assemblies = parts.Assemblies(self.key)
+        assemblies.open(None, msg, frames[0])
+        while self.sock.poll(timeout_ms):
+            if (whole := assemblies.take(None, self.sock.recv_multipart(copy=False))) is not None:
+                return whole
+        return None
 
     def drain(self) -> int:
         """Read and count the replies waiting."""
