@@ -8,10 +8,14 @@ Call order:
    process. Then ``check(model, spec, steps=steps)``; then ``register(shipped(spec))`` on every ps engine through
    ipyparallel (nothing to ship when the spec names torch classes and importable ``module:Class`` paths
    only); then INIT carries ``spec.to_dict()``.
-2. ps, at INIT: ``opt = build(named_variables, OptimizerSpec.from_dict(d), sparse=flags)``. At a restore to
-   global step S: ``opt.load_state(param, state)`` per variable, then ``opt.restore(S, schedule_state)``.
+2. ps, at INIT: ``opt = build(named_variables, OptimizerSpec.from_dict(d), sparse=flags, chunk_numel=sizes)``.
+   At a restore to global step S: ``opt.load_state(param, state)`` per variable, then
+   ``opt.restore(S, schedule_state)``.
 3. ps, for the update from global step s to s + 1: ``lr = opt.plain_sgd_rate(s)``; given a rate, the ps adds
-   ``-lr * grad`` to the variables itself; given None, it sets their ``.grad`` and calls ``opt.step(s)``.
+   ``-lr * grad`` to the variables itself; given None, it sets their ``.grad`` and calls ``opt.step(s)``. A
+   large variable whose gradient arrives in chunks may instead be updated chunk by chunk as they arrive:
+   ``opt.step_chunk(s, param, k, grad_chunk)`` for each chunk k of ``opt.chunk_numel(param)`` elements (with a
+   rate, the ps adds ``-lr * grad_chunk`` to that chunk itself).
 4. ps, at a checkpoint: ``opt.state(param)`` per variable and ``opt.schedule_state()`` (JSON).
 
 A schedule is stepped on the global step: the update from step s uses the learning rate the schedule gives
@@ -51,6 +55,12 @@ _OPTIMIZER_FIX = "pass the optimizer's own options"
 _SCHEDULE_FIX = "give a function of the global step that returns the learning-rate factor"
 _STEP_SCHEDULES = ("use a schedule of the step: a torch.optim.lr_scheduler class such as StepLR, "
                    "CosineAnnealingLR or OneCycleLR, or a function of the step that returns the learning-rate factor")
+
+# Optimizers whose update of an element depends on that element alone and on per-variable scalars (the step,
+# the learning rate): stepping a variable chunk by chunk is stepping it whole
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adamax,
+               torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
+               torch.optim.Adadelta)
 
 _registry: dict[str, object] = {}
 
@@ -344,12 +354,14 @@ def _group_of(name: str, groups: tuple) -> int:
 
 
 def build(named_params: list[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec, *,
-          sparse: list[bool] | None = None) -> PsOptimizer:
+          sparse: list[bool] | None = None, chunk_numel: list[int | None] | None = None) -> PsOptimizer:
     """The optimizer of one ps over its variables (``(name, parameter)``, names as the plan gives them, row
     shards as ``<param>/part_<k>``); ``sparse[i]``: variable i gets sparse gradients. The dense optimizer
     exists always (over empty groups where the ps holds no dense variable, so that it carries the schedule);
     the sparse one where there are sparse variables: SparseAdam for Adam and AdamW (lr, betas and eps only),
-    SGD and Adagrad as they are. Every refusal is a one-line ConfigError."""
+    SGD and Adagrad as they are. ``chunk_numel[i]``: the elements of each chunk variable i's gradient may arrive
+    in; with an ``ELEMENTWISE`` optimizer, a dense variable of more elements is stepped as views of it of that
+    many elements (``step_chunk``). Every refusal is a one-line ConfigError."""
     sparse = [False] * len(named_params) if sparse is None else [bool(s) for s in sparse]
     if len(sparse) != len(named_params):
         raise ConfigError(f"{len(sparse)} sparse flags for {len(named_params)} variables: give one per variable")
@@ -357,9 +369,15 @@ def build(named_params: list[tuple[str, torch.nn.Parameter]], spec: OptimizerSpe
     kwargs = _decode(spec.kwargs)
     options = [{k: v for k, v in _decode(g).items() if k != "params"} for g in spec.groups] + [{}]
     place = [_group_of(name, spec.groups) for name, _ in named_params]
+    chunks = {}
+    if cls in ELEMENTWISE:
+        for (_, p), s, n in zip(named_params, sparse, chunk_numel or [None] * len(named_params)):
+            if n and not s and p.numel() > n:
+                chunks[p] = _Chunks(p, n)
 
     def groups(want_sparse: bool, keep=None):
-        return [{"params": [p for (_, p), g, s in zip(named_params, place, sparse) if g == i and s == want_sparse],
+        return [{"params": [v for (_, p), g, s in zip(named_params, place, sparse) if g == i and s == want_sparse
+                            for v in (chunks[p].views if p in chunks else [p])],
                  **{k: v for k, v in opts.items() if keep is None or k in keep}} for i, opts in enumerate(options)]
 
     try:
@@ -386,7 +404,7 @@ def build(named_params: list[tuple[str, torch.nn.Parameter]], spec: OptimizerSpe
         except Exception as e:
             raise _refusal(f"sparse optimizer {sparse_cls.__name__}", sparse_kwargs, e, _OPTIMIZER_FIX) from None
     schedulers = [_scheduler(o, spec) for o in optimizers] if spec.scheduler else []
-    return PsOptimizer(optimizers, schedulers)
+    return PsOptimizer(optimizers, schedulers, chunks)
 
 
 def _scheduler(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> lr_scheduler.LRScheduler:
@@ -403,14 +421,59 @@ def _scheduler(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> lr_sche
         raise _refusal(f"schedule {spec.scheduler} (at step 0)", options, e, _SCHEDULE_FIX) from None
 
 
+class _Chunks:
+    """The views of a large variable, ``numel`` elements each (the last one shorter), that its optimizer steps
+    in its place: each view is a parameter of its own to the optimizer, with optimizer state of its own."""
+
+    def __init__(self, param: torch.Tensor, numel: int):
+        self.param, self.numel = param, numel
+        self.bounds = [(a, min(a + numel, param.numel())) for a in range(0, param.numel(), numel)]
+        self.views = [torch.nn.Parameter(self._slice(a, b)) for a, b in self.bounds]
+
+    def _slice(self, a: int, b: int) -> torch.Tensor:
+        return self.param.detach().view(-1)[a:b]
+
+    def rebind(self) -> None:
+        """Point the views at the variable's memory again (after its ``.data`` moved to new memory)."""
+        for view, (a, b) in zip(self.views, self.bounds):
+            view.data = self._slice(a, b)
+
+    def set_grads(self, grad: torch.Tensor | None) -> None:
+        """Give each view its slice of the variable's ``grad`` (None: clear them)."""
+        flat = None if grad is None else grad.reshape(-1)
+        for view, (a, b) in zip(self.views, self.bounds):
+            view.grad = None if flat is None else flat[a:b]
+
+    def merged(self, states: list[dict]) -> dict:
+        """The variable's optimizer state from its views' ``states``: per-element entries put together in the
+        variable's shape, per-variable ones (the step) as the first view has them; {} unless every view has
+        state (one that has not been stepped yet)."""
+        if not all(states):
+            return {}
+        return {key: torch.cat([s[key] for s in states]).view(self.param.shape)
+                if isinstance(value, torch.Tensor) and value.shape == self.views[0].shape else value
+                for key, value in states[0].items()}
+
+    def split(self, state: dict) -> list[dict]:
+        """Per view, its optimizer state from the variable's ``state`` (per-element entries as views of it,
+        per-variable ones copied: a view's step counts on its own)."""
+        shape = self.param.shape
+        return [{key: value.reshape(-1)[a:b] if isinstance(value, torch.Tensor) and value.shape == shape
+                 else value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+                for a, b in self.bounds]
+
+
 class PsOptimizer:
     """A ps's optimizers (``optimizers``: the dense one, then the sparse one if any) and their schedules, stepped
-    on the global step."""
+    on the global step; ``chunks``: the large variables the dense one steps as views of them (see ``build``)."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], schedulers: list[lr_scheduler.LRScheduler]):
+    def __init__(self, optimizers: list[torch.optim.Optimizer], schedulers: list[lr_scheduler.LRScheduler],
+                 chunks: dict | None = None):
         self.optimizers = tuple(optimizers)
         self._schedulers = schedulers
+        self._chunks: dict[torch.Tensor, _Chunks] = chunks or {}
         self._owner = {p: o for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        self._owner.update({p: self.optimizers[0] for p in self._chunks})
 
     @property
     def lr(self) -> list[float]:
@@ -421,8 +484,36 @@ class PsOptimizer:
         """The update from ``global_step`` to the next, with the gradients set on the variables: the schedule
         set to ``global_step``, then each optimizer's ``step()``."""
         self._advance(global_step)
-        for optimizer in self.optimizers:
-            optimizer.step()
+        chunked = [c for c in self._chunks.values() if c.param.grad is not None]
+        for c in chunked:
+            c.set_grads(c.param.grad)
+        try:
+            for optimizer in self.optimizers:
+                optimizer.step()
+        finally:
+            for c in chunked:
+                c.set_grads(None)
+
+    def chunk_numel(self, param: torch.Tensor) -> int | None:
+        """The elements of each chunk ``param`` is stepped in by ``step_chunk``; None: it is stepped whole."""
+        chunks = self._chunks.get(param)
+        return None if chunks is None else chunks.numel
+
+    def step_chunk(self, global_step: int, param: torch.Tensor, k: int, grad: torch.Tensor) -> None:
+        """The update from ``global_step`` of chunk ``k`` of ``param`` alone, with ``grad`` (1-D, that chunk's
+        gradient); every chunk updated once is the variable updated once, as by ``step``."""
+        self._advance(global_step)
+        view = self._chunks[param].views[k]
+        view.grad = grad
+        try:
+            self.optimizers[0].step()
+        finally:
+            view.grad = None
+
+    def moved(self, param: torch.Tensor) -> None:
+        """``param.data`` was set to new memory: a variable stepped in chunks steps its new memory from now on."""
+        if param in self._chunks:
+            self._chunks[param].rebind()
 
     def plain_sgd_rate(self, global_step: int) -> float | None:
         """The learning rate of the update from ``global_step`` (the schedule set to it) when that update is
@@ -438,12 +529,29 @@ class PsOptimizer:
         return float(group["lr"])
 
     def state(self, param: torch.Tensor) -> dict:
-        """The optimizer state of ``param`` (the optimizer's own dict; empty before its first update)."""
+        """The optimizer state of ``param`` (the optimizer's own dict, or for a variable stepped in chunks one put
+        together from theirs; empty before its first update)."""
+        chunks = self._chunks.get(param)
+        if chunks is not None:
+            return chunks.merged([self.optimizers[0].state.get(v, {}) for v in chunks.views])
         return self._optimizer_of(param).state.get(param, {})
 
     def load_state(self, param: torch.Tensor, state: dict) -> None:
-        """Give ``param`` the optimizer state ``state`` (as ``state`` returned it, e.g. from a checkpoint)."""
-        self._optimizer_of(param).state[param] = state
+        """Give ``param`` the optimizer state ``state`` (as ``state`` returned it, e.g. from a checkpoint).
+        ValueError when an ``ELEMENTWISE`` optimizer's state has a tensor (not a scalar) of another shape than
+        ``param``'s: the state of another model (a fused kernel would read past its end)."""
+        owner = self._optimizer_of(param)
+        if type(owner) in ELEMENTWISE:
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != param.shape:
+                    raise ValueError(f"optimizer state {key!r} of shape {tuple(value.shape)} for a variable of shape "
+                                     f"{tuple(param.shape)}: restore from a checkpoint of this model")
+        chunks = self._chunks.get(param)
+        if chunks is None:
+            owner.state[param] = state
+            return
+        for view, view_state in zip(chunks.views, chunks.split(state)):
+            self.optimizers[0].state[view] = view_state
 
     def _optimizer_of(self, param: torch.Tensor) -> torch.optim.Optimizer:
         try:

@@ -86,19 +86,31 @@ def is_part(frames) -> bool:
 class Assembly:
     """A message whose head arrived and whose parts are arriving: ``feed`` each part in the order it came."""
 
-    def __init__(self, head: Message, header, key: bytes):
-        """``head``: the decoded head (its tensors allocated, not filled); ``header``: its header frame (the salt
-        is its last bytes)."""
+    def __init__(self, head: Message, header, key: bytes, stream=None):
+        """``head``: the decoded head (its tensors described on the meta device); ``header``: its header frame
+        (the salt is its last bytes). ``stream``: what takes some tensors' payloads as they arrive instead of
+        memory of their own: ``stream.positions``, the positions of those tensors in the message (they stay on
+        the meta device in it), and ``stream.take(position, chunk, values)``, called with each of their payload
+        frames checked, in order, as a 1-D tensor of the tensor's dtype that lives only during the call. The
+        other tensors get memory here, filled in as their parts arrive."""
         self.message = head
         self.started = time.monotonic()
         self._key = key
         self._salt = bytes(memoryview(header.buffer if hasattr(header, "buffer") else header)[-protocol.SALT_SIZE:])
-        self._slots = [slot for t in head.tensors for slot in _chunk_views(t)]
+        self._stream = stream
+        streamed = stream.positions if stream is not None else ()
+        head.tensors = [t if k in streamed else torch.empty(t.shape, dtype=t.dtype)
+                        for k, t in enumerate(head.tensors)]
+        # per payload frame: (tensor position, chunk of that tensor, the bytes it fills or None when streamed)
+        self._slots = [(k, j, slot) for k, t in enumerate(head.tensors)
+                       for j, slot in enumerate(_chunk_views(t) if k not in streamed else
+                                                [None] * protocol.chunk_count(t.numel() * t.element_size()))]
         self._next = 0  # the index of the next payload frame expected
 
     def feed(self, frames) -> bool:
-        """Check part ``frames`` and copy its payloads into the message's tensors; True once the message is
-        whole. Raises MalformedMessage or BadSignature on a part that does not belong here."""
+        """Check part ``frames`` and copy its payloads into the message's tensors (or give them to the stream);
+        True once the message is whole. Raises MalformedMessage or BadSignature on a part that does not belong
+        here (the payloads before the bad one have been taken)."""
         bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
         if len(bufs) < 3 or bufs[0].nbytes != _PART.size:
             raise MalformedMessage(f"part of {len(bufs)} frames: a header, payloads and their tags expected")
@@ -110,13 +122,17 @@ class Assembly:
             raise MalformedMessage(f"part of payloads {first}.. where {self._next} of {len(self._slots)} is next")
         if len(tags) != TAG_SIZE * len(payloads):
             raise MalformedMessage("part whose tags do not match its payloads")
-        for k, (frame, slot) in enumerate(zip(payloads, self._slots[first:])):
-            if frame.nbytes != slot.numel():
-                raise MalformedMessage(f"payload {first + k} of {frame.nbytes} bytes where {slot.numel()} belong")
+        for k, (frame, (position, chunk, slot)) in enumerate(zip(payloads, self._slots[first:])):
+            tensor = self.message.tensors[position]
+            expected = slot.numel() if slot is not None else _chunk_bytes(tensor, chunk)
+            if frame.nbytes != expected:
+                raise MalformedMessage(f"payload {first + k} of {frame.nbytes} bytes where {expected} belong")
             tag = protocol.payload_tag(self._key, self._salt, first + k, frame)
             if not hmac.compare_digest(tag, tags[k * TAG_SIZE:(k + 1) * TAG_SIZE]):
                 raise BadSignature("part with a bad tag: the sender does not hold this cluster's secret")
-            if frame.nbytes:
+            if slot is None:
+                self._stream.take(position, chunk, torch.frombuffer(frame, dtype=tensor.dtype))
+            elif frame.nbytes:
                 slot.copy_(torch.frombuffer(frame, dtype=torch.uint8))
         self._next += len(payloads)
         if self._next < len(self._slots):
@@ -125,8 +141,13 @@ class Assembly:
         return True
 
 
+def _chunk_bytes(t: torch.Tensor, chunk: int) -> int:
+    """The size of payload frame ``chunk`` of ``t``."""
+    return min(protocol.CHUNK_BYTES, t.numel() * t.element_size() - chunk * protocol.CHUNK_BYTES)
+
+
 def _chunk_views(t: torch.Tensor) -> list[torch.Tensor]:
-    """Byte views of ``t`` (contiguous, allocated by ``protocol.decode``) in the payload frames it travels in."""
+    """Byte views of ``t`` (contiguous, allocated by the ``Assembly``) in the payload frames it travels in."""
     data = t.reshape(-1).view(torch.uint8)
     chunk = protocol.CHUNK_BYTES
     return [data[i * chunk:(i + 1) * chunk] for i in range(protocol.chunk_count(data.numel()))]
@@ -145,10 +166,10 @@ class Assemblies:
     def __contains__(self, sender) -> bool:
         return sender in self._open
 
-    def open(self, sender, head: Message, header) -> None:
+    def open(self, sender, head: Message, header, stream=None) -> None:
         """Expect the parts of ``head`` (decoded, with ``Flag.PARTS``; ``header``: its header frame) from
-        ``sender``, instead of any message of it still unfinished."""
-        self._open[sender] = Assembly(head, header, self._key)
+        ``sender``, instead of any message of it still unfinished; ``stream``: see ``Assembly``."""
+        self._open[sender] = Assembly(head, header, self._key, stream)
 
     def take(self, sender, frames) -> Message | None:
         """Part ``frames`` from ``sender`` fed to its message: the message once whole, else None. Raises

@@ -366,8 +366,9 @@ def _read(msg: Message, described: list, bufs: list, frames=None) -> None:
 
 
 def _allocate(head: Message, described: list, frames: int, limits: Limits) -> None:
-    """The tensors of ``head``, a message whose payloads follow in parts (``Flag.PARTS``), allocated to be filled
-    in (see ``parts.Assembly``), once what the table declares is within ``limits``."""
+    """The tensors of ``head``, a message whose payloads follow in parts (``Flag.PARTS``), described (on the meta
+    device: shape and dtype, no memory) once what the table declares is within ``limits``; ``parts.Assembly``
+    gives them memory as it fills them in."""
     declared = sum(nbytes for *_, nbytes in described)
     payloads = sum(chunk_count(nbytes) for *_, nbytes in described)
     if frames != 4:
@@ -377,7 +378,7 @@ def _allocate(head: Message, described: list, frames: int, limits: Limits) -> No
                                f"{limits.max_message_bytes} bytes and {limits.max_frames - 4} payloads accepted")
     for var_id, dtype, shape, numel, _ in described:
         head.ids.append(var_id)
-        head.tensors.append(torch.empty(numel, dtype=dtype).view(shape))
+        head.tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
 
 
 def _described(fields) -> tuple[int, torch.dtype, tuple, int, int]:

@@ -78,6 +78,7 @@ from .lanes import Lane, LaneError
 from .optim import OptimizerSpec, PsOptimizer, build
 from .plan import PsConfig
 from .steps import PRECISIONS
+from .streamed import streamed_push
 from .protocol import Flag, Message, Op
 
 # torch's sparse optimizers build sparse tensors without stating whether to check them; ours are checked
@@ -201,6 +202,7 @@ class _RunState:
         with torch.no_grad():
             for p in self.zero_copy:
                 p.data = p.detach().clone()
+                self.optimizer.moved(p)
         self.snapshot = None
 
     def optimizer_state(self, i: int) -> dict:
@@ -245,6 +247,9 @@ class ParameterServer:
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            # one message queued per connection: the parts of a push wait in the kernel's socket buffers, not
+            # in this process, while it applies the part before (see ``streamed``: the ps's peak memory)
+            self._sock.setsockopt(zmq.RCVHWM, 1)
             if encrypt:
                 curve.make_server(self._sock, key)
             if port:
@@ -357,7 +362,7 @@ class ParameterServer:
             self.rejected[e.counter] += 1
             return
         if msg.flags & Flag.PARTS:  # served once its parts are in (one message in parts per connection)
-            self.assembling.open(identity, msg, body[0])
+            self.assembling.open(identity, msg, body[0], streamed_push(self, self.run, msg))
             return
         self._serve(identity, msg)
 
@@ -502,14 +507,16 @@ class ParameterServer:
             params = [torch.nn.Parameter(t.clone(), requires_grad=kind == "param") if kind != "buffer" else t.clone()
                       for t, kind in zip(msg.tensors[:n], cfg.kinds)]
             trained = [i for i, kind in enumerate(cfg.kinds) if kind == "param"]
+            half = PRECISIONS[cfg.precision]
             optimizer = build([(cfg.names[i], params[i]) for i in trained], OptimizerSpec.from_dict(cfg.optimizer),
-                              sparse=[cfg.sparse[i] for i in trained])
+                              sparse=[cfg.sparse[i] for i in trained],
+                              chunk_numel=[_frame_numel(params[i], half) for i in trained])
             run = _RunState(run_id=msg.run_id, mode=cfg.mode, steps=cfg.steps, replicas=cfg.replicas_to_aggregate,
                             ids=list(msg.ids[:n]), names=list(cfg.names), params=params, optimizer=optimizer,
                             sparse=list(cfg.sparse), num_workers=cfg.num_workers, staleness_bound=cfg.staleness_bound,
                             step=cfg.step, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
                             attempt=cfg.attempt, kinds=list(cfg.kinds), buffer_rule=cfg.buffers,
-                            half=PRECISIONS[cfg.precision], metrics_address=cfg.metrics_address)
+                            half=half, metrics_address=cfg.metrics_address)
             self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.state)
             run.optimizer.restore(run.step, cfg.schedule_state)  # the schedule at the starting step
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
@@ -758,18 +765,21 @@ class ParameterServer:
     # --- updates -------------------------------------------------------------------
     def _apply(self, run: _RunState, grads: list, count: int) -> None:
         """One optimizer step with the mean of ``count`` summed gradients (of the variables this ps owns;
-        sparse ones as lists of (rows, values) parts)."""
+        sparse ones as lists of (rows, values) parts; a dense one on the meta device was applied as it arrived,
+        see ``streamed``)."""
         run.release_sent()
+        kept = [(p, g) for p, g in zip(run.trained_params, grads) if not (isinstance(g, torch.Tensor) and g.is_meta)]
+        params, grads = [p for p, _ in kept], [g for _, g in kept]
         lr = run.optimizer.plain_sgd_rate(run.step)
         if lr is not None and grads:  # what SGD's step does without momentum or decay, less its per-call overhead
             with torch.no_grad():
                 if count > 1:
                     torch._foreach_div_(grads, count)
-                torch._foreach_add_(run.trained_params, grads, alpha=-lr)
+                torch._foreach_add_(params, grads, alpha=-lr)
         elif lr is not None:  # this ps holds no trained variable: buffers or frozen ones only
             pass
         else:
-            for p, g in zip(run.trained_params, grads):
+            for p, g in zip(params, grads):
                 if isinstance(g, torch.Tensor):
                     p.grad = g.div_(count) if count > 1 else g
                 else:
@@ -985,6 +995,13 @@ def _keep_buffers(run: _RunState) -> None:
             b.copy_(mean.round() if not b.is_floating_point() else mean)
 
 
+def _frame_numel(param: torch.Tensor, half: torch.dtype | None) -> int:
+    """The elements of one payload frame of ``param``'s gradient (in ``half`` for a float32 variable of a mixed
+    precision run): the chunks a large variable is stepped in as its gradient arrives (see ``streamed``)."""
+    dtype = half if half is not None and param.dtype == torch.float32 else param.dtype
+    return protocol.CHUNK_BYTES // torch.empty((), dtype=dtype).element_size()
+
+
 def _owned(grad):
     """A copy of a received gradient (dense, or a list of (rows, values) parts): received tensors are
     read-only views of frames that are released after the request."""
@@ -994,10 +1011,11 @@ def _owned(grad):
 
 
 def _checked_rows(rows: torch.Tensor, num_rows: int, vid: int) -> torch.Tensor:
-    """``rows`` as row indices of a variable of ``num_rows`` rows, or ProtocolError."""
+    """``rows`` as row indices of a variable of ``num_rows`` rows, or ProtocolError (rows on the meta device
+    have not arrived yet: their range is checked once they have)."""
     if rows.dtype != torch.int64 or rows.dim() != 1 or len(rows) > num_rows:
         raise ProtocolError(f"rows of variable {vid}: a 1-D int64 tensor of at most {num_rows} rows expected")
-    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
+    if len(rows) and not rows.is_meta and (int(rows.min()) < 0 or int(rows.max()) >= num_rows):
         raise ProtocolError(f"rows of variable {vid} out of range 0..{num_rows - 1}")
     return rows
 

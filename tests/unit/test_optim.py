@@ -533,3 +533,103 @@ def test_a_ps_holding_only_sparse_variables_keeps_the_schedule():
         opt.optimizers[1].param_groups[0]["params"][0].grad = torch.zeros(4, 2).to_sparse()
         opt.step(s)
     assert opt.lr == [pytest.approx(0.01 * 0.1 ** 2)] and opt.schedule_state()["step"] == 4
+
+
+# --- large variables stepped in chunks (a ps applying a gradient as its parts arrive) -----------------------
+CHUNKED = [("Adam", {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}), ("AdamW", {"lr": 0.01}),
+           ("SGD", {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}), ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+           ("NAdam", {"lr": 0.01}), ("RAdam", {"lr": 0.01}), ("Rprop", {"lr": 0.01}), ("ASGD", {"lr": 0.01}),
+           ("RMSprop", {"lr": 0.01, "momentum": 0.5, "centered": True}), ("Adagrad", {"lr": 0.1, "lr_decay": 0.01}),
+           ("Adamax", {"lr": 0.01}), ("Adadelta", {"lr": 1.0})]
+
+
+def chunked_and_plain(name: str, kwargs: dict, chunk: int):
+    """A (7, 5) variable and a bias on a ps optimizer that steps the variable in chunks of ``chunk`` elements,
+    and the same in a plain torch optimizer."""
+    torch.manual_seed(0)
+    values = [torch.randn(7, 5), torch.randn(3)]
+    ps = [torch.nn.Parameter(v.clone()) for v in values]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    opt = build([("w", ps[0]), ("b", ps[1])], OptimizerSpec(name, kwargs), chunk_numel=[chunk, chunk])
+    return ps, opt, plain, getattr(torch.optim, name)(plain, **kwargs)
+
+
+def plain_step(plain, reference, grads):
+    for p, g in zip(plain, grads):
+        p.grad = g.clone()
+    reference.step()
+
+
+def ps_step(opt, step: int, ps, grads, chunks=None):
+    """Step ``ps`` (the variable, the bias) on ``opt``: whole, as a ps applies a push put together, or with the
+    variable's chunks (of 10 elements) in the order ``chunks`` gives, each on its own, as its parts arrive."""
+    for k in chunks or ():
+        opt.step_chunk(step, ps[0], k, grads[0].reshape(-1)[10 * k:10 * k + 10].clone())
+    for p, g in zip(ps, grads):
+        if p is ps[1] or chunks is None:
+            p.grad = g.clone()
+    opt.step(step)
+    for p in ps:
+        p.grad = None
+
+
+@pytest.mark.parametrize("name, kwargs", CHUNKED, ids=[f"{n}-{'-'.join(k)}" for n, k in CHUNKED])
+def test_an_elementwise_optimizer_steps_a_large_variable_chunk_by_chunk_as_torch_steps_it_whole(name, kwargs):
+    ps, opt, plain, reference = chunked_and_plain(name, kwargs, chunk=10)
+    assert opt.chunk_numel(ps[0]) == 10 and opt.chunk_numel(ps[1]) is None  # 35 elements in 4 chunks; 3 whole
+    for step in range(6):
+        grads = [torch.randn(7, 5), torch.randn(3)]
+        ps_step(opt, step, ps, grads, None if step % 2 else [3, 2, 1, 0])
+        plain_step(plain, reference, grads)
+        for a, b in zip(ps, plain):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    state, expected = opt.state(ps[0]), reference.state[plain[0]]
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        got = state[key]
+        assert torch.is_tensor(got) == torch.is_tensor(value) and (not torch.is_tensor(value) or got.shape == value.shape)
+        torch.testing.assert_close(got, value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, kwargs", CHUNKED[:3], ids=[n for n, _ in CHUNKED[:3]])
+def test_a_chunked_variable_restored_from_a_checkpoint_goes_on_as_torch_does(name, kwargs, tmp_path):
+    ps, opt, plain, reference = chunked_and_plain(name, kwargs, chunk=10)
+    for step in range(3):
+        grads = [torch.randn(7, 5), torch.randn(3)]
+        ps_step(opt, step, ps, grads)
+        plain_step(plain, reference, grads)
+    saved = checkpoint.shard_tensors(["w", "b"], ps, [opt.state(p) for p in ps])
+    checkpoint.write_tensors(tmp_path / "shard", saved)
+    values, states = checkpoint.split_state(checkpoint.read_tensors(tmp_path / "shard"))
+    again = [torch.nn.Parameter(values[n].clone()) for n in ("w", "b")]
+    restored = build([("w", again[0]), ("b", again[1])], OptimizerSpec(name, kwargs), chunk_numel=[10, 10])
+    for p, n in zip(again, ("w", "b")):
+        restored.load_state(p, states[n])
+    restored.restore(3)
+    for step in range(3, 6):
+        grads = [torch.randn(7, 5), torch.randn(3)]
+        ps_step(restored, step, again, grads, range(4))
+        plain_step(plain, reference, grads)
+    for a, b in zip(again, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_variable_moved_to_new_memory_is_stepped_there_and_other_optimizers_step_it_whole():
+    ps, opt, plain, reference = chunked_and_plain("Adam", {"lr": 0.1}, chunk=10)
+    ps[0].data = ps[0].detach().clone()  # as a ps does while a reply still sends the old memory
+    opt.moved(ps[0])
+    grads = [torch.randn(7, 5), torch.randn(3)]
+    ps_step(opt, 0, ps, grads, range(4))
+    plain_step(plain, reference, grads)
+    torch.testing.assert_close(ps[0], plain[0], rtol=0, atol=1e-6)
+    w = torch.nn.Parameter(torch.zeros(7, 5))  # a class outside torch.optim may look at a variable whole
+    assert build([("w", w)], OptimizerSpec(MyOptimizer, {"lr": 0.1}), chunk_numel=[10]).chunk_numel(w) is None
+
+
+def test_optimizer_state_of_another_shape_is_refused_before_a_fused_kernel_reads_it():
+    ps, opt, _, _ = chunked_and_plain("Adam", {"lr": 0.1}, chunk=10)
+    state = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(7, 4), "exp_avg_sq": torch.zeros(7, 5)}
+    with pytest.raises(ValueError, match=r"'exp_avg' of shape \(7, 4\) for a variable of shape \(7, 5\)"):
+        opt.load_state(ps[0], state)  # a variable stepped in chunks
+    with pytest.raises(ValueError, match="restore from a checkpoint of this model"):  # one stepped whole
+        opt.load_state(ps[1], {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(3)})
