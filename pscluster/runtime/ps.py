@@ -78,7 +78,7 @@ from .lanes import Lane, LaneError
 from .optim import OptimizerSpec, PsOptimizer, build
 from .plan import PsConfig
 from .steps import PRECISIONS
-from .streamed import streamed_push
+from .streamed import ChunkSums, chunk_bounds, streamed_push
 from .protocol import Flag, Message, Op
 
 # torch's sparse optimizers build sparse tensors without stating whether to check them; ours are checked
@@ -120,6 +120,7 @@ class _RunState:
     stopped: bool = False
     finalized: bool = False  # its supervisor has closed it: a ps serving one run (a script's) may end
     accum: list | None = None  # sync: per variable, a summed dense gradient or a list of (rows, values)
+    chunk_sums: ChunkSums = field(default_factory=ChunkSums)  # sync: the variables summed chunk by chunk
     accum_count: int = 0
     contributors: list[int] = field(default_factory=list)
     waiting: list[tuple[bytes, Message, float]] = field(default_factory=list)  # (identity, header, since)
@@ -853,6 +854,7 @@ class _Sync:
             return
         run.lost.discard(msg.task)  # a gradient of this step: a member from now on
         _note_buffers(run, msg.task, buffers)
+        _sum_in_chunks(run, grads)
         if run.accum is None:
             # one replica per step: applied below, before this request's frames are let go, so not copied
             run.accum = grads if run.replicas_now() == 1 else [_owned(g) for g in grads]
@@ -877,6 +879,7 @@ class _Sync:
     def members_changed(server: ParameterServer, run: _RunState) -> None:
         """Apply the step once it has its gradients (fewer are needed when workers are lost)."""
         if run.accum is not None and run.accum_count >= run.replicas_now():
+            run.chunk_sums.finish(run)
             server._apply(run, run.accum, run.accum_count)
             run.accum, run.accum_count, run.contributors = None, 0, []
             server._release_waiting()
@@ -955,6 +958,20 @@ class _SSP(_Async):
 
 AGGREGATION = {"sync": _Sync(), "async": _Async(), "ssp": _SSP()}
 _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
+
+
+def _sum_in_chunks(run: _RunState, grads: list) -> None:
+    """Sync: the gradients of ``grads`` (per trained variable) of the variables stepped in chunks, summed chunk by
+    chunk into the step's (``ChunkSums``) and left in ``grads`` on the meta device; those a push in parts streamed
+    are there already."""
+    for j, i in enumerate(run.trained):
+        grad = grads[j]
+        if isinstance(grad, torch.Tensor) and not grad.is_meta and run.optimizer.chunk_numel(run.params[i]):
+            flat = grad.reshape(-1)
+            for k in range(-(-flat.numel() // run.optimizer.chunk_numel(run.params[i]))):
+                start, end = chunk_bounds(run, i, k)
+                run.chunk_sums.add(run, i, k, flat[start:end])
+            grads[j] = torch.empty(grad.shape, dtype=grad.dtype, device="meta")
 
 
 def _header(msg: Message, value: int = 0) -> Message:

@@ -81,14 +81,31 @@ def test_a_large_async_push_is_applied_chunk_by_chunk_as_its_parts_arrive_and_wh
     assert sum(server.rejected.values()) == 0 and not server.assembling
 
 
-def test_a_sync_push_is_put_together_and_applied_once_its_step_has_every_gradient(local_ps):
-    spec, server, plain, reference = start(local_ps, "SGD", {"lr": 0.5}, mode="sync", replicas_to_aggregate=2)
+def test_a_sync_step_sums_each_chunk_and_applies_it_once_it_has_every_replica_s_gradient(local_ps):
+    spec, server, plain, reference = start(local_ps, "Adam", {"lr": 0.01}, mode="sync", replicas_to_aggregate=2)
     worker, other = local_ps.client(spec, 0, run_id=RUN_ID), local_ps.client(spec, 1, run_id=RUN_ID)
-    before = other.pull().messages[0].tensors[0].clone()
-    msg, sent = send_in_parts(worker, 0, [torch.ones(SHAPE), torch.ones(7)])
-    send_head_and_first_part(server, worker, sent)
-    assert other.pull().messages[0].tensors[0].equal(before)
-    assert not next(iter(server.assembling._open.values())).message.tensors[0].is_meta
+    controller = local_ps.client(spec, run_id=RUN_ID)
+    before = controller.pull_all().messages[0].tensors[0].reshape(-1).clone()
+    grads = [[torch.randn(SHAPE), torch.randn(7)] for _ in range(2)]
+    msg, sent = send_in_parts(worker, 0, grads[0])
+    send_head_and_first_part(server, worker, sent)  # worker 0's first chunk: summed, not applied
+    assert controller.pull_all().messages[0].tensors[0].reshape(-1).equal(before)
+    received = server.bytes_in
+    pending = other.send(Op.PUSH_PULL, {0: ([0, 1], grads[1])})  # worker 1's whole push: chunk 0 has both now
+    assert wait_until(lambda: server.bytes_in >= received + grads[1][0].numel() * 4, 10)
+    seen = controller.pull_all()
+    w = seen.messages[0].tensors[0].reshape(-1)
+    assert seen.step == 0 and not w[:FRAME].equal(before[:FRAME]) and w[FRAME:].equal(before[FRAME:])
+    for frames in sent[2:]:  # worker 0's last chunks: each applied as it arrives, then the step is whole
+        worker._socks[0].send_multipart(frames)
+    replies = [reply_to(worker, msg), *other.collect(pending)]
+    for p, g0, g1 in zip(plain, *grads):
+        p.grad = (g0 + g1) / 2
+    reference.step()
+    for reply in replies:
+        assert reply.step == 1
+        for got, expected in zip(reply.tensors, plain):
+            torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-6)
 
 
 def test_a_push_the_ps_refuses_changes_nothing_even_when_it_comes_in_parts(local_ps):
@@ -140,3 +157,23 @@ def test_a_sender_lost_midway_leaves_its_push_applied_in_part_and_the_ps_serves_
         assert wait_until(lambda: server.rejected["malformed"] == 1, 5)
     finally:
         stray.close(linger=0)
+
+
+def test_a_sync_worker_lost_midway_leaves_its_chunks_so_far_in_the_step_s_means_and_the_step_goes_on(local_ps):
+    spec, server, plain, _ = start(local_ps, "SGD", {"lr": 1.0}, mode="sync", replicas_to_aggregate=2)
+    lost, other = local_ps.client(spec, 0, run_id=RUN_ID), local_ps.client(spec, 1, run_id=RUN_ID)
+    controller = local_ps.client(spec, run_id=RUN_ID)
+    grads = [[torch.randn(SHAPE), torch.randn(7)] for _ in range(2)]
+    msg, sent = send_in_parts(lost, 0, grads[0])
+    send_head_and_first_part(server, lost, sent)
+    controller.lost_workers([0])  # the step needs one gradient now
+    reply = other.push_pull(0, {0: ([0, 1], grads[1])})
+    assert reply.step == 1
+    w0, w1, start_w = grads[0][0].reshape(-1), grads[1][0].reshape(-1), plain[0].detach().reshape(-1)
+    w = reply.messages[0].tensors[0].reshape(-1)
+    torch.testing.assert_close(w[:FRAME], start_w[:FRAME] - (w0[:FRAME] + w1[:FRAME]) / 2, rtol=0, atol=1e-6)
+    torch.testing.assert_close(w[FRAME:], start_w[FRAME:] - w1[FRAME:], rtol=0, atol=1e-6)
+    for frames in sent[2:]:  # the rest of the lost worker's push, late: its step is over, none of it is taken
+        lost._socks[0].send_multipart(frames)
+    assert wait_until(lambda: not server.assembling, 10)
+    assert controller.pull_all().messages[0].tensors[0].reshape(-1).equal(w)
