@@ -124,23 +124,31 @@ def stage_costs(megabytes: float, rounds: int) -> dict[str, float]:
     return {name: 1000 * statistics.median(timed(fn) for _ in range(rounds)) for name, fn in stages.items()}
 
 
-def raw_cores_busy(megabytes: float, trips: int, rounds: int) -> float:
-    """How many cores raw ZeroMQ round trips of ``megabytes`` keep busy: the CPU time of this process and of
-    its server process (every thread, ZeroMQ's I/O threads included) over the wall time of ``trips`` round trips
-    (enough to outlast the 10 ms ticks CPU time is counted in); median of ``rounds``."""
-    with RawServers(1) as raw:
-        payload = np.ones(int(megabytes * MB), dtype=np.uint8)
-        processes = [psutil.Process(), psutil.Process(raw.procs[0].pid)]
-
-        def cpu() -> float:
-            return sum(sum(p.cpu_times()[:2]) for p in processes)
-        raw.round_trip([payload])
-        busy = []
+def cpu_per_trip(megabytes: float, trips: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Per round trip of ``megabytes`` to 1 server, raw ZeroMQ ("raw") and pscluster over the socket ("socket"):
+    the CPU milliseconds of this process and of the server process (every thread, ZeroMQ's I/O threads
+    included), the wall milliseconds, and the cores that keeps busy; medians of ``rounds`` alternating rounds of
+    ``trips`` round trips (enough to outlast the 10 ms ticks CPU time is counted in)."""
+    with RawServers(1) as raw, procs.PSProcesses(1) as cluster:
+        ps = PSExchange(cluster, int(megabytes * MB / 4), run_id=1)
+        payload = [np.ones(int(megabytes * MB), dtype=np.uint8)]
+        trip = {"raw": lambda: raw.round_trip(payload), "socket": lambda: ps.round_trip("socket")}
+        servers = {"raw": psutil.Process(raw.procs[0].pid), "socket": psutil.Process(cluster.pids[0])}
+        samples = {how: {"cpu_ms": [], "wall_ms": []} for how in trip}
+        for how, fn in trip.items():
+            fn()
         for _ in range(rounds):
-            before = cpu()
-            wall = timed(lambda: [raw.round_trip([payload]) for _ in range(trips)])
-            busy.append((cpu() - before) / wall)
-        return statistics.median(busy)
+            for how, fn in trip.items():
+                processes = [psutil.Process(), servers[how]]
+                before = sum(sum(p.cpu_times()[:2]) for p in processes)
+                wall = timed(lambda: [fn() for _ in range(trips)])
+                samples[how]["cpu_ms"].append(1000 * (sum(sum(p.cpu_times()[:2]) for p in processes) - before) / trips)
+                samples[how]["wall_ms"].append(1000 * wall / trips)
+        ps.close()
+    out = {how: {k: statistics.median(v) for k, v in s.items()} for how, s in samples.items()}
+    for numbers in out.values():
+        numbers["cores_busy"] = numbers["cpu_ms"] / numbers["wall_ms"]
+    return out
 
 
 def per_second(fn, trips: int):
@@ -219,13 +227,20 @@ def run(tiny: bool, out_dir: Path) -> Result:
             result.rows.append(compare("100 MB step, same host, 1 ps", "pscluster", steps["pscluster"],
                                        "Ray actor ps", steps["ray"], "steps/s", Target(1.0)))
     costs = stage_costs(1 if tiny else 16, repetitions(tiny))
-    busy = raw_cores_busy(1 if tiny else 16, 4 if tiny else 32, repetitions(tiny))
+    cpu = cpu_per_trip(1 if tiny else 16, 4 if tiny else 32, repetitions(tiny))
     result.extra["stage_ms"] = costs
-    result.extra["raw_cores_busy"] = busy
-    result.notes.append(f"What a round trip does to {1 if tiny else 16} MB besides moving it, in this process "
-                        "(median ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()) + "; the raw "
-                        "round trip of the same size is in the table (ms = 2 x MB / GB/s) and keeps "
-                        f"{busy:.2f} cores busy (CPU time of client and server over wall time).")
+    result.extra["cpu_per_trip"] = cpu
+    mb = 1 if tiny else 16
+    raw, sock = cpu["raw"], cpu["socket"]
+    cores = psutil.cpu_count()
+    result.notes.append(f"What a round trip does to {mb} MB besides moving it, in this process (median ms): "
+                        + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()) + ".")
+    result.notes.append(f"CPU per {mb} MB round trip to 1 ps (client and server process, every thread): raw ZeroMQ "
+                        f"{raw['cpu_ms']:.1f} ms in {raw['wall_ms']:.1f} ms ({raw['cores_busy']:.2f} cores busy), "
+                        f"pscluster's socket {sock['cpu_ms']:.1f} ms in {sock['wall_ms']:.1f} ms "
+                        f"({sock['cores_busy']:.2f} cores busy). On {cores} cores a round trip of that CPU takes at "
+                        f"least {sock['cpu_ms'] / cores:.1f} ms: the socket ratio here is at most "
+                        f"{raw['wall_ms'] / max(sock['cpu_ms'] / cores, raw['wall_ms']):.2f}.")
     result.notes.append("ps tasks and raw servers are processes (python -m pscluster.runtime, and raw_zmq.py); "
                         "the client is the benchmark process. GB/s counts bytes both ways. With more processes "
                         "than cores, servers and client share them.")
