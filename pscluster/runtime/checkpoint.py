@@ -171,16 +171,24 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
+@dataclass(frozen=True)
+class Pieces:
+    """A tensor of ``shape`` given as the consecutive flat ``pieces`` it is made of (the optimizer state of a
+    variable a ps steps in chunks): ``write_tensors`` writes it as one tensor without putting it together."""
+
+    pieces: tuple
+    shape: tuple
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Pieces]) -> tuple[int, str]:
     """Write ``tensors`` to ``path`` (atomically, fsynced); returns (size, SHA-256 hex)."""
     entries, datas, offset = [], [], 0
     for key, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        nbytes = t.numel() * t.element_size()
-        entries.append({"key": key, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+        pieces = [p.detach().cpu().contiguous() for p in (t.pieces if isinstance(t, Pieces) else (t,))]
+        nbytes = sum(p.numel() * p.element_size() for p in pieces)
+        entries.append({"key": key, "dtype": str(pieces[0].dtype).removeprefix("torch."), "shape": list(t.shape),
                         "offset": offset, "nbytes": nbytes})
-        datas.append(data)
+        datas += [p.reshape(-1).view(torch.uint8).numpy() for p in pieces if p.numel()]
         offset += nbytes
     header = json.dumps({"tensors": entries}).encode()
     return _write_file(Path(path), [_LENGTH.pack(len(header)), header, *datas])
@@ -219,11 +227,14 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 # --- what a ps writes ----------------------------------------------------------------------------
 def encode_state(state: dict) -> dict[str, torch.Tensor]:
     """A torch optimizer's per-parameter state as tensors by slot key (``slot``, or ``slot:int`` /
-    ``slot:float`` for a plain number), for a shard file or an INIT message."""
+    ``slot:float`` for a plain number), for a shard file or an INIT message (``Pieces`` as they are: a shard
+    file's)."""
     out = {}
     for slot, value in state.items():
         if isinstance(value, torch.Tensor):
             out[slot] = value.detach()
+        elif isinstance(value, Pieces):
+            out[slot] = value
         elif isinstance(value, bool | int | float):
             kind = "float" if isinstance(value, float) else "int"
             out[f"{slot}:{kind}"] = torch.tensor(value, dtype=torch.float64 if kind == "float" else torch.int64)

@@ -444,13 +444,14 @@ class _Chunks:
         for view, (a, b) in zip(self.views, self.bounds):
             view.grad = None if flat is None else flat[a:b]
 
-    def merged(self, states: list[dict]) -> dict:
-        """The variable's optimizer state from its views' ``states``: per-element entries put together in the
-        variable's shape, per-variable ones (the step) as the first view has them; {} unless every view has
-        state (one that has not been stepped yet)."""
+    def merged(self, states: list[dict], join=None) -> dict:
+        """The variable's optimizer state from its views' ``states``: per-element entries put together by
+        ``join(pieces, shape)`` (default: concatenated in the variable's shape), per-variable ones (the step) as
+        the first view has them; {} unless every view has state (one that has not been stepped yet)."""
         if not all(states):
             return {}
-        return {key: torch.cat([s[key] for s in states]).view(self.param.shape)
+        join = join or (lambda pieces, shape: torch.cat(pieces).view(shape))
+        return {key: join(tuple(s[key] for s in states), tuple(self.param.shape))
                 if isinstance(value, torch.Tensor) and value.shape == self.views[0].shape else value
                 for key, value in states[0].items()}
 
@@ -528,12 +529,12 @@ class PsOptimizer:
             return None
         return float(group["lr"])
 
-    def state(self, param: torch.Tensor) -> dict:
+    def state(self, param: torch.Tensor, join=None) -> dict:
         """The optimizer state of ``param`` (the optimizer's own dict, or for a variable stepped in chunks one put
-        together from theirs; empty before its first update)."""
+        together from theirs by ``join``, see ``_Chunks.merged``; empty before its first update)."""
         chunks = self._chunks.get(param)
         if chunks is not None:
-            return chunks.merged([self.optimizers[0].state.get(v, {}) for v in chunks.views])
+            return chunks.merged([self.optimizers[0].state.get(v, {}) for v in chunks.views], join)
         return self._optimizer_of(param).state.get(param, {})
 
     def load_state(self, param: torch.Tensor, state: dict) -> None:

@@ -206,9 +206,10 @@ class _RunState:
                 self.optimizer.moved(p)
         self.snapshot = None
 
-    def optimizer_state(self, i: int) -> dict:
-        """The optimizer state of variable ``i`` (none for a frozen parameter or a buffer)."""
-        return self.optimizer.state(self.params[i]) if self.kinds[i] == "param" else {}
+    def optimizer_state(self, i: int, join=None) -> dict:
+        """The optimizer state of variable ``i`` (none for a frozen parameter or a buffer); ``join``: see
+        ``PsOptimizer.state``."""
+        return self.optimizer.state(self.params[i], join) if self.kinds[i] == "param" else {}
 
     def params_snapshot(self) -> tuple[list[torch.Tensor], protocol.PayloadTags]:
         """The current dense values to reply with and the tags of their payload frames, kept for the step
@@ -805,7 +806,9 @@ class ParameterServer:
         if run.step in run.saved:
             return True
         run.saved.add(run.step)
-        tensors = checkpoint.shard_tensors(run.names, run.params, [run.optimizer_state(i) for i in range(len(run.ids))])
+        # the state of a variable stepped in chunks is written from its chunks', never put together in memory
+        states = [run.optimizer_state(i, join=checkpoint.Pieces) for i in range(len(run.ids))]
+        tensors = checkpoint.shard_tensors(run.names, run.params, states)
         try:
             checkpoint.write_shard(run.checkpoint_dir, run.step, self.index, tensors, run_id=run.run_id,
                                    attempt=run.attempt, schedule=run.optimizer.schedule_state())

@@ -54,6 +54,19 @@ def test_large_tensor_files_round_trip_with_their_checksum(tmp_path, monkeypatch
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_tensor_given_in_pieces_is_written_as_the_one_tensor_they_make(tmp_path):
+    """The optimizer state of a variable a ps steps in chunks: written from its chunks, read back whole."""
+    w = torch.randn(6, 5)
+    flat = w.reshape(-1)
+    tensors = {"a": torch.ones(2), "w#exp_avg": checkpoint.Pieces((flat[:12], flat[12:24], flat[24:]), (6, 5)),
+               "b": torch.arange(3)}
+    size, _ = checkpoint.write_tensors(tmp_path / "p.tensors", tensors)
+    back = checkpoint.read_tensors(tmp_path / "p.tensors")
+    assert list(back) == ["a", "w#exp_avg", "b"] and back["w#exp_avg"].equal(w)
+    assert back["a"].equal(torch.ones(2)) and back["b"].equal(torch.arange(3))
+    assert size == (tmp_path / "p.tensors").stat().st_size
+
+
 def test_a_truncated_tensor_file_is_refused_naming_it(tmp_path):
     path = tmp_path / "a.tensors"
     checkpoint.write_tensors(path, {"w": torch.randn(100)})
