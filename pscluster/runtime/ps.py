@@ -864,7 +864,8 @@ class _Sync:
         else:
             for a, g in zip(run.accum, grads):
                 if isinstance(g, torch.Tensor):
-                    a.add_(g)
+                    if not g.is_meta:  # on the meta device: summed in chunks (see streamed)
+                        a.add_(g)
                 else:
                     a.extend(_owned(g))
         run.accum_count += 1
@@ -882,7 +883,7 @@ class _Sync:
     def members_changed(server: ParameterServer, run: _RunState) -> None:
         """Apply the step once it has its gradients (fewer are needed when workers are lost)."""
         if run.accum is not None and run.accum_count >= run.replicas_now():
-            run.chunk_sums.finish(run)
+            run.chunk_sums.fold(run, run.accum)
             server._apply(run, run.accum, run.accum_count)
             run.accum, run.accum_count, run.contributors = None, 0, []
             server._release_waiting()
@@ -964,12 +965,12 @@ _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 
 
 def _sum_in_chunks(run: _RunState, grads: list) -> None:
-    """Sync: the gradients of ``grads`` (per trained variable) of the variables stepped in chunks, summed chunk by
-    chunk into the step's (``ChunkSums``) and left in ``grads`` on the meta device; those a push in parts streamed
-    are there already."""
+    """Sync: the gradients in ``grads`` (per trained variable) of the variables whose step's sum is kept in chunks
+    (a push in parts of this step streamed them: ``ChunkSums``), added there and left in ``grads`` on the meta
+    device."""
     for j, i in enumerate(run.trained):
         grad = grads[j]
-        if isinstance(grad, torch.Tensor) and not grad.is_meta and run.optimizer.chunk_numel(run.params[i]):
+        if isinstance(grad, torch.Tensor) and not grad.is_meta and i in run.chunk_sums:
             flat = grad.reshape(-1)
             for k in range(-(-flat.numel() // run.optimizer.chunk_numel(run.params[i]))):
                 start, end = chunk_bounds(run, i, k)

@@ -14,14 +14,13 @@ Async and SSP apply each chunk as it arrives (``StreamedPush``): lock-free, as T
 use_locking, a pull or another worker's push served while a push's parts arrive sees the variables with the
 chunks applied so far, and the global step counts the push once it is whole.
 
-Sync sums each chunk of the step's gradients as they arrive (``ChunkSums``, for pushes in parts and whole ones
-alike) and applies the chunk's mean as soon as it has the step's ``replicas_now()`` gradients: the last
-replica's parts are applied as they arrive. The step is one averaged update of every variable, as before; the
-replies wait for the whole step. A push of a step that has moved on stops being taken.
+Sync sums each chunk of a push in parts into the step's sum as it arrives (``ChunkSums``; a whole push of the
+same step adds into the same sum) and applies the step once it has its gradients, as for any push: one averaged
+update of every variable, never a part of one. A push of a step that has moved on stops being taken.
 
 A chunk is taken only while its run goes on (not stopped, not replaced by another INIT), so a stopped run's final
 checkpoint holds its final values. A push whose sender is lost midway stays taken in part (async: applied in
-part; sync: its chunks so far in the step's means); each chunk's optimizer state counts its own steps, and a
+part; sync: its chunks so far in the step's sum); each chunk's optimizer state counts its own steps, and a
 checkpoint keeps the first chunk's count.
 """
 
@@ -55,27 +54,23 @@ def apply_chunk(run, i: int, k: int, grad: torch.Tensor) -> None:
 
 
 class ChunkSums:
-    """Sync: the current step's gradients of each variable stepped in chunks, summed chunk by chunk, and how many
-    each chunk has; a chunk is applied once it has the step's ``replicas_now()`` (``finish`` applies those with
-    fewer, when the step ends short of its gradients: workers lost)."""
+    """Sync: the current step's gradients of the variables pushes in parts streamed, summed chunk by chunk as they
+    arrive, with how many each chunk has. The step's update stays whole: ``fold`` hands the sums to it once the
+    step has its gradients, so no variable changes before the step does (a checkpoint or a stop in the middle of a
+    step sees the values of the step before)."""
 
     def __init__(self):
         self._sums: dict[int, torch.Tensor] = {}  # variable -> its chunks' sums (flat), kept for the next steps
-        self._counts: dict[int, list[int]] = {}  # variable -> per chunk, the gradients summed; APPLIED once applied
+        self._counts: dict[int, list[int]] = {}  # variable -> per chunk, the gradients summed this step
 
-    APPLIED = -1
+    def __contains__(self, i: int) -> bool:
+        """Whether variable ``i`` has gradients summed here this step."""
+        return i in self._counts
 
     def add(self, run, i: int, k: int, grad: torch.Tensor) -> None:
-        """Sum ``grad`` (1-D, alive during this call only) into chunk ``k`` of variable ``i``; apply the chunk
-        once it has the step's gradients. A gradient of a chunk already applied this step is dropped."""
+        """Sum ``grad`` (1-D, alive during this call only) into chunk ``k`` of variable ``i``."""
         param = run.params[i]
         counts = self._counts.setdefault(i, [0] * -(-param.numel() // run.optimizer.chunk_numel(param)))
-        if counts[k] == self.APPLIED:
-            return
-        if counts[k] == 0 and run.replicas_now() == 1:  # nothing to sum: applied from where it arrived
-            counts[k] = self.APPLIED
-            apply_chunk(run, i, k, grad if grad.dtype == param.dtype else grad.float())
-            return
         start, end = chunk_bounds(run, i, k)
         chunk = self._sums.setdefault(i, torch.empty(param.numel(), dtype=param.dtype))[start:end]
         if counts[k] == 0:
@@ -83,23 +78,27 @@ class ChunkSums:
         else:
             chunk.add_(grad)
         counts[k] += 1
-        if counts[k] >= run.replicas_now():
-            self._apply(run, i, k, chunk, counts)
 
-    def finish(self, run) -> None:
-        """The step ends: apply each chunk that has gradients and was not applied, and start the next step."""
+    def fold(self, run, accum: list) -> None:
+        """Add the sums into ``accum`` (the step's summed gradient of each trained variable, on the meta device
+        where every gradient so far was summed here), and start the next step. A push cut short (its sender lost)
+        reached a variable's first chunks only: each chunk's sum is scaled to the pushes that reached every chunk
+        (the step's count), as the mean of what reached it; with none, the variable's sum here is zero."""
         for i, counts in self._counts.items():
+            total, complete = self._sums[i], min(counts)
             for k, count in enumerate(counts):
-                if count > 0:
-                    start, end = chunk_bounds(run, i, k)
-                    self._apply(run, i, k, self._sums[i][start:end], counts)
+                start, end = chunk_bounds(run, i, k)
+                if not complete:
+                    total[start:end].zero_()
+                elif count != complete:
+                    total[start:end].mul_(complete / count)
+            j = run.trained.index(i)
+            total = total.view(run.params[i].shape)
+            if accum[j].is_meta:
+                accum[j] = total
+            else:
+                accum[j].add_(total)
         self._counts = {}
-
-    def _apply(self, run, i: int, k: int, chunk: torch.Tensor, counts: list[int]) -> None:
-        if counts[k] > 1:
-            chunk.div_(counts[k])
-        counts[k] = self.APPLIED
-        apply_chunk(run, i, k, chunk)
 
 
 class StreamedPush:

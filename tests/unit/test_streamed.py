@@ -81,22 +81,22 @@ def test_a_large_async_push_is_applied_chunk_by_chunk_as_its_parts_arrive_and_wh
     assert sum(server.rejected.values()) == 0 and not server.assembling
 
 
-def test_a_sync_step_sums_each_chunk_and_applies_it_once_it_has_every_replica_s_gradient(local_ps):
+def test_a_sync_step_sums_the_chunks_as_they_arrive_and_changes_nothing_until_it_has_every_gradient(local_ps):
     spec, server, plain, reference = start(local_ps, "Adam", {"lr": 0.01}, mode="sync", replicas_to_aggregate=2)
     worker, other = local_ps.client(spec, 0, run_id=RUN_ID), local_ps.client(spec, 1, run_id=RUN_ID)
     controller = local_ps.client(spec, run_id=RUN_ID)
-    before = controller.pull_all().messages[0].tensors[0].reshape(-1).clone()
+    before = controller.pull_all().messages[0].tensors[0].clone()
     grads = [[torch.randn(SHAPE), torch.randn(7)] for _ in range(2)]
     msg, sent = send_in_parts(worker, 0, grads[0])
-    send_head_and_first_part(server, worker, sent)  # worker 0's first chunk: summed, not applied
-    assert controller.pull_all().messages[0].tensors[0].reshape(-1).equal(before)
+    send_head_and_first_part(server, worker, sent)  # worker 0's first chunk: summed
+    [assembly] = server.assembling._open.values()
+    assert assembly.message.tensors[0].is_meta  # never put together
     received = server.bytes_in
-    pending = other.send(Op.PUSH_PULL, {0: ([0, 1], grads[1])})  # worker 1's whole push: chunk 0 has both now
+    pending = other.send(Op.PUSH_PULL, {0: ([0, 1], grads[1])})  # worker 1's whole push, added to the same sums
     assert wait_until(lambda: server.bytes_in >= received + grads[1][0].numel() * 4, 10)
-    seen = controller.pull_all()
-    w = seen.messages[0].tensors[0].reshape(-1)
-    assert seen.step == 0 and not w[:FRAME].equal(before[:FRAME]) and w[FRAME:].equal(before[FRAME:])
-    for frames in sent[2:]:  # worker 0's last chunks: each applied as it arrives, then the step is whole
+    seen = controller.pull_all()  # a step is one update of every variable: nothing yet
+    assert seen.step == 0 and seen.messages[0].tensors[0].equal(before)
+    for frames in sent[2:]:
         worker._socks[0].send_multipart(frames)
     replies = [reply_to(worker, msg), *other.collect(pending)]
     for p, g0, g1 in zip(plain, *grads):
@@ -159,7 +159,7 @@ def test_a_sender_lost_midway_leaves_its_push_applied_in_part_and_the_ps_serves_
         stray.close(linger=0)
 
 
-def test_a_sync_worker_lost_midway_leaves_its_chunks_so_far_in_the_step_s_means_and_the_step_goes_on(local_ps):
+def test_a_sync_worker_lost_midway_leaves_its_chunks_so_far_in_the_step_s_mean_and_the_step_goes_on(local_ps):
     spec, server, plain, _ = start(local_ps, "SGD", {"lr": 1.0}, mode="sync", replicas_to_aggregate=2)
     lost, other = local_ps.client(spec, 0, run_id=RUN_ID), local_ps.client(spec, 1, run_id=RUN_ID)
     controller = local_ps.client(spec, run_id=RUN_ID)
@@ -177,3 +177,19 @@ def test_a_sync_worker_lost_midway_leaves_its_chunks_so_far_in_the_step_s_means_
         lost._socks[0].send_multipart(frames)
     assert wait_until(lambda: not server.assembling, 10)
     assert controller.pull_all().messages[0].tensors[0].reshape(-1).equal(w)
+
+
+def test_a_checkpoint_in_the_middle_of_a_sync_step_holds_the_values_of_the_step_before(local_ps, tmp_path):
+    spec, server, initial, _ = start(local_ps, "SGD", {"lr": 1.0}, mode="sync", replicas_to_aggregate=2,
+                                     checkpoint_dir=str(tmp_path))
+    first, last = local_ps.client(spec, 0, run_id=RUN_ID), local_ps.client(spec, 1, run_id=RUN_ID)
+    pending = first.send(Op.PUSH_PULL, {0: ([0, 1], [torch.ones(SHAPE), torch.ones(7)])})  # whole, held
+    msg, sent = send_in_parts(last, 0, [torch.ones(SHAPE), torch.ones(7)])
+    send_head_and_first_part(server, last, sent)  # the step's last gradient, on its way
+    local_ps.client(spec, run_id=RUN_ID).checkpoint()
+    values, _ = checkpoint.split_state(checkpoint.read_tensors(checkpoint.step_dir(tmp_path, 0) / "ps-0.tensors"))
+    assert values["w"].equal(initial[0].detach()) and values["b"].equal(initial[1].detach())
+    for frames in sent[2:]:
+        last._socks[0].send_multipart(frames)
+    assert reply_to(last, msg).step == 1 and first.collect(pending)[0].step == 1
+    torch.testing.assert_close(server.run.params[0].detach(), initial[0].detach() - 1, rtol=0, atol=1e-6)
