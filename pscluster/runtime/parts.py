@@ -21,7 +21,8 @@ verify is refused (``MalformedMessage``, ``BadSignature``) and the message it be
 Call order: a sender sends every frame list ``messages(msg, key)`` yields, in order, on one socket. A receiver
 decodes each message that is not a part (``is_part``) with ``protocol.decode``; a decoded head (``Flag.PARTS``)
 opens an ``Assembly`` of the sender's next messages (``Assemblies.open``), and ``Assemblies.take`` feeds it each
-part and gives the message once it is whole, its tensors filled in.
+part and gives the message once it is whole, its tensors filled in; or, for the tensors a stream takes (a ps's
+large variables, see ``streamed``), handed to it payload by payload as they arrive, never put together.
 """
 
 from __future__ import annotations
