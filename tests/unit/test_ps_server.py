@@ -381,7 +381,9 @@ def test_garbage_is_counted_and_the_server_goes_on(local_ps, frames, counter):
         dealer.connect(spec.ps[0].address)
         dealer.send_multipart(frames)
         server = local_ps.servers[0]
-        assert wait_until(lambda: sum(server.rejected.values()) == 1, 5)
+        # the ps reads every frame it is sent: 393,221 of them for too-many-frames, one recv each, which takes
+        # it 2-3 s of CPU alone and more beside other work (a deadline of 5 s failed beside a CPU hog)
+        assert wait_until(lambda: sum(server.rejected.values()) == 1, 60)
         assert dealer.poll(200) == 0  # no reply to garbage
     finally:
         dealer.close(linger=0)
