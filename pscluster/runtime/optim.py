@@ -500,6 +500,11 @@ class PsOptimizer:
         chunks = self._chunks.get(param)
         return None if chunks is None else chunks.numel
 
+    def chunk_bounds(self, param: torch.Tensor) -> list[tuple[int, int]] | None:
+        """The (start, end) elements of each chunk of ``param`` as ``step_chunk`` steps them; None: stepped whole."""
+        chunks = self._chunks.get(param)
+        return None if chunks is None else chunks.bounds
+
     def step_chunk(self, global_step: int, param: torch.Tensor, k: int, grad: torch.Tensor) -> None:
         """The update from ``global_step`` of chunk ``k`` of ``param`` alone, with ``grad`` (1-D, that chunk's
         gradient); every chunk updated once is the variable updated once, as by ``step``."""

@@ -78,7 +78,7 @@ from .lanes import Lane, LaneError
 from .optim import OptimizerSpec, PsOptimizer, build
 from .plan import PsConfig
 from .steps import PRECISIONS
-from .streamed import ChunkSums, chunk_bounds, streamed_push
+from .streamed import ChunkSums, streamed_push
 from .protocol import Flag, Message, Op
 
 # torch's sparse optimizers build sparse tensors without stating whether to check them; ours are checked
@@ -968,12 +968,13 @@ def _sum_in_chunks(run: _RunState, grads: list) -> None:
     """Sync: the gradients in ``grads`` (per trained variable) of the variables whose step's sum is kept in chunks
     (a push in parts of this step streamed them: ``ChunkSums``), added there and left in ``grads`` on the meta
     device."""
+    if not run.chunk_sums:  # no push in parts this step: nearly every sync step
+        return
     for j, i in enumerate(run.trained):
         grad = grads[j]
         if isinstance(grad, torch.Tensor) and not grad.is_meta and i in run.chunk_sums:
             flat = grad.reshape(-1)
-            for k in range(-(-flat.numel() // run.optimizer.chunk_numel(run.params[i]))):
-                start, end = chunk_bounds(run, i, k)
+            for k, (start, end) in enumerate(run.optimizer.chunk_bounds(run.params[i])):
                 run.chunk_sums.add(run, i, k, flat[start:end])
             grads[j] = torch.empty(grad.shape, dtype=grad.dtype, device="meta")
 

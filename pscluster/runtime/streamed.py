@@ -32,12 +32,6 @@ from . import protocol
 from .protocol import Flag, Message, Op
 
 
-def chunk_bounds(run, i: int, k: int) -> tuple[int, int]:
-    """The elements of chunk ``k`` of variable ``i`` of ``run`` (one stepped in chunks)."""
-    numel = run.optimizer.chunk_numel(run.params[i])
-    return k * numel, min((k + 1) * numel, run.params[i].numel())
-
-
 def apply_chunk(run, i: int, k: int, grad: torch.Tensor) -> None:
     """Update chunk ``k`` of variable ``i`` of ``run`` with ``grad`` (its 1-D gradient, which the optimizer may
     change), with the learning rate of the run's current step."""
@@ -49,7 +43,7 @@ def apply_chunk(run, i: int, k: int, grad: torch.Tensor) -> None:
         if lr is None:
             run.optimizer.step_chunk(run.step, param, k, grad)
         else:
-            start, end = chunk_bounds(run, i, k)
+            start, end = run.optimizer.chunk_bounds(param)[k]
             param.detach().view(-1)[start:end].add_(grad, alpha=-lr)
 
 
@@ -63,6 +57,10 @@ class ChunkSums:
         self._sums: dict[int, torch.Tensor] = {}  # variable -> its chunks' sums (flat), kept for the next steps
         self._counts: dict[int, list[int]] = {}  # variable -> per chunk, the gradients summed this step
 
+    def __len__(self) -> int:
+        """How many variables have gradients summed here this step."""
+        return len(self._counts)
+
     def __contains__(self, i: int) -> bool:
         """Whether variable ``i`` has gradients summed here this step."""
         return i in self._counts
@@ -70,8 +68,9 @@ class ChunkSums:
     def add(self, run, i: int, k: int, grad: torch.Tensor) -> None:
         """Sum ``grad`` (1-D, alive during this call only) into chunk ``k`` of variable ``i``."""
         param = run.params[i]
-        counts = self._counts.setdefault(i, [0] * -(-param.numel() // run.optimizer.chunk_numel(param)))
-        start, end = chunk_bounds(run, i, k)
+        bounds = run.optimizer.chunk_bounds(param)
+        counts = self._counts.setdefault(i, [0] * len(bounds))
+        start, end = bounds[k]
         chunk = self._sums.setdefault(i, torch.empty(param.numel(), dtype=param.dtype))[start:end]
         if counts[k] == 0:
             chunk.copy_(grad)
@@ -86,8 +85,7 @@ class ChunkSums:
         (the step's count), as the mean of what reached it; with none, the variable's sum here is zero."""
         for i, counts in self._counts.items():
             total, complete = self._sums[i], min(counts)
-            for k, count in enumerate(counts):
-                start, end = chunk_bounds(run, i, k)
+            for count, (start, end) in zip(counts, run.optimizer.chunk_bounds(run.params[i])):
                 if not complete:
                     total[start:end].zero_()
                 elif count != complete:
