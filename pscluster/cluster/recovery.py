@@ -108,9 +108,9 @@ def _replace_workers(run: RecoveringRun, tasks: Tasks, lost: list[TaskSpec]) -> 
         if result.ready() and result.successful():
             continue  # it had finished its part
         run.spec = tasks.replace_task("worker", t.index)
-        run.worker_results[t.index] = tasks.launch_worker(run.spec, t.index, run, join=True)
         new = run.spec.task("worker", t.index)
         run.note("replaced", f"worker:{t.index}", {"pid": new.pid, "engine": new.engine_id, "host": new.host})
+        run.worker_results[t.index] = tasks.launch_worker(run.spec, t.index, run, join=True)
 
 
 def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[TaskSpec],
