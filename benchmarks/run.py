@@ -14,11 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-from . import (convnet, dashboard_scale, exchange, gpu, hidden, input_pipeline, memory, overheads, peers, recovery,
-               report, run_view, scaling)
+from . import (convnet, dashboard_scale, exchange, gpu, hidden, input_pipeline, memory, overheads, overlap, peers,
+               recovery, report, run_view, scaling)
 from .common import run_benchmark
 
-BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "peers": peers.run, "convnet": convnet.run,
+BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "overlap": overlap.run, "peers": peers.run,
+              "convnet": convnet.run,
               "scaling": scaling.run, "overheads": overheads.run, "memory": memory.run,
               "input_pipeline": input_pipeline.run, "dashboard_scale": dashboard_scale.run, "recovery": recovery.run,
               "run_view": run_view.run, "gpu": gpu.run}

@@ -2,11 +2,14 @@
 fixed synthetic data set, and how a worker's speed is measured (steady-state samples/s, the first
 ``WARMUP`` steps left out). ``WORKLOAD_MODEL=conv`` in the environment trains a small conv net on the same
 inputs seen as 28x28 images instead (compute-bound), ``WORKLOAD_MODEL=wide_conv`` a wider one sized for a GPU,
+``WORKLOAD_MODEL=wide_mlp`` a wide MLP whose exchange is as long as its backward,
 ``WORKLOAD_BATCH`` sets the batch, ``WORKLOAD_DEVICE`` the plain loop's device (``cuda:0``; a pscluster worker's
 comes from its task).
 
     python -m benchmarks.workload plain            a plain single-process loop
-    python -m benchmarks.workload pscluster MODE   a pscluster worker (PSCLUSTER_CONFIG set)
+    python -m benchmarks.workload pscluster MODE [pipeline] [socket] [no-overlap]
+                                                   a pscluster worker (PSCLUSTER_CONFIG set); pipeline
+                                                   (async), always over the socket, without sync overlap
 
 Both run one round per step count read from stdin (see ``procs.Rounds``).
 """
@@ -60,6 +63,13 @@ def conv_net() -> torch.nn.Module:
                                torch.nn.Linear(32 * 12 * 12, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
+def wide_mlp() -> torch.nn.Module:
+    """A 784-2048-2048-10 MLP (23 MB of parameters, 16 MB of them in the middle layer): a step whose backward
+    and exchange both take tens of milliseconds on a CPU, the case a push during backward is for."""
+    return torch.nn.Sequential(torch.nn.Linear(784, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                               torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+
+
 def wide_conv_net() -> torch.nn.Module:
     """Three 3x3 convolutions of 64, 128 and 256 channels and two dense layers (14.6 MB of parameters): a
     model a GPU worker is given, whose exchange per step is large against its compute on a GPU."""
@@ -70,7 +80,7 @@ def wide_conv_net() -> torch.nn.Module:
                                torch.nn.Linear(512, 10))
 
 
-MODELS = {"mlp": mlp, "conv": conv_net, "wide_conv": wide_conv_net}
+MODELS = {"mlp": mlp, "conv": conv_net, "wide_mlp": wide_mlp, "wide_conv": wide_conv_net}
 DEVICE = torch.device(os.environ.get("WORKLOAD_DEVICE", "cpu"))
 model_fn = MODELS[os.environ.get("WORKLOAD_MODEL", "mlp")]
 
@@ -127,10 +137,11 @@ def plain_rounds() -> None:
     serve_rounds(lambda steps: local_loop(model, steps).result())
 
 
-def pscluster_rounds(mode: str, pipeline: bool = False) -> None:
+def pscluster_rounds(mode: str, pipeline: bool = False, socket: bool = False, overlap: bool = True) -> None:
     """A worker of the real runtime (``procs.runtime_worker``): each round a new run (INIT by the chief) of
     about ``steps`` steps of this worker; its progress lines, one every ``TICK`` steps, are its clock.
-    ``pipeline``: the next gradients are computed while the push-pull is in flight (async)."""
+    ``pipeline``: the next gradients are computed while the push-pull is in flight (async); ``socket``: no
+    shared-memory lane (as between hosts); ``overlap``: sync pushes leave during backward."""
     from pscluster.task_config import from_environment
     world = len(from_environment()[0].workers)
     runs = itertools.count(1)
@@ -140,8 +151,9 @@ def pscluster_rounds(mode: str, pipeline: bool = False) -> None:
         summary = runtime_worker(model_fn, Synthetic(), torch.nn.CrossEntropyLoss(), optimizer="sgd",
                                  lr=LR, mode=mode, steps=steps * (1 if mode == "sync" else world),
                                  batch_size=BATCH, log_every=TICK, run_id=next(runs), pipeline=pipeline,
-                                 log=lambda line: clock.tick(TICK))
-        return clock.result(**{k: summary[k] for k in ("dropped", "compute_s", "comm_s", "wait_s")})
+                                 shared_memory=not socket, overlap=overlap, log=lambda line: clock.tick(TICK))
+        return clock.result(**{k: summary[k] for k in ("dropped", "compute_s", "comm_s", "wait_s",
+                                                        "overlapped_pushes")})
     serve_rounds(run)
 
 
@@ -149,4 +161,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "plain":
         plain_rounds()
     else:
-        pscluster_rounds(sys.argv[2], pipeline=sys.argv[3:] == ["pipeline"])
+        options = set(sys.argv[3:])
+        pscluster_rounds(sys.argv[2], pipeline="pipeline" in options, socket="socket" in options,
+                         overlap="no-overlap" not in options)

@@ -125,6 +125,8 @@ def _parsers() -> dict[str, _Parser]:
                        help="ssp: how many steps a worker may run ahead of the slowest (default 2)")
     train.add_argument("--pipeline", action="store_true",
                        help="async: compute the next gradients while the push-pull is in flight (one step stale)")
+    train.add_argument("--no-overlap", dest="overlap", action="store_false",
+                       help="sync: push only after backward (by default pushes over the socket leave during it)")
     train.add_argument("--placement", choices=("round_robin", "round-robin", "greedy", "largest_first"),
                        default="round_robin",
                        help="which ps task holds each variable: round-robin in model order, greedy (in model "
@@ -300,7 +302,7 @@ class PSClusterMagics(Magics):
                             log_every=args.log_every, name=args.name, code=cell,
                             test_dataset=test_dataset, staleness_bound=args.staleness_bound,
                             placement=args.placement, partition=dict(args.partition) or None,
-                            pipeline=args.pipeline, checkpoint_every=args.checkpoint_every,
+                            pipeline=args.pipeline, overlap=args.overlap, checkpoint_every=args.checkpoint_every,
                             checkpoint_dir=args.checkpoint_dir, resume=args.resume, **kwargs)
         self.last_run = run
         run.dashboard()

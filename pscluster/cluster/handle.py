@@ -283,7 +283,7 @@ class Cluster:
               checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
               checkpoint_secs: float | None = 600.0, keep_checkpoints: int = 5, restore: bool = True,
               resume: str | int | None = None, shared_memory: bool = True, pipeline: bool = False,
-              buffers: str = "chief",
+              overlap: bool = True, buffers: str = "chief",
               max_grad_norm: float | None = None, on_nonfinite: str = "fail", precision: str = "fp32",
               collate_fn=None, loader_workers: int = 0, prefetch_factor: int | None = None, pin_memory: bool = False,
               **optimizer_kwargs) -> Run:
@@ -336,7 +336,10 @@ class Cluster:
         ``shared_memory``: a worker exchanges dense values with a ps on its own host through shared memory
         (False: always over the socket). ``pipeline`` (async only, dense models): each worker computes its
         next gradients while its push and pull are in flight, on the parameters it already has, so the round
-        trip hides behind compute; every gradient is then at least one step stale.
+        trip hides behind compute; every gradient is then at least one step stale. ``overlap`` (sync): a
+        worker's push to a ps over the socket leaves part by part while backward still runs, as DDP's buckets
+        do (CPU workers; off where a push could change after backward: ``max_grad_norm``,
+        ``on_nonfinite="skip"``, fp16; see ``runtime.overlap``); the same steps as without it.
 
         The model's state is its ``state_dict()``: trained parameters, frozen ones (``requires_grad=False``: held
         by the ps, never pushed, never changed) and buffers (BatchNorm's running statistics...), each placed on a
@@ -383,6 +386,7 @@ class Cluster:
                                        staleness_bound=staleness_bound, seed=seed, log_every=log_every,
                                        request_timeout=request_timeout, checkpoint_every=checkpoint_every,
                                        restore=restore, shared_memory=shared_memory, pipeline=pipeline,
+                                       overlap=overlap,
                                        buffers=buffers, max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite,
                                        precision=precision, loader=loader)
         optim.check(model, optimizer_spec, steps=steps)

@@ -5,13 +5,15 @@ request id (see ``protocol``), and every wait has a timeout. A ps whose connecti
 ZeroMQ heartbeats went unanswered for ``HEARTBEAT_TIMEOUT_MS``), or that refuses the handshake (one side
 encrypted and not the other), fails the requests waiting on it at once with PeerLost instead of at the timeout;
 a send that ZeroMQ cannot queue (a connection the handshake ended) fails within the timeout. A worker on the same
-host as a ps moves its dense values through a shared-memory lane (``share``, see ``lanes``).
+host as a ps moves its dense values through a shared-memory lane (``share``, see ``lanes``). A request may also
+leave in parts as its payloads become ready (``open``: a sync worker's push during backward, see ``overlap``).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,16 @@ class Pending:
 
     op: Op
     requests: dict[int, tuple[int, bytes]]
+
+
+@dataclass
+class Opened:
+    """A request sent in parts as its payloads become ready (``PSClient.open``): ``part(payloads)`` sends the
+    next payload frames (``protocol.payload_frames``, in the message's order); ``message``: what its head
+    described."""
+
+    part: Callable[[list], None]
+    message: Message
 
 
 @dataclass
@@ -145,13 +157,16 @@ class PSClient:
         return self.collect(self.send(op, per_ps, step=step, meta=meta, targets=targets), timeout=timeout)
 
     def send(self, op: Op, per_ps: dict[int, tuple[list[int], list[torch.Tensor]]] | None = None, *,
-             step: int = 0, meta: dict | list | None = None, targets=None) -> "Pending":
+             step: int = 0, meta: dict | list | None = None, targets=None,
+             opened: dict[int, "Opened"] | None = None) -> "Pending":
         """The first half of ``request``: send, and return what ``collect`` waits for. In between, the caller
-        may do other work (not with this client, nor with the tensors it sent)."""
+        may do other work (not with this client, nor with the tensors it sent). ``opened``: requests to some of
+        the targets sent already, in parts (``open``), whose replies are awaited with the others'."""
         targets = list(self._socks) if targets is None else targets
+        opened = opened or {}
         copies = host_copies.Copies()  # a CUDA worker's tensors, copied to the host all at once
         messages = {}
-        for i in targets:
+        for i in (i for i in targets if i not in opened):
             nonce = protocol.challenge() if op is Op.HELLO else self._nonces[i]
             ids, tensors = (per_ps or {}).get(i, ([], []))
             m = meta[i] if isinstance(meta, list) else meta
@@ -165,7 +180,24 @@ class PSClient:
             for frames in parts.messages(msg, self.spec.key):
                 self._send_frames(i, op, frames)
             pending[i] = (msg.request_id, msg.nonce)
+        for i, request in opened.items():
+            pending[i] = (request.message.request_id, request.message.nonce)
         return Pending(op, pending)
+
+    def open(self, i: int, op: Op, ids: list[int], like: list[torch.Tensor], *, step: int = 0) -> "Opened":
+        """A request to ps ``i`` whose payloads leave part by part as the caller has them (``Opened.part``): its
+        head goes now, described by ``like`` (tensors with the payloads' shapes and dtypes: on the meta device
+        will do). ``send(..., opened={i: it})`` awaits its reply once every payload has gone; until then, no other
+        request to ps ``i``."""
+        msg = Message(op=op, flags=Flag.NONE, task=self.task, run_id=self.run_id, request_id=next(self._ids),
+                      step=step, ids=list(ids), tensors=list(like), meta=None, nonce=self._nonces[i])
+        writer = parts.Writer(msg, self.spec.key)
+        self._send_frames(i, op, writer.head)
+        return Opened(lambda payloads: self._send_frames(i, op, writer.part(payloads)), msg)
+
+    def has_lane(self, i: int) -> bool:
+        """Whether this client's dense values to and from ps ``i`` go through a shared-memory lane."""
+        return i in self._lanes
 
     def _send_frames(self, i: int, op: Op, frames: list) -> None:
         sizes = [memoryview(f).nbytes for f in frames]
@@ -341,9 +373,10 @@ class PSClient:
         """Push gradients computed on ``step`` and get the parameters after they were applied."""
         return self.start_push_pull(step, per_ps)()
 
-    def start_push_pull(self, step: int, per_ps: dict):
-        """``push_pull`` in two halves: sends now, and returns a function that waits for the reply."""
-        sent = self.send(Op.PUSH_PULL, per_ps, step=step)
+    def start_push_pull(self, step: int, per_ps: dict, opened: dict[int, Opened] | None = None):
+        """``push_pull`` in two halves: sends now, and returns a function that waits for the reply. ``opened``:
+        the pushes to some ps tasks, sent already in parts (``open``)."""
+        sent = self.send(Op.PUSH_PULL, per_ps, step=step, opened=opened)
         return lambda: self.merge(self.collect(sent))
 
     def stats(self) -> list[dict]:

@@ -52,14 +52,31 @@ def messages(msg: Message, key: bytes, tags: protocol.PayloadTags | None = None)
     if msg.nbytes() <= PART_BYTES:
         yield protocol.encode(msg, key, tags)
         return
-    payloads = [frame for t in msg.tensors for frame in protocol.payload_frames(t)]
-    tags = protocol.PayloadTags() if tags is None else tags
-    yield protocol.encode(replace(msg, flags=msg.flags | Flag.PARTS), key, protocol.PayloadTags(tags.salt))
-    first = 0
-    for group in _groups(payloads):
-        part_tags = b"".join(tags.tag(key, first + k, f) for k, f in enumerate(group))
-        yield [_PART.pack(PART_MAGIC, protocol.PROTOCOL_VERSION, tags.salt, first), *group, part_tags]
-        first += len(group)
+    writer = Writer(msg, key, tags)
+    yield writer.head
+    for group in _groups([frame for t in msg.tensors for frame in protocol.payload_frames(t)]):
+        yield writer.part(group)
+
+
+class Writer:
+    """The head and then the parts of one message, each part made when its payloads are there: a sender may
+    send the head before it has the payloads (the head needs only the tensors' shapes and dtypes: tensors on
+    the meta device will do) and each part as soon as it has the payload frames that come next."""
+
+    def __init__(self, msg: Message, key: bytes, tags: protocol.PayloadTags | None = None):
+        self._key = key
+        self._tags = protocol.PayloadTags() if tags is None else tags
+        self._first = 0  # the index of the next part's first payload frame
+        self.head = protocol.encode(replace(msg, flags=msg.flags | Flag.PARTS), key,
+                                    protocol.PayloadTags(self._tags.salt))
+
+    def part(self, payloads: list) -> list:
+        """The frames of the next part, carrying ``payloads``: the payload frames (``protocol.payload_frames``)
+        that follow those of the parts before it, in the message's order."""
+        tags = b"".join(self._tags.tag(self._key, self._first + k, f) for k, f in enumerate(payloads))
+        frames = [_PART.pack(PART_MAGIC, protocol.PROTOCOL_VERSION, self._tags.salt, self._first), *payloads, tags]
+        self._first += len(payloads)
+        return frames
 
 
 def _groups(payloads: list) -> Iterator[list]:

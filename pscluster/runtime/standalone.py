@@ -63,7 +63,8 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer="sgd", param_
                 batch_size: int | None = None, replicas_to_aggregate: int | None = None, seed: int = 0,
                 log_every: int = 100, request_timeout: float = 120.0, staleness_bound: int = 2,
                 placement="round_robin", partition: dict | None = None, shared_memory: bool = True,
-                pipeline: bool = False, buffers: str = "chief", max_grad_norm: float | None = None,
+                pipeline: bool = False, overlap: bool = True, buffers: str = "chief",
+                max_grad_norm: float | None = None,
                 on_nonfinite: str = "fail", precision: str = "fp32", collate_fn=None, loader_workers: int = 0,
                 prefetch_factor: int | None = None, pin_memory: bool = False, checkpoint_every: int = 0,
                 restore: bool = True, **optimizer_kwargs) -> tuple[TrainPlan, object, object]:
@@ -81,7 +82,7 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer="sgd", param_
                                replicas_to_aggregate=replicas_to_aggregate or len(spec.workers),
                                num_workers=len(spec.workers), staleness_bound=staleness_bound, seed=seed,
                                log_every=log_every, request_timeout=request_timeout,
-                               shared_memory=shared_memory, pipeline=pipeline, buffers=buffers,
+                               shared_memory=shared_memory, pipeline=pipeline, overlap=overlap, buffers=buffers,
                                max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite, precision=precision,
                                loader=loader, checkpoint_every=checkpoint_every, restore=restore)
     return plan, dataset, collate_fn

@@ -165,13 +165,16 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compute(model: torch.nn.Module, loss_fn, step_fn, batch, device: torch.device, step: int,
-            precision: Precision | None = None) -> Computed:
-    """Forward and backward of one batch on ``device``, on the parameters of global ``step`` (in ``precision``)."""
+            precision: Precision | None = None, before_backward=None) -> Computed:
+    """Forward and backward of one batch on ``device``, on the parameters of global ``step`` (in ``precision``);
+    ``before_backward(loss)`` is called in between."""
     precision = precision or Precision("fp32", device)
     batch = to_device(batch, device)
     model.zero_grad(set_to_none=True)  # fresh .grad tensors: the last ones may still be in flight
     with precision.autocast():
         loss, output, target, metrics = forward(model, loss_fn, step_fn, batch)
+    if before_backward is not None:
+        before_backward(loss)
     precision.backward(loss, model)
     return Computed(loss, output, target, samples_in(batch), metrics, step)
 

@@ -13,6 +13,7 @@ read; the dense values go through shared memory to a ps on the same host (``PSCl
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 from collections import Counter
@@ -27,9 +28,10 @@ from .client import PSClient
 from .data import worker_batches
 from .emitter import MetricsEmitter
 from .optim import sparse_modules
+from .overlap import EarlyPush
 from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors
 from .protocol import Flag
-from .steps import Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
+from .steps import PRECISIONS, Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
 
 
 def build_model(model_fn, seed: int) -> torch.nn.Module:
@@ -89,21 +91,19 @@ class _Shards:
         """Every variable's current value (sparse ones too), by ps: what the chief's INIT sends."""
         return {i: ([v.id for v in vs], [self.view(v) for v in vs]) for i, vs in self.on_ps.items()}
 
-    def grads(self, wire_dtype: torch.dtype | None = None) -> dict:
-        """Per ps: (ids, tensors) of its exchanged variables: a trained one's gradient (as ``wire_dtype``, mixed
-        precision's, when given), a buffer's value."""
-        out = {}
-        for i, vs in self.dense.items():
-            grads = []
-            for v in vs:
-                if v.kind == "buffer":
-                    grads.append(self.view(v))
-                    continue
-                g = self.params[v.parameter].grad
-                g = self.view(v, g) if g is not None else torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
-                grads.append(g.to(wire_dtype) if wire_dtype is not None and g.dtype == torch.float32 else g)
-            out[i] = ([v.id for v in vs], grads)
-        return out
+    def exchanged(self, v: VariableSpec, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """What a push carries for exchanged variable ``v``: a trained one's gradient (zeros when backward gave it
+        none; as ``wire_dtype``, mixed precision's, when given), a buffer's value."""
+        if v.kind == "buffer":
+            return self.view(v)
+        g = self.params[v.parameter].grad
+        g = self.view(v, g) if g is not None else torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
+        return g.to(wire_dtype) if wire_dtype is not None and g.dtype == torch.float32 else g
+
+    def grads(self, wire_dtype: torch.dtype | None = None, sent=()) -> dict:
+        """Per ps but those in ``sent``: (ids, tensors) of its exchanged variables (``exchanged``)."""
+        return {i: ([v.id for v in vs], [self.exchanged(v, wire_dtype) for v in vs])
+                for i, vs in self.dense.items() if i not in sent}
 
     def dense_values(self) -> dict[str, torch.Tensor]:
         """Every dense variable's current value by variable name (a worker holds a sparse one only in part)."""
@@ -196,18 +196,26 @@ class _Steps:
     """This worker's gradients, batch after batch: the training step (``steps``) in the run's precision, the
     non-finite check of ``plan.on_nonfinite`` and the clipping to ``plan.max_grad_norm``."""
 
-    def __init__(self, model, loss_fn, step_fn, batches, device, plan: TrainPlan, index: int, emit):
+    def __init__(self, model, loss_fn, step_fn, batches, device, plan: TrainPlan, index: int, emit,
+                 early: EarlyPush | None = None):
+        """``early``: the pushes that leave during backward (begun here once forward gave a finite loss)."""
         self.model, self.loss_fn, self.step_fn, self.batches = model, loss_fn, step_fn, batches
         self.device, self.plan, self.index, self.emit = device, plan, index, emit
         self.precision = Precision(plan.precision, device)
+        self.early = early
         self.skipped = 0
 
     def gradients(self, batch, step: int, local_step: int) -> Computed:
         """The gradients of ``batch`` on the parameters of global ``step``; a batch with a non-finite loss or
         gradient fails the run (NonFiniteError naming this worker and the step) or, with ``skip``, is left out
         for the next one."""
+        def begin_push(loss: torch.Tensor) -> None:
+            if math.isfinite(loss.detach().item()):
+                self.early.begin(step)
+
         for attempt in range(MAX_SKIPS + 1):
-            computed = compute(self.model, self.loss_fn, self.step_fn, batch, self.device, step, self.precision)
+            computed = compute(self.model, self.loss_fn, self.step_fn, batch, self.device, step, self.precision,
+                               before_backward=begin_push if self.early is not None else None)
             problem = nonfinite(computed, grad_norm(self.model, self.plan.max_grad_norm), self.model)
             if self.precision.overflowed(problem is None):  # fp16: the loss scale was too high for this batch
                 self.emit("loss_scale", global_step=step, scale=self.precision.scale, problem=problem)
@@ -324,7 +332,9 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             client.share(reply)
         sparse = _SparseRows(model, plan, client)
         emitter.emit("state", state="training")
-        steps = _Steps(model, loss_fn, step_fn, batches, device, plan, index, emitter.emit)
+        early = EarlyPush(shards, client, plan, device, PRECISIONS[plan.precision])
+        steps = _Steps(model, loss_fn, step_fn, batches, device, plan, index, emitter.emit,
+                       early if early.ps else None)
         ahead = None  # pipeline: the gradients of the next batch, computed while the last push-pull was in flight
         local_step, samples, dropped = 0, 0, 0
         compute_s = comm_s = wait_s = window_s = 0.0
@@ -336,8 +346,9 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
                 sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
                 computed = ahead if ahead is not None else steps.gradients(batch, reply.step, local_step)
                 t1 = time.perf_counter()
-                pushed = _merge(shards.grads(steps.precision.dtype), sparse.grads())
-                answer = client.start_push_pull(computed.step, pushed)
+                opened = early.finish() if steps.early is not None else {}
+                pushed = _merge(shards.grads(steps.precision.dtype, sent=opened), sparse.grads())
+                answer = client.start_push_pull(computed.step, pushed, opened)
                 sent_at = time.perf_counter()
                 # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch,
                 # and with pipeline its gradients, on the parameters this worker has now
@@ -385,6 +396,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             raise
         summary = {"task": index, "local_steps": local_step, "global_step": reply.step,
                    "dropped": dropped, "samples": samples, "wall_s": time.time() - started,
+                   "overlapped_pushes": early.pushes,
                    "compute_s": compute_s, "wait_s": wait_s, "comm_s": comm_s, "final_loss": loss_value,
                    "final_accuracy": accuracy, "final_metrics": metrics, "skipped": steps.skipped,
                    "staleness": dict(staleness),

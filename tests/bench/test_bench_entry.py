@@ -91,6 +91,8 @@ def test_tiny_run_writes_every_result_and_the_tables(tmp_path):
                 assert row[side]["n"] >= 1 and row[side]["median"] > 0, (name, row["case"], side)
             if row["target"] is not None:
                 assert {"goal", "met", "margin"} <= set(row["target"])
+    overlapped = json.loads((out / "overlap.json").read_text())["extra"]["overlapped_pushes"]
+    assert overlapped and all(n > 0 for n in overlapped)  # the worker processes pushed during backward
     targets = {row["case"] for name in ("hidden", "peers", "memory", "overheads")
                for row in json.loads((out / f"{name}.json").read_text())["rows"] if row["target"]}
     assert {"784-256-10 MLP, batch 128, SGD, sync", "784-256-10 MLP, batch 128, SGD, async, pipelined",

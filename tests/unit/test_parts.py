@@ -47,6 +47,18 @@ def test_a_message_larger_than_a_part_travels_as_its_head_then_parts_and_comes_b
     assert got.tensors[2].shape == (0, 3)
 
 
+def test_a_head_sent_before_its_payloads_exist_takes_parts_of_any_grouping():
+    """A worker pushing during backward: the head from shapes alone (meta tensors), then each payload frame as
+    its own part, the small ones first and the large last, as backward produces them."""
+    msg = big_push()
+    writer = parts.Writer(Message(op=msg.op, task=msg.task, run_id=msg.run_id, step=msg.step, ids=msg.ids,
+                                  tensors=[t.to("meta") for t in msg.tensors], meta=msg.meta), KEY)
+    frames = [f for t in msg.tensors for f in protocol.payload_frames(t)]
+    sent = [writer.head] + [writer.part([f]) for f in frames]
+    got = reassembled(sent)
+    assert len(sent) == 1 + 5 and got.ids == msg.ids and all(a.equal(b) for a, b in zip(got.tensors, msg.tensors))
+
+
 def test_a_message_of_one_part_or_less_is_one_plain_message():
     msg = Message(op=Op.PUSH, ids=[0], tensors=[torch.ones(parts.PART_BYTES // 4)])
     [frames] = list(parts.messages(msg, KEY))

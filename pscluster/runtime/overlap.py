@@ -1,0 +1,173 @@
+"""Sync overlap: a worker's push leaves while backward still runs, as DDP's buckets do.
+
+A large push travels in parts (``parts``): a head that describes every tensor, then parts that carry their bytes
+in order. ``EarlyPush`` sends a ps's head before backward and each part as soon as backward has produced the
+gradients it carries (``register_post_accumulate_grad_hook``), so the transfer, the payload tags on both sides
+and the ps's first work on them (a large variable's chunks summed, see ``streamed``) run while backward computes
+the earlier layers' gradients. The ps needs nothing new: the push is the same message, its parts only leave
+sooner, and the ps applies the step once it has every worker's gradients, as always.
+
+Order: buffers first (their values are final after forward), then the gradients in the order backward produced
+them the step before (the first step: the reverse of the model's order, as backward mostly goes). A part leaves
+once ``BUCKET_BYTES`` are ready in that order; the rest, and a gradient backward never produced (a layer the
+batch did not use: zeros, as without overlap), leave at the end of backward.
+
+Where it applies (``EarlyPush.applies``): sync runs on CPU workers, to each ps whose dense push is at least
+``MIN_BYTES`` and holds no sparse variable, over the socket (a ps on the worker's host with a shared-memory lane
+reads the values from memory: nothing to overlap), and only where a push, once begun, is never withdrawn or
+changed after backward: not with ``max_grad_norm`` (clipping needs every gradient first), nor with
+``on_nonfinite="skip"`` or fp16 loss scaling (a batch left out after backward). A non-finite gradient never
+leaves: each gradient is checked before it goes, the push stops at the first non-finite one, and the step
+fails as it does without overlap; the parts sent before it make a message the ps never completes, so the step
+is not applied.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .client import Opened, PSClient
+from .plan import TrainPlan, VariableSpec
+from .protocol import Op, payload_frames
+
+BUCKET_BYTES = 2 << 20  # a part leaves once this much of the push is ready, in order
+MIN_BYTES = 2 * BUCKET_BYTES  # a smaller push goes whole after backward: one message costs less than parts
+
+
+class EarlyPush:
+    """The pushes of one worker that leave during backward (see the module): ``begin(step)`` after forward,
+    the hooks during backward, ``finish()`` after it, whose requests ``PSClient.send(..., opened=...)`` awaits.
+    A push stopped at a non-finite gradient is left out of ``finish()``'s requests (the step's own check fails
+    the step)."""
+
+    def __init__(self, shards, client: PSClient, plan: TrainPlan, device: torch.device,
+                 wire_dtype: torch.dtype | None):
+        """``shards``: the worker's ``_Shards`` (what each ps holds and what goes on the wire for it)."""
+        self._shards, self._client, self._wire_dtype = shards, client, wire_dtype
+        self.ps: dict[int, list[VariableSpec]] = {}
+        if self.applies(plan, device):
+            sparse_ps = {v.ps for v in plan.variables if v.sparse}
+            for i, vs in shards.dense.items():
+                nbytes = sum(_nbytes(v, wire_dtype) for v in vs)
+                if i not in sparse_ps and not client.has_lane(i) and nbytes >= MIN_BYTES:
+                    self.ps[i] = _first_order(vs)
+        self._of_param: dict[int, list[VariableSpec]] = {}  # id of a parameter -> its trained variables here
+        for vs in self.ps.values():
+            for v in vs:
+                if v.kind == "param":
+                    self._of_param.setdefault(id(shards.params[v.parameter]), []).append(v)
+        self._open: dict[int, _Push] = {}
+        self._seen: list[int] = []  # the variables in the order backward produced their gradients this step
+        self.pushes = 0  # pushes that left during backward
+        for p in {id(shards.params[v.parameter]): shards.params[v.parameter]
+                  for vs in self.ps.values() for v in vs if v.kind == "param"}.values():
+            p.register_post_accumulate_grad_hook(self._produced)
+
+    @staticmethod
+    def applies(plan: TrainPlan, device: torch.device) -> bool:
+        """Whether a run of ``plan`` on a worker of ``device`` may push during backward (see the module)."""
+        return (plan.overlap and plan.mode == "sync" and device.type == "cpu" and plan.max_grad_norm is None
+                and plan.on_nonfinite == "fail" and plan.precision != "fp16" and not plan.pipeline)
+
+    def begin(self, step: int) -> None:
+        """Send the heads of this step's pushes (gradients computed on global ``step``); call after forward, before
+        backward."""
+        self._open = {i: _Push(self._client.open(i, Op.PUSH_PULL, [v.id for v in vs],
+                                                 [self._like(v) for v in vs], step=step), vs)
+                      for i, vs in self.ps.items()}
+        self._seen = []
+        for i in self._open:
+            self._advance(i)
+
+    def finish(self) -> dict[int, Opened]:
+        """The rest of this step's pushes, sent: what backward did not produce goes now (zeros). Returns the
+        requests, for ``PSClient.send(..., opened=...)``."""
+        opened = {}
+        for i, push in self._open.items():
+            push.all_ready()
+            self._advance(i, last=True)
+            opened[i] = push.request
+        if self._open:
+            self.pushes += 1
+            self._learn_order()
+        self._open = {}
+        return opened
+
+    def abandon(self) -> None:
+        """Leave this step's pushes unfinished (the step failed): the ps never completes them."""
+        self._open = {}
+
+    def _produced(self, param: torch.Tensor) -> None:
+        if not self._open:
+            return  # a backward outside the training step, or a step without early pushes
+        for v in self._of_param.get(id(param), ()):
+            self._seen.append(v.id)
+            push = self._open.get(v.ps)
+            if push is not None:
+                push.ready.add(v.id)
+                self._advance(v.ps)
+
+    def _advance(self, i: int, last: bool = False) -> None:
+        """Send what ps ``i``'s push has ready, in order, once it makes ``BUCKET_BYTES`` (with ``last``: all)."""
+        push = self._open[i]
+        while push.next < len(push.order) and push.order[push.next].id in push.ready:
+            v = push.order[push.next]
+            tensor = self._shards.exchanged(v, self._wire_dtype)
+            if v.kind == "param" and not _finite(tensor):
+                self._open = {}  # every push of this step stops here; the step's check fails it after backward
+                return
+            push.bucket += payload_frames(tensor)
+            push.bucket_bytes += tensor.numel() * tensor.element_size()
+            push.next += 1
+        if push.bucket and (last or push.bucket_bytes >= BUCKET_BYTES):
+            push.request.part(push.bucket)
+            push.bucket, push.bucket_bytes = [], 0
+
+    def _learn_order(self) -> None:
+        """Next step's order for each push: buffers, then the gradients as backward produced them this step,
+        then those it did not produce."""
+        rank = {vid: k for k, vid in enumerate(dict.fromkeys(self._seen))}
+        for i, vs in self.ps.items():
+            self.ps[i] = sorted(vs, key=lambda v: (v.kind == "param", rank.get(v.id, len(rank))))
+
+    def _like(self, v: VariableSpec) -> torch.Tensor:
+        return torch.empty(v.shape, dtype=_on_wire(v, self._wire_dtype), device="meta")
+
+
+class _Push:
+    """One ps's push of the current step: its request, its variables in the order their payloads go, which ones
+    backward has produced, and the payload frames ready but not sent yet."""
+
+    def __init__(self, request: Opened, order: list[VariableSpec]):
+        self.request, self.order = request, order
+        self.ready = {v.id for v in order if v.kind != "param"}
+        self.next = 0
+        self.bucket: list = []
+        self.bucket_bytes = 0
+
+    def all_ready(self) -> None:
+        self.ready.update(v.id for v in self.order)
+
+
+def _first_order(vs: list[VariableSpec]) -> list[VariableSpec]:
+    """Buffers, then the trained variables in the reverse of the model's order."""
+    return [v for v in vs if v.kind != "param"] + [v for v in reversed(vs) if v.kind == "param"]
+
+
+def _on_wire(v: VariableSpec, wire_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``v`` travels in: a trained fp32 variable's gradient in mixed precision's ``wire_dtype``."""
+    dtype = getattr(torch, v.dtype)
+    return wire_dtype if v.kind == "param" and wire_dtype is not None and dtype == torch.float32 else dtype
+
+
+def _nbytes(v: VariableSpec, wire_dtype: torch.dtype | None) -> int:
+    return math.prod(v.shape) * _on_wire(v, wire_dtype).itemsize
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite (a norm first: one pass without a temporary of ``t``'s size)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.linalg.vector_norm(t))) or bool(torch.isfinite(t).all())
