@@ -58,8 +58,12 @@ class EarlyPush:
             for v in vs:
                 if v.kind == "param":
                     self._of_param.setdefault(id(shards.params[v.parameter]), []).append(v)
+        # a parameter whose every part goes in these pushes -> those parts' ids
+        self._parts = {pid: {v.id for v in vs} for pid, vs in self._of_param.items()
+                       if len(vs) == sum(v.parameter == vs[0].parameter for v in shards.by_id.values())}
         self._open: dict[int, _Push] = {}
         self._seen: list[int] = []  # the variables in the order backward produced their gradients this step
+        self._checked_ids: set[int] = set()  # the variables whose gradients were found finite this step
         self.pushes = 0  # pushes that left during backward
         for p in {id(shards.params[v.parameter]): shards.params[v.parameter]
                   for vs in self.ps.values() for v in vs if v.kind == "param"}.values():
@@ -77,9 +81,14 @@ class EarlyPush:
         self._open = {i: _Push(self._client.open(i, Op.PUSH_PULL, [v.id for v in vs],
                                                  [self._like(v) for v in vs], step=step), vs)
                       for i, vs in self.ps.items()}
-        self._seen = []
+        self._seen, self._checked_ids = [], set()
         for i in self._open:
             self._advance(i)
+
+    def checked(self) -> set[int]:
+        """The ids of the parameters whose gradients this step's pushes found finite (the step's own check need
+        not look at them again); call after backward."""
+        return {pid for pid, parts in self._parts.items() if parts <= self._checked_ids}
 
     def finish(self) -> dict[int, Opened]:
         """The rest of this step's pushes, sent: what backward did not produce goes now (zeros). Returns the
@@ -115,9 +124,11 @@ class EarlyPush:
         while push.next < len(push.order) and push.order[push.next].id in push.ready:
             v = push.order[push.next]
             tensor = self._shards.exchanged(v, self._wire_dtype)
-            if v.kind == "param" and not _finite(tensor):
-                self._open = {}  # every push of this step stops here; the step's check fails it after backward
-                return
+            if v.kind == "param":
+                if not _finite(tensor):
+                    self._open, self._checked_ids = {}, set()  # every push of this step stops here; the step's
+                    return                                # own check fails the step after backward
+                self._checked_ids.add(v.id)
             push.bucket += payload_frames(tensor)
             push.bucket_bytes += tensor.numel() * tensor.element_size()
             push.next += 1

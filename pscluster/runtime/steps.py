@@ -225,10 +225,11 @@ def metric_values(metrics: dict) -> dict[str, float]:
     return out
 
 
-def grad_norm(model: torch.nn.Module, max_norm: float | None = None) -> torch.Tensor:
+def grad_norm(model: torch.nn.Module, max_norm: float | None = None, skip: set[int] = frozenset()) -> torch.Tensor:
     """The total 2-norm of the model's dense gradients (as ``clip_grad_norm_`` computes it); with ``max_norm``,
-    the gradients are clipped to it first, by torch's own ``clip_grad_norm_``."""
-    grads = [p for p in model.parameters() if p.grad is not None and not p.grad.is_sparse]
+    the gradients are clipped to it first, by torch's own ``clip_grad_norm_``. ``skip``: ids of parameters left
+    out (without ``max_norm``: those whose gradients are known to be finite, for the non-finite check)."""
+    grads = [p for p in model.parameters() if p.grad is not None and not p.grad.is_sparse and id(p) not in skip]
     if not grads:
         return torch.zeros(())
     if max_norm is not None:

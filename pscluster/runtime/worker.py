@@ -216,7 +216,8 @@ class _Steps:
         for attempt in range(MAX_SKIPS + 1):
             computed = compute(self.model, self.loss_fn, self.step_fn, batch, self.device, step, self.precision,
                                before_backward=begin_push if self.early is not None else None)
-            problem = nonfinite(computed, grad_norm(self.model, self.plan.max_grad_norm), self.model)
+            checked = self.early.checked() if self.early is not None else frozenset()  # finite, checked already
+            problem = nonfinite(computed, grad_norm(self.model, self.plan.max_grad_norm, checked), self.model)
             if self.precision.overflowed(problem is None):  # fp16: the loss scale was too high for this batch
                 self.emit("loss_scale", global_step=step, scale=self.precision.scale, problem=problem)
                 batch = next(self.batches)
