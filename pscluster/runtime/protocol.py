@@ -126,8 +126,9 @@ class Flag(IntFlag):
     PARTS = 8  # the payload frames follow in messages of their own (see ``parts``)
 
 
-_OPS = frozenset(int(op) for op in Op)
+_OP_BY_CODE = {int(op): op for op in Op}
 _FLAGS = int(Flag.STOPPED | Flag.DROPPED | Flag.SHARED | Flag.PARTS)
+_FLAG_BY_CODE = {code: Flag(code) for code in range(_FLAGS + 1) if not code & ~_FLAGS}  # enum calls cost microseconds
 
 _DTYPES = {
     torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4,
@@ -330,9 +331,9 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS, *, release: bool
         raise MalformedMessage("tensor table does not match the frames")
     if bufs[2].nbytes > limits.max_json_bytes:
         raise MalformedMessage(f"JSON frame of {bufs[2].nbytes} bytes: at most {limits.max_json_bytes} accepted")
-    if op not in _OPS or flags & ~_FLAGS:
+    if op not in _OP_BY_CODE or flags not in _FLAG_BY_CODE:
         raise MalformedMessage(f"unknown op {op} or flags {flags}")
-    op, flags = Op(op), Flag(flags)
+    op, flags = _OP_BY_CODE[op], _FLAG_BY_CODE[flags]
     msg = Message(op=op, flags=flags, task=task, run_id=run_id, request_id=request_id, step=step,
                   value=value, wait_us=wait_us, nonce=nonce)
     described = [_described(fields) for fields in _TENSOR.iter_unpack(bufs[1])]
