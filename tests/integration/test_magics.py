@@ -80,6 +80,8 @@ def test_magic_session(ip, capsys):
     assert pipelined.plan.pipeline and pipelined.global_step == 40
     staleness = pipelined.staleness()
     assert sum(staleness.values()) == 40 and staleness.get(0, 0) <= 2  # only each worker's first push was fresh
+    plain = ip.run_cell_magic("pscluster", "train --no-overlap --steps 10 --batch-size 32 --lr 0.1 --wait", TRAIN_CELL)
+    assert run.plan.overlap and not plain.plan.overlap and plain.global_step == 10
     assert ip.run_line_magic("pscluster", "status") is cluster and all(alive(p) for p in pids)
     assert run.evaluate(ip.user_ns["dataset"])["accuracy"] is not None  # still there after the errors
     ip.run_line_magic("pscluster", "stop")

@@ -1,8 +1,6 @@
 """Sync overlap (``overlap``): pushes that leave during backward, over the socket, against in-process ps servers,
 compared with plain torch and with the same run pushing after backward."""
 
-import threading
-
 import pytest
 import torch
 
@@ -11,7 +9,7 @@ from pscluster.runtime.overlap import MIN_BYTES, EarlyPush
 from pscluster.runtime.plan import TrainPlan, describe_variables
 from pscluster.runtime.worker import build_model, run_worker
 
-from .test_worker_inprocess import RUN_ID, SEED, dataset, plain_batches  # noqa: F401 - dataset is a fixture
+from .test_worker_inprocess import RUN_ID, SEED, dataset, plain_batches, run_workers  # noqa: F401 - a fixture
 
 BATCH = 32
 POISON = 99.0  # an input whose first feature is this gets a NaN gradient in the first layer, with a finite loss
@@ -73,27 +71,6 @@ def trained(local_ps, spec, plan) -> dict[str, torch.Tensor]:
     return {plan.variables[i].name: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
 
 
-def train_workers(spec, plan, dataset) -> dict[int, dict]:
-    """Every worker of ``spec`` in its own thread, each on a copy of one model (threads building their own would
-    share torch's random generator); their summaries."""
-    summaries, errors = {}, {}
-    model = build_model(Wide, SEED)
-
-    def work(i):
-        try:
-            summaries[i] = run_worker(spec, i, plan, model, dataset, torch.nn.CrossEntropyLoss())
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            errors[i] = e
-
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(spec.workers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not errors, errors
-    return summaries
-
-
 def test_the_model_is_large_enough_to_push_during_backward():
     assert sum(t.numel() * t.element_size() for t in Wide().parameters()) >= MIN_BYTES
 
@@ -118,7 +95,7 @@ def test_two_sync_workers_on_two_ps_take_the_same_steps_with_and_without_overlap
     for overlap in (True, False):
         spec = local_ps.start(num_ps=2, num_workers=2)
         plan = plan_for(spec, steps=steps, overlap=overlap, partition={"hidden.weight": 2})
-        summaries = train_workers(spec, plan, dataset)
+        summaries = run_workers(spec, plan, dataset, build_model(Wide, SEED))
         assert [s["overlapped_pushes"] for s in summaries.values()] == ([steps, steps] if overlap else [0, 0])
         results[overlap] = trained(local_ps, spec, plan)
     for name, value in results[False].items():

@@ -110,13 +110,14 @@ def delayed_local_training(dataset, steps: int) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def run_workers(spec, plan, dataset):
-    """Every worker of ``spec`` in its own thread; their summaries by index."""
+def run_workers(spec, plan, dataset, model_fn=mlp):
+    """Every worker of ``spec`` in its own thread; their summaries by index. (Threads that build their models
+    share torch's random generator: give a model, which each copies, where the initial values matter.)"""
     summaries, errors = {}, {}
 
     def work(i):
         try:
-            summaries[i] = run_worker(spec, i, plan, mlp, dataset, torch.nn.CrossEntropyLoss())
+            summaries[i] = run_worker(spec, i, plan, model_fn, dataset, torch.nn.CrossEntropyLoss())
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors[i] = e
 
