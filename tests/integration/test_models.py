@@ -227,6 +227,23 @@ def test_a_batchnorm_cnn_trains_with_its_running_statistics(cluster_2ps_1w, digi
     assert set(run.store.placement(run.id)["ps"]) == {0, 1}  # the state is spread over both ps
 
 
+def wide_bn_mlp():
+    """A BatchNorm MLP of 8.6 MB: on 2 ps, ps 0 gets the 8 MB middle layer (its push goes during backward over
+    the socket), ps 1 the rest (a push too small for that: after backward)."""
+    return nn.Sequential(nn.Linear(64, 1024, bias=False), nn.BatchNorm1d(1024), nn.ReLU(), nn.Linear(1024, 2048),
+                         nn.ReLU(), nn.Linear(2048, 10))
+
+
+def test_pushes_leaving_during_backward_over_the_socket_train_as_the_plain_loop(cluster_2ps_1w, digits_train):
+    steps, options = 60, dict(lr=0.02, momentum=0.9)
+    run = cluster_2ps_1w.train(wide_bn_mlp, digits_train, nn.CrossEntropyLoss(), optimizer="sgd", mode="sync",
+                               steps=steps, batch_size=BATCH, seed=SEED, checkpoint_secs=None, shared_memory=False,
+                               **options).wait(verbose=False)
+    assert run.results[0]["overlapped_pushes"] == steps
+    expected = plain_loop(wide_bn_mlp, digits_train, steps, loss_fn=nn.CrossEntropyLoss(), **options)
+    assert_same_state(run.state_dict(), expected.state_dict())
+
+
 def test_bf16_trains_the_batchnorm_cnn_as_well_as_fp32(cluster_2ps_1w, digits_train, digits_test):
     # annealed to 0, so the result does not hang on the rounding of the last steps (it does at a fixed rate)
     steps, options = 300, dict(lr=0.05, momentum=0.9)

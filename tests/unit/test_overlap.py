@@ -12,7 +12,7 @@ from pscluster.runtime.worker import build_model, run_worker
 from .test_worker_inprocess import RUN_ID, SEED, dataset, plain_batches, run_workers  # noqa: F401 - a fixture
 
 BATCH = 32
-POISON = 99.0  # an input whose first feature is this gets a NaN gradient in the first layer, with a finite loss
+POISON = 99.0  # an input whose first feature is this gets NaN gradients from the middle layer down, a finite loss
 
 
 class PoisonGrad(torch.autograd.Function):
@@ -30,7 +30,7 @@ class PoisonGrad(torch.autograd.Function):
 
 class Wide(torch.nn.Module):
     """An MLP of 8.4 MB on the digits, its layers declared in another order than forward uses them (backward's
-    order is not the model's); the first layer's gradient comes last, through ``PoisonGrad``."""
+    order is not the model's); the gradients from the 8 MB middle layer down pass through ``PoisonGrad``."""
 
     def __init__(self):
         super().__init__()
@@ -41,8 +41,8 @@ class Wide(torch.nn.Module):
         # bias gradient that BatchNorm makes zero)
 
     def forward(self, x):
-        h = PoisonGrad.apply(torch.relu(self.norm(self.first(x))), x)
-        return self.out(torch.relu(self.hidden(h)))
+        h = torch.relu(self.norm(self.first(x)))
+        return self.out(PoisonGrad.apply(torch.relu(self.hidden(h)), x))
 
 
 def plan_for(spec, *, steps, partition=None, **settings) -> TrainPlan:
@@ -115,18 +115,21 @@ def test_no_push_during_backward_where_a_push_could_change_after_it_or_has_nothi
 
 
 def test_a_nonfinite_gradient_never_leaves_and_the_step_is_not_applied(local_ps, dataset):
-    """The first layer's gradient is NaN while the later layers', produced before it, are finite and went out:
-    the run fails at that step as without overlap, with the parameters of the step before."""
+    """The middle layer's gradient (8 MB: a part of its own) is NaN, the last layer's before it finite: the NaN
+    bytes never leave, and the run fails at that step as without overlap, with the parameters of the step
+    before."""
     x, y = dataset.tensors()
     poisoned = torch.utils.data.TensorDataset(x.clone(), y)
     marked = list(plain_batches(poisoned, 3))[2][0][0]  # the first sample of the third batch: global step 2
     poisoned.tensors[0][int((x == marked).all(dim=1).nonzero()[0]), 0] = POISON
     spec = local_ps.start(num_ps=1, num_workers=1)
     plan = plan_for(spec, steps=10)
-    with pytest.raises(NonFiniteError, match="non-finite gradient of norm.weight at global step 2"):
+    with pytest.raises(NonFiniteError, match="non-finite gradient of hidden.weight at global step 2"):
         run_worker(spec, 0, plan, Wide, poisoned, torch.nn.CrossEntropyLoss())
     stats = local_ps.client(spec, run_id=RUN_ID).stats()[0]
     assert stats["step"] == 2 and stats["applied"] == 2
+    push = sum(t.numel() * t.element_size() for t in Wide().state_dict().values())
+    assert 3 * push < stats["bytes_in"] < 3.5 * push  # the INIT and two pushes: the third never took the 8 MB
     got, expected = trained(local_ps, spec, plan), plain_wide(poisoned, 2)
     for name, value in expected.items():
         assert torch.isfinite(got[name]).all() and (got[name].to(value.dtype) - value).abs().max() <= 1e-6, name
