@@ -17,9 +17,10 @@ Where it applies (``EarlyPush.applies``): sync runs on CPU workers, to each ps w
 reads the values from memory: nothing to overlap), and only where a push, once begun, is never withdrawn or
 changed after backward: not with ``max_grad_norm`` (clipping needs every gradient first), nor with
 ``on_nonfinite="skip"`` or fp16 loss scaling (a batch left out after backward). A non-finite gradient never
-leaves: each gradient is checked before it goes, the push stops at the first non-finite one, and the step
-fails as it does without overlap; the parts sent before it make a message the ps never completes, so the step
-is not applied.
+leaves: each gradient is checked before it goes, every push of the step stops at the first non-finite one, and
+the step fails as it does without overlap. The parts sent before it make messages the ps never completes, so
+the step is not applied (a large variable's chunks already in a sync step's sum, see ``streamed``, would count
+only as those of any push cut short do: if the worker were declared lost instead of failing the run).
 """
 
 from __future__ import annotations
@@ -103,10 +104,6 @@ class EarlyPush:
             self._learn_order()
         self._open = {}
         return opened
-
-    def abandon(self) -> None:
-        """Leave this step's pushes unfinished (the step failed): the ps never completes them."""
-        self._open = {}
 
     def _produced(self, param: torch.Tensor) -> None:
         if not self._open:
