@@ -25,8 +25,6 @@ only as those of any push cut short do: if the worker were declared lost instead
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .client import Opened, PSClient
@@ -51,14 +49,16 @@ class EarlyPush:
         if self.applies(plan, device):
             sparse_ps = {v.ps for v in plan.variables if v.sparse}
             for i, vs in shards.dense.items():
-                nbytes = sum(_nbytes(v, wire_dtype) for v in vs)
+                nbytes = sum(self._like(v).nbytes for v in vs)
                 if i not in sparse_ps and not client.has_lane(i) and nbytes >= MIN_BYTES:
                     self.ps[i] = _first_order(vs)
         self._of_param: dict[int, list[VariableSpec]] = {}  # id of a parameter -> its trained variables here
+        hooked = {}
         for vs in self.ps.values():
             for v in vs:
                 if v.kind == "param":
-                    self._of_param.setdefault(id(shards.params[v.parameter]), []).append(v)
+                    param = hooked.setdefault(id(shards.params[v.parameter]), shards.params[v.parameter])
+                    self._of_param.setdefault(id(param), []).append(v)
         # a parameter whose every part goes in these pushes -> those parts' ids
         self._parts = {pid: {v.id for v in vs} for pid, vs in self._of_param.items()
                        if len(vs) == sum(v.parameter == vs[0].parameter for v in shards.by_id.values())}
@@ -66,9 +66,8 @@ class EarlyPush:
         self._seen: list[int] = []  # the variables in the order backward produced their gradients this step
         self._checked_ids: set[int] = set()  # the variables whose gradients were found finite this step
         self.pushes = 0  # pushes that left during backward
-        for p in {id(shards.params[v.parameter]): shards.params[v.parameter]
-                  for vs in self.ps.values() for v in vs if v.kind == "param"}.values():
-            p.register_post_accumulate_grad_hook(self._produced)
+        for param in hooked.values():
+            param.register_post_accumulate_grad_hook(self._produced)
 
     @staticmethod
     def applies(plan: TrainPlan, device: torch.device) -> bool:
@@ -141,7 +140,8 @@ class EarlyPush:
             self.ps[i] = sorted(vs, key=lambda v: (v.kind == "param", rank.get(v.id, len(rank))))
 
     def _like(self, v: VariableSpec) -> torch.Tensor:
-        return torch.empty(v.shape, dtype=_on_wire(v, self._wire_dtype), device="meta")
+        """``v``'s payload as it travels, on the meta device: its shape and dtype only."""
+        return torch.empty(v.shape, dtype=self._shards.on_wire(v, self._wire_dtype), device="meta")
 
 
 class _Push:
@@ -162,16 +162,6 @@ class _Push:
 def _first_order(vs: list[VariableSpec]) -> list[VariableSpec]:
     """Buffers, then the trained variables in the reverse of the model's order."""
     return [v for v in vs if v.kind != "param"] + [v for v in reversed(vs) if v.kind == "param"]
-
-
-def _on_wire(v: VariableSpec, wire_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype ``v`` travels in: a trained fp32 variable's gradient in mixed precision's ``wire_dtype``."""
-    dtype = getattr(torch, v.dtype)
-    return wire_dtype if v.kind == "param" and wire_dtype is not None and dtype == torch.float32 else dtype
-
-
-def _nbytes(v: VariableSpec, wire_dtype: torch.dtype | None) -> int:
-    return math.prod(v.shape) * _on_wire(v, wire_dtype).itemsize
 
 
 def _finite(t: torch.Tensor) -> bool:

@@ -91,14 +91,21 @@ class _Shards:
         """Every variable's current value (sparse ones too), by ps: what the chief's INIT sends."""
         return {i: ([v.id for v in vs], [self.view(v) for v in vs]) for i, vs in self.on_ps.items()}
 
+    @staticmethod
+    def on_wire(v: VariableSpec, wire_dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype a push carries exchanged variable ``v`` in: a trained fp32 one's gradient in mixed precision's
+        ``wire_dtype`` when given, else the variable's own."""
+        dtype = getattr(torch, v.dtype)
+        return wire_dtype if v.kind == "param" and wire_dtype is not None and dtype == torch.float32 else dtype
+
     def exchanged(self, v: VariableSpec, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
         """What a push carries for exchanged variable ``v``: a trained one's gradient (zeros when backward gave it
-        none; as ``wire_dtype``, mixed precision's, when given), a buffer's value."""
+        none), a buffer's value; in ``on_wire``'s dtype."""
         if v.kind == "buffer":
             return self.view(v)
         g = self.params[v.parameter].grad
         g = self.view(v, g) if g is not None else torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
-        return g.to(wire_dtype) if wire_dtype is not None and g.dtype == torch.float32 else g
+        return g.to(self.on_wire(v, wire_dtype))
 
     def grads(self, wire_dtype: torch.dtype | None = None, sent=()) -> dict:
         """Per ps but those in ``sent``: (ids, tensors) of its exchanged variables (``exchanged``)."""
