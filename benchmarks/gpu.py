@@ -1,9 +1,13 @@
 """GPU workers: 1 ps (CPU) + 1 worker of the real runtime on ``cuda:0`` against a plain torch loop on the same
-GPU, sync and async pipelined, for the conv net of ``workload.py`` (1.2 MB) and its wider one (14.6 MB);
-samples/s ratio, and where the worker's time goes (compute, exchange, waiting). Not run without a CUDA GPU."""
+GPU: sync through the shared-memory lane (ps and worker on one host), sync over the socket (as between hosts)
+and async pipelined, for the conv net of ``workload.py`` (1.2 MB) and its wider one (14.6 MB); samples/s ratio,
+and where the worker's time goes (compute, exchange, waiting). Each process gets the torch threads that
+``Cluster(ps=1, workers=1, gpus=1)`` gives each task on this machine (half its cores), the plain loop as many.
+Not run without a CUDA GPU."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -15,16 +19,21 @@ DEVICE = "cuda:0"
 BATCH = 256
 MODELS = {"conv": "conv net (2 conv + 2 dense, 1.2 MB)",
           "wide_conv": "wide conv net (3 conv + 2 dense, 14.6 MB)"}
+MODES = {"sync": "sync, lane", "socket": "sync, socket", "pipelined": "async, pipelined"}
 WORKER_TIMES = ("compute_s", "comm_s", "wait_s")
 
 
 def _model_rows(model: str, label: str, steps: int, rounds: int) -> tuple[list, dict]:
     """The rows of one model, and the worker's median seconds of a round by mode and part."""
     env = {"WORKLOAD_MODEL": model, "WORKLOAD_BATCH": str(BATCH)}
-    contenders = {"sync": procs.workload_workers("sync", 1, device=DEVICE, **env),
-                  "pipelined": procs.workload_workers("async", 1, pipeline=True, device=DEVICE, **env),
-                  "plain": procs.Rounds([procs.spawn("workload", "plain", threads=4, WORKLOAD_DEVICE=DEVICE, **env)])}
-    times: dict[str, list[dict]] = {"sync": [], "pipelined": []}
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    contenders = {"sync": procs.workload_workers("sync", 1, device=DEVICE, threads=threads, **env),
+                  "socket": procs.workload_workers("sync", 1, device=DEVICE, socket=True, threads=threads, **env),
+                  "pipelined": procs.workload_workers("async", 1, pipeline=True, device=DEVICE, threads=threads,
+                                                      **env),
+                  "plain": procs.Rounds([procs.spawn("workload", "plain", threads=threads, WORKLOAD_DEVICE=DEVICE,
+                                                     **env)])}
+    times: dict[str, list[dict]] = {mode: [] for mode in MODES}
 
     def measure(name: str) -> float:
         (out,) = contenders[name].round(steps)
@@ -38,7 +47,7 @@ def _model_rows(model: str, label: str, steps: int, rounds: int) -> tuple[list, 
             r.close()
     rows = [compare(f"{label}, {how}, batch {BATCH}", "1 ps + 1 GPU worker", speeds[mode], "plain loop on the GPU",
                     speeds["plain"], "samples/s", Target(0.85))
-            for mode, how in (("sync", "sync"), ("pipelined", "async, pipelined"))]
+            for mode, how in MODES.items()]
     medians = {mode: {k: sorted(t[k] for t in ts)[len(ts) // 2] for k in WORKER_TIMES} for mode, ts in times.items()}
     return rows, medians
 
@@ -52,8 +61,9 @@ def run(tiny: bool, out_dir: Path) -> Result:
     for model, label in MODELS.items():
         rows, result.extra[model] = _model_rows(model, label, steps, repetitions(tiny))
         result.rows += rows
-    result.notes.append(f"{steps} steps per repetition and process (the first 20 left out); the ps runs on the CPU "
-                        "(one torch thread), the plain loop with 4. extra: the worker's median seconds of a round "
+    result.notes.append(f"{steps} steps per repetition and process (the first 20 left out); the ps runs on the CPU, "
+                        f"each process with {max(1, (os.cpu_count() or 2) // 2)} torch threads (half the cores, as a "
+                        "Cluster of 1 ps + 1 worker gives each task). extra: the worker's median seconds of a round "
                         "in compute (batch to the GPU, forward, backward, the gradient checks, the next batch), "
                         "exchange (the gradients to the host, the round trip, the parameters to the GPU) and "
                         "waiting for the ps.")

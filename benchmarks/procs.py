@@ -110,14 +110,15 @@ class Rounds:
 
 
 def workload_workers(mode: str, workers: int, pipeline: bool = False, device: str = "cpu", *, socket: bool = False,
-                     overlap: bool = True, **env: str) -> Rounds:
+                     overlap: bool = True, threads: int = 1, **env: str) -> Rounds:
     """1 ps and ``workers`` workers of the real runtime training ``workload.py``'s model in ``mode``, one round
     per command; ``pipeline``: async workers compute their next gradients while the push-pull is in flight;
     ``socket``: no shared-memory lane; ``overlap``: sync pushes leave during backward; ``device``: the workers'
-    (``cuda:0``); ``env``: more of the workers' environment (``WORKLOAD_MODEL``...)."""
-    cluster = PSProcesses(1, workers=workers, device=device)
+    (``cuda:0``); ``threads``: torch threads of each process; ``env``: more of the workers' environment
+    (``WORKLOAD_MODEL``...)."""
+    cluster = PSProcesses(1, workers=workers, threads=threads, device=device)
     how = [name for name, on in (("pipeline", pipeline), ("socket", socket), ("no-overlap", not overlap)) if on]
-    return Rounds([spawn("workload", "pscluster", mode, *how, **cluster.worker_env(i), **env)
+    return Rounds([spawn("workload", "pscluster", mode, *how, threads=threads, **cluster.worker_env(i), **env)
                    for i in range(workers)], after=cluster.close)
 
 

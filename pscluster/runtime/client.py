@@ -91,8 +91,11 @@ class PSClient:
     ``spec.encrypt``); the constructor opens a session with each ps (HELLO)."""
 
     def __init__(self, spec: ClusterSpec, *, task: int = protocol.NO_TASK, run_id: int = 0,
-                 timeout: float = 120.0, context: zmq.Context | None = None, only: list[int] | None = None):
-        """``only``: connect to these ps tasks alone (the survivors, when one was lost)."""
+                 timeout: float = 120.0, context: zmq.Context | None = None, only: list[int] | None = None,
+                 pinned: bool = False):
+        """``only``: connect to these ps tasks alone (the survivors, when one was lost). ``pinned``: replies that
+        arrive in parts are assembled in page-locked memory (a CUDA worker's: from there they go to the GPU
+        without waiting, see ``host_copies``)."""
         self.spec = spec
         self.task = task
         self.timeout = timeout
@@ -106,7 +109,7 @@ class PSClient:
         self._socks, self._monitors, self._index = {}, {}, {}  # ps index -> socket, socket -> ps index
         self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
         self._lanes: dict[int, Lane] = {}  # ps index -> the shared-memory lane of its session
-        self._assembling = parts.Assemblies(spec.key)  # by ps index: replies arriving in parts
+        self._assembling = parts.Assemblies(spec.key, pinned)  # by ps index: replies arriving in parts
         self._poller = zmq.Poller()
         for ps in spec.ps if only is None else [spec.ps[i] for i in only]:
             s = protocol.configure(self._ctx.socket(zmq.DEALER))

@@ -10,9 +10,10 @@ waiting (``non_blocking``), with one wait for all the copies of a request. A wor
 - ``pin`` / ``unpin``: page-lock memory this process mapped itself (a lane's segments) so that copies to and
   from it are DMA too; where CUDA refuses, the copies still happen, staged by the driver.
 
-Copies to the GPU need nothing of this: ``copy_(host, non_blocking=True)`` returns once the driver has the
-bytes of pageable memory, and a pinned lane's values change only after the worker's next request through
-the lane, which waits for the GPU first (``fence``).
+Copies to the GPU are queued without waiting too: a large reply is assembled in pinned memory (``PSClient``'s
+``pinned``), a pinned lane's values change only after the worker's next request through the lane, which waits
+for the GPU first (``fence``), and from a small reply's pageable frames ``copy_(host, non_blocking=True)``
+returns once the driver has the bytes.
 """
 
 from __future__ import annotations

@@ -104,20 +104,20 @@ def is_part(frames) -> bool:
 class Assembly:
     """A message whose head arrived and whose parts are arriving: ``feed`` each part in the order it came."""
 
-    def __init__(self, head: Message, header, key: bytes, stream=None):
+    def __init__(self, head: Message, header, key: bytes, stream=None, pinned: bool = False):
         """``head``: the decoded head (its tensors described on the meta device); ``header``: its header frame
         (the salt is its last bytes). ``stream``: what takes some tensors' payloads as they arrive instead of
         memory of their own: ``stream.positions``, the positions of those tensors in the message (they stay on
         the meta device in it), and ``stream.take(position, chunk, values)``, called with each of their payload
         frames checked, in order, as a 1-D tensor of the tensor's dtype that lives only during the call. The
-        other tensors get memory here, filled in as their parts arrive."""
+        other tensors get memory here (page-locked with ``pinned``), filled in as their parts arrive."""
         self.message = head
         self.started = time.monotonic()
         self._key = key
         self._salt = bytes(memoryview(header.buffer if hasattr(header, "buffer") else header)[-protocol.SALT_SIZE:])
         self._stream = stream
         streamed = stream.positions if stream is not None else ()
-        head.tensors = [t if k in streamed else torch.empty(t.shape, dtype=t.dtype)
+        head.tensors = [t if k in streamed else torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
                         for k, t in enumerate(head.tensors)]
         # per payload frame: (tensor position, chunk of that tensor, the bytes it fills or None when streamed)
         self._slots = [(k, j, slot) for k, t in enumerate(head.tensors)
@@ -174,8 +174,9 @@ def _chunk_views(t: torch.Tensor) -> list[torch.Tensor]:
 class Assemblies:
     """The messages arriving in parts, at most one per sender (a ps: per connection; a client: per ps)."""
 
-    def __init__(self, key: bytes):
-        self._key = key
+    def __init__(self, key: bytes, pinned: bool = False):
+        """``pinned``: the messages' tensors in page-locked memory (see ``Assembly``)."""
+        self._key, self._pinned = key, pinned
         self._open: dict = {}  # sender -> its Assembly
 
     def __len__(self) -> int:
@@ -187,7 +188,7 @@ class Assemblies:
     def open(self, sender, head: Message, header, stream=None) -> None:
         """Expect the parts of ``head`` (decoded, with ``Flag.PARTS``; ``header``: its header frame) from
         ``sender``, instead of any message of it still unfinished; ``stream``: see ``Assembly``."""
-        self._open[sender] = Assembly(head, header, self._key, stream)
+        self._open[sender] = Assembly(head, header, self._key, stream, self._pinned)
 
     def take(self, sender, frames) -> Message | None:
         """Part ``frames`` from ``sender`` fed to its message: the message once whole, else None. Raises

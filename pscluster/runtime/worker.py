@@ -318,7 +318,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
     shards = _Shards(model, plan, len(spec.ps))
     emitter = MetricsEmitter(plan.metrics_address, f"worker:{index}", spec.key, run_id=plan.run_id)
     started = time.time()
-    client = PSClient(spec, task=index, run_id=plan.run_id, timeout=plan.request_timeout)
+    client = PSClient(spec, task=index, run_id=plan.run_id, timeout=plan.request_timeout,
+                      pinned=device.type == "cuda")
     batches = None
     try:
         batches = worker_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed, plan.loader,

@@ -41,9 +41,10 @@ class LocalPS:
         self.servers.extend(servers)
         return spec.with_ps_ports([s.port for s in servers])
 
-    def client(self, spec: ClusterSpec, task: int = NO_TASK, *, run_id: int = 0,
-               timeout: float = TIMEOUT) -> PSClient:
-        client = PSClient(spec, task=task, timeout=timeout)
+    def client(self, spec: ClusterSpec, task: int = NO_TASK, *, run_id: int = 0, timeout: float = TIMEOUT,
+               **options) -> PSClient:
+        """A client of ``spec``'s ps tasks, closed with them; ``options``: more of ``PSClient``'s."""
+        client = PSClient(spec, task=task, timeout=timeout, **options)
         self.clients.append(client)
         client.run_id = run_id
         return client

@@ -167,3 +167,21 @@ def test_memory_cuda_refuses_to_page_lock_leaves_no_error_for_the_next_kernel():
         host_copies.unpin(segment.address)
     finally:
         lane.unlink()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_a_large_reply_to_a_gpu_worker_arrives_in_pinned_memory_and_reaches_the_gpu_as_sent(start_run):
+    weight = torch.randn(1536, 2048, generator=torch.Generator().manual_seed(0))  # 12 MB: answered in parts
+    run = start_run({"w": weight}, mode="async")
+    gpu_worker, other = run.client(task=0, pinned=True), run.client(task=1)
+    (gradient,) = grads(0, [weight])
+    reply = gpu_worker.push_pull(0, run.split([gradient.cuda()]))
+    (value,) = reply.messages[0].tensors
+    assert value.is_pinned()
+    assert_values([value], [weight - LR * gradient], tol=1e-6)
+    on_gpu = torch.empty(value.shape, device="cuda")
+    on_gpu.copy_(value, non_blocking=True)  # a DMA copy, queued without waiting
+    assert torch.equal(on_gpu.cpu(), value)
+    (pulled,) = other.pull().messages[0].tensors
+    assert not pulled.is_pinned() and torch.equal(pulled, value)
