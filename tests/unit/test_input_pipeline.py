@@ -214,6 +214,9 @@ def busy_threads():
     def ask():
         while not stop.is_set():
             req.send(b"x" * 1000)
+            while not req.poll(20):  # the server may stop before it answers the last request
+                if stop.is_set():
+                    return
             req.recv()
             rounds[0] += 1
 
