@@ -21,17 +21,17 @@ MODELS = {"conv": "conv net (2 conv + 2 dense, 1.2 MB)",
           "wide_conv": "wide conv net (3 conv + 2 dense, 14.6 MB)"}
 MODES = {"sync": "sync, lane", "socket": "sync, socket", "pipelined": "async, pipelined"}
 WORKER_TIMES = ("compute_s", "comm_s", "wait_s")
+THREADS = max(1, (os.cpu_count() or 2) // 2)  # each task's share in a Cluster of 1 ps + 1 worker
 
 
 def _model_rows(model: str, label: str, steps: int, rounds: int) -> tuple[list, dict]:
     """The rows of one model, and the worker's median seconds of a round by mode and part."""
     env = {"WORKLOAD_MODEL": model, "WORKLOAD_BATCH": str(BATCH)}
-    threads = max(1, (os.cpu_count() or 2) // 2)
-    contenders = {"sync": procs.workload_workers("sync", 1, device=DEVICE, threads=threads, **env),
-                  "socket": procs.workload_workers("sync", 1, device=DEVICE, socket=True, threads=threads, **env),
-                  "pipelined": procs.workload_workers("async", 1, pipeline=True, device=DEVICE, threads=threads,
+    contenders = {"sync": procs.workload_workers("sync", 1, device=DEVICE, threads=THREADS, **env),
+                  "socket": procs.workload_workers("sync", 1, device=DEVICE, socket=True, threads=THREADS, **env),
+                  "pipelined": procs.workload_workers("async", 1, pipeline=True, device=DEVICE, threads=THREADS,
                                                       **env),
-                  "plain": procs.Rounds([procs.spawn("workload", "plain", threads=threads, WORKLOAD_DEVICE=DEVICE,
+                  "plain": procs.Rounds([procs.spawn("workload", "plain", threads=THREADS, WORKLOAD_DEVICE=DEVICE,
                                                      **env)])}
     times: dict[str, list[dict]] = {mode: [] for mode in MODES}
 
@@ -62,7 +62,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
         rows, result.extra[model] = _model_rows(model, label, steps, repetitions(tiny))
         result.rows += rows
     result.notes.append(f"{steps} steps per repetition and process (the first 20 left out); the ps runs on the CPU, "
-                        f"each process with {max(1, (os.cpu_count() or 2) // 2)} torch threads (half the cores, as a "
+                        f"each process with {THREADS} torch threads (half the cores, as a "
                         "Cluster of 1 ps + 1 worker gives each task). extra: the worker's median seconds of a round "
                         "in compute (batch to the GPU, forward, backward, the gradient checks, the next batch), "
                         "exchange (the gradients to the host, the round trip, the parameters to the GPU) and "
