@@ -61,14 +61,17 @@ class RawServers:
 class PSExchange:
     """A run of ``numel`` float32 parameters split evenly over the ps of ``cluster``, and two workers' round trips
     in it: ``shared`` (task 0) through shared-memory lanes, as a worker on the ps's host exchanges, and
-    ``socket`` (task 1) over the socket, as between hosts."""
+    ``socket`` (task 1) over the socket, as between hosts, its replies received into the memory they are for (a
+    worker's spares, see ``PSClient.receive_into``)."""
 
     def __init__(self, cluster: procs.PSProcesses, numel: int, run_id: int):
         n = len(cluster.spec.ps)
-        self.grads = {i: ([0], [torch.full((numel // n,), 1.0)]) for i in range(n)}
+        self.grads = {i: ([i], [torch.full((numel // n,), 1.0)]) for i in range(n)}  # variable i on ps i
         configs = [procs.ps_config(f"p{i}", lr=LR, workers=2) for i in range(n)]
         self.clients = {"shared": PSClient(cluster.spec, task=0, timeout=300),
                         "socket": PSClient(cluster.spec, task=1, timeout=300)}
+        received = [torch.empty(numel // n) for _ in range(n)]
+        self.clients["socket"].receive_into(lambda vid: received[vid])
         self.clients["shared"].init(run_id, self.grads, configs)
         for client in self.clients.values():
             client.run_id = run_id

@@ -110,6 +110,7 @@ class PSClient:
         self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
         self._lanes: dict[int, Lane] = {}  # ps index -> the shared-memory lane of its session
         self._assembling = parts.Assemblies(spec.key, pinned)  # by ps index: replies arriving in parts
+        self._destination: Callable[[int], torch.Tensor | None] | None = None  # see receive_into
         self._poller = zmq.Poller()
         for ps in spec.ps if only is None else [spec.ps[i] for i in only]:
             s = protocol.configure(self._ctx.socket(zmq.DEALER))
@@ -198,6 +199,26 @@ class PSClient:
         self._send_frames(i, op, writer.head)
         return Opened(lambda payloads: self._send_frames(i, op, writer.part(payloads)), msg)
 
+    def receive_into(self, destination: Callable[[int], torch.Tensor | None] | None) -> None:
+        """Where the values of a reply in parts are written as its parts arrive: ``destination(variable id)``
+        gives a contiguous CPU tensor of the variable's shape and dtype (or None: memory of the reply's own), which
+        becomes the reply's tensor. Only replies to the request awaited are written there, and only once their
+        head is checked; a reply cut off midway leaves those tensors holding part of it. None: no destinations."""
+        self._destination = destination
+
+    def _destinations(self, head: Message, request: tuple[int, bytes] | None) -> dict[int, torch.Tensor] | None:
+        """``receive_into``'s tensors for the payloads of ``head`` (a reply in parts), by position: none unless it
+        answers ``request``, the one awaited from its ps."""
+        if self._destination is None or request is None or not _answers(head, *request, hello=False):
+            return None
+        into = {}
+        for k, (vid, like) in enumerate(zip(head.ids, head.tensors)):
+            t = self._destination(vid)
+            if (t is not None and t.shape == like.shape and t.dtype == like.dtype and t.device.type == "cpu"
+                    and t.is_contiguous()):
+                into[k] = t
+        return into
+
     def has_lane(self, i: int) -> bool:
         """Whether this client's dense values to and from ps ``i`` go through a shared-memory lane."""
         return i in self._lanes
@@ -239,7 +260,7 @@ class PSClient:
                         raise PeerLost(f"ps {i} at {self.spec.ps[i].address} {_lost(event, op)}")
                     continue
                 i = self._index[sock]
-                msg = self._receive(i, sock)
+                msg = self._receive(i, sock, pending.get(i))
                 if msg is None:
                     continue  # a head, or a part, of a message in parts not yet whole
                 if i not in pending or not _answers(msg, *pending[i], hello=op is Op.HELLO):
@@ -256,16 +277,16 @@ class PSClient:
                 replies[i] = msg
         return [replies[i] for i in sorted(replies)]
 
-    def _receive(self, i: int, sock: zmq.Socket) -> Message | None:
+    def _receive(self, i: int, sock: zmq.Socket, request: tuple[int, bytes] | None) -> Message | None:
         """The next message from ps ``i``, or None while a message in parts is not yet whole (its head, or
-        one of its parts, came)."""
+        one of its parts, came). ``request``: the one awaited from ps ``i`` (see ``receive_into``)."""
         frames = sock.recv_multipart(copy=False)
         self.bytes_received += sum(len(f) for f in frames)
         if parts.is_part(frames):  # none open: the rest of a message whose head was refused (that raised)
             return self._assembling.take(i, frames) if i in self._assembling else None
         msg = protocol.decode(frames, self.spec.key, release=True)
         if msg.flags & Flag.PARTS:
-            self._assembling.open(i, msg, frames[0])
+            self._assembling.open(i, msg, frames[0], into=self._destinations(msg, request))
             return None
         return msg
 

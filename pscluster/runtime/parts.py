@@ -104,21 +104,25 @@ def is_part(frames) -> bool:
 class Assembly:
     """A message whose head arrived and whose parts are arriving: ``feed`` each part in the order it came."""
 
-    def __init__(self, head: Message, header, key: bytes, stream=None, pinned: bool = False):
+    def __init__(self, head: Message, header, key: bytes, stream=None, pinned: bool = False,
+                 into: dict[int, torch.Tensor] | None = None):
         """``head``: the decoded head (its tensors described on the meta device); ``header``: its header frame
         (the salt is its last bytes). ``stream``: what takes some tensors' payloads as they arrive instead of
         memory of their own: ``stream.positions``, the positions of those tensors in the message (they stay on
         the meta device in it), and ``stream.take(position, chunk, values)``, called with each of their payload
-        frames checked, in order, as a 1-D tensor of the tensor's dtype that lives only during the call. The
-        other tensors get memory here (page-locked with ``pinned``), filled in as their parts arrive."""
+        frames checked, in order, as a 1-D tensor of the tensor's dtype that lives only during the call.
+        ``into``: the caller's memory for some tensors (position -> a contiguous CPU tensor of that tensor's
+        shape and dtype), which become the message's tensors and are written as their parts arrive. The other
+        tensors get memory here (page-locked with ``pinned``)."""
         self.message = head
         self.started = time.monotonic()
         self._key = key
         self._salt = bytes(memoryview(header.buffer if hasattr(header, "buffer") else header)[-protocol.SALT_SIZE:])
         self._stream = stream
         streamed = stream.positions if stream is not None else ()
-        head.tensors = [t if k in streamed else torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
-                        for k, t in enumerate(head.tensors)]
+        into = into or {}
+        head.tensors = [t if k in streamed else into[k] if k in into else
+                        torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for k, t in enumerate(head.tensors)]
         # per payload frame: (tensor position, chunk of that tensor, the bytes it fills or None when streamed)
         self._slots = [(k, j, slot) for k, t in enumerate(head.tensors)
                        for j, slot in enumerate(_chunk_views(t) if k not in streamed else
@@ -185,10 +189,10 @@ class Assemblies:
     def __contains__(self, sender) -> bool:
         return sender in self._open
 
-    def open(self, sender, head: Message, header, stream=None) -> None:
+    def open(self, sender, head: Message, header, stream=None, into: dict[int, torch.Tensor] | None = None) -> None:
         """Expect the parts of ``head`` (decoded, with ``Flag.PARTS``; ``header``: its header frame) from
-        ``sender``, instead of any message of it still unfinished; ``stream``: see ``Assembly``."""
-        self._open[sender] = Assembly(head, header, self._key, stream, self._pinned)
+        ``sender``, instead of any message of it still unfinished; ``stream``, ``into``: see ``Assembly``."""
+        self._open[sender] = Assembly(head, header, self._key, stream, self._pinned, into)
 
     def take(self, sender, frames) -> Message | None:
         """Part ``frames`` from ``sender`` fed to its message: the message once whole, else None. Raises

@@ -81,6 +81,12 @@ class _Shards:
         self.dense = {i: [v for v in vs if v.exchanged] for i, vs in self.on_ps.items()}
         self.by_id = {v.id: v for v in plan.variables}
         self.has_frozen = any(v.kind == "frozen" for v in plan.variables)
+        storages = Counter(t.untyped_storage().data_ptr() for t in params.values())
+        # variables whose memory a reply may replace (``spare``): whole, on the CPU, sharing it with no other
+        self._swappable = {v.id for v in plan.variables if v.exchanged and not v.partitioned
+                           and (t := params[v.parameter]).device.type == "cpu" and t.is_contiguous()
+                           and storages[t.untyped_storage().data_ptr()] == 1}
+        self._spares: dict[int, torch.Tensor] = {}  # variable id -> the memory its next value may arrive in
 
     def view(self, v: VariableSpec, tensor: torch.Tensor | None = None) -> torch.Tensor:
         """The part of ``tensor`` (default: the parameter) that variable ``v`` holds."""
@@ -116,11 +122,29 @@ class _Shards:
         """Every dense variable's current value by variable name (a worker holds a sparse one only in part)."""
         return {v.name: self.view(v) for v in self.by_id.values() if not v.sparse}
 
+    def spare(self, vid: int) -> torch.Tensor | None:
+        """Memory of variable ``vid``'s shape and dtype that a reply in parts may write its new value into
+        (``PSClient.receive_into``), for ``load`` to swap with the variable's own instead of copying; None for a
+        variable whose memory is not its alone (a row shard, a GPU tensor, storage another tensor shares). The
+        model's values stay those of the last whole reply: a reply cut off midway leaves only the spare torn."""
+        if vid not in self._swappable:
+            return None
+        if vid not in self._spares:
+            t = self.params[self.by_id[vid].parameter]
+            self._spares[vid] = torch.empty(t.shape, dtype=t.dtype)
+        return self._spares[vid]
+
     @torch.no_grad()
     def load(self, reply) -> None:
-        """The reply's values into the model; to a GPU without waiting (see ``host_copies``)."""
+        """The reply's values into the model: a value that arrived in its ``spare`` becomes the variable's memory
+        (the old memory its next spare), the others are copied; to a GPU without waiting (see ``host_copies``)."""
         for msg in reply.messages:
             for vid, t in zip(msg.ids, msg.tensors):
+                if t is self._spares.get(vid):
+                    tensor = self.params[self.by_id[vid].parameter]
+                    self._spares[vid] = tensor.data
+                    tensor.data = t
+                    continue
                 value = self.view(self.by_id[vid])
                 value.copy_(t, non_blocking=value.is_cuda)
 
@@ -320,6 +344,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
     started = time.time()
     client = PSClient(spec, task=index, run_id=plan.run_id, timeout=plan.request_timeout,
                       pinned=device.type == "cuda")
+    client.receive_into(shards.spare)
     batches = None
     try:
         batches = worker_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed, plan.loader,
