@@ -58,19 +58,35 @@ class RawServers:
         self.close()
 
 
-class PSExchange:
-    """A run of ``numel`` float32 parameters split evenly over the ps of ``cluster``, and two workers' round trips
-    in it: ``shared`` (task 0) through shared-memory lanes, as a worker on the ps's host exchanges, and
-    ``socket`` (task 1) over the socket, as between hosts, its replies received into the memory they are for (a
-    worker's spares, see ``PSClient.receive_into``)."""
+def split(numel: int, num_ps: int) -> list[tuple[int, ...]]:
+    """The shapes of ``numel`` float32 parameters split evenly over ``num_ps`` ps: one variable each."""
+    return [(numel // num_ps,)] * num_ps
 
-    def __init__(self, cluster: procs.PSProcesses, numel: int, run_id: int):
+
+def cnn_shapes() -> list[tuple[int, ...]]:
+    """The tensors of a BatchNorm conv net of 4.8 MB, as a worker exchanges them: 91 of them, 85 of at most
+    64 KiB (each 3x3 convolution's BatchNorm weight, bias, running mean and variance, and the vectors of its
+    other layers), 6 convolution weights of 7 KB to 1.2 MB and a 2 MB classifier."""
+    shapes = []
+    for channels, inputs in ((64, 3), (64, 32), (128, 64), (128, 64), (256, 128), (256, 128)):
+        shapes += [(channels, inputs, 3, 3)] + [(channels,)] * 4
+    return shapes + [(128,)] * 60 + [(1000, 512)]
+
+
+class PSExchange:
+    """A run of float32 variables of ``shapes`` (variable k on ps k modulo the ps count of ``cluster``), and two
+    workers' round trips in it: ``shared`` (task 0) through shared-memory lanes, as a worker on the ps's host
+    exchanges, and ``socket`` (task 1) over the socket, as between hosts, its replies received into the memory
+    they are for (a worker's spares, see ``PSClient.receive_into``)."""
+
+    def __init__(self, cluster: procs.PSProcesses, shapes: list[tuple[int, ...]], run_id: int):
         n = len(cluster.spec.ps)
-        self.grads = {i: ([i], [torch.full((numel // n,), 1.0)]) for i in range(n)}  # variable i on ps i
-        configs = [procs.ps_config(f"p{i}", lr=LR, workers=2) for i in range(n)]
+        on_ps = {i: list(range(i, len(shapes), n)) for i in range(n)}
+        self.grads = {i: (ids, [torch.full(shapes[k], 1.0) for k in ids]) for i, ids in on_ps.items()}
+        configs = [procs.ps_config(*(f"v{k}" for k in ids), lr=LR, workers=2) for ids in on_ps.values()]
         self.clients = {"shared": PSClient(cluster.spec, task=0, timeout=300),
                         "socket": PSClient(cluster.spec, task=1, timeout=300)}
-        received = [torch.empty(numel // n) for _ in range(n)]
+        received = [torch.empty(shape) for shape in shapes]
         self.clients["socket"].receive_into(lambda vid: received[vid])
         self.clients["shared"].init(run_id, self.grads, configs)
         for client in self.clients.values():
@@ -88,13 +104,14 @@ class PSExchange:
             client.close()
 
 
-def bandwidth(megabytes: float, num_ps: int, cluster: procs.PSProcesses, raw: RawServers, run_id: int,
+def bandwidth(shapes: list[tuple[int, ...]], cluster: procs.PSProcesses, raw: RawServers, run_id: int,
               trips: int, rounds: int) -> dict[str, list[float]]:
-    """GB/s (both ways) of pscluster through shared memory ("shared") and over the socket ("socket"), and of raw
-    ZeroMQ ("raw"): ``rounds`` alternating rounds of ``trips`` round trips."""
-    numel = int(megabytes * MB / 4) // num_ps * num_ps
-    ps = PSExchange(cluster, numel, run_id)
-    payloads = [t.numpy() for _, (t,) in ps.grads.values()]
+    """GB/s (both ways) of a round trip of float32 variables of ``shapes``: pscluster through shared memory
+    ("shared") and over the socket ("socket"), and raw ZeroMQ moving each ps's bytes in one frame ("raw");
+    ``rounds`` alternating rounds of ``trips`` round trips."""
+    ps = PSExchange(cluster, shapes, run_id)
+    payloads = [torch.cat([t.reshape(-1) for t in tensors]).numpy() for _, tensors in ps.grads.values()]
+    numel = sum(p.size for p in payloads)
     for warm_up in (lambda: ps.round_trip("shared"), lambda: ps.round_trip("socket"), lambda: raw.round_trip(payloads)):
         warm_up()
     gigabytes = 2 * numel * 4 / 1e9  # moved by one round trip, both ways
@@ -133,7 +150,7 @@ def cpu_per_trip(megabytes: float, trips: int, rounds: int) -> dict[str, dict[st
     included), the wall milliseconds, and the cores that keeps busy; medians of ``rounds`` alternating rounds of
     ``trips`` round trips (enough to outlast the 10 ms ticks CPU time is counted in)."""
     with RawServers(1) as raw, procs.PSProcesses(1) as cluster:
-        ps = PSExchange(cluster, int(megabytes * MB / 4), run_id=1)
+        ps = PSExchange(cluster, split(int(megabytes * MB / 4), 1), run_id=1)
         payload = [np.ones(int(megabytes * MB), dtype=np.uint8)]
         trip = {"raw": lambda: raw.round_trip(payload), "socket": lambda: ps.round_trip("socket")}
         servers = {"raw": psutil.Process(raw.procs[0].pid), "socket": psutil.Process(cluster.pids[0])}
@@ -190,7 +207,7 @@ def ray_step(megabytes: float, rounds: int) -> tuple[dict[str, list[float]], str
             ray.get(actor.push.remote(grad))
         ray_round()
         with procs.PSProcesses(1) as cluster:
-            ps = PSExchange(cluster, numel, run_id=1)
+            ps = PSExchange(cluster, split(numel, 1), run_id=1)
             ps.round_trip("shared")
             try:
                 return alternate({"pscluster": per_second(lambda: ps.round_trip("shared"), 3),
@@ -210,15 +227,17 @@ def run(tiny: bool, out_dir: Path) -> Result:
     for num_ps in ps_counts:
         with procs.PSProcesses(num_ps) as cluster:
             with RawServers(num_ps) as raw:
-                for mb in sizes:
+                cases = [(f"{mb:g} MB", split(int(mb * MB / 4) // num_ps * num_ps, num_ps), mb) for mb in sizes]
+                if num_ps == 1:  # a model's shape: most of its tensors small
+                    cases.append(("4.8 MB in a conv net's 91 tensors", cnn_shapes(), 4.8))
+                for case, shapes, mb in cases:
                     trips = 2 if tiny else max(1, int(16 // mb))
-                    gbps = bandwidth(mb, num_ps, cluster, raw, run_id, trips, repetitions(tiny))
+                    gbps = bandwidth(shapes, cluster, raw, run_id, trips, repetitions(tiny))
                     run_id += 1
                     target = Target(0.9) if mb >= 4 else None
-                    result.rows.append(compare(f"{mb:g} MB, {num_ps} ps, same host", "pscluster, shared memory",
+                    result.rows.append(compare(f"{case}, {num_ps} ps, same host", "pscluster, shared memory",
                                                gbps["shared"], "raw ZeroMQ", gbps["raw"], "GB/s", target))
-                    result.rows.append(compare(f"{mb:g} MB, {num_ps} ps, socket",
-                                               "pscluster, socket (as between hosts)",
+                    result.rows.append(compare(f"{case}, {num_ps} ps, socket", "pscluster, socket (as between hosts)",
                                                gbps["socket"], "raw ZeroMQ", gbps["raw"], "GB/s", target))
     if tiny:
         result.notes.append("Ray step: not run in tiny mode (starting Ray takes tens of seconds)")

@@ -197,7 +197,7 @@ class PSProcesses:
         self.close()
 
 
-def ps_config(name: str, *, optimizer: str = "SGD", lr: float = 0.0, workers: int = 1, **fields) -> dict:
-    """The INIT config of a ps holding one variable ``name`` in an endless async run (what a chief would send)."""
-    return PsConfig(mode="async", steps=10**9, replicas_to_aggregate=1, num_workers=workers, names=(name,),
+def ps_config(*names: str, optimizer: str = "SGD", lr: float = 0.0, workers: int = 1, **fields) -> dict:
+    """The INIT config of a ps holding variables ``names`` in an endless async run (what a chief would send)."""
+    return PsConfig(mode="async", steps=10**9, replicas_to_aggregate=1, num_workers=workers, names=names,
                     optimizer=OptimizerSpec(optimizer, {"lr": lr}).to_dict(), **fields).to_dict()

@@ -6,10 +6,15 @@ A message is a list of ZeroMQ frames::
 
 ``header`` is a fixed struct (magic, protocol version, op, flags, task, run id, session nonce,
 request id, step, value, wait in microseconds, tensor count, payload salt); ``table`` describes each tensor
-(variable id, dtype code, shape); ``json`` is a UTF-8 JSON object for the few control messages
-that carry structured data (empty otherwise); each tensor's raw bytes follow in ``CHUNK_BYTES`` frames (the
-last one shorter; one empty frame for an empty tensor), sent without a copy from ``COPY_LIMIT`` bytes up
-(smaller ones are copied into ZeroMQ's message as they are sent: see ``configure``). No frame is larger than
+(variable id, dtype code, whether it is packed, shape); ``json`` is a UTF-8 JSON object for the few control
+messages that carry structured data (empty otherwise). The payload frames follow: first, when the table marks
+any tensor packed, the pack, which holds the raw bytes of every packed tensor in table order, each from a
+multiple of ``PACK_ALIGN`` bytes; then each other tensor's raw bytes in ``CHUNK_BYTES`` frames (the last one
+shorter; one empty frame for an empty tensor), sent without a copy from ``COPY_LIMIT`` bytes up (smaller ones
+are copied into ZeroMQ's message as they are sent: see ``configure``). A sender packs the tensors of at most
+``PACK_LIMIT`` bytes while the pack stays within ``CHUNK_BYTES`` (never in a message whose payloads follow in
+parts): a model's many small tensors (biases, norms, their buffers) then cost one frame and one tag, not one
+each, and a receiver reads each as a view of the pack. No frame is larger than
 ``MAX_FRAME_BYTES``, whatever the model, so a receiver refuses larger ones at the transport (ZeroMQ's
 ``MAXMSGSIZE``) before holding any of their bytes. ``mac`` is HMAC-SHA256 with the per-cluster secret as
 key over the header, table and json frames and, for each payload frame, its tag, each of these items
@@ -60,6 +65,7 @@ answers a signed request it cannot serve with an ERROR reply.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import json
@@ -77,7 +83,7 @@ import zmq
 
 from ..errors import BadSignature, FencedOff, MalformedMessage, ProtocolError, ReplayedMessage, UnsignedMessage
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAGIC = b"PSCL"
 MAX_DIMS = 8
 NO_TASK = 0xFFFF  # the `task` of a message that comes from the controller, not a worker
@@ -88,9 +94,11 @@ MAX_SESSIONS = 65536
 MAX_ELEMENTS = 2**48  # of one tensor, counting a zero dimension as one: bounds what a view's shape can say
 COPY_LIMIT = 4 << 20  # frames from this size up are sent without a copy (see ``configure``)
 CHUNK_BYTES = 8 << 20  # a tensor's bytes travel in frames of this size (the last one shorter)
+PACK_LIMIT = 64 << 10  # a tensor of at most this many bytes travels in the message's pack
+PACK_ALIGN = 16  # each packed tensor's bytes start at a multiple of this in the pack
 
 _HEADER = struct.Struct(f"!4sHBBHI{NONCE_SIZE}sQqqII{SALT_SIZE}s")  # the salt last: see ``mac``
-_TENSOR = struct.Struct("!IBB2x" + "Q" * MAX_DIMS)
+_TENSOR = struct.Struct("!IBBB1x" + "Q" * MAX_DIMS)  # id, dtype code, dims, packed (0 or 1), shape
 _LENGTH = struct.Struct("!Q")
 _NO_SESSION = bytes(NONCE_SIZE // 2)
 
@@ -273,11 +281,13 @@ def encode(msg: Message, key: bytes, tags: PayloadTags | None = None) -> list:
     if len(msg.ids) != len(msg.tensors):
         raise ValueError("one variable id per tensor")
     tags = PayloadTags() if tags is None else tags
+    in_parts = bool(msg.flags & Flag.PARTS)
     header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.op), int(msg.flags), msg.task, msg.run_id, msg.nonce,
                           msg.request_id, msg.step, msg.value, min(msg.wait_us, 0xFFFFFFFF), len(msg.tensors),
                           tags.salt)
     table = bytearray()
     payloads = []
+    packed, pack_bytes = [], 0  # (offset in the pack, tensor), the pack's size
     for var_id, t in zip(msg.ids, msg.tensors):
         if t.dim() > MAX_DIMS:
             raise ProtocolError(f"tensor of {t.dim()} dims: at most {MAX_DIMS} go on the wire")
@@ -287,13 +297,40 @@ def encode(msg: Message, key: bytes, tags: PayloadTags | None = None) -> list:
             raise ProtocolError(f"dtype {t.dtype} cannot go on the wire: use one of "
                                 f"{', '.join(str(d) for d in _DTYPES)}") from None
         shape = list(t.shape) + [0] * (MAX_DIMS - t.dim())
-        table += _TENSOR.pack(var_id, code, t.dim(), *shape)
-        if not msg.flags & Flag.PARTS:
+        nbytes = t.numel() * t.element_size()
+        in_pack = not in_parts and nbytes <= PACK_LIMIT and pack_bytes + nbytes <= CHUNK_BYTES
+        table += _TENSOR.pack(var_id, code, t.dim(), in_pack, *shape)
+        if in_pack:
+            packed.append((pack_bytes, t))
+            pack_bytes += _aligned(nbytes)
+        elif not in_parts:
             payloads += payload_frames(t)
+    if packed:
+        payloads.insert(0, _pack(packed, pack_bytes))
     body = b"" if msg.meta is None else json.dumps(msg.meta).encode()
     frames = [header, bytes(table), body, *payloads]
     frames.append(mac(key, frames, [tags.tag(key, i, p) for i, p in enumerate(payloads)]))
     return frames
+
+
+def _aligned(nbytes: int) -> int:
+    """The room a tensor of ``nbytes`` bytes takes in a pack."""
+    return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+
+
+def _pack(placed: list[tuple[int, torch.Tensor]], size: int) -> bytes | bytearray:
+    """A pack of ``size`` bytes holding each tensor's bytes at its offset (zeros between them)."""
+    if not size:
+        return b""
+    pack = bytearray(size)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(pack))
+    for offset, t in placed:
+        if not t.is_cpu:
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        ctypes.memmove(base + offset, t.data_ptr(), t.numel() * t.element_size())
+    return pack
 
 
 def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS, *, release: bool = False) -> Message:
@@ -313,6 +350,9 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS, *, release: bool
     size = sum(b.nbytes for b in bufs)
     if size > limits.max_message_bytes:
         raise MalformedMessage(f"message of {size} bytes: at most {limits.max_message_bytes} accepted")
+    if len(bufs) > 1 and bufs[1].nbytes > limits.max_tensors * _TENSOR.size:
+        raise MalformedMessage(f"message of {bufs[1].nbytes // _TENSOR.size} tensors: at most {limits.max_tensors} "
+                               "accepted")
     if len(bufs) < 4 or bufs[-1].nbytes != MAC_SIZE:
         raise UnsignedMessage(f"message of {len(bufs)} frames without a signature: at least 4 expected, "
                               f"the last a {MAC_SIZE}-byte signature")
@@ -353,16 +393,25 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS, *, release: bool
 
 def _read(msg: Message, described: list, bufs: list, frames=None) -> None:
     """The tensors of ``msg`` from its payload frames (``bufs[3:-1]``; ``frames``: see ``_tensor``)."""
-    if len(bufs) != 4 + sum(chunk_count(nbytes) for *_, nbytes in described):
+    pack_bytes = sum(_aligned(nbytes) for *_, nbytes, packed in described if packed)
+    has_pack = any(packed for *_, packed in described)
+    if len(bufs) != 4 + has_pack + sum(chunk_count(nbytes) for *_, nbytes, packed in described if not packed):
         raise MalformedMessage("tensor table does not match the frames")
-    frame = 3
-    for var_id, dtype, shape, numel, nbytes in described:
+    if has_pack and bufs[3].nbytes != pack_bytes:
+        raise MalformedMessage(f"a pack of {bufs[3].nbytes} bytes for packed tensors of {pack_bytes}")
+    pack = _Pack(bufs[3]) if pack_bytes else None
+    frame, offset = 3 + has_pack, 0
+    for var_id, dtype, shape, numel, nbytes, packed in described:
+        msg.ids.append(var_id)
+        if packed:
+            msg.tensors.append(pack.tensor(offset, dtype, shape) if numel else torch.empty(shape, dtype=dtype))
+            offset += _aligned(nbytes)
+            continue
         first, count = frame, chunk_count(nbytes)
         frame += count
         sizes = [b.nbytes for b in bufs[first:frame]]
         if sum(sizes) != nbytes or any(size != CHUNK_BYTES for size in sizes[:-1]):
             raise MalformedMessage(f"tensor {var_id}: {sum(sizes)} bytes for shape {tuple(shape)}")
-        msg.ids.append(var_id)
         msg.tensors.append(_tensor(bufs, first, count, dtype, numel, frames).view(tuple(shape)))
 
 
@@ -370,32 +419,53 @@ def _allocate(head: Message, described: list, frames: int, limits: Limits) -> No
     """The tensors of ``head``, a message whose payloads follow in parts (``Flag.PARTS``), described (on the meta
     device: shape and dtype, no memory) once what the table declares is within ``limits``; ``parts.Assembly``
     gives them memory as it fills them in."""
-    declared = sum(nbytes for *_, nbytes in described)
-    payloads = sum(chunk_count(nbytes) for *_, nbytes in described)
+    declared = sum(nbytes for *_, nbytes, _ in described)
+    payloads = sum(chunk_count(nbytes) for *_, nbytes, _ in described)
+    if any(packed for *_, packed in described):
+        raise MalformedMessage("a message whose payloads follow in parts, with packed tensors")
     if frames != 4:
         raise MalformedMessage(f"a message whose payloads follow in parts, with {frames - 4} payload frames")
     if declared > limits.max_message_bytes or 4 + payloads > limits.max_frames:
         raise MalformedMessage(f"a message of {declared} bytes in {payloads} payloads: at most "
                                f"{limits.max_message_bytes} bytes and {limits.max_frames - 4} payloads accepted")
-    for var_id, dtype, shape, numel, _ in described:
+    for var_id, dtype, shape, *_ in described:
         head.ids.append(var_id)
         head.tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
 
 
-def _described(fields) -> tuple[int, torch.dtype, tuple, int, int]:
-    """A tensor table entry checked: (variable id, dtype, shape, elements, bytes)."""
-    var_id, code, ndim = fields[:3]
+def _described(fields) -> tuple[int, torch.dtype, tuple, int, int, bool]:
+    """A tensor table entry checked: (variable id, dtype, shape, elements, bytes, packed)."""
+    var_id, code, ndim, packed = fields[:4]
     dtype = _DTYPE_BY_CODE.get(code)
-    if dtype is None or ndim > MAX_DIMS or any(fields[3 + ndim:]):
+    if dtype is None or ndim > MAX_DIMS or packed > 1 or any(fields[4 + ndim:]):
         raise MalformedMessage("bad tensor descriptor")
-    shape = fields[3:3 + ndim]
+    shape = fields[4:4 + ndim]
     numel, extent = 1, 1
     for d in shape:
         numel *= d
         extent *= max(d, 1)
     if extent > MAX_ELEMENTS:
         raise MalformedMessage(f"tensor {var_id}: shape {tuple(shape)} is beyond {MAX_ELEMENTS} elements")
-    return var_id, dtype, tuple(shape), numel, numel * _ITEMSIZE[code]
+    return var_id, dtype, tuple(shape), numel, numel * _ITEMSIZE[code], bool(packed)
+
+
+class _Pack:
+    """A received pack, whose tensors are read-only views of it (one view of the whole pack per dtype)."""
+
+    def __init__(self, buf):
+        self._bytes = torch.frombuffer(buf, dtype=torch.uint8)
+        self._as: dict[torch.dtype, torch.Tensor] = {}
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+        """The tensor of ``dtype`` and ``shape`` (not empty) whose bytes start at ``offset``."""
+        whole = self._as.get(dtype)
+        if whole is None:
+            whole = self._as[dtype] = self._bytes.view(dtype)
+        strides, step = [], 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= max(d, 1)
+        return torch.as_strided(whole, shape, strides[::-1], offset // whole.element_size())
 
 
 def _tensor(bufs: list, first: int, count: int, dtype: torch.dtype, numel: int, frames=None) -> torch.Tensor:

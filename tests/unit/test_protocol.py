@@ -38,6 +38,9 @@ def round_trip(msg: Message, key: bytes = KEY) -> Message:
     return decode(encode(msg, key), key)
 
 
+LARGE = (130, 130)  # a float32 tensor of this shape is past PACK_LIMIT: it travels in a frame of its own
+
+
 def resign(frames, key: bytes = KEY, **header):
     """``frames`` with header fields replaced and a fresh, valid signature."""
     fields = dict(zip(("magic", "version", "op", "flags", "task", "run_id", "nonce", "request_id", "step",
@@ -53,9 +56,10 @@ def sign(frames, key: bytes = KEY):
 
 @pytest.fixture
 def frames():
-    """A signed PUSH of two tensors."""
-    return encode(Message(op=Op.PUSH, task=1, run_id=RUN, step=3, ids=[0, 5],
-                          tensors=[sample(torch.float32), sample(torch.int64, (2,))]), KEY)
+    """A signed PUSH of three tensors: two small ones in its pack, one large enough for a frame of its own."""
+    return encode(Message(op=Op.PUSH, task=1, run_id=RUN, step=3, ids=[0, 5, 9],
+                          tensors=[sample(torch.float32), sample(torch.int64, (2,)), sample(torch.float32, LARGE)]),
+                  KEY)
 
 
 # --- round trips ---------------------------------------------------------------------------
@@ -71,6 +75,32 @@ def test_round_trip_every_dtype_and_shape(dtype, shape):
     (u,) = back.tensors
     assert u.dtype == dtype and u.shape == t.shape
     assert torch.equal(u, t)
+
+
+def test_a_models_small_tensors_of_every_dtype_travel_in_one_pack_and_arrive_as_views_of_it():
+    """A BatchNorm net's shapes: conv weights past PACK_LIMIT, and many small tensors of every dtype (odd sizes,
+    so that each one's place in the pack is padded), non-contiguous and empty ones among them."""
+    small = [sample(dtype, shape) for dtype in protocol._DTYPES for shape in [(7,), (3, 5), ()]]
+    small += [torch.arange(12.0).reshape(3, 4).t(), torch.empty(0, 3),
+              sample(torch.float32, (protocol.PACK_LIMIT // 4,))]
+    large = [sample(torch.float32, LARGE), sample(torch.bfloat16, (protocol.PACK_LIMIT,))]
+    tensors = [*small[:10], large[0], *small[10:], large[1]]
+    frames = encode(Message(op=Op.PUSH, ids=list(range(len(tensors))), tensors=tensors), KEY)
+    assert len(frames) == 3 + 1 + len(large) + 1  # header, table, json, the pack, the large ones, mac
+    back = decode(frames, KEY)
+    pack = np.frombuffer(memoryview(frames[3]), dtype=np.uint8).ctypes.data
+    for t, u in zip(tensors, back.tensors):
+        assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
+        in_pack = any(t is s for s in small) and t.numel()
+        assert (pack <= u.data_ptr() < pack + len(frames[3])) == bool(in_pack)
+
+
+def test_a_pack_never_grows_past_one_chunk_the_tensors_beyond_go_in_frames_of_their_own():
+    tensors = [torch.full((protocol.PACK_LIMIT // 4,), float(k)) for k in range(200)]  # 12.5 MiB of small ones
+    frames = encode(Message(op=Op.PUSH, ids=list(range(200)), tensors=tensors), KEY)
+    in_pack = protocol.CHUNK_BYTES // protocol.PACK_LIMIT
+    assert len(frames) == 3 + 1 + (200 - in_pack) + 1 and len(frames[3]) == protocol.CHUNK_BYTES
+    assert all(torch.equal(u, t) for u, t in zip(decode(frames, KEY).tensors, tensors))
 
 
 @pytest.mark.parametrize("make", [
@@ -122,16 +152,22 @@ def test_decode_accepts_zmq_frames(pair):
 # --- the frames on the wire ----------------------------------------------------------------
 
 
-def test_frames_are_header_table_json_raw_payloads_and_mac():
-    tensors = [sample(torch.float32, (3, 4)), sample(torch.bool, (5,)), sample(torch.float64, ())]
+def test_frames_are_header_table_json_the_pack_raw_payloads_and_mac():
+    small = [sample(torch.float32, (3, 4)), sample(torch.bool, (5,)), sample(torch.float64, ())]
+    large = [sample(torch.float32, LARGE), sample(torch.int32, (protocol.PACK_LIMIT // 4 + 1,))]
     meta = {"error": "x"}
-    frames = encode(Message(op=Op.PUSH, ids=[0, 1, 2], tensors=tensors, meta=meta), KEY)
+    tensors = [small[0], large[0], small[1], large[1], small[2]]
+    frames = encode(Message(op=Op.PUSH, ids=[0, 1, 2, 3, 4], tensors=tensors, meta=meta), KEY)
     sizes = [memoryview(f).nbytes for f in frames]
-    assert len(frames) == 3 + len(tensors) + 1
+    assert len(frames) == 3 + 1 + len(large) + 1
     assert sizes[0] == protocol._HEADER.size and bytes(frames[0][:4]) == protocol.MAGIC
     assert sizes[1] == len(tensors) * protocol._TENSOR.size
+    assert [bytes(frames[1])[k * protocol._TENSOR.size + 6] for k in range(5)] == [1, 0, 1, 0, 1]  # packed or not
     assert json.loads(bytes(frames[2])) == meta
-    for frame, t in zip(frames[3:-1], tensors):
+    # the pack: the small tensors' raw bytes in table order, each from a multiple of 16 bytes, zeros between
+    assert bytes(memoryview(frames[3])) == (small[0].numpy().tobytes() + small[1].numpy().tobytes() + bytes(11) +
+                                            small[2].numpy().tobytes() + bytes(8))
+    for frame, t in zip(frames[4:-1], large):
         # the raw bytes of the tensor, nothing around them: no pickle, no length prefix
         assert bytes(memoryview(frame)) == t.numpy().tobytes()
     assert sizes[-1] == protocol.MAC_SIZE
@@ -147,9 +183,8 @@ def test_encode_does_not_copy_contiguous_payloads():
 def test_decode_does_not_copy_payloads(frames):
     received = [bytearray(memoryview(f)) for f in frames]
     msg = decode(received, KEY)
-    for payload, t in zip(received[3:-1], msg.tensors):
-        start = np.frombuffer(payload, dtype=np.uint8).ctypes.data
-        assert start <= t.data_ptr() < start + len(payload)
+    pack, large = (np.frombuffer(received[k], dtype=np.uint8).ctypes.data for k in (3, 4))
+    assert [t.data_ptr() for t in msg.tensors] == [pack, pack + 48, large]
     received[3][:4] = bytes(4)  # the tensor is a view: it sees a change of the frame
     assert msg.tensors[0].view(-1)[0].item() == 0.0
 
@@ -238,25 +273,30 @@ def test_unsigned_and_wrongly_signed_messages_are_told_apart(frames, change, err
 
 @pytest.mark.parametrize("change, problem", [
     (lambda f: resign(f[:-2] + [f[-1]]), "tensor table does not match"),
-    (lambda f: resign(f, count=3), "tensor table does not match"),
+    (lambda f: resign(f, count=4), "tensor table does not match"),
     (lambda f: resign([f[0], f[1][:-1], *f[2:]]), "tensor table does not match"),
     (lambda f: resign(f, magic=b"XXXX"), "not a pscluster message"),
     (lambda f: sign([f[0] + b"\x00", *f[1:-1]]), "malformed header"),
     (lambda f: resign(f, op=99), "unknown op 99"),
     (lambda f: resign(f, flags=128), "flags 128"),
     (lambda f: resign([f[0], f[1][:8] + struct.pack("!Q", 5) + f[1][16:], *f[2:]]),
-     r"tensor 0: 48 bytes for shape \(5, 4\)"),
+     "a pack of 64 bytes for packed tensors of 96"),
+    (lambda f: resign([f[0], f[1][:152] + struct.pack("!Q", 131) + f[1][160:], *f[2:]]),
+     r"tensor 9: 67600 bytes for shape \(131, 130\)"),
+    (lambda f: resign([f[0], f[1][:78] + b"\x00" + f[1][79:], *f[2:]]), "tensor table does not match"),
+    (lambda f: resign([f[0], f[1][:6] + b"\x02" + f[1][7:], *f[2:]]), "bad tensor descriptor"),
     (lambda f: resign([f[0], bytes(f[1][:4]) + b"\x63" + bytes(f[1][5:]), *f[2:]]), "bad tensor descriptor"),
-    (lambda f: resign([*f[:3], bytes(memoryview(f[3]))[:-4], *f[4:]]), r"bytes for shape \(3, 4\)"),
+    (lambda f: resign([*f[:3], bytes(memoryview(f[3]))[:-4], *f[4:]]), "a pack of 60 bytes"),
+    (lambda f: resign([*f[:4], bytes(memoryview(f[4]))[:-4], *f[5:]]), r"bytes for shape \(130, 130\)"),
     (lambda f: resign([f[0], f[1], b"{not json", *f[3:]]), "bad JSON frame"),
     (lambda f: resign([f[0], f[1], b"\xff\xfe", *f[3:]]), "bad JSON frame"),
     (lambda f: resign([f[0], f[1], b"[" * 100_000, *f[3:]]), "bad JSON frame"),
     (lambda f: resign([f[0], f[1], b"[1, 2]", *f[3:]]), "holds a list: an object expected"),
     (lambda f: resign([f[0], f[1][:31] + b"\x01" + f[1][32:], *f[2:]]), "bad tensor descriptor"),
     (lambda f: resign([f[0], f[1][:8] + struct.pack("!QQ", 0, 2**49) + f[1][24:], *f[2:]]), "beyond"),
-], ids=["missing-payload", "count", "short-table", "magic", "header-size", "op", "flags", "shape", "dtype-code",
-        "short-payload", "json", "json-not-utf8", "json-nesting", "json-not-object", "dims-past-ndim",
-        "empty-but-huge"])
+], ids=["missing-payload", "count", "short-table", "magic", "header-size", "op", "flags", "pack-shape", "shape",
+        "unpacked-in-the-pack", "packed-flag", "dtype-code", "short-pack", "short-payload", "json", "json-not-utf8",
+        "json-nesting", "json-not-object", "dims-past-ndim", "empty-but-huge"])
 def test_malformed_messages_are_refused(frames, change, problem):
     with pytest.raises(MalformedMessage, match=problem) as info:
         decode(change(frames), KEY)
@@ -290,7 +330,7 @@ def test_encode_needs_one_id_per_tensor():
 
 
 @pytest.mark.parametrize("limits, problem", [
-    (Limits(max_tensors=1, max_message_bytes=1000), "6 frames: at most 5"),  # checked before the signature
+    (Limits(max_tensors=1, max_message_bytes=1000), "2 tensors: at most 1"),  # checked before the signature
     (Limits(max_message_bytes=100), "bytes: at most 100"),
     (Limits(max_json_bytes=5), "JSON frame of 8 bytes: at most 5"),
 ])
