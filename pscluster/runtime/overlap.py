@@ -9,7 +9,8 @@ sooner, and the ps applies the step once it has every worker's gradients, as alw
 
 Order: buffers first (their values are final after forward), then the gradients in the order backward produced
 them the step before (the first step: the reverse of the model's order, as backward mostly goes). A part leaves
-once ``BUCKET_BYTES`` are ready in that order; the rest, and a gradient backward never produced (a layer the
+once ``BUCKET_BYTES`` are ready in that order, the small payloads held back for the pack (``protocol``), which
+goes last; the rest, and a gradient backward never produced (a layer the
 batch did not use: zeros, as without overlap), leave at the end of backward.
 
 Where it applies (``EarlyPush.applies``): sync runs on CPU workers, to each ps whose dense push is at least
@@ -29,7 +30,8 @@ import torch
 
 from .client import Opened, PSClient
 from .plan import TrainPlan, VariableSpec
-from .protocol import Op, payload_frames
+from . import protocol
+from .protocol import Op
 
 BUCKET_BYTES = 2 << 20  # a part leaves once this much of the push is ready, in order
 MIN_BYTES = 2 * BUCKET_BYTES  # a smaller push goes whole after backward: one message costs less than parts
@@ -78,9 +80,11 @@ class EarlyPush:
     def begin(self, step: int) -> None:
         """Send the heads of this step's pushes (gradients computed on global ``step``); call after forward, before
         backward."""
-        self._open = {i: _Push(self._client.open(i, Op.PUSH_PULL, [v.id for v in vs],
-                                                 [self._like(v) for v in vs], step=step), vs)
-                      for i, vs in self.ps.items()}
+        self._open = {}
+        for i, vs in self.ps.items():
+            likes = [self._like(v) for v in vs]
+            self._open[i] = _Push(self._client.open(i, Op.PUSH_PULL, [v.id for v in vs], likes, step=step), vs,
+                                  protocol.pack_layout(likes))
         self._seen, self._checked_ids = [], set()
         for i in self._open:
             self._advance(i)
@@ -125,9 +129,14 @@ class EarlyPush:
                     self._open, self._checked_ids = {}, set()  # every push of this step stops here; the step's
                     return                                # own check fails the step after backward
                 self._checked_ids.add(v.id)
-            push.bucket += payload_frames(tensor)
-            push.bucket_bytes += tensor.numel() * tensor.element_size()
+            if push.offsets[push.next] is None:
+                push.bucket += protocol.payload_frames(tensor)
+                push.bucket_bytes += tensor.numel() * tensor.element_size()
+            else:  # a small one: in the pack, the push's last payload
+                push.packed.append((push.offsets[push.next], tensor))
             push.next += 1
+        if last and push.packed:
+            push.bucket.append(protocol.pack_frame(push.packed, push.pack_bytes))
         if push.bucket and (last or push.bucket_bytes >= BUCKET_BYTES):
             push.request.part(push.bucket)
             push.bucket, push.bucket_bytes = [], 0
@@ -146,10 +155,13 @@ class EarlyPush:
 
 class _Push:
     """One ps's push of the current step: its request, its variables in the order their payloads go, which ones
-    backward has produced, and the payload frames ready but not sent yet."""
+    backward has produced, the payload frames ready but not sent yet, and the small payloads that go last, in
+    the pack (``layout``: ``protocol.pack_layout`` of the payloads)."""
 
-    def __init__(self, request: Opened, order: list[VariableSpec]):
+    def __init__(self, request: Opened, order: list[VariableSpec], layout: tuple[list[int | None], int]):
         self.request, self.order = request, order
+        self.offsets, self.pack_bytes = layout
+        self.packed: list = []  # (offset in the pack, payload)
         self.ready = {v.id for v in order if v.kind != "param"}
         self.next = 0
         self.bucket: list = []

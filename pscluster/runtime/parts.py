@@ -10,7 +10,7 @@ Wire format (see ``protocol`` for the rest):
   tensor, its signature covers header, table and json, and its header's salt is the payloads' salt.
 - Each part is ``[part header, payload frames..., tags]``: the part header packs ``PART_MAGIC``, the protocol
   version, the head's salt and the index of the part's first payload frame (payload frames are numbered over
-  the whole message, tensor after tensor, as ``protocol.payload_frames`` cuts them); ``tags`` holds the 16-byte
+  the whole message, as ``protocol.message_payloads`` orders them: the tensors' frames, then the pack); ``tags`` holds the 16-byte
   AES-GMAC tag of each of its payload frames (``protocol.payload_tag``).
 
 A part is checked by its tags: each tag's nonce is made of the head's salt and the frame's index, so a part
@@ -54,7 +54,7 @@ def messages(msg: Message, key: bytes, tags: protocol.PayloadTags | None = None)
         return
     writer = Writer(msg, key, tags)
     yield writer.head
-    for group in _groups([frame for t in msg.tensors for frame in protocol.payload_frames(t)]):
+    for group in _groups(protocol.message_payloads(msg.tensors)):
         yield writer.part(group)
 
 
@@ -121,12 +121,24 @@ class Assembly:
         self._stream = stream
         streamed = stream.positions if stream is not None else ()
         into = into or {}
-        head.tensors = [t if k in streamed else into[k] if k in into else
-                        torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for k, t in enumerate(head.tensors)]
-        # per payload frame: (tensor position, chunk of that tensor, the bytes it fills or None when streamed)
-        self._slots = [(k, j, slot) for k, t in enumerate(head.tensors)
+        offsets, size = protocol.pack_layout(head.tensors)
+        pack = torch.empty(size, dtype=torch.uint8, pin_memory=pinned and size > 0)
+        in_pack = protocol.Pack(pack)
+
+        def memory(k: int, t: torch.Tensor) -> torch.Tensor:
+            if k in streamed:
+                return t
+            if offsets[k] is not None:
+                return in_pack.tensor(offsets[k], t.dtype, t.shape)
+            return into[k] if k in into else torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+        head.tensors = [memory(k, t) for k, t in enumerate(head.tensors)]
+        # per payload frame: (tensor position, chunk of that tensor, the bytes it fills or None when streamed); the
+        # pack last, when there is one
+        self._slots = [(k, j, slot) for k, t in enumerate(head.tensors) if offsets[k] is None
                        for j, slot in enumerate(_chunk_views(t) if k not in streamed else
                                                 [None] * protocol.chunk_count(t.numel() * t.element_size()))]
+        if any(offset is not None for offset in offsets):
+            self._slots.append((None, 0, pack))
         self._next = 0  # the index of the next payload frame expected
 
     def feed(self, frames) -> bool:
@@ -145,7 +157,7 @@ class Assembly:
         if len(tags) != TAG_SIZE * len(payloads):
             raise MalformedMessage("part whose tags do not match its payloads")
         for k, (frame, (position, chunk, slot)) in enumerate(zip(payloads, self._slots[first:])):
-            tensor = self.message.tensors[position]
+            tensor = self.message.tensors[position] if slot is None else None
             expected = slot.numel() if slot is not None else _chunk_bytes(tensor, chunk)
             if frame.nbytes != expected:
                 raise MalformedMessage(f"payload {first + k} of {frame.nbytes} bytes where {expected} belong")

@@ -7,14 +7,15 @@ A message is a list of ZeroMQ frames::
 ``header`` is a fixed struct (magic, protocol version, op, flags, task, run id, session nonce,
 request id, step, value, wait in microseconds, tensor count, payload salt); ``table`` describes each tensor
 (variable id, dtype code, whether it is packed, shape); ``json`` is a UTF-8 JSON object for the few control
-messages that carry structured data (empty otherwise). The payload frames follow: first, when the table marks
-any tensor packed, the pack, which holds the raw bytes of every packed tensor in table order, each from a
-multiple of ``PACK_ALIGN`` bytes; then each other tensor's raw bytes in ``CHUNK_BYTES`` frames (the last one
-shorter; one empty frame for an empty tensor), sent without a copy from ``COPY_LIMIT`` bytes up (smaller ones
-are copied into ZeroMQ's message as they are sent: see ``configure``). A sender packs the tensors of at most
-``PACK_LIMIT`` bytes while the pack stays within ``CHUNK_BYTES`` (never in a message whose payloads follow in
-parts): a model's many small tensors (biases, norms, their buffers) then cost one frame and one tag, not one
-each, and a receiver reads each as a view of the pack. No frame is larger than
+messages that carry structured data (empty otherwise). The payload frames follow (``message_payloads``): each
+tensor's raw bytes in ``CHUNK_BYTES`` frames (the last one shorter; one empty frame for an empty tensor), sent
+without a copy from ``COPY_LIMIT`` bytes up (smaller ones are copied into ZeroMQ's message as they are sent: see
+``configure``), but for the tensors the table marks packed; then, when there are any, the pack, which holds the
+raw bytes of every packed tensor in table order, each from a multiple of ``PACK_ALIGN`` bytes. Which tensors
+are packed follows from their sizes alone (``pack_layout``: those of at most ``PACK_LIMIT`` bytes, while the
+pack stays within ``CHUNK_BYTES``), so a message in parts can be described before its payloads exist: a model's
+many small tensors (biases, norms, their buffers) cost one frame and one tag, not one each, and a receiver
+reads each as a view of the pack. No frame is larger than
 ``MAX_FRAME_BYTES``, whatever the model, so a receiver refuses larger ones at the transport (ZeroMQ's
 ``MAXMSGSIZE``) before holding any of their bytes. ``mac`` is HMAC-SHA256 with the per-cluster secret as
 key over the header, table and json frames and, for each payload frame, its tag, each of these items
@@ -69,6 +70,7 @@ import ctypes
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import struct
 import warnings
@@ -281,14 +283,12 @@ def encode(msg: Message, key: bytes, tags: PayloadTags | None = None) -> list:
     if len(msg.ids) != len(msg.tensors):
         raise ValueError("one variable id per tensor")
     tags = PayloadTags() if tags is None else tags
-    in_parts = bool(msg.flags & Flag.PARTS)
     header = _HEADER.pack(MAGIC, PROTOCOL_VERSION, int(msg.op), int(msg.flags), msg.task, msg.run_id, msg.nonce,
                           msg.request_id, msg.step, msg.value, min(msg.wait_us, 0xFFFFFFFF), len(msg.tensors),
                           tags.salt)
     table = bytearray()
-    payloads = []
-    packed, pack_bytes = [], 0  # (offset in the pack, tensor), the pack's size
-    for var_id, t in zip(msg.ids, msg.tensors):
+    offsets, _ = pack_layout(msg.tensors)
+    for var_id, t, offset in zip(msg.ids, msg.tensors, offsets):
         if t.dim() > MAX_DIMS:
             raise ProtocolError(f"tensor of {t.dim()} dims: at most {MAX_DIMS} go on the wire")
         try:
@@ -297,16 +297,8 @@ def encode(msg: Message, key: bytes, tags: PayloadTags | None = None) -> list:
             raise ProtocolError(f"dtype {t.dtype} cannot go on the wire: use one of "
                                 f"{', '.join(str(d) for d in _DTYPES)}") from None
         shape = list(t.shape) + [0] * (MAX_DIMS - t.dim())
-        nbytes = t.numel() * t.element_size()
-        in_pack = not in_parts and nbytes <= PACK_LIMIT and pack_bytes + nbytes <= CHUNK_BYTES
-        table += _TENSOR.pack(var_id, code, t.dim(), in_pack, *shape)
-        if in_pack:
-            packed.append((pack_bytes, t))
-            pack_bytes += _aligned(nbytes)
-        elif not in_parts:
-            payloads += payload_frames(t)
-    if packed:
-        payloads.insert(0, _pack(packed, pack_bytes))
+        table += _TENSOR.pack(var_id, code, t.dim(), offset is not None, *shape)
+    payloads = [] if msg.flags & Flag.PARTS else message_payloads(msg.tensors)
     body = b"" if msg.meta is None else json.dumps(msg.meta).encode()
     frames = [header, bytes(table), body, *payloads]
     frames.append(mac(key, frames, [tags.tag(key, i, p) for i, p in enumerate(payloads)]))
@@ -318,7 +310,32 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // PACK_ALIGN) * PACK_ALIGN
 
 
-def _pack(placed: list[tuple[int, torch.Tensor]], size: int) -> bytes | bytearray:
+def pack_layout(tensors) -> tuple[list[int | None], int]:
+    """Where each of a message's ``tensors`` travels: its offset in the message's pack, or None for a tensor in
+    frames of its own (more than ``PACK_LIMIT`` bytes, or the pack full at ``CHUNK_BYTES``); and the pack's size.
+    From shapes and dtypes alone: tensors on the meta device will do."""
+    offsets, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if nbytes <= PACK_LIMIT and size + nbytes <= CHUNK_BYTES:
+            offsets.append(size)
+            size += _aligned(nbytes)
+        else:
+            offsets.append(None)
+    return offsets, size
+
+
+def message_payloads(tensors) -> list:
+    """The payload frames of a message of ``tensors``, in order: the frames of each tensor not packed
+    (``payload_frames``), then the pack, when ``pack_layout`` packs any."""
+    offsets, size = pack_layout(tensors)
+    frames = [f for t, offset in zip(tensors, offsets) if offset is None for f in payload_frames(t)]
+    if any(offset is not None for offset in offsets):
+        frames.append(pack_frame([(offset, t) for t, offset in zip(tensors, offsets) if offset is not None], size))
+    return frames
+
+
+def pack_frame(placed: list[tuple[int, torch.Tensor]], size: int) -> bytes | bytearray:
     """A pack of ``size`` bytes holding each tensor's bytes at its offset (zeros between them)."""
     if not size:
         return b""
@@ -393,18 +410,17 @@ def decode(frames, key: bytes, limits: Limits = DEFAULT_LIMITS, *, release: bool
 
 def _read(msg: Message, described: list, bufs: list, frames=None) -> None:
     """The tensors of ``msg`` from its payload frames (``bufs[3:-1]``; ``frames``: see ``_tensor``)."""
-    pack_bytes = sum(_aligned(nbytes) for *_, nbytes, packed in described if packed)
-    has_pack = any(packed for *_, packed in described)
-    if len(bufs) != 4 + has_pack + sum(chunk_count(nbytes) for *_, nbytes, packed in described if not packed):
+    pack_bytes, has_pack, unpacked_frames = _payloads(described)
+    if len(bufs) != 4 + has_pack + unpacked_frames:
         raise MalformedMessage("tensor table does not match the frames")
-    if has_pack and bufs[3].nbytes != pack_bytes:
-        raise MalformedMessage(f"a pack of {bufs[3].nbytes} bytes for packed tensors of {pack_bytes}")
-    pack = _Pack(bufs[3]) if pack_bytes else None
-    frame, offset = 3 + has_pack, 0
+    if has_pack and bufs[-2].nbytes != pack_bytes:
+        raise MalformedMessage(f"a pack of {bufs[-2].nbytes} bytes for packed tensors of {pack_bytes}")
+    pack = Pack(torch.frombuffer(bufs[-2], dtype=torch.uint8) if pack_bytes else torch.empty(0, dtype=torch.uint8))
+    frame, offset = 3, 0
     for var_id, dtype, shape, numel, nbytes, packed in described:
         msg.ids.append(var_id)
         if packed:
-            msg.tensors.append(pack.tensor(offset, dtype, shape) if numel else torch.empty(shape, dtype=dtype))
+            msg.tensors.append(pack.tensor(offset, dtype, shape))
             offset += _aligned(nbytes)
             continue
         first, count = frame, chunk_count(nbytes)
@@ -420,9 +436,8 @@ def _allocate(head: Message, described: list, frames: int, limits: Limits) -> No
     device: shape and dtype, no memory) once what the table declares is within ``limits``; ``parts.Assembly``
     gives them memory as it fills them in."""
     declared = sum(nbytes for *_, nbytes, _ in described)
-    payloads = sum(chunk_count(nbytes) for *_, nbytes, _ in described)
-    if any(packed for *_, packed in described):
-        raise MalformedMessage("a message whose payloads follow in parts, with packed tensors")
+    _, has_pack, unpacked_frames = _payloads(described)
+    payloads = unpacked_frames + has_pack
     if frames != 4:
         raise MalformedMessage(f"a message whose payloads follow in parts, with {frames - 4} payload frames")
     if declared > limits.max_message_bytes or 4 + payloads > limits.max_frames:
@@ -431,6 +446,16 @@ def _allocate(head: Message, described: list, frames: int, limits: Limits) -> No
     for var_id, dtype, shape, *_ in described:
         head.ids.append(var_id)
         head.tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
+    offsets, _ = pack_layout(head.tensors)  # the receiver lays its pack out by the same rule
+    if [offset is not None for offset in offsets] != [packed for *_, packed in described]:
+        raise MalformedMessage("a message whose payloads follow in parts, packed otherwise than its tensors say")
+
+
+def _payloads(described: list) -> tuple[int, bool, int]:
+    """Of a message's described tensors: the size of its pack, whether it has one, its other payload frames."""
+    return (sum(_aligned(nbytes) for *_, nbytes, packed in described if packed),
+            any(packed for *_, packed in described),
+            sum(chunk_count(nbytes) for *_, nbytes, packed in described if not packed))
 
 
 def _described(fields) -> tuple[int, torch.dtype, tuple, int, int, bool]:
@@ -449,15 +474,18 @@ def _described(fields) -> tuple[int, torch.dtype, tuple, int, int, bool]:
     return var_id, dtype, tuple(shape), numel, numel * _ITEMSIZE[code], bool(packed)
 
 
-class _Pack:
-    """A received pack, whose tensors are read-only views of it (one view of the whole pack per dtype)."""
+class Pack:
+    """The bytes of a pack (a uint8 tensor: a received frame, or memory a message in parts fills in), whose
+    tensors are views of it (one view of the whole pack per dtype)."""
 
-    def __init__(self, buf):
-        self._bytes = torch.frombuffer(buf, dtype=torch.uint8)
+    def __init__(self, data: torch.Tensor):
+        self._bytes = data
         self._as: dict[torch.dtype, torch.Tensor] = {}
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-        """The tensor of ``dtype`` and ``shape`` (not empty) whose bytes start at ``offset``."""
+        """The tensor of ``dtype`` and ``shape`` whose bytes start at ``offset`` (an empty one: of its own)."""
+        if not math.prod(shape):
+            return torch.empty(shape, dtype=dtype)
         whole = self._as.get(dtype)
         if whole is None:
             whole = self._as[dtype] = self._bytes.view(dtype)

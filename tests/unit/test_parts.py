@@ -1,6 +1,8 @@
 """Large messages in parts (``parts``): what a sender yields, what a receiver puts back together, what it
 refuses; and a ps and its clients exchanging a model larger than one part over the socket, against plain torch."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import zmq
@@ -38,7 +40,8 @@ def reassembled(sent: list[list], key: bytes = KEY, limits: Limits = protocol.DE
 def test_a_message_larger_than_a_part_travels_as_its_head_then_parts_and_comes_back_whole():
     msg = big_push()
     sent = list(parts.messages(msg, KEY))
-    assert len(sent) == 1 + 3  # the head; two 8 MB chunks of the embedding; its last 4 MB, the bias, the empty one
+    assert len(sent) == 1 + 3  # the head; two 8 MB chunks of the embedding; its last 4 MB and the pack (the bias,
+    #                            the empty one)
     assert all(parts.is_part(frames) for frames in sent[1:])
     assert all(sum(memoryview(f).nbytes for f in frames[1:-1]) <= parts.PART_BYTES for frames in sent[1:])
     got = reassembled(sent)
@@ -49,14 +52,36 @@ def test_a_message_larger_than_a_part_travels_as_its_head_then_parts_and_comes_b
 
 def test_a_head_sent_before_its_payloads_exist_takes_parts_of_any_grouping():
     """A worker pushing during backward: the head from shapes alone (meta tensors), then each payload frame as
-    its own part, the small ones first and the large last, as backward produces them."""
+    its own part as backward produces them, the small tensors last, in the pack."""
     msg = big_push()
     writer = parts.Writer(Message(op=msg.op, task=msg.task, run_id=msg.run_id, step=msg.step, ids=msg.ids,
                                   tensors=[t.to("meta") for t in msg.tensors], meta=msg.meta), KEY)
-    frames = [f for t in msg.tensors for f in protocol.payload_frames(t)]
+    frames = protocol.message_payloads(msg.tensors)
     sent = [writer.head] + [writer.part([f]) for f in frames]
     got = reassembled(sent)
-    assert len(sent) == 1 + 5 and got.ids == msg.ids and all(a.equal(b) for a, b in zip(got.tensors, msg.tensors))
+    assert len(sent) == 1 + 3 + 1 and got.ids == msg.ids and all(a.equal(b) for a, b in zip(got.tensors, msg.tensors))
+
+
+def test_a_large_message_carries_its_small_tensors_in_one_pack_in_its_last_part():
+    """A model's shape: one large weight and a hundred small tensors (biases, norms), in parts."""
+    g = torch.Generator().manual_seed(1)
+    small = [torch.randn(64, generator=g) for _ in range(100)]
+    msg = Message(op=Op.PUSH, task=1, run_id=RUN_ID, step=3, ids=list(range(101)),
+                  tensors=[torch.randn(3 * MB, generator=g), *small])
+    sent = list(parts.messages(msg, KEY))
+    assert len(sent) == 1 + 2  # the head; 8 MB of the weight; its last 4 MB and the pack
+    assert [memoryview(f).nbytes for f in sent[-1][1:-1]] == [4 * MB, 100 * 64 * 4]
+    got = reassembled(sent)
+    assert all(a.equal(b) for a, b in zip(got.tensors, msg.tensors))
+    starts = [t.data_ptr() for t in got.tensors[1:]]
+    assert starts == [starts[0] + 256 * k for k in range(100)]  # views of one pack, in table order
+
+    head = parts.Writer(replace(msg, tensors=[t.to("meta") for t in msg.tensors]), KEY).head
+    table = bytearray(head[1])
+    table[protocol._TENSOR.size + 6] = 0  # a small tensor said to travel in frames of its own
+    forged = [head[0], bytes(table), head[2]]
+    with pytest.raises(MalformedMessage, match="packed otherwise"):
+        protocol.decode([*forged, protocol.mac(KEY, forged)], KEY)
 
 
 def test_a_message_of_one_part_or_less_is_one_plain_message():
@@ -69,7 +94,7 @@ def test_the_tags_kept_from_a_first_send_serve_the_next_send_of_the_same_payload
     msg = big_push()
     tags = protocol.PayloadTags()  # a ps tags its parameters once per step, as the first reply goes
     first = list(parts.messages(msg, KEY, tags))
-    assert len(tags.tags) == 5 and bytes(first[0][0])[-protocol.SALT_SIZE:] == tags.salt
+    assert len(tags.tags) == 4 and bytes(first[0][0])[-protocol.SALT_SIZE:] == tags.salt  # 3 chunks and the pack
     again = list(parts.messages(msg, KEY, tags))  # the next reply of the step
     assert [bytes(f[-1]) for f in again[1:]] == [bytes(f[-1]) for f in first[1:]]
     assert all(a.equal(b) for a, b in zip(reassembled(again).tensors, msg.tensors))

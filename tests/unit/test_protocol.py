@@ -86,20 +86,20 @@ def test_a_models_small_tensors_of_every_dtype_travel_in_one_pack_and_arrive_as_
     large = [sample(torch.float32, LARGE), sample(torch.bfloat16, (protocol.PACK_LIMIT,))]
     tensors = [*small[:10], large[0], *small[10:], large[1]]
     frames = encode(Message(op=Op.PUSH, ids=list(range(len(tensors))), tensors=tensors), KEY)
-    assert len(frames) == 3 + 1 + len(large) + 1  # header, table, json, the pack, the large ones, mac
+    assert len(frames) == 3 + len(large) + 1 + 1  # header, table, json, the large ones, the pack, mac
     back = decode(frames, KEY)
-    pack = np.frombuffer(memoryview(frames[3]), dtype=np.uint8).ctypes.data
+    pack = np.frombuffer(memoryview(frames[-2]), dtype=np.uint8).ctypes.data
     for t, u in zip(tensors, back.tensors):
         assert u.dtype == t.dtype and u.shape == t.shape and torch.equal(u, t)
         in_pack = any(t is s for s in small) and t.numel()
-        assert (pack <= u.data_ptr() < pack + len(frames[3])) == bool(in_pack)
+        assert (pack <= u.data_ptr() < pack + len(frames[-2])) == bool(in_pack)
 
 
 def test_a_pack_never_grows_past_one_chunk_the_tensors_beyond_go_in_frames_of_their_own():
     tensors = [torch.full((protocol.PACK_LIMIT // 4,), float(k)) for k in range(200)]  # 12.5 MiB of small ones
     frames = encode(Message(op=Op.PUSH, ids=list(range(200)), tensors=tensors), KEY)
     in_pack = protocol.CHUNK_BYTES // protocol.PACK_LIMIT
-    assert len(frames) == 3 + 1 + (200 - in_pack) + 1 and len(frames[3]) == protocol.CHUNK_BYTES
+    assert len(frames) == 3 + (200 - in_pack) + 1 + 1 and len(frames[-2]) == protocol.CHUNK_BYTES
     assert all(torch.equal(u, t) for u, t in zip(decode(frames, KEY).tensors, tensors))
 
 
@@ -152,7 +152,7 @@ def test_decode_accepts_zmq_frames(pair):
 # --- the frames on the wire ----------------------------------------------------------------
 
 
-def test_frames_are_header_table_json_the_pack_raw_payloads_and_mac():
+def test_frames_are_header_table_json_raw_payloads_the_pack_and_mac():
     small = [sample(torch.float32, (3, 4)), sample(torch.bool, (5,)), sample(torch.float64, ())]
     large = [sample(torch.float32, LARGE), sample(torch.int32, (protocol.PACK_LIMIT // 4 + 1,))]
     meta = {"error": "x"}
@@ -164,12 +164,12 @@ def test_frames_are_header_table_json_the_pack_raw_payloads_and_mac():
     assert sizes[1] == len(tensors) * protocol._TENSOR.size
     assert [bytes(frames[1])[k * protocol._TENSOR.size + 6] for k in range(5)] == [1, 0, 1, 0, 1]  # packed or not
     assert json.loads(bytes(frames[2])) == meta
-    # the pack: the small tensors' raw bytes in table order, each from a multiple of 16 bytes, zeros between
-    assert bytes(memoryview(frames[3])) == (small[0].numpy().tobytes() + small[1].numpy().tobytes() + bytes(11) +
-                                            small[2].numpy().tobytes() + bytes(8))
-    for frame, t in zip(frames[4:-1], large):
+    for frame, t in zip(frames[3:-2], large):
         # the raw bytes of the tensor, nothing around them: no pickle, no length prefix
         assert bytes(memoryview(frame)) == t.numpy().tobytes()
+    # the pack: the small tensors' raw bytes in table order, each from a multiple of 16 bytes, zeros between
+    assert bytes(memoryview(frames[-2])) == (small[0].numpy().tobytes() + small[1].numpy().tobytes() + bytes(11) +
+                                             small[2].numpy().tobytes() + bytes(8))
     assert sizes[-1] == protocol.MAC_SIZE
     assert not any(bytes(memoryview(f))[:1] == b"\x80" for f in frames[:3])  # no pickle opcode
 
@@ -183,9 +183,9 @@ def test_encode_does_not_copy_contiguous_payloads():
 def test_decode_does_not_copy_payloads(frames):
     received = [bytearray(memoryview(f)) for f in frames]
     msg = decode(received, KEY)
-    pack, large = (np.frombuffer(received[k], dtype=np.uint8).ctypes.data for k in (3, 4))
+    large, pack = (np.frombuffer(received[k], dtype=np.uint8).ctypes.data for k in (3, 4))
     assert [t.data_ptr() for t in msg.tensors] == [pack, pack + 48, large]
-    received[3][:4] = bytes(4)  # the tensor is a view: it sees a change of the frame
+    received[4][:4] = bytes(4)  # the tensor is a view: it sees a change of the frame
     assert msg.tensors[0].view(-1)[0].item() == 0.0
 
 
@@ -286,8 +286,8 @@ def test_unsigned_and_wrongly_signed_messages_are_told_apart(frames, change, err
     (lambda f: resign([f[0], f[1][:78] + b"\x00" + f[1][79:], *f[2:]]), "tensor table does not match"),
     (lambda f: resign([f[0], f[1][:6] + b"\x02" + f[1][7:], *f[2:]]), "bad tensor descriptor"),
     (lambda f: resign([f[0], bytes(f[1][:4]) + b"\x63" + bytes(f[1][5:]), *f[2:]]), "bad tensor descriptor"),
-    (lambda f: resign([*f[:3], bytes(memoryview(f[3]))[:-4], *f[4:]]), "a pack of 60 bytes"),
-    (lambda f: resign([*f[:4], bytes(memoryview(f[4]))[:-4], *f[5:]]), r"bytes for shape \(130, 130\)"),
+    (lambda f: resign([*f[:4], bytes(memoryview(f[4]))[:-4], *f[5:]]), "a pack of 60 bytes"),
+    (lambda f: resign([*f[:3], bytes(memoryview(f[3]))[:-4], *f[4:]]), r"bytes for shape \(130, 130\)"),
     (lambda f: resign([f[0], f[1], b"{not json", *f[3:]]), "bad JSON frame"),
     (lambda f: resign([f[0], f[1], b"\xff\xfe", *f[3:]]), "bad JSON frame"),
     (lambda f: resign([f[0], f[1], b"[" * 100_000, *f[3:]]), "bad JSON frame"),
