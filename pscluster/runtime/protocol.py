@@ -287,8 +287,8 @@ def encode(msg: Message, key: bytes, tags: PayloadTags | None = None) -> list:
                           msg.request_id, msg.step, msg.value, min(msg.wait_us, 0xFFFFFFFF), len(msg.tensors),
                           tags.salt)
     table = bytearray()
-    offsets, _ = pack_layout(msg.tensors)
-    for var_id, t, offset in zip(msg.ids, msg.tensors, offsets):
+    layout = pack_layout(msg.tensors)
+    for var_id, t, offset in zip(msg.ids, msg.tensors, layout[0]):
         if t.dim() > MAX_DIMS:
             raise ProtocolError(f"tensor of {t.dim()} dims: at most {MAX_DIMS} go on the wire")
         try:
@@ -298,7 +298,7 @@ def encode(msg: Message, key: bytes, tags: PayloadTags | None = None) -> list:
                                 f"{', '.join(str(d) for d in _DTYPES)}") from None
         shape = list(t.shape) + [0] * (MAX_DIMS - t.dim())
         table += _TENSOR.pack(var_id, code, t.dim(), offset is not None, *shape)
-    payloads = [] if msg.flags & Flag.PARTS else message_payloads(msg.tensors)
+    payloads = [] if msg.flags & Flag.PARTS else message_payloads(msg.tensors, layout)
     body = b"" if msg.meta is None else json.dumps(msg.meta).encode()
     frames = [header, bytes(table), body, *payloads]
     frames.append(mac(key, frames, [tags.tag(key, i, p) for i, p in enumerate(payloads)]))
@@ -325,10 +325,11 @@ def pack_layout(tensors) -> tuple[list[int | None], int]:
     return offsets, size
 
 
-def message_payloads(tensors) -> list:
+def message_payloads(tensors, layout: tuple[list[int | None], int] | None = None) -> list:
     """The payload frames of a message of ``tensors``, in order: the frames of each tensor not packed
-    (``payload_frames``), then the pack, when ``pack_layout`` packs any."""
-    offsets, size = pack_layout(tensors)
+    (``payload_frames``), then the pack, when ``pack_layout`` packs any (``layout``: its result, when the caller
+    has it already)."""
+    offsets, size = pack_layout(tensors) if layout is None else layout
     frames = [f for t, offset in zip(tensors, offsets) if offset is None for f in payload_frames(t)]
     if any(offset is not None for offset in offsets):
         frames.append(pack_frame([(offset, t) for t, offset in zip(tensors, offsets) if offset is not None], size))
