@@ -153,7 +153,7 @@ def pscluster_rounds(mode: str, pipeline: bool = False, socket: bool = False, ov
                                  batch_size=BATCH, log_every=TICK, run_id=next(runs), pipeline=pipeline,
                                  shared_memory=not socket, overlap=overlap, log=lambda line: clock.tick(TICK))
         return clock.result(**{k: summary[k] for k in ("dropped", "compute_s", "comm_s", "wait_s",
-                                                        "overlapped_pushes")})
+                                                        "overlapped_pushes", "staged_steps")})
     serve_rounds(run)
 
 

@@ -126,7 +126,8 @@ def _parsers() -> dict[str, _Parser]:
     train.add_argument("--pipeline", action="store_true",
                        help="async: compute the next gradients while the push-pull is in flight (one step stale)")
     train.add_argument("--no-overlap", dest="overlap", action="store_false",
-                       help="sync: push only after backward (by default pushes over the socket leave during it)")
+                       help="push only after backward (by default sync pushes over the socket leave during it, "
+                       "and a GPU worker copies its gradients to the host during it)")
     train.add_argument("--placement", choices=("round_robin", "round-robin", "greedy", "largest_first"),
                        default="round_robin",
                        help="which ps task holds each variable: round-robin in model order, greedy (in model "

@@ -339,7 +339,9 @@ class Cluster:
         trip hides behind compute; every gradient is then at least one step stale. ``overlap`` (sync): a
         worker's push to a ps over the socket leaves part by part while backward still runs, as DDP's buckets
         do (CPU workers; off where a push could change after backward: ``max_grad_norm``,
-        ``on_nonfinite="skip"``, fp16; see ``runtime.overlap``); the same steps as without it.
+        ``on_nonfinite="skip"``, fp16; see ``runtime.overlap``); on a GPU worker (sync or async, without
+        ``pipeline``, ``max_grad_norm`` or fp16) each gradient's copy to the host starts as soon as backward
+        has produced it (``runtime.staging``); the same steps as without it.
 
         The model's state is its ``state_dict()``: trained parameters, frozen ones (``requires_grad=False``: held
         by the ps, never pushed, never changed) and buffers (BatchNorm's running statistics...), each placed on a

@@ -223,6 +223,16 @@ class PSClient:
         """Whether this client's dense values to and from ps ``i`` go through a shared-memory lane."""
         return i in self._lanes
 
+    def gradient_slots(self, i: int) -> dict[int, torch.Tensor]:
+        """The slots of ps ``i``'s lane that a push's dense values go into, by variable id, page-locked for
+        copies from a GPU ({} without a lane). A push may hand a slot itself as its tensor (nothing is copied):
+        written only once the previous request's reply has come."""
+        lane = self._lanes.get(i)
+        if lane is None:
+            return {}
+        lane.pin()
+        return dict(zip(lane.ids, lane.grads))
+
     def _send_frames(self, i: int, op: Op, frames: list) -> None:
         sizes = [memoryview(f).nbytes for f in frames]
         if max(sizes) > self._max_frame.get(i, max(sizes)):
@@ -309,7 +319,8 @@ class PSClient:
             lane.pin()
         with torch.no_grad():
             for slot, t in zip(lane.grads, tensors[:n]):
-                copies.into(slot, t)
+                if t is not slot:
+                    copies.into(slot, t)
         self.bytes_sent += lane.nbytes
         return Flag.SHARED, ids[n:], tensors[n:]
 

@@ -168,7 +168,7 @@ class TrainPlan:
     attempt: int = 0  # restarts of this run after a lost ps
     shared_memory: bool = True  # workers exchange dense values with ps on their host through shared memory
     pipeline: bool = False  # async: a worker computes its next gradients while its push-pull is in flight
-    overlap: bool = True  # sync: pushes leave during backward, where that applies (see ``overlap``)
+    overlap: bool = True  # pushes leave (``overlap``), a GPU's gradients are copied (``staging``) during backward
     state_keys: tuple[tuple[str, str], ...] = ()  # every key of the model's state_dict and the variable it holds
     buffers: str = "chief"  # how the ps keeps the buffers the workers push (BUFFER_RULES)
     max_grad_norm: float | None = None  # each worker clips its gradients to this total 2-norm before it pushes

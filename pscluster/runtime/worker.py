@@ -30,6 +30,7 @@ from .emitter import MetricsEmitter
 from .optim import sparse_modules
 from .overlap import EarlyPush
 from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors
+from .staging import GradientStaging
 from .protocol import Flag
 from .steps import PRECISIONS, Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
 
@@ -113,9 +114,12 @@ class _Shards:
         g = self.view(v, g) if g is not None else torch.zeros(v.shape, dtype=getattr(torch, v.dtype))
         return g.to(self.on_wire(v, wire_dtype))
 
-    def grads(self, wire_dtype: torch.dtype | None = None, sent=()) -> dict:
-        """Per ps but those in ``sent``: (ids, tensors) of its exchanged variables (``exchanged``)."""
-        return {i: ([v.id for v in vs], [self.exchanged(v, wire_dtype) for v in vs])
+    def grads(self, wire_dtype: torch.dtype | None = None, sent=(), staged: dict | None = None) -> dict:
+        """Per ps but those in ``sent``: (ids, tensors) of its exchanged variables (``exchanged``), or their
+        host copies in ``staged`` (by variable id, see ``staging``)."""
+        staged = staged or {}
+        return {i: ([v.id for v in vs], [staged[v.id] if v.id in staged else self.exchanged(v, wire_dtype)
+                                         for v in vs])
                 for i, vs in self.dense.items() if i not in sent}
 
     def dense_values(self) -> dict[str, torch.Tensor]:
@@ -228,25 +232,28 @@ class _Steps:
     non-finite check of ``plan.on_nonfinite`` and the clipping to ``plan.max_grad_norm``."""
 
     def __init__(self, model, loss_fn, step_fn, batches, device, plan: TrainPlan, index: int, emit,
-                 early: EarlyPush | None = None):
-        """``early``: the pushes that leave during backward (begun here once forward gave a finite loss)."""
+                 early: EarlyPush | None = None, staging: GradientStaging | None = None):
+        """``early``: the pushes that leave during backward (begun here once forward gave a finite loss);
+        ``staging``: a CUDA worker's gradients copied to the host during backward (begun before each)."""
         self.model, self.loss_fn, self.step_fn, self.batches = model, loss_fn, step_fn, batches
         self.device, self.plan, self.index, self.emit = device, plan, index, emit
         self.precision = Precision(plan.precision, device)
-        self.early = early
+        self.early, self.staging = early, staging
         self.skipped = 0
 
     def gradients(self, batch, step: int, local_step: int) -> Computed:
         """The gradients of ``batch`` on the parameters of global ``step``; a batch with a non-finite loss or
         gradient fails the run (NonFiniteError naming this worker and the step) or, with ``skip``, is left out
         for the next one."""
-        def begin_push(loss: torch.Tensor) -> None:
-            if math.isfinite(loss.detach().item()):
+        def before_backward(loss: torch.Tensor) -> None:
+            if self.staging is not None:
+                self.staging.begin()
+            if self.early is not None and math.isfinite(loss.detach().item()):
                 self.early.begin(step)
 
         for attempt in range(MAX_SKIPS + 1):
             computed = compute(self.model, self.loss_fn, self.step_fn, batch, self.device, step, self.precision,
-                               before_backward=begin_push if self.early is not None else None)
+                               before_backward=before_backward)
             checked = self.early.checked() if self.early is not None else frozenset()  # finite, checked already
             problem = nonfinite(computed, grad_norm(self.model, self.plan.max_grad_norm, checked), self.model)
             if self.precision.overflowed(problem is None):  # fp16: the loss scale was too high for this batch
@@ -367,8 +374,11 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         sparse = _SparseRows(model, plan, client)
         emitter.emit("state", state="training")
         early = EarlyPush(shards, client, plan, device, PRECISIONS[plan.precision])
+        staging = (GradientStaging(shards, {vid: slot for i in shards.dense for vid, slot in
+                                            client.gradient_slots(i).items()}, PRECISIONS[plan.precision])
+                   if GradientStaging.applies(plan, device) else None)
         steps = _Steps(model, loss_fn, step_fn, batches, device, plan, index, emitter.emit,
-                       early if early.ps else None)
+                       early if early.ps else None, staging)
         ahead = None  # pipeline: the gradients of the next batch, computed while the last push-pull was in flight
         local_step, samples, dropped = 0, 0, 0
         compute_s = comm_s = wait_s = window_s = 0.0
@@ -381,7 +391,8 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
                 computed = ahead if ahead is not None else steps.gradients(batch, reply.step, local_step)
                 t1 = time.perf_counter()
                 opened = early.finish() if steps.early is not None else {}
-                pushed = _merge(shards.grads(steps.precision.dtype, sent=opened), sparse.grads())
+                staged = staging.take() if staging is not None else None
+                pushed = _merge(shards.grads(steps.precision.dtype, sent=opened, staged=staged), sparse.grads())
                 answer = client.start_push_pull(computed.step, pushed, opened)
                 sent_at = time.perf_counter()
                 # while the ps applies the push (hidden behind the round trip): the step's numbers, the next batch,
@@ -430,7 +441,7 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
             raise
         summary = {"task": index, "local_steps": local_step, "global_step": reply.step,
                    "dropped": dropped, "samples": samples, "wall_s": time.time() - started,
-                   "overlapped_pushes": early.pushes,
+                   "overlapped_pushes": early.pushes, "staged_steps": staging.steps if staging is not None else 0,
                    "compute_s": compute_s, "wait_s": wait_s, "comm_s": comm_s, "final_loss": loss_value,
                    "final_accuracy": accuracy, "final_metrics": metrics, "skipped": steps.skipped,
                    "staleness": dict(staleness),

@@ -54,14 +54,14 @@ def plan_for(spec, *, steps, partition=None, **settings) -> TrainPlan:
     return TrainPlan(variables=describe_variables(model, len(spec.ps), partition=partition), **{**fields, **settings})
 
 
-def plain_wide(dataset, steps: int) -> dict[str, torch.Tensor]:
+def plain_wide(dataset, steps: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """The same training in one process: plain torch, Adam."""
     torch.manual_seed(SEED)
-    model = Wide()
+    model = Wide().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
     for x, y in plain_batches(dataset, steps):
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
         optimizer.step()
     return model.state_dict()
 
