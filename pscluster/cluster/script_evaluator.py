@@ -6,8 +6,8 @@ It learns the run (id, checkpoint folder) from the ps tasks once the chief has s
 first, evaluates each checkpoint the run commits (not those of earlier runs in the same folder): into the run store
 (``run.evaluations()``, the dashboard's convergence chart) and into TensorBoard's ``eval`` folder of the run,
 one line each on ``log``. A checkpoint pruned before its turn is passed over. It ends once it has evaluated
-the run's last step, or the run is closed, or the ps tasks stay silent for ``GONE_S`` (after one last look for
-new checkpoints). A chief started again starts a new run from the latest checkpoint; the evaluator follows it
+the run's last step (``plan.steps``: at once, though the ps tasks end with the run), or the run is closed, or
+the ps tasks stay silent for ``GONE_S`` (after one last look for new checkpoints). A chief started again starts a new run from the latest checkpoint; the evaluator follows it
 there, and through a lost ps's recovery.
 
 The checkpoints are read where the ps tasks write them and the evaluations written into the chief's run
@@ -61,6 +61,8 @@ def evaluate_checkpoints(spec: ClusterSpec, plan: TrainPlan, model_fn, test_data
                     if log is not None:
                         log(f"[evaluator] global step {step}: loss {result['loss']:.4f}"
                             + (f", accuracy {result['accuracy']:.4f}" if result["accuracy"] is not None else ""))
+            if evaluated and evaluated[-1] >= plan.steps:
+                break  # the run's last step: nothing newer will come (the ps tasks may have ended already)
             held = standalone.held_runs(spec, timeout=STATS_TIMEOUT_S)
             if held is not None:
                 answered = time.monotonic()

@@ -15,6 +15,7 @@ import zmq
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import pscluster
+from pscluster.cluster.script_evaluator import GONE_S
 from pscluster.metrics.store import RunStore
 from pscluster.widgets.dashboard import Dashboard
 from pscluster.spec import ClusterSpec, TaskSpec
@@ -151,7 +152,10 @@ def test_seed_000s_tf_config_job_trains_into_the_run_store_and_resumes_when_star
 
     # the whole job started again, to 400 steps: it goes on from the latest checkpoint, as
     # MonitoredTrainingSession does, never from 0
-    (ps, chief, *workers, evaluator), _ = finish(seed_000_job(estimator, 400, home, cluster, secret))
+    job = seed_000_job(estimator, 400, home, cluster, secret)
+    job[1].wait(timeout=240)  # the chief: the run is over (the job prints a few lines: no pipe fills up)
+    job[-1].wait(timeout=GONE_S / 2)  # the evaluator ends with it, not after the ended ps tasks' silence
+    (ps, chief, *workers, evaluator), _ = finish(job)
     assert ps["global_step"] == 400 and chief["global_step"] == 400
     assert chief["local_steps"] == [100, 100, 100]
     assert evaluator["evaluated"] == [400]  # not the earlier run's checkpoints in the same folder
