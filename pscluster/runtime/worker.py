@@ -30,8 +30,8 @@ from .emitter import MetricsEmitter
 from .optim import sparse_modules
 from .overlap import EarlyPush
 from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors
-from .staging import GradientStaging
 from .protocol import Flag
+from .staging import GradientStaging
 from .steps import PRECISIONS, Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
 
 
