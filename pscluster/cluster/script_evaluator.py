@@ -7,8 +7,8 @@ first, evaluates each checkpoint the run commits (not those of earlier runs in t
 (``run.evaluations()``, the dashboard's convergence chart) and into TensorBoard's ``eval`` folder of the run,
 one line each on ``log``. A checkpoint pruned before its turn is passed over. It ends once it has evaluated
 the run's last step (``plan.steps``: at once, though the ps tasks end with the run), or the run is closed, or
-the ps tasks stay silent for ``GONE_S`` (after one last look for new checkpoints). A chief started again starts a new run from the latest checkpoint; the evaluator follows it
-there, and through a lost ps's recovery.
+the ps tasks stay silent for ``GONE_S`` (after one last look for new checkpoints). A chief started again starts
+a new run from the latest checkpoint; the evaluator follows it there, and through a lost ps's recovery.
 
 The checkpoints are read where the ps tasks write them and the evaluations written into the chief's run
 store: run the evaluator where both are (the chief's machine, or a shared filesystem), as TF's evaluator

@@ -54,13 +54,9 @@ class EarlyPush:
                 nbytes = sum(self._like(v).nbytes for v in vs)
                 if i not in sparse_ps and not client.has_lane(i) and nbytes >= MIN_BYTES:
                     self.ps[i] = _first_order(vs)
-        self._of_param: dict[int, list[VariableSpec]] = {}  # id of a parameter -> its trained variables here
-        hooked = {}
-        for vs in self.ps.values():
-            for v in vs:
-                if v.kind == "param":
-                    param = hooked.setdefault(id(shards.params[v.parameter]), shards.params[v.parameter])
-                    self._of_param.setdefault(id(param), []).append(v)
+        # id of a parameter -> its trained variables here
+        self._of_param = shards.hook_gradients([v for vs in self.ps.values() for v in vs if v.kind == "param"],
+                                               self._produced)
         # a parameter whose every part goes in these pushes -> those parts' ids
         self._parts = {pid: {v.id for v in vs} for pid, vs in self._of_param.items()
                        if len(vs) == sum(v.parameter == vs[0].parameter for v in shards.by_id.values())}
@@ -68,8 +64,6 @@ class EarlyPush:
         self._seen: list[int] = []  # the variables in the order backward produced their gradients this step
         self._checked_ids: set[int] = set()  # the variables whose gradients were found finite this step
         self.pushes = 0  # pushes that left during backward
-        for param in hooked.values():
-            param.register_post_accumulate_grad_hook(self._produced)
 
     @staticmethod
     def applies(plan: TrainPlan, device: torch.device) -> bool:

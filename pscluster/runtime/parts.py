@@ -10,8 +10,8 @@ Wire format (see ``protocol`` for the rest):
   tensor, its signature covers header, table and json, and its header's salt is the payloads' salt.
 - Each part is ``[part header, payload frames..., tags]``: the part header packs ``PART_MAGIC``, the protocol
   version, the head's salt and the index of the part's first payload frame (payload frames are numbered over
-  the whole message, as ``protocol.message_payloads`` orders them: the tensors' frames, then the pack); ``tags`` holds the 16-byte
-  AES-GMAC tag of each of its payload frames (``protocol.payload_tag``).
+  the whole message, as ``protocol.message_payloads`` orders them: the tensors' frames, then the pack);
+  ``tags`` holds the 16-byte AES-GMAC tag of each of its payload frames (``protocol.payload_tag``).
 
 A part is checked by its tags: each tag's nonce is made of the head's salt and the frame's index, so a part
 verifies only in its own place in its own message, and nobody without the cluster's secret can make a tag that

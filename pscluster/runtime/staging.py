@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .plan import TrainPlan, VariableSpec
+from .plan import TrainPlan
 
 MIN_BYTES = 4 << 20  # a smaller gradient is copied after backward (see the module)
 
@@ -41,25 +41,23 @@ class GradientStaging:
     def __init__(self, shards, destinations: dict[int, torch.Tensor], wire_dtype: torch.dtype | None):
         """``shards``: the worker's ``_Shards``; ``destinations``: host tensors some variables' gradients go into
         (a lane's slots) by variable id; the other staged variables get page-locked buffers here."""
-        self._shards, self._wire_dtype = shards, wire_dtype
+        self._shards = shards
         self._stream = torch.cuda.Stream()
         self._host: dict[int, torch.Tensor] = {}
-        self._of_param: dict[int, list[VariableSpec]] = {}  # id of a parameter -> its staged variables
-        params = {}
+        self._wire: dict[int, torch.dtype] = {}  # by variable id: the dtype its gradient travels in
         for vs in shards.dense.values():
             for v in vs:
                 dtype = shards.on_wire(v, wire_dtype)
                 if v.kind != "param" or math.prod(v.shape) * dtype.itemsize < MIN_BYTES:
                     continue
+                self._wire[v.id] = dtype
                 self._host[v.id] = destinations.get(v.id)
                 if self._host[v.id] is None:
                     self._host[v.id] = torch.empty(v.shape, dtype=dtype, pin_memory=True)
-                param = params.setdefault(id(shards.params[v.parameter]), shards.params[v.parameter])
-                self._of_param.setdefault(id(param), []).append(v)
         self._copied: set[int] = set()
         self.steps = 0  # steps whose gradients were staged during backward
-        for param in params.values():
-            param.register_post_accumulate_grad_hook(self._produced)
+        # id of a parameter -> its staged variables
+        self._of_param = shards.hook_gradients([shards.by_id[vid] for vid in self._host], self._produced)
 
     @staticmethod
     def applies(plan: TrainPlan, device: torch.device) -> bool:
@@ -79,13 +77,15 @@ class GradientStaging:
                 gradient = self._shards.view(v, param.grad)
                 gradient.record_stream(self._stream)  # its memory is not reused before the copy has read it
                 host = self._host[v.id]
-                host.copy_(gradient.to(self._shards.on_wire(v, self._wire_dtype)).to(host.dtype), non_blocking=True)
+                host.copy_(gradient.to(self._wire[v.id]).to(host.dtype), non_blocking=True)
                 self._copied.add(v.id)
 
     def take(self) -> dict[int, torch.Tensor]:
         """The host tensors this backward's gradients were copied into, by variable id, once every copy is
         done; call after backward."""
+        if not self._copied:
+            return {}  # nothing handed out: nothing to wait for
         self._stream.synchronize()
         copied, self._copied = {vid: self._host[vid] for vid in self._copied}, set()
-        self.steps += bool(copied)
+        self.steps += 1
         return copied

@@ -122,6 +122,18 @@ class _Shards:
                                          for v in vs])
                 for i, vs in self.dense.items() if i not in sent}
 
+    def hook_gradients(self, variables, hook) -> dict[int, list[VariableSpec]]:
+        """Call ``hook(parameter)`` each time backward has accumulated a gradient of a parameter behind the
+        trained ``variables`` (``register_post_accumulate_grad_hook``, once per parameter: a parameter split
+        into row shards, or tied, is hooked once). Returns those variables by the id of their parameter."""
+        of_param: dict[int, list[VariableSpec]] = {}
+        for v in variables:
+            param = self.params[v.parameter]
+            if id(param) not in of_param:
+                param.register_post_accumulate_grad_hook(hook)
+            of_param.setdefault(id(param), []).append(v)
+        return of_param
+
     def dense_values(self) -> dict[str, torch.Tensor]:
         """Every dense variable's current value by variable name (a worker holds a sparse one only in part)."""
         return {v.name: self.view(v) for v in self.by_id.values() if not v.sparse}
