@@ -19,14 +19,19 @@ def run(tiny: bool, out_dir: Path) -> Result:
     single = {batch: procs.Rounds([procs.spawn("workload", "plain", threads=2, **CONV, WORKLOAD_BATCH=str(batch))])
               for batch in (BATCH, 2 * BATCH)}
     per_batch: dict[int, list[float]] = {batch: [] for batch in single}
+    split: list[dict] = []  # each worker's round: seconds computing, exchanging, waiting
+
+    def pscluster() -> float:
+        outs = cluster.round(steps)
+        split.extend(procs.worker_times(out) for out in outs)
+        return sum(out["samples_per_s"] for out in outs)
 
     def best_single() -> float:
         for batch, rounds in single.items():
             per_batch[batch].append(rounds.round(steps)[0]["samples_per_s"])
         return max(per_batch[batch][-1] for batch in single)
     try:
-        speeds = alternate({"pscluster": lambda: sum(out["samples_per_s"] for out in cluster.round(steps)),
-                            "single": best_single}, repetitions(tiny))
+        speeds = alternate({"pscluster": pscluster, "single": best_single}, repetitions(tiny))
     finally:
         for r in (cluster, *single.values()):
             r.close()
@@ -35,6 +40,14 @@ def run(tiny: bool, out_dir: Path) -> Result:
                                "1 ps + 2 workers", speeds["pscluster"], "best single process, 2 threads",
                                speeds["single"], "samples/s", Target(0.95)))
     result.extra["single_by_batch"] = {str(b): v for b, v in per_batch.items()}
+    result.extra["worker_time_split"] = split
+    per_step = {k: 1e3 * sorted(s[k] for s in split)[len(split) // 2] / steps for k in procs.WORKER_TIMES}
+    single_step = 1e3 * BATCH / sorted(per_batch[BATCH])[len(per_batch[BATCH]) // 2]
+    result.notes.append(f"Where a worker's step goes (its own timers, medians over the rounds of both): compute "
+                        f"{per_step['compute_s']:.1f} ms (its batch, forward and backward on 1 thread, the gradient "
+                        f"checks), exchange {per_step['comm_s']:.1f} ms, waiting for the ps and the other worker "
+                        f"{per_step['wait_s']:.1f} ms; the single process's step of batch {BATCH} on 2 threads: "
+                        f"{single_step:.1f} ms.")
     result.notes.append(f"{steps} steps per repetition and process (the first 20 left out); the single process "
                         f"ran batches of {BATCH} and {2 * BATCH} each round and the faster counts: "
                         + ", ".join(f"batch {b}: median {sorted(v)[len(v) // 2]:,.0f} samples/s"

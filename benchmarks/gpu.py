@@ -23,7 +23,6 @@ MODELS = {"conv": "conv net (2 conv + 2 dense, 1.2 MB)",
           "wide_conv": "wide conv net (3 conv + 2 dense, 14.6 MB)"}
 MODES = {"sync": "sync, lane", "socket": "sync, socket", "pipelined": "async, pipelined",
          "after": "sync, lane, gradients copied after backward"}
-WORKER_TIMES = ("compute_s", "comm_s", "wait_s")
 THREADS = max(1, (os.cpu_count() or 2) // 2)  # each task's share in a Cluster of 1 ps + 1 worker
 
 
@@ -43,7 +42,7 @@ def _model_rows(model: str, label: str, steps: int, rounds: int) -> tuple[list, 
     def measure(name: str) -> float:
         (out,) = contenders[name].round(steps)
         if name in times:
-            times[name].append({k: out[k] for k in WORKER_TIMES})
+            times[name].append(procs.worker_times(out))
             staged[name] = out["staged_steps"]
         return out["samples_per_s"]
     try:
@@ -57,7 +56,7 @@ def _model_rows(model: str, label: str, steps: int, rounds: int) -> tuple[list, 
     rows.append(compare(f"{label}, sync, lane: gradients copied during backward against after it, batch {BATCH}",
                         "copied during backward", speeds["sync"], "copied after backward", speeds["after"],
                         "samples/s"))
-    medians = {mode: {**{k: sorted(t[k] for t in ts)[len(ts) // 2] for k in WORKER_TIMES},
+    medians = {mode: {**{k: sorted(t[k] for t in ts)[len(ts) // 2] for k in procs.WORKER_TIMES},
                       "staged_steps": staged[mode]} for mode, ts in times.items()}
     return rows, medians
 

@@ -18,7 +18,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
 
     def speed(name: str) -> float:
         (out,) = workers[name].round(steps)
-        split[name].append({k: out[k] for k in ("compute_s", "comm_s", "wait_s")})
+        split[name].append(procs.worker_times(out))
         return out["samples_per_s"]
     try:
         # twice the usual repetitions: this VM's speed moves between runs seconds apart, and one pair of

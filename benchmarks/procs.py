@@ -109,6 +109,14 @@ class Rounds:
             self.after()
 
 
+WORKER_TIMES = ("compute_s", "comm_s", "wait_s")  # a runtime worker's seconds computing, exchanging, waiting
+
+
+def worker_times(summary: dict) -> dict:
+    """Where a runtime worker's round went: ``WORKER_TIMES`` of its summary (or of ``workload.py``'s answer)."""
+    return {k: summary[k] for k in WORKER_TIMES}
+
+
 def workload_workers(mode: str, workers: int, pipeline: bool = False, device: str = "cpu", *, socket: bool = False,
                      overlap: bool = True, threads: int = 1, **env: str) -> Rounds:
     """1 ps and ``workers`` workers of the real runtime training ``workload.py``'s model in ``mode``, one round
