@@ -41,7 +41,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
                                speeds["single"], "samples/s", Target(0.95)))
     result.extra["single_by_batch"] = {str(b): v for b, v in per_batch.items()}
     result.extra["worker_time_split"] = split
-    per_step = {k: 1e3 * sorted(s[k] for s in split)[len(split) // 2] / steps for k in procs.WORKER_TIMES}
+    per_step = procs.step_split(split, steps)
     single_step = 1e3 * BATCH / sorted(per_batch[BATCH])[len(per_batch[BATCH]) // 2]
     result.notes.append(f"Where a worker's step goes (its own timers, medians over the rounds of both): compute "
                         f"{per_step['compute_s']:.1f} ms (its batch, forward and backward on 1 thread, the gradient "

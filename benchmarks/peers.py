@@ -12,8 +12,10 @@ from pathlib import Path
 
 from . import procs
 from .common import Result, Target, alternate, compare, repetitions
+from .workload import BATCH
 
 WORKERS = 2
+PSCLUSTER_MODES = {"sync": ("sync", False), "async": ("async", False), "async pipelined": ("async", True)}
 
 
 def ddp() -> procs.Rounds:
@@ -41,15 +43,20 @@ def aggregate(outs: list[dict]) -> float:
 def run(tiny: bool, out_dir: Path) -> Result:
     steps = 80 if tiny else 300
     systems = {}
+    split: dict[str, list[dict]] = {mode: [] for mode in PSCLUSTER_MODES}  # each worker's rounds, by mode
+
+    def measure(name: str) -> float:
+        outs = systems[name].round(steps)
+        if name in split:
+            split[name] += [procs.worker_times(out) for out in outs]
+        return aggregate(outs)
     try:
-        for name, start in (("sync", lambda: procs.workload_workers("sync", WORKERS)),
-                            ("async", lambda: procs.workload_workers("async", WORKERS)),
-                            ("async pipelined", lambda: procs.workload_workers("async", WORKERS, pipeline=True)),
-                            ("ddp", ddp), ("rpc", rpc_ps), ("bare sync", lambda: bare("sync")),
+        for name, (mode, pipeline) in PSCLUSTER_MODES.items():
+            systems[name] = procs.workload_workers(mode, WORKERS, pipeline=pipeline)
+        for name, start in (("ddp", ddp), ("rpc", rpc_ps), ("bare sync", lambda: bare("sync")),
                             ("bare async", lambda: bare("async"))):
             systems[name] = start()
-        speeds = alternate({name: (lambda r=r: aggregate(r.round(steps))) for name, r in systems.items()},
-                           repetitions(tiny))
+        speeds = alternate({name: (lambda name=name: measure(name)) for name in systems}, repetitions(tiny))
     finally:
         for r in systems.values():
             r.close()
@@ -68,6 +75,13 @@ def run(tiny: bool, out_dir: Path) -> Result:
         ]
     result.rows.append(compare("bare ZeroMQ ps (async) vs DDP", "bare ZeroMQ ps async", speeds["bare async"],
                                "DDP gloo, 2 processes", speeds["ddp"], unit))
+    ddp_step = 1e3 * BATCH / (sorted(speeds["ddp"])[len(speeds["ddp"]) // 2] / WORKERS)
+    result.notes.append("Where a pscluster worker's step goes (its own timers, medians over the rounds of both "
+                        "workers; about, async, where a worker's share of the global steps varies): "
+                        + "; ".join(f"{mode} compute {t['compute_s']:.2f} ms, exchange {t['comm_s']:.2f} ms, "
+                                    f"waiting for the ps {t['wait_s']:.2f} ms"
+                                    for mode, t in ((m, procs.step_split(r, steps)) for m, r in split.items()))
+                        + f"; a DDP process's whole step {ddp_step:.2f} ms.")
     result.notes.append(f"{steps} steps per worker per repetition, the first 20 left out; every process has one "
                         "torch thread (3 processes for the ps systems, 2 for DDP) on this machine's cores. Each "
                         "system's processes are started once and run one repetition per command (idle, blocked "

@@ -117,6 +117,12 @@ def worker_times(summary: dict) -> dict:
     return {k: summary[k] for k in WORKER_TIMES}
 
 
+def step_split(rounds: list[dict], steps: int) -> dict[str, float]:
+    """Milliseconds a step of each of ``WORKER_TIMES``: the medians of ``rounds`` (``worker_times`` of rounds of
+    ``steps`` steps each)."""
+    return {k: 1e3 * sorted(r[k] for r in rounds)[len(rounds) // 2] / steps for k in WORKER_TIMES}
+
+
 def workload_workers(mode: str, workers: int, pipeline: bool = False, device: str = "cpu", *, socket: bool = False,
                      overlap: bool = True, threads: int = 1, **env: str) -> Rounds:
     """1 ps and ``workers`` workers of the real runtime training ``workload.py``'s model in ``mode``, one round
