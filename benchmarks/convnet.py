@@ -4,6 +4,7 @@ batch or twice it, whichever is faster in that round); aggregate samples/s ratio
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from . import procs
@@ -42,7 +43,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
     result.extra["single_by_batch"] = {str(b): v for b, v in per_batch.items()}
     result.extra["worker_time_split"] = split
     per_step = procs.step_split(split, steps)
-    single_step = 1e3 * BATCH / sorted(per_batch[BATCH])[len(per_batch[BATCH]) // 2]
+    single_step = 1e3 * BATCH / statistics.median(per_batch[BATCH])
     result.notes.append(f"Where a worker's step goes (its own timers, medians over the rounds of both): compute "
                         f"{per_step['compute_s']:.1f} ms (its batch, forward and backward on 1 thread, the gradient "
                         f"checks), exchange {per_step['comm_s']:.1f} ms, waiting for the ps and the other worker "

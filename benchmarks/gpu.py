@@ -10,6 +10,7 @@ Not run without a CUDA GPU."""
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ def _model_rows(model: str, label: str, steps: int, rounds: int) -> tuple[list, 
     rows.append(compare(f"{label}, sync, lane: gradients copied during backward against after it, batch {BATCH}",
                         "copied during backward", speeds["sync"], "copied after backward", speeds["after"],
                         "samples/s"))
-    medians = {mode: {**{k: sorted(t[k] for t in ts)[len(ts) // 2] for k in procs.WORKER_TIMES},
+    medians = {mode: {**{k: statistics.median(t[k] for t in ts) for k in procs.WORKER_TIMES},
                       "staged_steps": staged[mode]} for mode, ts in times.items()}
     return rows, medians
 

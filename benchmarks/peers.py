@@ -8,6 +8,7 @@ each worker a process running the runtime's worker loop (``procs.runtime_worker`
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from . import procs
@@ -75,7 +76,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
         ]
     result.rows.append(compare("bare ZeroMQ ps (async) vs DDP", "bare ZeroMQ ps async", speeds["bare async"],
                                "DDP gloo, 2 processes", speeds["ddp"], unit))
-    ddp_step = 1e3 * BATCH / (sorted(speeds["ddp"])[len(speeds["ddp"]) // 2] / WORKERS)
+    ddp_step = 1e3 * BATCH / (statistics.median(speeds["ddp"]) / WORKERS)
     result.notes.append("Where a pscluster worker's step goes (its own timers, medians over the rounds of both "
                         "workers; about, async, where a worker's share of the global steps varies): "
                         + "; ".join(f"{mode} compute {t['compute_s']:.2f} ms, exchange {t['comm_s']:.2f} ms, "

@@ -9,6 +9,7 @@ import json
 import os
 import select
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,7 +121,7 @@ def worker_times(summary: dict) -> dict:
 def step_split(rounds: list[dict], steps: int) -> dict[str, float]:
     """Milliseconds a step of each of ``WORKER_TIMES``: the medians of ``rounds`` (``worker_times`` of rounds of
     ``steps`` steps each)."""
-    return {k: 1e3 * sorted(r[k] for r in rounds)[len(rounds) // 2] / steps for k in WORKER_TIMES}
+    return {k: 1e3 * statistics.median(r[k] for r in rounds) / steps for k in WORKER_TIMES}
 
 
 def workload_workers(mode: str, workers: int, pipeline: bool = False, device: str = "cpu", *, socket: bool = False,
