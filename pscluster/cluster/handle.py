@@ -380,7 +380,9 @@ class Cluster:
         model = build_model(model_fn, seed)
         if not any(True for _ in model.parameters()):
             raise ConfigError("the model has no parameters to train: check model_fn")
-        optimizer_spec = optim.OptimizerSpec(optimizer, optimizer_kwargs, groups=param_groups or (),
+        groups = optim.named_groups(param_groups or (), (model_fn if isinstance(model_fn, torch.nn.Module) else model)
+                                     .named_parameters())
+        optimizer_spec = optim.OptimizerSpec(optimizer, optimizer_kwargs, groups=groups,
                                              scheduler=scheduler, scheduler_options=scheduler_options or {})
         run_plan = TrainPlan.for_model(model, optimizer_spec, num_ps=self.num_ps, placement=placement,
                                        partition=partition, run_id=1, mode=mode, steps=steps, batch_size=batch_size,
@@ -394,20 +396,73 @@ class Cluster:
         optim.check(model, optimizer_spec, steps=steps)
         example_batch = first_batch(dataset, 2, collate_fn)
         check_step(model, loss_fn, step_fn, example_batch)
-        payload = ship(model_fn, dataset, loss_fn, step_fn, collate_fn)
+        return self._launch(spec, run_plan, optimizer_spec, ship(model_fn, dataset, loss_fn, step_fn, collate_fn),
+                            model_fn=model_fn, loss_fn=loss_fn, step_fn=step_fn, collate_fn=collate_fn,
+                            test_dataset=test_dataset, eval_every=eval_every, example_batch=example_batch, name=name,
+                            code=code or _source(model_fn), checkpoint_dir=checkpoint_dir,
+                            checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints, resume=resume)
+
+    # run options a user's loop shares with train() and TrainPlan holds (their defaults are TrainPlan's)
+    _LOOP_OPTIONS = ("seed", "log_every", "request_timeout", "staleness_bound", "checkpoint_every", "shared_memory",
+                     "buffers", "max_grad_norm", "on_nonfinite", "precision")
+
+    def run(self, train_fn, *, mode: str = "sync", steps: int = 1000, replicas_to_aggregate: int | None = None,
+            name: str | None = None, code: str | None = None, placement="round_robin", partition: dict | None = None,
+            checkpoint_dir: str | os.PathLike | None = None, checkpoint_secs: float | None = 600.0,
+            keep_checkpoints: int = 5, restore: bool = True, resume: str | int | None = None, **options) -> Run:
+        """Run ``train_fn(ctx)`` on every worker, the user's own training loop (see ``pscluster.runtime.context``),
+        in the background; returns its Run, as ``train`` does.
+
+        ``train_fn`` is called here first, up to its loop's first step (on the CPU, as the chief), to learn the
+        modules it gives ``ctx.model`` and the optimizer it gives ``ctx.optimizer``: the run's variables, their
+        placement and the ps tasks' optimizer come from them. Then each worker calls it: its modules hold the
+        run's values once registered, ``optimizer.step()`` is the exchange with the ps tasks.
+        ``mode``, ``steps`` (the global step target ``ctx.should_stop()`` watches), ``replicas_to_aggregate``,
+        ``placement``, ``partition``, the checkpoint options, ``restore``, ``resume``, ``name`` and ``options``
+        (``seed``, ``log_every``, ``request_timeout``, ``staleness_bound``, ``checkpoint_every``,
+        ``shared_memory``, ``buffers``, ``max_grad_norm``, ``on_nonfinite``, ``precision``) as in ``train``.
+        ``code``: kept in the run store (default: the source of ``train_fn``).
+        """
+        from ..runtime.context import probe
+
+        spec = self._require_running("run")
+        if self.active_run is not None:
+            raise ClusterStateError(f"{self.active_run.name} is still training: "
+                                    "wait for it (run.wait()) or stop it (run.stop())")
+        if not callable(train_fn):
+            raise ConfigError("train_fn must be a function of the worker's context: def train_fn(ctx): ...")
+        unknown = sorted(set(options) - set(self._LOOP_OPTIONS))
+        if unknown:
+            raise ConfigError(f"Cluster.run() got unknown option {unknown[0]!r}: use one of "
+                              f"{', '.join(('mode', 'steps', 'replicas_to_aggregate', *self._LOOP_OPTIONS))}")
+        model, modules, optimizer_spec = probe(train_fn, self.num_workers, options.get("seed", 0))
+        optim.check(model, optimizer_spec, steps=steps)
+        replicas = self.num_workers if replicas_to_aggregate is None else replicas_to_aggregate
+        run_plan = TrainPlan.for_model(model, optimizer_spec, num_ps=self.num_ps, placement=placement,
+                                       partition=partition, run_id=1, mode=mode, steps=steps, batch_size=None,
+                                       replicas_to_aggregate=replicas, num_workers=self.num_workers, restore=restore,
+                                       overlap=False, modules=modules, **options)
+        return self._launch(spec, run_plan, optimizer_spec, ship(train_fn), model_fn=model, name=name,
+                            code=code or _source(train_fn), checkpoint_dir=checkpoint_dir,
+                            checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints, resume=resume)
+
+    def _launch(self, spec: ClusterSpec, run_plan: TrainPlan, optimizer_spec: optim.OptimizerSpec, payload: bytes, *,
+                model_fn, loss_fn=None, step_fn=None, collate_fn=None, test_dataset=None, eval_every=None,
+                example_batch=None, name, code, checkpoint_dir, checkpoint_secs, keep_checkpoints, resume) -> Run:
+        """Record the run, give the ps tasks what its optimizer needs, and start its workers under a supervisor
+        (``payload``: what each worker is given, see ``remote.train_worker``)."""
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
         run_plan, resumed = run_records.create_run(
-            self.store, run_plan, name=name, cluster=self.name, spec=spec.public_dict(), code=code or _source(model_fn),
+            self.store, run_plan, name=name, cluster=self.name, spec=spec.public_dict(), code=code,
             checkpoint_dir=checkpoint_dir, resume=resume, own_default=True,
             default_dir=lambda run_id: Path(self.store.path).parent / "checkpoints" / f"run-{run_id}")
-        run_id = run_plan.run_id
         self._ship_to_ps(optim.shipped(optimizer_spec))
         run = Run(spec, run_plan, model_fn, loss_fn, self.store, step_fn=step_fn, collate_fn=collate_fn,
                   test_dataset=test_dataset, eval_every=eval_every, tasks=self, checkpoints=checkpoints,
                   payload=payload, metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports,
                   example_batch=example_batch)
         if self.detached:
-            registry.write_payload(self.name, run_id, payload)  # for replacement workers after an attach
+            registry.write_payload(self.name, run_plan.run_id, payload)  # for replacement workers after an attach
         if resume is not None:
             run.supervisor.note("resuming", "controller",
                                 {"run": resumed.run_id, "checkpoint_dir": resumed.checkpoint_dir} if resumed else

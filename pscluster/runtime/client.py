@@ -404,14 +404,16 @@ class PSClient:
     def push(self, step: int, per_ps: dict) -> Reply:
         return self.merge(self.request(Op.PUSH, per_ps, step=step))
 
-    def push_pull(self, step: int, per_ps: dict) -> Reply:
-        """Push gradients computed on ``step`` and get the parameters after they were applied."""
-        return self.start_push_pull(step, per_ps)()
+    def push_pull(self, step: int, per_ps: dict, *, meta: dict | None = None) -> Reply:
+        """Push gradients computed on ``step`` and get the parameters after they were applied. ``meta``: what goes
+        with the gradients (``{"groups": [options of each group]}``: the update's optimizer options, see ps)."""
+        return self.start_push_pull(step, per_ps, meta=meta)()
 
-    def start_push_pull(self, step: int, per_ps: dict, opened: dict[int, Opened] | None = None):
+    def start_push_pull(self, step: int, per_ps: dict, opened: dict[int, Opened] | None = None, *,
+                        meta: dict | None = None):
         """``push_pull`` in two halves: sends now, and returns a function that waits for the reply. ``opened``:
         the pushes to some ps tasks, sent already in parts (``open``)."""
-        sent = self.send(Op.PUSH_PULL, per_ps, step=step, opened=opened)
+        sent = self.send(Op.PUSH_PULL, per_ps, step=step, opened=opened, meta=meta)
         return lambda: self.merge(self.collect(sent))
 
     def stats(self) -> list[dict]:

@@ -31,6 +31,7 @@ import functools
 import importlib
 import inspect
 import json
+import math
 import re
 import threading
 import warnings
@@ -254,14 +255,51 @@ def _options(options, what: str) -> dict:
 
 def _group(group, i: int) -> dict:
     if not isinstance(group, dict) or "params" not in group:
-        raise ConfigError(f"group {i} {group!r}: give a dict of 'params' (parameter name patterns such as '*.bias') "
-                          "and the options that differ from the optimizer's keyword arguments")
+        raise ConfigError(f"group {i} is a {type(group).__name__} without 'params': give a dict of 'params' (parameter name patterns such as '*.bias') and the "
+                          "options that differ from the optimizer's keyword arguments")
     patterns = [group["params"]] if isinstance(group["params"], str) else group["params"]
     if not isinstance(patterns, list | tuple) or not patterns or not all(isinstance(p, str) and p for p in patterns):
-        raise ConfigError(f"group {i} params={group['params']!r}: give parameter name patterns such as "
-                          "['*.bias', '*norm*'] (fnmatch, matched against model.named_parameters() names)")
+        raise ConfigError(f"group {i} params is {_kind(group['params'])}: give parameter name patterns such as "
+                          "['*.bias', '*norm*'] (fnmatch, matched against model.named_parameters() names), or the "
+                          "model's own parameter tensors with the model itself as model_fn")
     options = _options({k: v for k, v in group.items() if k != "params"}, f"group {i} option")
     return {"params": list(patterns), **options}
+
+
+def _kind(value) -> str:
+    """A short description of a value for an error line (never its repr: a tensor's runs to pages)."""
+    if isinstance(value, list | tuple):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(kinds[:3]) or 'empty'})"
+    return f"a {type(value).__name__}"
+
+
+def literal_pattern(name: str) -> str:
+    """An fnmatch pattern that matches ``name`` alone (its ``*``, ``?`` and ``[`` in brackets)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def named_groups(groups, named_parameters) -> tuple:
+    """Parameter groups as torch builds them (``{"params": [tensors], **options}``, or a generator of tensors:
+    what ``model.configure_optimizers()`` returns) with each tensor replaced by its name in ``named_parameters``
+    (``(name, parameter)`` pairs, as ``model.named_parameters()`` gives them), as a pattern matching that name
+    alone; groups given by name patterns are kept as they are. ConfigError naming the group of a tensor that is
+    no parameter there."""
+    names = {id(p): n for n, p in named_parameters}
+    out = []
+    for i, group in enumerate(groups):
+        params = group.get("params") if isinstance(group, dict) else None
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        if not isinstance(params, list | tuple) or not params or not all(isinstance(p, torch.Tensor) for p in params):
+            out.append(group)
+            continue
+        missing = [k for k, p in enumerate(params) if id(p) not in names]
+        if missing:
+            raise ConfigError(f"group {i} params[{missing[0]}] (a tensor of shape {tuple(params[missing[0]].shape)}) "
+                              "is no parameter of the model: build the groups from the model's own parameters")
+        out.append({**group, "params": [literal_pattern(names[id(p)]) for p in params]})
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -421,6 +459,44 @@ def _scheduler(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> lr_sche
         raise _refusal(f"schedule {spec.scheduler} (at step 0)", options, e, _SCHEDULE_FIX) from None
 
 
+def numeric_option(value) -> bool:
+    """A finite number (not a bool), or a tuple or list of them: a group option a loop may change per step."""
+    if isinstance(value, list | tuple):
+        return bool(value) and all(_number(v) for v in value)
+    return _number(value)
+
+
+def _length(value) -> int | None:
+    return len(value) if isinstance(value, list | tuple) else None
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# Options that choose torch's implementation of an optimizer, not its update: a ps picks its own
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+
+
+def spec_of(optimizer: torch.optim.Optimizer, named_parameters) -> OptimizerSpec:
+    """The OptimizerSpec of a torch optimizer built on the parameters ``named_parameters`` names (``(name,
+    parameter)`` pairs): its class, its defaults as the keyword arguments, and each of its param groups by the names
+    of its parameters, with the options in which the group differs from the defaults. A ps builds the same optimizer
+    over its own variables from it. ConfigError for a parameter the optimizer updates that is not named."""
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in _IMPLEMENTATION}
+    groups = []
+    for group in optimizer.param_groups:
+        options = {k: v for k, v in group.items() if k in defaults and not _same(v, defaults[k])}
+        groups.append({"params": group["params"], **options})
+    return OptimizerSpec(type(optimizer), defaults, groups=named_groups(groups, named_parameters))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool((a == b).all())
+    return type(a) is type(b) and a == b
+
+
 class _Chunks:
     """The views of a large variable, ``numel`` elements each (the last one shorter), that its optimizer steps
     in its place: each view is a parameter of its own to the optimizer, with optimizer state of its own."""
@@ -494,6 +570,25 @@ class PsOptimizer:
         finally:
             for c in chunked:
                 c.set_grads(None)
+
+    def set_options(self, groups: list[dict]) -> None:
+        """Give group ``i`` of each optimizer the numeric options ``groups[i]`` (what a user's loop set in its
+        optimizer's ``param_groups``: the learning rate of a warmup, a schedule's momentum), from the next update
+        on. Only options the group has, as numbers or tuples of numbers; ValueError for anything else (a push's
+        options come from the network: checked before anything is changed)."""
+        for optimizer in self.optimizers:
+            if len(groups) > len(optimizer.param_groups):
+                raise ValueError(f"options of {len(groups)} groups for an optimizer of {len(optimizer.param_groups)}")
+            for group, options in zip(optimizer.param_groups, groups):
+                if not isinstance(options, dict):
+                    raise ValueError("group options must be objects of option names and numbers")
+                for key, value in options.items():
+                    if key not in group or key == "params" or not numeric_option(value) or not numeric_option(group[key]) \
+                            or _length(value) != _length(group[key]):
+                        raise ValueError(f"group option {key!r}={value!r}: only the numeric options a group has")
+        for optimizer in self.optimizers:
+            for group, options in zip(optimizer.param_groups, groups):
+                group.update({k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if k in group})
 
     def chunk_numel(self, param: torch.Tensor) -> int | None:
         """The elements of each chunk ``param`` is stepped in by ``step_chunk``; None: it is stepped whole."""

@@ -148,7 +148,7 @@ class TrainPlan:
     run_id: int
     mode: str
     steps: int
-    batch_size: int
+    batch_size: int | None  # per worker; None: a user's loop, whose batches are its own (``ctx.shard``)
     optimizer: str  # the optimizer of every ps: its name, options, parameter groups and schedule (``optim``)
     optimizer_kwargs: dict = field(default_factory=dict)
     optimizer_groups: tuple = ()
@@ -175,6 +175,7 @@ class TrainPlan:
     on_nonfinite: str = "fail"  # a non-finite loss or gradient: fail the run, or skip the batch (NONFINITE)
     precision: str = "fp32"  # the workers' mixed precision (steps.PRECISIONS): autocast, and the gradients' dtype
     loader: LoaderOptions = LoaderOptions()  # how each worker reads its batches (loader processes, prefetch...)
+    modules: tuple[str, ...] = ()  # a user's loop: the names of the modules it registers (``context``); () for train's
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -189,6 +190,8 @@ class TrainPlan:
                               "or 0 for checkpoints on demand and at the end only")
         for name in ("steps", "batch_size", "replicas_to_aggregate", "num_workers", "log_every"):
             value = getattr(self, name)
+            if value is None and name == "batch_size" and self.modules:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: use a positive integer")
         if not 0 < self.run_id < 2**32:
@@ -262,6 +265,7 @@ class TrainPlan:
         d["variables"] = tuple(VariableSpec(**{**v, "shape": tuple(v["shape"])}) for v in d["variables"])
         d["state_keys"] = tuple(tuple(k) for k in d.get("state_keys", ()))
         d["optimizer_groups"] = tuple(d.get("optimizer_groups", ()))
+        d["modules"] = tuple(d.get("modules", ()))
         d["loader"] = LoaderOptions(**d.get("loader", {}))
         return cls(**d)
 

@@ -604,6 +604,12 @@ class ParameterServer:
             raise MalformedMessage(f"gradients computed on step {msg.step}: a run of {run.steps} steps has "
                                    f"steps 0..{run.steps}")
         grads, buffers = self._gradients(run, msg)
+        options = (msg.meta or {}).get("groups")
+        if options is not None:
+            try:
+                run.optimizer.set_options(options)  # checked whole before any is set
+            except (TypeError, ValueError) as e:
+                raise MalformedMessage(f"push's group options: {e}") from None
         if run.park_at is not None and run.step >= run.park_at and not run.stopped:
             run.parked.append((identity, _held(msg)))  # answered by the second STOP
             return

@@ -86,10 +86,17 @@ def register_objects(names: list[str], code: bytes) -> None:
 
 
 def train_worker(spec_json: str, index: int, plan_json: str, code: bytes, join: bool = False) -> dict:
-    """Run worker ``index`` of a plan; ``code`` is cloudpickle of (model_fn, dataset, loss_fn, step_fn, collate_fn)
-    (sent over the authenticated control plane); ``join``: replace a lost worker of a running run."""
+    """Run worker ``index`` of a plan; ``code`` is cloudpickle (sent over the authenticated control plane) of
+    (model_fn, dataset, loss_fn, step_fn, collate_fn) for the library's loop, or of (train_fn,) for a user's loop
+    (a plan that names the loop's modules); ``join``: replace a lost worker of a running run."""
+    spec, plan = ClusterSpec.from_json(spec_json), TrainPlan.from_json(plan_json)
+    if plan.modules:
+        from .context import run_loop
+
+        (train_fn,) = cloudpickle.loads(code)
+        return run_loop(spec, index, plan, train_fn, join=join)
     from .worker import run_worker
 
     model_fn, dataset, loss_fn, step_fn, collate_fn = cloudpickle.loads(code)
-    return run_worker(ClusterSpec.from_json(spec_json), index, TrainPlan.from_json(plan_json),
-                      model_fn, dataset, loss_fn, step_fn=step_fn, collate_fn=collate_fn, join=join)
+    return run_worker(spec, index, plan, model_fn, dataset, loss_fn, step_fn=step_fn, collate_fn=collate_fn,
+                      join=join)

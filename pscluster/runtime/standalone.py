@@ -18,12 +18,14 @@ import threading
 import time
 from dataclasses import replace
 
+import torch
+
 from ..errors import ConfigError, PeerLost, RunOver, RuntimeTimeout, StaleTask
 from ..spec import ClusterSpec, TaskSpec
 from ..task_config import from_environment
 from .client import PSClient
 from .data import training_input
-from .optim import OptimizerSpec, check
+from .optim import OptimizerSpec, check, named_groups
 from .plan import TrainPlan
 from .ps import ParameterServer
 from .worker import build_model, run_worker
@@ -74,7 +76,9 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer="sgd", param_
     dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
                                                              prefetch_factor, pin_memory)
     model = build_model(model_fn, seed)
-    spec_of_optimizer = OptimizerSpec(optimizer, optimizer_kwargs, groups=param_groups or (),
+    groups = named_groups(param_groups or (), (model_fn if isinstance(model_fn, torch.nn.Module) else model)
+                          .named_parameters())
+    spec_of_optimizer = OptimizerSpec(optimizer, optimizer_kwargs, groups=groups,
                                       scheduler=scheduler, scheduler_options=scheduler_options or {})
     check(model, spec_of_optimizer, steps=steps)
     plan = TrainPlan.for_model(model, spec_of_optimizer, num_ps=len(spec.ps), placement=placement,

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ConfigError, NonFiniteError, RuntimeTimeout, StaleTask
 from ..spec import ClusterSpec, TaskSpec
-from . import checkpoint, rescue
+from . import checkpoint, rescue, seeding
 from .client import PSClient
 from .data import worker_batches
 from .emitter import MetricsEmitter
@@ -334,15 +334,92 @@ def _wait_for_workers(client: PSClient, num_workers: int, emit) -> None:
         time.sleep(MAX_POLL_S)
 
 
-def _leave_copy(shards: _Shards, plan: TrainPlan, index: int, step: int) -> None:
+def leave(shards: _Shards, plan: TrainPlan, index: int, step: int, emit, error: Exception) -> None:
     """On the way out of a failed attempt: this worker's copy of the parameters it last pulled (of global step
-    ``step``), from which recovery rebuilds a lost ps (``rescue``)."""
+    ``step``), from which recovery rebuilds a lost ps (``rescue``), and a "left" event, so that the run's supervisor
+    learns at once that this worker is out of the attempt (a script's worker is a process of its own, with no
+    ipyparallel result to tell it)."""
     if plan.checkpoint_dir:
         try:
             rescue.write_copy(plan.checkpoint_dir, index, step, shards.dense_values(), run_id=plan.run_id,
                               attempt=plan.attempt)
         except OSError:
             pass  # the checkpoints on disk remain
+    emit("left", attempt=plan.attempt, error=f"{type(error).__name__}: {error}")
+
+
+def join_run(client: PSClient, shards: _Shards, plan: TrainPlan, is_chief: bool, join: bool, emit):
+    """This worker's way into the run, to the values of its first step (loaded into the model; returned as the
+    reply): the chief initializes the ps tasks (``_initialize``) and waits for the others' first pull, the others
+    wait for the chief; ``join``: the run is on already (a chief that joins initializes it only if the one it
+    replaces was lost before it had: while it initialized or restored). Frozen values are loaded, and the
+    shared-memory lanes mapped where the plan says."""
+    reply = client.pull(plan.attempt) if join else None
+    if is_chief and reply is None:
+        _initialize(client, plan, shards, emit)
+        client.pull()
+        _wait_for_workers(client, plan.num_workers, emit)
+        reply = client.pull()
+    elif reply is None:
+        reply = _wait_for_chief(client, plan.request_timeout, plan.attempt, emit)
+    shards.load(reply)
+    if shards.has_frozen:
+        shards.load(client.pull_frozen())
+    if plan.shared_memory:
+        client.share(reply)
+    return reply
+
+
+class StepTally:
+    """A worker's account of its steps: a "step" event each (the run store's metric rows), a progress line every
+    ``plan.log_every`` (``log``: printed here too), and the summary it returns and sends at the end."""
+
+    def __init__(self, plan: TrainPlan, index: int, emit, log=None):
+        self.plan, self.index, self.emit, self.log = plan, index, emit, log
+        self.started = time.time()
+        self.local_step, self.samples, self.dropped = 0, 0, 0
+        self.compute_s = self.comm_s = self.wait_s = self.window_s = 0.0
+        self.staleness = Counter()
+        self.loss, self.accuracy, self.metrics = float("nan"), None, {}
+
+    def record(self, reply, *, samples: int, compute_s: float, exchange_s: float, loss: float, accuracy, metrics: dict,
+               bytes_sent: int, bytes_received: int) -> None:
+        """One step: ``compute_s`` spent on this worker's own work, ``exchange_s`` on the push-pull (of which the
+        wait for the other workers is ``reply.wait_s``, the rest communication)."""
+        self.local_step += 1
+        self.samples += samples
+        self.loss, self.accuracy, self.metrics = loss, accuracy, metrics
+        wait = min(reply.wait_s, exchange_s)
+        self.compute_s += compute_s
+        self.wait_s += wait
+        self.comm_s += exchange_s - wait
+        self.window_s += compute_s + exchange_s
+        was_dropped = bool(reply.flags & Flag.DROPPED)
+        self.dropped += was_dropped
+        if not was_dropped:
+            self.staleness[reply.value] += 1
+        self.emit("step", local_step=self.local_step, global_step=reply.step, loss=loss, accuracy=accuracy,
+                  compute_s=compute_s, wait_s=wait, comm_s=exchange_s - wait, bytes_sent=bytes_sent,
+                  bytes_received=bytes_received, staleness=None if was_dropped else reply.value, dropped=was_dropped,
+                  **({"metrics": metrics} if metrics else {}))
+        if self.local_step % self.plan.log_every == 0:
+            line = log_line(self.local_step, reply.step, loss, accuracy, self.window_s / self.plan.log_every, metrics)
+            self.window_s = 0.0
+            self.emit("log", line=line)
+            if self.log is not None:
+                self.log(line)
+
+    def summary(self, global_step: int, client: PSClient, dropped_metrics: int, **extra) -> dict:
+        """The worker's summary (``extra``: what its loop adds), also sent as its "done" event: the run ends on it
+        if ipyparallel never delivers the result."""
+        summary = {"task": self.index, "local_steps": self.local_step, "global_step": global_step,
+                   "dropped": self.dropped, "samples": self.samples, "wall_s": time.time() - self.started,
+                   "compute_s": self.compute_s, "wait_s": self.wait_s, "comm_s": self.comm_s,
+                   "final_loss": self.loss, "final_accuracy": self.accuracy, "final_metrics": self.metrics,
+                   "staleness": dict(self.staleness), "bytes_sent": client.bytes_sent,
+                   "bytes_received": client.bytes_received, "metrics_dropped": dropped_metrics, **extra}
+        self.emit("done", attempt=self.plan.attempt, **{k: v for k, v in summary.items() if k != "task"})
+        return summary
 
 
 def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn,
@@ -351,38 +428,26 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
 
     Each step is ``step_fn(model, batch)`` or the default step (see ``steps``) on the batches of ``dataset`` that
     are this worker's (``data.worker_batches``, with the plan's loader options and ``collate_fn``). ``join``: this
-    worker replaces a lost one in a running run: it starts from the current parameters (a chief that joins
-    initializes the run only if the one it replaces was lost before it had: while it initialized or restored).
-    Returns a summary: local steps, last global step, dropped pushes, skipped batches, timings.
+    worker replaces a lost one in a running run (see ``join_run``). The worker's random streams are its own
+    (``seeding``), once the model is built under the run's seed. Returns a summary: local steps, last global step,
+    dropped pushes, skipped batches, timings.
     """
     task = spec.task("worker", index)
     device = local_device(task)
     model = build_model(model_fn, plan.seed).to(device)
+    seeding.seed_worker(plan.seed, index, plan.attempt)
     shards = _Shards(model, plan, len(spec.ps))
     emitter = MetricsEmitter(plan.metrics_address, f"worker:{index}", spec.key, run_id=plan.run_id)
-    started = time.time()
     client = PSClient(spec, task=index, run_id=plan.run_id, timeout=plan.request_timeout,
                       pinned=device.type == "cuda")
     client.receive_into(shards.spare)
+    tally = StepTally(plan, index, emitter.emit, log)
     batches = None
     try:
         batches = worker_batches(dataset, index, plan.num_workers, plan.batch_size, plan.seed, plan.loader,
                                  collate_fn, device)
         batch = next(batches)
-        # a joining worker finds the run initialized, unless it replaces a chief lost before it was
-        reply = client.pull(plan.attempt) if join else None
-        if task.is_chief and reply is None:
-            _initialize(client, plan, shards, emitter.emit)
-            client.pull()
-            _wait_for_workers(client, plan.num_workers, emitter.emit)
-            reply = client.pull()
-        elif reply is None:
-            reply = _wait_for_chief(client, plan.request_timeout, plan.attempt, emitter.emit)
-        shards.load(reply)
-        if shards.has_frozen:
-            shards.load(client.pull_frozen())
-        if plan.shared_memory:
-            client.share(reply)
+        reply = join_run(client, shards, plan, task.is_chief, join, emitter.emit)
         sparse = _SparseRows(model, plan, client)
         emitter.emit("state", state="training")
         early = EarlyPush(shards, client, plan, device, PRECISIONS[plan.precision])
@@ -392,15 +457,11 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
         steps = _Steps(model, loss_fn, step_fn, batches, device, plan, index, emitter.emit,
                        early if early.ps else None, staging)
         ahead = None  # pipeline: the gradients of the next batch, computed while the last push-pull was in flight
-        local_step, samples, dropped = 0, 0, 0
-        compute_s = comm_s = wait_s = window_s = 0.0
-        staleness = Counter()
-        loss_value, accuracy, metrics = float("nan"), None, {}
         try:
             while not (reply.flags & Flag.STOPPED) and reply.step < plan.steps:
                 t0 = time.perf_counter()
                 sent, received = client.bytes_sent, client.bytes_received  # the whole step: rows pulled in forward too
-                computed = ahead if ahead is not None else steps.gradients(batch, reply.step, local_step)
+                computed = ahead if ahead is not None else steps.gradients(batch, reply.step, tally.local_step)
                 t1 = time.perf_counter()
                 opened = early.finish() if steps.early is not None else {}
                 staged = staging.take() if staging is not None else None
@@ -413,55 +474,21 @@ def run_worker(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset
                 accuracy = batch_accuracy(computed.output, computed.target)
                 metrics = metric_values(computed.metrics)
                 batch = next(batches)
-                ahead = steps.gradients(batch, reply.step, local_step + 1) if plan.pipeline else None
+                ahead = steps.gradients(batch, reply.step, tally.local_step + 1) if plan.pipeline else None
                 overlapped = time.perf_counter() - sent_at
                 reply = answer()
                 shards.load(reply)
                 t2 = time.perf_counter()
-
-                local_step += 1
-                samples += computed.samples
-                step_compute = t1 - t0 + overlapped
-                step_wait = min(reply.wait_s, t2 - t1 - overlapped)
-                step_comm = t2 - t1 - overlapped - step_wait
-                compute_s += step_compute
-                wait_s += step_wait
-                comm_s += step_comm
-                window_s += t2 - t0
-                was_dropped = bool(reply.flags & Flag.DROPPED)
-                dropped += was_dropped
-                if not was_dropped:
-                    staleness[reply.value] += 1
-                emitter.emit("step", local_step=local_step, global_step=reply.step, loss=loss_value,
-                             accuracy=accuracy, compute_s=step_compute, wait_s=step_wait, comm_s=step_comm,
-                             bytes_sent=client.bytes_sent - sent, bytes_received=client.bytes_received - received,
-                             staleness=None if was_dropped else reply.value, dropped=was_dropped,
-                             **({"metrics": metrics} if metrics else {}))
-                if local_step % plan.log_every == 0:
-                    line = log_line(local_step, reply.step, loss_value, accuracy, window_s / plan.log_every, metrics)
-                    window_s = 0.0
-                    emitter.emit("log", line=line)
-                    if log is not None:
-                        log(line)
+                tally.record(reply, samples=computed.samples, compute_s=t1 - t0 + overlapped,
+                             exchange_s=t2 - t1 - overlapped, loss=loss_value, accuracy=accuracy, metrics=metrics,
+                             bytes_sent=client.bytes_sent - sent, bytes_received=client.bytes_received - received)
         except StaleTask:
             raise  # its copy is older than its replacement's
         except Exception as e:
-            _leave_copy(shards, plan, index, reply.step)
-            # the run's supervisor learns at once that this worker is out of the attempt (a script's worker
-            # is a process of its own, with no ipyparallel result to tell it)
-            emitter.emit("left", attempt=plan.attempt, error=f"{type(e).__name__}: {e}")
+            leave(shards, plan, index, reply.step, emitter.emit, e)
             raise
-        summary = {"task": index, "local_steps": local_step, "global_step": reply.step,
-                   "dropped": dropped, "samples": samples, "wall_s": time.time() - started,
-                   "overlapped_pushes": early.pushes, "staged_steps": staging.steps if staging is not None else 0,
-                   "compute_s": compute_s, "wait_s": wait_s, "comm_s": comm_s, "final_loss": loss_value,
-                   "final_accuracy": accuracy, "final_metrics": metrics, "skipped": steps.skipped,
-                   "staleness": dict(staleness),
-                   "bytes_sent": client.bytes_sent, "bytes_received": client.bytes_received,
-                   "metrics_dropped": emitter.dropped}
-        # the summary again on the run's own channel: the run ends on it if ipyparallel never delivers the result
-        emitter.emit("done", attempt=plan.attempt, **{k: v for k, v in summary.items() if k != "task"})
-        return summary
+        return tally.summary(reply.step, client, emitter.dropped, overlapped_pushes=early.pushes,
+                             staged_steps=staging.steps if staging is not None else 0, skipped=steps.skipped)
     finally:
         if batches is not None:
             batches.close()  # its loader processes end

@@ -1,0 +1,428 @@
+"""The user's own training loop on every worker: ``train_fn(ctx)``, with a parameter server under it.
+
+A loop written for one process becomes a worker's loop by a few changed lines::
+
+    def train_fn(ctx):
+        model = ctx.model(Net().to(ctx.device))                      # the run's variables: values pulled
+        optimizer = ctx.optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))   # step() is the exchange
+        for x, y in ctx.shard(train_set, batch_size=64):              # this worker's batches, endless
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()                                          # push, update on the ps, pull
+            ctx.log(loss=loss.item())
+            if ctx.should_stop():
+                break
+
+Call order on a worker (``run_loop``):
+
+1. The worker's random streams are seeded (``seeding``: ``ctx.seed``), then ``train_fn(ctx)`` is called.
+2. ``ctx.model(module)`` for each module the run's plan names (``TrainPlan.modules``, in that order); the last one
+   joins the run: the chief initializes the ps tasks with its modules' values (or a checkpoint's), every worker
+   gets them. Several modules are one model to the run, a ``ModuleDict`` of them by name (``run.state_dict()``
+   keys ``<name>.<key>``); one module is the model itself.
+3. ``ctx.optimizer(torch_optimizer)``: the optimizer the plan was made with (its class, defaults and param
+   groups, built on the registered modules' parameters), whose ``step()`` from then on pushes the gradients, has
+   the ps apply the update with that optimizer (its state lives on the ps) and loads the new values. The options
+   of its param groups (a learning rate the loop sets, or a torch ``lr_scheduler`` wrapped around it) travel
+   with each push and apply to that update.
+4. The loop ends when ``ctx.should_stop()`` says so (target step reached, the run stopped from anywhere, or
+   ``ctx.request_stop(reason)``), or when ``train_fn`` returns: a loop that ends before the run's target ends
+   the run.
+
+On the controller, ``probe`` calls ``train_fn`` once with a ``ProbeContext`` to learn the modules and the
+optimizer before any worker starts (the plan is made from them); the probe ends at the loop's first step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ..errors import ConfigError, NonFiniteError, PSClusterError, StaleTask
+from ..spec import ClusterSpec
+from . import seeding
+from .client import PSClient
+from .data import training_input, worker_batches
+from .emitter import MetricsEmitter
+from .optim import OptimizerSpec, numeric_option, spec_of
+from .plan import TrainPlan
+from .protocol import Flag
+from .steps import PRECISIONS, grad_norm, metric_values, samples_in
+from .worker import StepTally, _merge, _Shards, _SparseRows, join_run, leave, local_device
+
+MAX_NAME = 64
+
+
+class ModuleSet:
+    """The modules a ``train_fn`` registers, in order, by name; ``model`` is the one module the run's variables
+    are of (the module itself when there is one, else a ``ModuleDict`` of them by name)."""
+
+    def __init__(self):
+        self.modules: dict[str, torch.nn.Module] = {}
+
+    def add(self, module, name: str | None) -> torch.nn.Module:
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"ctx.model({type(module).__name__}): give a torch.nn.Module")
+        if any(m is module for m in self.modules.values()):
+            raise ConfigError("ctx.model() was given the same module twice: register each module once")
+        if name is None:
+            base = type(module).__name__
+            name = base if base not in self.modules else f"{base}_{len(self.modules)}"
+        if not isinstance(name, str) or not name or "." in name or len(name) > MAX_NAME or name in self.modules:
+            raise ConfigError(f"ctx.model(..., name={name!r}): give each module a name of its own, without dots")
+        self.modules[name] = module
+        return module
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.modules)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if len(self.modules) == 1:
+            return next(iter(self.modules.values()))
+        return torch.nn.ModuleDict(self.modules)
+
+    def optimizer_spec(self, optimizer) -> OptimizerSpec:
+        """The spec of ``optimizer`` (see ``optim.spec_of``), which must train exactly the registered modules'
+        trainable parameters."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"ctx.optimizer({type(optimizer).__name__}): give a torch.optim.Optimizer built on "
+                              "the parameters of the modules given to ctx.model()")
+        if not self.modules:
+            raise ConfigError("ctx.optimizer() before ctx.model(): register the modules first, then build the "
+                              "optimizer on their parameters")
+        named = list(self.model.named_parameters())
+        updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        left_out = [n for n, p in named if p.requires_grad and id(p) not in updated]
+        if left_out:
+            raise ConfigError(f"parameter {left_out[0]} is trainable but in no group of the optimizer: add it, or "
+                              "set requires_grad=False on it (the ps trains every trainable parameter)")
+        return spec_of(optimizer, named)
+
+
+class _Planned(BaseException):
+    """Raised into a probed ``train_fn`` at its loop's first step (a BaseException: ``except Exception`` in the
+    user's code does not stop it)."""
+
+
+class _Batches:
+    """This worker's endless stream of batches from ``ctx.shard`` (the samples counted for its speed)."""
+
+    def __init__(self, ctx: "_Context", make: Callable):
+        self._ctx, self._make, self._it = ctx, make, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self._ctx._training_call()
+        if self._it is None:
+            self._it = self._make()
+        batch = next(self._it)
+        self._ctx._samples += samples_in(batch)
+        return batch
+
+    def close(self) -> None:
+        if self._it is not None:
+            self._it.close()
+
+
+class _Context:
+    """What ``train_fn(ctx)`` is given; ``ProbeContext`` and ``WorkerContext`` are its two kinds."""
+
+    def __init__(self, plan: TrainPlan | None, worker_index: int, num_workers: int, device: torch.device, seed: int):
+        self.worker_index, self.num_workers, self.device, self.seed = worker_index, num_workers, device, seed
+        self._plan = plan
+        self._modules = ModuleSet()
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._streams: list[_Batches] = []
+        self._samples = 0
+
+    @property
+    def is_chief(self) -> bool:
+        """Worker 0: it initializes the run; it is the one to evaluate and save what only one should."""
+        return self.worker_index == 0
+
+    def model(self, module: torch.nn.Module, name: str | None = None) -> torch.nn.Module:
+        """Make ``module``'s parameters and buffers variables of the run, placed and partitioned by the run's
+        placement, and return it. Once every module of the run is registered, they hold the run's values (the
+        chief's initial ones, or a checkpoint's). ``name``: its prefix in ``run.state_dict()`` when a loop
+        registers several (default: its class name)."""
+        self._modules.add(module, name)
+        return module
+
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Turn ``optimizer`` (a torch optimizer on the registered modules' parameters) into the run's: the same
+        object, whose ``step()`` pushes the gradients, has the ps apply the update with this optimizer (its
+        state on the ps) and pulls the new values. Its param groups' options set by the loop (a learning rate
+        each iteration, a torch ``lr_scheduler`` around it) apply to the update they go with."""
+        spec = self._modules.optimizer_spec(optimizer)
+        if self._optimizer is not None:
+            raise ConfigError("a second ctx.optimizer(): a run trains with one optimizer; give it the parameters of "
+                              "every module, in param groups with options of their own")
+        self._check_optimizer(spec)
+        self._optimizer = optimizer
+        optimizer.__class__ = _run_optimizer_class(type(optimizer))
+        optimizer._pscluster_context = self
+        vars(optimizer).pop("step", None)  # an lr_scheduler built earlier wrapped torch's own step
+        return optimizer
+
+    def shard(self, dataset, batch_size: int | None = None, *, collate_fn=None, loader_workers: int = 0,
+              prefetch_factor: int | None = None, pin_memory: bool = False) -> _Batches:
+        """This worker's endless stream of batches of ``dataset`` (a map-style dataset, an IterableDataset, or a
+        DataLoader taken apart as ``Cluster.train`` takes it): its shard of each epoch, reshuffled every epoch, in
+        ``loader_workers`` loader processes. ``batch_size``: per worker (default 64, or the DataLoader's)."""
+        dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
+                                                                 prefetch_factor, pin_memory)
+        seed = self._plan.seed if self._plan is not None else self.seed
+        stream = _Batches(self, lambda: worker_batches(dataset, self.worker_index, self.num_workers, batch_size,
+                                                        seed, loader, collate_fn, self.device))
+        self._streams.append(stream)
+        return stream
+
+    def close(self) -> None:
+        for stream in self._streams:
+            stream.close()
+
+    def _check_optimizer(self, spec: OptimizerSpec) -> None:
+        pass
+
+    def _training_call(self) -> None:
+        pass
+
+
+class ProbeContext(_Context):
+    """The context of ``probe``: as worker 0 on the CPU; the loop's first training call ends it."""
+
+    def __init__(self, num_workers: int, seed: int):
+        super().__init__(None, 0, num_workers, torch.device("cpu"), seed)
+        self.spec: OptimizerSpec | None = None
+
+    @property
+    def global_step(self) -> int:
+        return 0
+
+    def _check_optimizer(self, spec: OptimizerSpec) -> None:
+        self.spec = spec
+
+    def _training_call(self) -> None:
+        raise _Planned
+
+    def _exchange(self, optimizer) -> None:
+        raise _Planned
+
+    def should_stop(self) -> bool:
+        raise _Planned
+
+    def request_stop(self, reason: str = "") -> None:
+        raise _Planned
+
+    def log(self, **scalars) -> None:
+        raise _Planned
+
+
+def probe(train_fn, num_workers: int, seed: int) -> tuple[torch.nn.Module, tuple[str, ...], OptimizerSpec]:
+    """Call ``train_fn`` as the chief would, up to its loop's first step: (the model of its modules, their
+    names, its optimizer's spec). ConfigError when it registers no module or no optimizer before its loop, or
+    fails before it (the error's first line kept)."""
+    ctx = ProbeContext(num_workers, seed)
+    seeding.seed_worker(seed, 0)
+    try:
+        train_fn(ctx)
+    except _Planned:
+        pass
+    except PSClusterError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"train_fn fails before its first step on the controller: {type(e).__name__}: {first} — "
+                          "fix train_fn (it runs here up to its loop's first step, to learn the model)") from None
+    finally:
+        ctx.close()
+    if not ctx._modules.names or ctx.spec is None:
+        raise ConfigError("train_fn reached no training step after ctx.model(module) and ctx.optimizer(optimizer): "
+                          "register the model and its optimizer before the loop")
+    return ctx._modules.model, ctx._modules.names, ctx.spec
+
+
+class WorkerContext(_Context):
+    """The context of worker ``index`` of a run, on its engine or in its process (see the module)."""
+
+    def __init__(self, spec: ClusterSpec, index: int, plan: TrainPlan, *, join: bool = False, log=None):
+        task = spec.task("worker", index)
+        super().__init__(plan, index, plan.num_workers, local_device(task), seeding.worker_seed(plan.seed, index,
+                                                                                                 plan.attempt))
+        self._spec, self._task, self._join, self._log = spec, task, join, log
+        self._emitter = MetricsEmitter(plan.metrics_address, f"worker:{index}", spec.key, run_id=plan.run_id)
+        self._client: PSClient | None = None
+        self._shards: _Shards | None = None
+        self._sparse: _SparseRows | None = None
+        self._reply = None
+        self._tally = StepTally(plan, index, self._emitter.emit, log)
+        self._pending: dict[str, float] = {}  # ctx.log's scalars, for the next step's record
+        self._stop_reason: str | None = None
+        self._wire = PRECISIONS[plan.precision]
+        self._skipped = 0
+        self._since = time.perf_counter()
+
+    # --- registration ------------------------------------------------------------------------
+    def model(self, module: torch.nn.Module, name: str | None = None) -> torch.nn.Module:
+        super().model(module, name)
+        names, planned = self._modules.names, self._plan.modules
+        if names != planned[:len(names)]:
+            raise ConfigError(f"worker {self.worker_index} registered modules {list(names)} where the run's plan has "
+                              f"{list(planned)}: register the same modules, in the same order, on every worker")
+        if names == planned:
+            self._start()
+        return module
+
+    def _start(self) -> None:
+        model = self._modules.model
+        self._shards = _Shards(model, self._plan, len(self._spec.ps))
+        self._client = PSClient(self._spec, task=self.worker_index, run_id=self._plan.run_id,
+                                timeout=self._plan.request_timeout, pinned=self.device.type == "cuda")
+        self._client.receive_into(self._shards.spare)
+        self._reply = join_run(self._client, self._shards, self._plan, self._task.is_chief, self._join,
+                               self._emitter.emit)
+        self._sparse = _SparseRows(model, self._plan, self._client)
+        self._emitter.emit("state", state="training")
+        self._since = time.perf_counter()
+
+    def _check_optimizer(self, spec: OptimizerSpec) -> None:
+        if self._reply is None:
+            raise ConfigError(f"ctx.optimizer() before ctx.model() registered the run's modules {list(self._plan.modules)}:"
+                              " register them all first")
+        planned = self._plan.optimizer_spec
+        if (spec.optimizer, spec.groups) != (planned.optimizer, planned.groups):
+            raise ConfigError(f"worker {self.worker_index} built optimizer {spec.optimizer} with other groups than "
+                              f"the run's plan ({planned.optimizer}): build the same optimizer on every worker")
+
+    def _training_call(self) -> None:
+        if self._optimizer is None:
+            raise ConfigError("the loop began before ctx.optimizer(optimizer): register the optimizer first")
+
+    # --- the loop ----------------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        """The run's global step as of this worker's last exchange (or its start)."""
+        return 0 if self._reply is None else self._reply.step
+
+    def should_stop(self) -> bool:
+        """Whether the loop should end: the run reached its target step, was stopped (from the notebook, the side
+        panel, another worker's ``request_stop``), or this worker asked for it."""
+        self._training_call()
+        reply = self._reply
+        return self._stop_reason is not None or bool(reply.flags & Flag.STOPPED) or reply.step >= self._plan.steps
+
+    def request_stop(self, reason: str = "requested by the loop") -> None:
+        """End the run at the current global step (early stopping): every worker's ``should_stop()`` turns
+        true; the run ends finished, ``reason`` in its events."""
+        self._training_call()
+        if self._stop_reason is not None:
+            return
+        self._stop_reason = str(reason)
+        self._emitter.emit("stop_requested", reason=self._stop_reason, global_step=self.global_step)
+        self._client.stop(self._client.park())
+
+    def log(self, **scalars) -> None:
+        """Record numbers (``loss``, ``accuracy`` and any others) with this worker's next step: the run store,
+        the dashboard, TensorBoard and ``run.metrics()`` show them."""
+        self._training_call()
+        self._pending.update(metric_values(scalars))
+
+    def _exchange(self, optimizer) -> bool:
+        """``optimizer.step()``: this worker's gradients to the ps tasks with its groups' options, the new values
+        back into the model. False when the step was left out (a non-finite gradient, ``on_nonfinite="skip"``)."""
+        plan = self._plan
+        t1 = time.perf_counter()
+        norm = grad_norm(self._modules.model, plan.max_grad_norm)
+        if not torch.isfinite(norm):
+            step = self.global_step
+            if plan.on_nonfinite == "fail":
+                raise NonFiniteError(f"worker {self.worker_index} computed a non-finite gradient at global step "
+                                     f"{step}: lower the learning rate, clip with max_grad_norm=..., or run with "
+                                     "on_nonfinite='skip'")
+            self._skipped += 1
+            self._emitter.emit("nonfinite", global_step=step, local_step=self._tally.local_step + 1,
+                               problem="gradient")
+            return False
+        client = self._client
+        sent, received = client.bytes_sent, client.bytes_received
+        groups = [{k: v for k, v in g.items() if k in optimizer.defaults and numeric_option(v)}
+                  for g in optimizer.param_groups]
+        pushed = _merge(self._shards.grads(self._wire), self._sparse.grads())
+        reply = client.push_pull(self._reply.step, pushed, meta={"groups": groups})
+        self._shards.load(reply)
+        self._reply = reply
+        t2 = time.perf_counter()
+        logged, self._pending = self._pending, {}
+        loss = logged.pop("loss", float("nan"))
+        accuracy = logged.pop("accuracy", None)
+        samples, self._samples = self._samples, 0
+        self._tally.record(reply, samples=samples, compute_s=t1 - self._since, exchange_s=t2 - t1, loss=loss,
+                           accuracy=accuracy, metrics=logged, bytes_sent=client.bytes_sent - sent,
+                           bytes_received=client.bytes_received - received)
+        self._since = time.perf_counter()
+        return True
+
+    # --- the end -----------------------------------------------------------------------------
+    def finish(self) -> dict:
+        """After ``train_fn`` returned: a loop that ended short of the run's end ends the run; the summary."""
+        if self._reply is None:
+            raise ConfigError(f"train_fn returned before registering the run's modules {list(self._plan.modules)} "
+                              "with ctx.model()")
+        if not self.should_stop():
+            self.request_stop(f"train_fn of worker {self.worker_index} returned at global step {self.global_step}")
+        return self._tally.summary(self.global_step, self._client, self._emitter.dropped, skipped=self._skipped)
+
+    def failed(self, error: Exception) -> None:
+        if self._shards is not None:
+            leave(self._shards, self._plan, self.worker_index, self.global_step, self._emitter.emit, error)
+
+    def close(self) -> None:
+        super().close()
+        self._emitter.close()
+        if self._client is not None:
+            self._client.close()
+
+
+_classes: dict[type, type] = {}
+
+
+def _run_optimizer_class(cls: type) -> type:
+    """A subclass of the optimizer's class whose ``step()`` is the run's exchange (one per class)."""
+    if getattr(cls, "_pscluster_run", False):
+        return cls
+    if cls not in _classes:
+        def step(self, closure=None):
+            if closure is not None:
+                raise ConfigError("optimizer.step(closure): a run's step applies one gradient per push; compute "
+                                  "the loss and backward before step(), without a closure")
+            self._opt_called = True  # what a torch lr_scheduler checks
+            return self._pscluster_context._exchange(self)
+
+        _classes[cls] = type(cls.__name__, (cls,), {"step": step, "_pscluster_run": True,
+                                                    "__module__": cls.__module__})
+    return _classes[cls]
+
+
+def run_loop(spec: ClusterSpec, index: int, plan: TrainPlan, train_fn, *, join: bool = False, log=None) -> dict:
+    """Run ``train_fn(ctx)`` as worker ``index`` of ``plan`` (see the module); its summary, as ``run_worker``
+    returns one."""
+    seeding.seed_worker(plan.seed, index, plan.attempt)
+    ctx = WorkerContext(spec, index, plan, join=join, log=log)
+    try:
+        try:
+            train_fn(ctx)
+        except StaleTask:
+            raise
+        except Exception as e:
+            ctx.failed(e)
+            raise
+        return ctx.finish()
+    finally:
+        ctx.close()

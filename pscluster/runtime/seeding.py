@@ -1,0 +1,32 @@
+"""Each worker its own random streams: torch's, NumPy's and Python's ``random`` generators seeded from the run's seed,
+the worker's index and the attempt it trains in (a run restarted after a lost ps draws new numbers).
+
+``worker_seed(seed, 0, 0) == seed``: the chief of a run's first attempt draws what a plain single-process loop seeded
+with ``seed`` draws, so a one-worker run is that loop's equal. Every other (worker, attempt) gets a stream of its own.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy
+import torch
+
+_WORKER_STRIDE = 1_000_003  # primes: distinct (worker, attempt) pairs give distinct seeds for any run seed
+_ATTEMPT_STRIDE = 7_919
+_SEED_SPAN = 2**63
+
+
+def worker_seed(seed: int, worker: int, attempt: int = 0) -> int:
+    """The seed of worker ``worker``'s generators in attempt ``attempt`` of a run seeded with ``seed``."""
+    return (seed + _WORKER_STRIDE * worker + _ATTEMPT_STRIDE * attempt) % _SEED_SPAN
+
+
+def seed_worker(seed: int, worker: int, attempt: int = 0) -> int:
+    """Seed this process's torch (CPU and CUDA), NumPy and ``random`` generators with ``worker_seed(...)``;
+    returns that seed."""
+    mine = worker_seed(seed, worker, attempt)
+    torch.manual_seed(mine)
+    random.seed(mine)
+    numpy.random.seed(mine % 2**32)
+    return mine
