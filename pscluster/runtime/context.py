@@ -263,7 +263,8 @@ class WorkerContext(_Context):
         self._sparse: _SparseRows | None = None
         self._reply = None
         self._tally = StepTally(plan, index, self._emitter.emit, log)
-        self._pending: dict[str, float] = {}  # ctx.log's scalars, for the next step's record
+        self._pending: dict[str, float] = {}  # ctx.log's scalars since the last exchange
+        self._unrecorded: dict | None = None  # the last exchange's step, recorded with them at the next one
         self._stop_reason: str | None = None
         self._wire = PRECISIONS[plan.precision]
         self._skipped = 0
@@ -329,8 +330,9 @@ class WorkerContext(_Context):
         self._client.stop(self._client.park())
 
     def log(self, **scalars) -> None:
-        """Record numbers (``loss``, ``accuracy`` and any others) with this worker's next step: the run store,
-        the dashboard, TensorBoard and ``run.metrics()`` show them."""
+        """Record numbers (``loss``, ``accuracy`` and any others) in the metrics of this worker's last step, the
+        one ``ctx.global_step`` names (before the first step: of the first): the run store, the dashboard,
+        TensorBoard and ``run.metrics()`` show them. A loss logged after ``optimizer.step()`` is that step's."""
         self._training_call()
         self._pending.update(metric_values(scalars))
 
@@ -359,15 +361,20 @@ class WorkerContext(_Context):
         self._shards.load(reply)
         self._reply = reply
         t2 = time.perf_counter()
-        logged, self._pending = self._pending, {}
-        loss = logged.pop("loss", float("nan"))
-        accuracy = logged.pop("accuracy", None)
-        samples, self._samples = self._samples, 0
-        self._tally.record(reply, samples=samples, compute_s=t1 - self._since, exchange_s=t2 - t1, loss=loss,
-                           accuracy=accuracy, metrics=logged, bytes_sent=client.bytes_sent - sent,
-                           bytes_received=client.bytes_received - received)
+        if self._unrecorded is not None:
+            self._record()
+        self._unrecorded = dict(reply=reply, samples=self._samples, compute_s=t1 - self._since, exchange_s=t2 - t1,
+                                bytes_sent=client.bytes_sent - sent, bytes_received=client.bytes_received - received)
+        self._samples = 0
         self._since = time.perf_counter()
         return True
+
+    def _record(self) -> None:
+        """The last exchange's step, with what the loop logged since (``loss`` and ``accuracy`` as the step's)."""
+        logged, self._pending = self._pending, {}
+        self._tally.record(**self._unrecorded, loss=logged.pop("loss", float("nan")),
+                           accuracy=logged.pop("accuracy", None), metrics=logged)
+        self._unrecorded = None
 
     # --- the end -----------------------------------------------------------------------------
     def finish(self) -> dict:
@@ -377,6 +384,8 @@ class WorkerContext(_Context):
                               "with ctx.model()")
         if not self.should_stop():
             self.request_stop(f"train_fn of worker {self.worker_index} returned at global step {self.global_step}")
+        if self._unrecorded is not None:
+            self._record()
         return self._tally.summary(self.global_step, self._client, self._emitter.dropped, skipped=self._skipped)
 
     def failed(self, error: Exception) -> None:

@@ -474,16 +474,16 @@ def _number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# Options that choose torch's implementation of an optimizer, not its update: a ps picks its own
-_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
-
-
 def spec_of(optimizer: torch.optim.Optimizer, named_parameters) -> OptimizerSpec:
     """The OptimizerSpec of a torch optimizer built on the parameters ``named_parameters`` names (``(name,
     parameter)`` pairs): its class, its defaults as the keyword arguments, and each of its param groups by the names
     of its parameters, with the options in which the group differs from the defaults. A ps builds the same optimizer
-    over its own variables from it. ConfigError for a parameter the optimizer updates that is not named."""
-    defaults = {k: v for k, v in optimizer.defaults.items() if k not in _IMPLEMENTATION}
+    over its own variables from it, with the same implementation (``foreach``, ``fused`` as given, not a ps's own
+    choice: the user's loop is the reference). ConfigError for a parameter the optimizer updates that is not
+    named."""
+    accepted = inspect.signature(type(optimizer)).parameters  # AdamW's defaults hold an option it does not take
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
     groups = []
     for group in optimizer.param_groups:
         options = {k: v for k, v in group.items() if k in defaults and not _same(v, defaults[k])}

@@ -1,0 +1,180 @@
+"""The user's own loop on real engines (``Cluster.run``): scripts as their authors write them against their pscluster
+versions (``loops/``), with plain torch as the reference."""
+
+import contextlib
+import difflib
+import inspect
+import statistics
+
+import pytest
+import torch
+
+import pscluster
+from pscluster.errors import ConfigError
+
+from .conftest import events, mlp
+from .loops import gpt_plain, gpt_pscluster, mnist_plain, mnist_pscluster
+
+pytestmark = pytest.mark.integration
+CHANGED_LINES = 10  # the most lines a script may need changed (written anew or rewritten) to run on pscluster
+
+
+def changed_lines(plain, ported) -> tuple[int, int]:
+    """(lines of the pscluster version written anew or rewritten, lines of the plain script removed) between the two
+    modules' sources."""
+    diff = [line for line in difflib.unified_diff(inspect.getsource(plain).splitlines(),
+                                                  inspect.getsource(ported).splitlines(), n=0, lineterm="")
+            if not line.startswith(("+++", "---", "@@"))]
+    return sum(line.startswith("+") for line in diff), sum(line.startswith("-") for line in diff)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Torch's intra-op threads set to ``n`` (a worker's, ``Cluster.threads``): a conv net's sums are ordered by them,
+    and a plain reference equal to the bit runs with the worker's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def max_diff(got: dict, expected: dict) -> float:
+    assert got.keys() == expected.keys()
+    return max((got[k] - expected[k]).abs().max().item() for k in expected)
+
+
+@pytest.fixture(scope="module")
+def one_worker(start_cluster):
+    return start_cluster(ps=1, workers=1)
+
+
+@pytest.fixture(scope="module")
+def two_workers(start_cluster):
+    return start_cluster(ps=2, workers=2)
+
+
+def test_an_mnist_script_with_dropout_adadelta_and_steplr_on_one_worker_is_the_plain_script(one_worker):
+    added, removed = changed_lines(mnist_plain, mnist_pscluster)
+    assert added <= CHANGED_LINES, f"{added} lines of the pscluster version differ from the plain script"
+    run = one_worker.run(mnist_pscluster.main, mode="sync", steps=60, seed=1).wait(verbose=False)
+    assert run.status == "finished" and run.global_step == 60 and run.local_steps == [60]
+    with threads(one_worker.threads):
+        expected = mnist_plain.main(seed=1, steps=60).state_dict()
+    assert max_diff(run.state_dict(), expected) <= 1e-5
+    assert max_diff(run.state_dict(), mnist_plain.Net().state_dict()) > 1e-2  # it trained
+    logged = run.metrics()
+    assert len(logged) == 60 and logged["loss"].notna().all()  # ctx.log's loss is the step's loss
+
+
+def test_a_nanogpt_style_loop_on_one_worker_is_the_plain_loop(one_worker):
+    """AdamW with tensor param groups, the learning rate set in param_groups each iteration, 2 micro-batches
+    accumulated, clipping, bf16 autocast, the chief evaluating every 10 steps."""
+    added, removed = changed_lines(gpt_plain, gpt_pscluster)
+    assert added <= CHANGED_LINES, f"{added} lines of the pscluster version differ from the plain script"
+    run = one_worker.run(gpt_pscluster.main, mode="sync", steps=40, seed=1337).wait(verbose=False)
+    with threads(one_worker.threads):
+        model, val_losses = gpt_plain.main(seed=1337, max_iters=40)
+    assert run.global_step == 40
+    assert max_diff(run.state_dict(), model.state_dict()) <= 1e-5
+    metrics = run.metrics()
+    logged = metrics["val_loss"].dropna().tolist()
+    assert logged == pytest.approx(val_losses, abs=1e-5)  # ctx.log's numbers, with the step they went with
+    groups = run.plan.optimizer_groups  # the tensor groups arrived by name: decay on matrices only
+    assert groups[0]["weight_decay"] == 0.1 and all("bias" not in p and "ln_" not in p for p in groups[0]["params"])
+
+
+def test_the_loop_stops_the_run_early_and_says_why(one_worker):
+    with threads(one_worker.threads):
+        _, plain_losses = gpt_plain.main(seed=1337, max_iters=40)
+    threshold = plain_losses[2] + 1e-3  # the plain loop's validation loss at its third evaluation (step 20)
+    run = one_worker.run(lambda ctx: gpt_pscluster.main(ctx, stop_below=threshold), steps=40,
+                         seed=1337).wait(verbose=False)
+    assert run.status == "finished" and run.global_step == 20
+    requested = events(run, "stop_requested")
+    assert len(requested) == 1 and requested["detail"].iloc[0]["reason"].startswith("validation loss")
+    with threads(one_worker.threads):
+        model, _ = gpt_plain.main(seed=1337, max_iters=20)
+    assert max_diff(run.state_dict(), model.state_dict()) <= 1e-5
+
+
+def record_random(ctx):
+    model = ctx.model(mlp())
+    optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for x, y in ctx.shard(pscluster.datasets.digits("train"), batch_size=16):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        ctx.log(drawn=torch.rand(()).item(), seed=ctx.seed)
+        if ctx.should_stop():
+            break
+
+
+def drawn(run) -> dict[int, list[float]]:
+    rows = run.metrics().sort_values("local_step")
+    return {w: g["drawn"].tolist() for w, g in rows.groupby("worker")}
+
+
+def test_each_worker_draws_its_own_random_numbers_and_a_seed_draws_them_again(two_workers):
+    first = two_workers.run(record_random, steps=20, seed=5).wait(verbose=False)
+    again = two_workers.run(record_random, steps=20, seed=5).wait(verbose=False)
+    values = drawn(first)
+    assert len(values[0]) == len(values[1]) == 20
+    assert all(a != b for a, b in zip(values[0], values[1]))  # worker 0 and worker 1 differ at every step
+    assert drawn(again) == values
+    seeds = first.metrics().groupby("worker")["seed"].first()
+    assert seeds[0] == 5 and seeds[1] != 5  # ctx.seed: the chief's first attempt has the run's
+
+
+def test_train_gives_each_worker_its_own_random_stream(two_workers, digits_train):
+    def step_fn(model, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y), {"drawn": torch.rand(())}
+
+    run = two_workers.train(mlp, digits_train, step_fn=step_fn, lr=0.1, steps=15, batch_size=16,
+                            seed=5).wait(verbose=False)
+    values = drawn(run)
+    assert all(a != b for a, b in zip(values[0], values[1]))
+
+
+def test_two_workers_sync_and_async_converge_as_plain_torch_does(two_workers, digits_test):
+    """Plain torch's spread over three seeds bounds what two workers may reach: sync averages two batches a step (it
+    should be at least as good as one process), async applies each alone, a step stale at most (as plain, within
+    that spread)."""
+    steps = 60
+
+    def test_loss(model) -> float:
+        return pscluster.evaluate.evaluate(model.eval(), digits_test, torch.nn.NLLLoss())["loss"]
+
+    plain = [test_loss(mnist_plain.main(seed=s, steps=steps)) for s in (1, 2, 3)]
+    spread = max(plain) - min(plain)
+    for mode in ("sync", "async"):
+        run = two_workers.run(mnist_pscluster.main, mode=mode, steps=steps, seed=1).wait(verbose=False)
+        model = mnist_plain.Net()
+        model.load_state_dict(run.state_dict())
+        assert test_loss(model) <= max(plain) + spread, (mode, test_loss(model), plain)
+        assert test_loss(model) < statistics.mean(plain) * 2
+
+
+def test_what_a_loop_gets_wrong_is_one_line_before_any_worker_starts(one_worker):
+    def no_optimizer(ctx):
+        ctx.model(mlp())
+        while not ctx.should_stop():
+            pass
+
+    def misses_a_parameter(ctx):
+        model = ctx.model(mlp())
+        ctx.optimizer(torch.optim.SGD(model[0].parameters(), lr=0.1))
+
+    def fails_early(ctx):
+        raise ValueError("no data here\nsecond line")
+
+    for train_fn, says in ((no_optimizer, "ctx.optimizer"), (misses_a_parameter, "2.weight is trainable"),
+                           (fails_early, "ValueError: no data here")):
+        with pytest.raises(ConfigError, match=says) as e:
+            one_worker.run(train_fn, steps=5)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="unknown option 'batch_size'"):
+        one_worker.run(record_random, steps=5, batch_size=3)
+    assert one_worker.active_run is None
