@@ -10,6 +10,9 @@
     model = ...; dataset = ...; def step(model, batch): ... return loss, {"metric": value}
     %%pscluster train --mode ssp --staleness-bound 2 --placement greedy --partition embedding=2
     ...
+    %%pscluster run --mode sync --steps 1000 [--wait]     (the cell is the body of train_fn(ctx): your own loop)
+    model = ctx.model(Net()); optimizer = ctx.optimizer(torch.optim.Adam(model.parameters()))
+    for x, y in ctx.shard(dataset, batch_size=64): ...; optimizer.step(); if ctx.should_stop(): break
     %pscluster placement        (which ps task holds each variable, or each shard, of the latest run)
     %pscluster status
     %pscluster tensorboard      (TensorBoard on the runs' event files, shown inline; --stop ends it)
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import shlex
+import textwrap
 from pathlib import Path
 
 from IPython.core.error import UsageError
@@ -37,10 +41,11 @@ from .runtime.plan import BUFFER_RULES, NONFINITE
 from .runtime.steps import PRECISIONS
 from .tensorboard_server import TensorBoard
 
-USAGE = ("usage: %pscluster start|attach|train|status|placement|checkpoint|kill|scale|tensorboard|stop [options]  "
+USAGE = ("usage: %pscluster start|attach|train|run|status|placement|checkpoint|kill|scale|tensorboard|stop [options]  "
          "(%pscluster <command> --help for options)")
 LAUNCHER_OPTIONS = ("hosts", "ps_hosts", "interface", "ports", "ssh_args", "remote_python", "partition", "account",
                     "time_limit", "qos", "sbatch_args", "mpi_args")
+CELL_COMMANDS = ("train", "run")
 PARTITION_FORM = "NAME=SHARDS, e.g. --partition embedding=2 (a variable name or prefix, a shard count >= 1)"
 
 
@@ -83,6 +88,60 @@ def _option(text: str) -> tuple[str, object]:
         return key.strip(), value.strip()
 
 
+def _add_run_options(parser: _Parser) -> _Parser:
+    """The options of a run that ``%%pscluster train`` and ``%%pscluster run`` share (see ``_run_options``)."""
+    parser.add_argument("--mode", choices=("sync", "async", "ssp"), default="sync",
+                        help="ssp: bounded staleness (see --staleness-bound)")
+    parser.add_argument("--staleness-bound", type=int, default=2, metavar="N",
+                        help="ssp: how many steps a worker may run ahead of the slowest (default 2)")
+    parser.add_argument("--placement", choices=("round_robin", "round-robin", "greedy", "largest_first"),
+                        default="round_robin",
+                        help="which ps task holds each variable: round-robin in model order, greedy (in model "
+                             "order, each to the least loaded ps, as TF's GreedyLoadBalancingStrategy) or "
+                             "largest_first (the same, largest variable first)")
+    parser.add_argument("--partition", type=_partition, action="append", default=[], metavar="NAME=SHARDS",
+                        help="split variable NAME (or every variable under a prefix) into SHARDS shards along "
+                             "dim 0, across ps tasks; repeatable")
+    parser.add_argument("--steps", type=int, default=1000, help="global step target")
+    parser.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
+                        help="each worker clips its gradients to this total 2-norm before it pushes them")
+    parser.add_argument("--on-nonfinite", choices=NONFINITE, default="fail",
+                        help="a non-finite loss or gradient fails the run (default) or leaves its batch out")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                        help="the workers' mixed precision: bf16 (CPU and GPU) or fp16 (GPU, loss scaling)")
+    parser.add_argument("--buffers", choices=BUFFER_RULES, default="chief",
+                        help="the buffers (BatchNorm statistics...) the ps keeps: worker 0's (default) or the mean "
+                             "of every worker's")
+    parser.add_argument("--replicas-to-aggregate", type=int, default=None, help="sync: default all workers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--name", default=None, help="run name")
+    parser.add_argument("--wait", action="store_true",
+                        help="block until the run ends, with a progress bar and the workers' log lines")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="write a sharded checkpoint every N global steps (also on demand and at the end)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="where checkpoints go; the run starts from the latest one there (default: "
+                             "checkpoints/run-<id> next to the run store)")
+    parser.add_argument("--resume", action="store_const", const="latest", default=None,
+                        help="continue the newest earlier run of the same --name from its latest checkpoint "
+                             "(none yet: from scratch)")
+    return parser
+
+
+def _run_options(args, cell: str) -> dict:
+    """The keyword arguments of ``Cluster.train`` / ``Cluster.run`` that ``_add_run_options`` parsed."""
+    if args.staleness_bound < 0:
+        raise UsageError(f"--staleness-bound {args.staleness_bound}: use an integer >= 0 (steps a worker "
+                         "may run ahead of the slowest)")
+    return dict(mode=args.mode, steps=args.steps, staleness_bound=args.staleness_bound, placement=args.placement,
+                partition=dict(args.partition) or None, max_grad_norm=args.max_grad_norm,
+                on_nonfinite=args.on_nonfinite, precision=args.precision, buffers=args.buffers,
+                replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed, log_every=args.log_every,
+                name=args.name, code=cell, checkpoint_every=args.checkpoint_every,
+                checkpoint_dir=args.checkpoint_dir, resume=args.resume)
+
+
 def _parsers() -> dict[str, _Parser]:
     start = _Parser(prog="%pscluster start", add_help=True)
     start.add_argument("--ps", type=int, default=1, help="number of ps tasks (>= 1)")
@@ -118,25 +177,12 @@ def _parsers() -> dict[str, _Parser]:
     start.add_argument("--mpi-arg", dest="mpi_args", action="append", default=[], metavar="ARG",
                        help="mpi: an mpiexec argument (repeatable), e.g. --mpi-arg=--hostfile --mpi-arg=hosts.txt")
 
-    train = _Parser(prog="%%pscluster train")
-    train.add_argument("--mode", choices=("sync", "async", "ssp"), default="sync",
-                       help="ssp: bounded staleness (see --staleness-bound)")
-    train.add_argument("--staleness-bound", type=int, default=2, metavar="N",
-                       help="ssp: how many steps a worker may run ahead of the slowest (default 2)")
+    train = _add_run_options(_Parser(prog="%%pscluster train"))
     train.add_argument("--pipeline", action="store_true",
                        help="async: compute the next gradients while the push-pull is in flight (one step stale)")
     train.add_argument("--no-overlap", dest="overlap", action="store_false",
                        help="push only after backward (by default sync pushes over the socket leave during it, "
                        "and a GPU worker copies its gradients to the host during it)")
-    train.add_argument("--placement", choices=("round_robin", "round-robin", "greedy", "largest_first"),
-                       default="round_robin",
-                       help="which ps task holds each variable: round-robin in model order, greedy (in model "
-                            "order, each to the least loaded ps, as TF's GreedyLoadBalancingStrategy) or "
-                            "largest_first (the same, largest variable first)")
-    train.add_argument("--partition", type=_partition, action="append", default=[], metavar="NAME=SHARDS",
-                       help="split variable NAME (or every variable under a prefix) into SHARDS shards along "
-                            "dim 0, across ps tasks; repeatable")
-    train.add_argument("--steps", type=int, default=1000, help="global step target")
     train.add_argument("--batch-size", type=int, default=None, help="per worker (default 64, or the DataLoader's)")
     train.add_argument("--loader-workers", type=int, default=0, metavar="N",
                        help="loader processes per worker that build the next batches ahead of the step")
@@ -149,38 +195,18 @@ def _parsers() -> dict[str, _Parser]:
     train.add_argument("--step-fn", default=None, metavar="NAME",
                        help="the cell's function f(model, batch) -> loss or (loss, {metric: value}) to train with "
                             "(then the cell needs no loss_fn)")
-    train.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
-                       help="each worker clips its gradients to this total 2-norm before it pushes them")
-    train.add_argument("--on-nonfinite", choices=NONFINITE, default="fail",
-                       help="a non-finite loss or gradient fails the run (default) or leaves its batch out")
-    train.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
-                       help="the workers' mixed precision: bf16 (CPU and GPU) or fp16 (GPU, loss scaling)")
     train.add_argument("--scheduler", default=None, metavar="NAME",
                        help="a torch.optim.lr_scheduler class (e.g. StepLR) or a function of the global step in the "
                             "cell that returns the learning-rate factor")
     train.add_argument("--scheduler-opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
                        help="an option of the scheduler, as a Python literal (repeatable), e.g. --scheduler-opt "
                             "step_size=100")
-    train.add_argument("--buffers", choices=BUFFER_RULES, default="chief",
-                       help="the buffers (BatchNorm statistics...) the ps keeps: worker 0's (default) or the mean "
-                            "of every worker's")
     train.add_argument("--reuse", action="store_true",
                        help="take dataset, loss_fn, test_dataset and the step function from earlier cells when "
                             "this cell does not define them")
-    train.add_argument("--replicas-to-aggregate", type=int, default=None, help="sync: default all workers")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--log-every", type=int, default=100)
-    train.add_argument("--name", default=None, help="run name")
-    train.add_argument("--wait", action="store_true",
-                       help="block until the run ends, with a progress bar and the workers' log lines")
-    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                       help="write a sharded checkpoint every N global steps (also on demand and at the end)")
-    train.add_argument("--checkpoint-dir", default=None,
-                       help="where checkpoints go; the run starts from the latest one there (default: "
-                            "checkpoints/run-<id> next to the run store)")
-    train.add_argument("--resume", action="store_const", const="latest", default=None,
-                       help="continue the newest earlier run of the same --name from its latest checkpoint "
-                            "(none yet: from scratch)")
+
+    run = _add_run_options(_Parser(prog="%%pscluster run", description="the cell is the body of train_fn(ctx), "
+                                   "run on every worker: your own training loop"))
 
     kill = _Parser(prog="%pscluster kill", description="SIGKILL one task, to try a failure: the run recovers")
     kill.add_argument("task", help="role:index, e.g. worker:1 or ps:0")
@@ -195,7 +221,7 @@ def _parsers() -> dict[str, _Parser]:
                           description="TensorBoard on the runs' event files, on 127.0.0.1, shown inline")
     tensorboard.add_argument("--port", type=int, default=0, help="its port (default: a free one)")
     tensorboard.add_argument("--stop", action="store_true", help="stop the TensorBoard this kernel started")
-    return {"start": start, "train": train, "status": _Parser(prog="%pscluster status"), "scale": scale,
+    return {"start": start, "train": train, "run": run, "status": _Parser(prog="%pscluster status"), "scale": scale,
             "attach": attach,
             "placement": _Parser(prog="%pscluster placement",
                                  description="one line per variable or shard of the latest run: its ps task"),
@@ -228,8 +254,8 @@ class PSClusterMagics(Magics):
         if command not in parsers:
             raise UsageError(f"unknown command {command!r}: {USAGE}")
         wants_help = "-h" in rest or "--help" in rest
-        if (cell is not None) != (command == "train") and not wants_help:
-            raise UsageError("train is a cell magic (%%pscluster train ...); "
+        if (cell is not None) != (command in CELL_COMMANDS) and not wants_help:
+            raise UsageError("train and run are cell magics (%%pscluster train ..., %%pscluster run ...); "
                              "the other commands are line magics (%pscluster ...)")
         try:
             args = parsers[command].parse_args(rest)
@@ -267,9 +293,7 @@ class PSClusterMagics(Magics):
 
     def _train(self, args, cell):
         cluster = self._running("train on")
-        if args.staleness_bound < 0:
-            raise UsageError(f"--staleness-bound {args.staleness_bound}: use an integer >= 0 (steps a worker "
-                             "may run ahead of the slowest)")
+        options = _run_options(args, cell)
         defined = _defined_names(cell)
         if "model" not in defined:
             raise UsageError("the %%pscluster train cell defines no `model`: assign a torch.nn.Module "
@@ -294,20 +318,27 @@ class PSClusterMagics(Magics):
         test_dataset = ns.get("test_dataset") if "test_dataset" in defined or args.reuse else None
         run = cluster.train(ns["model"], ns["dataset"], None if args.step_fn else ns["loss_fn"],
                             step_fn=ns[args.step_fn] if args.step_fn else None, optimizer=args.optimizer,
-                            mode=args.mode, max_grad_norm=args.max_grad_norm, on_nonfinite=args.on_nonfinite,
-                            buffers=args.buffers, precision=args.precision, loader_workers=args.loader_workers,
+                            loader_workers=args.loader_workers,
                             scheduler=ns.get(args.scheduler, args.scheduler) if args.scheduler else None,
-                            scheduler_options=dict(args.scheduler_opt) or None,
-                            steps=args.steps, batch_size=args.batch_size,
-                            replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed,
-                            log_every=args.log_every, name=args.name, code=cell,
-                            test_dataset=test_dataset, staleness_bound=args.staleness_bound,
-                            placement=args.placement, partition=dict(args.partition) or None,
-                            pipeline=args.pipeline, overlap=args.overlap, checkpoint_every=args.checkpoint_every,
-                            checkpoint_dir=args.checkpoint_dir, resume=args.resume, **kwargs)
+                            scheduler_options=dict(args.scheduler_opt) or None, batch_size=args.batch_size,
+                            test_dataset=test_dataset, pipeline=args.pipeline, overlap=args.overlap,
+                            **options, **kwargs)
+        return self._follow(run, args.wait)
+
+    def _run(self, args, cell):
+        cluster = self._running("run on")
+        options = _run_options(args, cell)
+        try:
+            train_fn = _cell_function(cell, self.shell.user_ns)
+        except SyntaxError as e:
+            raise UsageError(f"the %%pscluster run cell does not parse: {e.msg} (line {e.lineno - 1})") from None
+        return self._follow(cluster.run(train_fn, **options), args.wait)
+
+    def _follow(self, run, wait: bool):
+        """Show a run that started: its dashboard, and with ``wait`` its progress until it ends (Ctrl-C stops it)."""
         self.last_run = run
         run.dashboard()
-        if args.wait:
+        if wait:
             try:
                 run.wait(progress=True)
             except KeyboardInterrupt:
@@ -362,6 +393,18 @@ class PSClusterMagics(Magics):
         cluster = self._running("stop")
         cluster.stop()
         print(f"cluster {cluster.name} stopped")
+
+
+TRAIN_FN = "train_fn"  # the name a %%pscluster run cell's function has in its tracebacks
+
+
+def _cell_function(cell: str, namespace: dict):
+    """``def train_fn(ctx): <the cell>``, defined in ``namespace`` (the notebook's, so that the cell sees its names
+    and the function is shipped to the engines with those it uses), without binding a name there."""
+    source = f"def {TRAIN_FN}(ctx):\n" + (textwrap.indent(cell, "    ") if cell.strip() else "    pass\n")
+    scope: dict = {}
+    exec(compile(source, "<%%pscluster run>", "exec"), namespace, scope)
+    return scope[TRAIN_FN]
 
 
 def _defined_names(cell: str) -> set[str]:

@@ -20,6 +20,20 @@ loss_fn = torch.nn.CrossEntropyLoss()
 dataset = pscluster.datasets.digits("train")
 """
 
+# a %%pscluster run cell: the body of train_fn(ctx), seeing the notebook's names (dataset, from TRAIN_CELL)
+LOOP_CELL = """
+net = ctx.model(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)))
+optimizer = ctx.optimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+for x, y in ctx.shard(dataset, batch_size=32):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    optimizer.step()
+    ctx.log(loss=loss.item())
+    if ctx.should_stop():
+        break
+"""
+
 
 def wait_for(read, timeout: float = 60.0):
     """``read()`` once it returns something (TensorBoard loads the event files after it starts)."""
@@ -80,6 +94,13 @@ def test_magic_session(ip, capsys):
     assert pipelined.plan.pipeline and pipelined.global_step == 40
     staleness = pipelined.staleness()
     assert sum(staleness.values()) == 40 and staleness.get(0, 0) <= 2  # only each worker's first push was fresh
+    own = ip.run_cell_magic("pscluster", "run --mode async --steps 30 --log-every 10 --wait", LOOP_CELL)
+    assert own.status == "finished" and own.global_step == 30 and own.plan.modules == ("Sequential",)
+    assert own.metrics()["loss"].notna().all() and "nothing" not in ip.user_ns  # the cell's names are its own
+    with pytest.raises(UsageError, match="does not parse: .* \\(line 2\\)"):
+        ip.run_cell_magic("pscluster", "run --steps 5", "x = 1\nfor")
+    with pytest.raises(UsageError, match="train_fn reached no training step"):
+        ip.run_cell_magic("pscluster", "run --steps 5", "nothing = ctx.model(torch.nn.Linear(2, 2))")
     plain = ip.run_cell_magic("pscluster", "train --no-overlap --steps 10 --batch-size 32 --lr 0.1 --wait", TRAIN_CELL)
     assert run.plan.overlap and not plain.plan.overlap and plain.global_step == 10
     assert ip.run_line_magic("pscluster", "status") is cluster and all(alive(p) for p in pids)

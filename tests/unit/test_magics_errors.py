@@ -51,7 +51,7 @@ def usage_error(shell, line, cell=None) -> str:
 @pytest.mark.parametrize("line, fragments", [
     ("", [USAGE]),
     ("bogus", ["unknown command 'bogus'",
-               "%pscluster start|attach|train|status|placement|checkpoint|kill|scale|tensorboard|stop"]),
+               "%pscluster start|attach|train|run|status|placement|checkpoint|kill|scale|tensorboard|stop"]),
     ("start --ps 0", ["ps=0", "use an integer >= 1"]),
     ("start --workers -1", ["workers=-1", "use an integer >= 1"]),
     ("start --gpus 999", ["gpus=999", "use gpus <="]),
@@ -59,7 +59,7 @@ def usage_error(shell, line, cell=None) -> str:
     ("start --bogus 1", ["unrecognized arguments: --bogus 1", "see %pscluster start --help"]),
     ("start --ps one", ["invalid int value: 'one'", "see %pscluster start --help"]),
     ("start --name 'unclosed", ["cannot parse the arguments", "check the quotes"]),
-    ("train --steps 10", ["train is a cell magic", "%%pscluster train"]),
+    ("train --steps 10", ["train and run are cell magics", "%%pscluster train"]),
     ("stop", ["no cluster to stop", "%pscluster start first"]),
     ("placement", ["no run yet", "%%pscluster train"]),
     ("placement --bogus", ["unrecognized arguments: --bogus", "see %pscluster placement --help"]),
