@@ -39,7 +39,8 @@ class Run:
     """A training run on a cluster. ``cluster.train(...)`` returns one; it trains in the background.
 
     Its ``supervisor`` follows the workers, evaluates the model on ``test_dataset``
-    every ``eval_every`` global steps (into the run store), commits the checkpoints the ps tasks write,
+    at every multiple of ``eval_every`` global steps, exactly (from the checkpoints the ps tasks write there), and
+    at the end (into the run store: ``evaluations()``), commits the checkpoints the ps tasks write,
     replaces lost tasks (with ``tasks``, the cluster; see ``recovery``), and finalizes the run when the
     workers end. ``example_batch``: a batch of the dataset, on which the model's graph is traced for
     TensorBoard. The rest of the arguments are the supervisor's.
@@ -267,6 +268,11 @@ class Run:
         """Per-step worker metrics from the run store: one row per reported step per worker
         (worker, time, local_step, global_step, loss, accuracy, compute_s, wait_s, comm_s, bytes, staleness)."""
         return self.store.metrics(self.id)
+
+    def evaluations(self) -> pd.DataFrame:
+        """The evaluations of ``test_dataset`` from the run store, one row per evaluated global step (global_step,
+        time, loss, accuracy): at every multiple of ``eval_every`` and at the end, each step once."""
+        return self.store.evaluations(self.id)
 
     def events(self) -> pd.DataFrame:
         """The run's events from the run store (time, task, kind, detail): start, lost, replaced,

@@ -67,6 +67,9 @@ class Supervisor:
         self.checkpoints = checkpoints or CheckpointCoordinator(store)
         self.evaluator = evaluator
         self.eval_every = eval_every or max(1, plan.steps // 10)
+        self.evaluated: set[int] = set()  # the global steps evaluated
+        if evaluator is not None and plan.checkpoint_dir:  # every ps writes a shard at each step to evaluate
+            plan = replace(plan, eval_every=self.eval_every)
         self.summarize = summarize
         self.membership = threading.Lock()  # held while workers are replaced, added or removed
         self.closed = False  # set (under membership) once the run ends: no member changes after that
@@ -178,10 +181,12 @@ class Supervisor:
                     continue
                 if failed:
                     self.signal_stop()  # other workers must not wait on the failed one
-                self.commit_checkpoints()
+                committed = self.commit_checkpoints()
                 if self.checkpoints.due() and self.plan.checkpoint_dir:
                     self._request_checkpoint()
-                if self.evaluator is not None and self.latest_step >= next_eval:
+                if self.evaluator is not None and self.plan.eval_every:
+                    self._evaluate_checkpoints(committed)
+                elif self.evaluator is not None and self.latest_step >= next_eval:  # no checkpoints: near the step
                     self._evaluate_live()
                     next_eval = self.latest_step + self.eval_every
                 time.sleep(0.05)
@@ -294,6 +299,13 @@ class Supervisor:
         except Exception:
             return None
 
+    def _evaluate_checkpoints(self, committed) -> None:
+        """Evaluate the checkpoints just committed whose step is a multiple of ``eval_every`` (each step once)."""
+        for path in committed:
+            ckpt = checkpoint.Checkpoint.load(path)
+            if ckpt.step % self.eval_every == 0 and ckpt.step not in self.evaluated:
+                self._record_evaluation(ckpt.step, ckpt.state_dict())
+
     def _evaluate_live(self) -> None:
         try:
             step, state = self.pull_parameters(timeout=10.0)
@@ -302,6 +314,7 @@ class Supervisor:
         self._record_evaluation(step, state)
 
     def _record_evaluation(self, step: int, state: dict) -> None:
+        self.evaluated.add(step)
         result = self.evaluator(state)
         self.store.add_evaluation(self.id, step, result["loss"], result["accuracy"])
         self.event_files.add_evaluation(step, result["loss"], result["accuracy"])
@@ -320,7 +333,9 @@ class Supervisor:
             self.error_line = "; ".join(errors) + ": fix the cause and train again"
             self.error = "\n".join(tracebacks)
         self.finished = time.time()
-        self.commit_checkpoints()  # the final one
+        committed = self.commit_checkpoints()  # the final one
+        if self.evaluator is not None and self.plan.eval_every:
+            self._evaluate_checkpoints(committed)
         # a worker's last metrics batch may still be in flight when its result arrives
         wait_until(lambda: len(self._workers_done) >= len(results), timeout=2.0)
         self.collector.close()
@@ -328,7 +343,7 @@ class Supervisor:
         if not errors:
             self.results = results
             step, self.state_dict = self.pull_parameters()
-            if self.evaluator is not None:
+            if self.evaluator is not None and step not in self.evaluated:  # the end, once
                 self._record_evaluation(step, self.state_dict)
         else:
             self.state_dict = self._last_state()

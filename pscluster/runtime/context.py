@@ -17,15 +17,16 @@ A loop written for one process becomes a worker's loop by a few changed lines::
 Call order on a worker (``run_loop``):
 
 1. The worker's random streams are seeded (``seeding``: ``ctx.seed``), then ``train_fn(ctx)`` is called.
-2. ``ctx.model(module)`` for each module the run's plan names (``TrainPlan.modules``, in that order); the last one
-   joins the run: the chief initializes the ps tasks with its modules' values (or a checkpoint's), every worker
-   gets them. Several modules are one model to the run, a ``ModuleDict`` of them by name (``run.state_dict()``
-   keys ``<name>.<key>``); one module is the model itself.
+2. ``ctx.model(module)`` for each module the run's plan names (``TrainPlan.modules``, in that order). Several
+   modules are one model to the run, a ``ModuleDict`` of them by name (``run.state_dict()`` keys
+   ``<name>.<key>``); one module is the model itself.
 3. ``ctx.optimizer(torch_optimizer)``: the optimizer the plan was made with (its class, defaults and param
    groups, built on the registered modules' parameters), whose ``step()`` from then on pushes the gradients, has
    the ps apply the update with that optimizer (its state lives on the ps) and loads the new values. The options
    of its param groups (a learning rate the loop sets, or a torch ``lr_scheduler`` wrapped around it) travel
    with each push and apply to that update.
+   Registering it joins the run: the chief initializes the ps tasks with its modules' values (or a
+   checkpoint's), every worker's modules get them, before the loop's first forward.
 4. The loop ends when ``ctx.should_stop()`` says so (target step reached, the run stopped from anywhere, or
    ``ctx.request_stop(reason)``), or when ``train_fn`` returns: a loop that ends before the run's target ends
    the run.
@@ -149,7 +150,7 @@ class _Context:
 
     def model(self, module: torch.nn.Module, name: str | None = None) -> torch.nn.Module:
         """Make ``module``'s parameters and buffers variables of the run, placed and partitioned by the run's
-        placement, and return it. Once every module of the run is registered, they hold the run's values (the
+        placement, and return it. Once the optimizer is registered too, they hold the run's values (the
         chief's initial ones, or a checkpoint's). ``name``: its prefix in ``run.state_dict()`` when a loop
         registers several (default: its class name)."""
         self._modules.add(module, name)
@@ -277,11 +278,16 @@ class WorkerContext(_Context):
         if names != planned[:len(names)]:
             raise ConfigError(f"worker {self.worker_index} registered modules {list(names)} where the run's plan has "
                               f"{list(planned)}: register the same modules, in the same order, on every worker")
-        if names == planned:
-            self._start()
         return module
 
     def _start(self) -> None:
+        """Join the run: the registered modules get the run's values."""
+        if self._optimizer is None:
+            raise ConfigError("the loop began before ctx.optimizer(optimizer): register the model with ctx.model() "
+                              "and its optimizer with ctx.optimizer() first")
+        if self._modules.names != self._plan.modules:
+            raise ConfigError(f"worker {self.worker_index} registered modules {list(self._modules.names)} where the "
+                              f"run's plan has {list(self._plan.modules)}: register the same modules on every worker")
         model = self._modules.model
         self._shards = _Shards(model, self._plan, len(self._spec.ps))
         self._client = PSClient(self._spec, task=self.worker_index, run_id=self._plan.run_id,
@@ -293,24 +299,28 @@ class WorkerContext(_Context):
         self._emitter.emit("state", state="training")
         self._since = time.perf_counter()
 
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        super().optimizer(optimizer)
+        self._start()  # the run's registrations are complete: its values before the first forward
+        return optimizer
+
     def _check_optimizer(self, spec: OptimizerSpec) -> None:
-        if self._reply is None:
-            raise ConfigError(f"ctx.optimizer() before ctx.model() registered the run's modules {list(self._plan.modules)}:"
-                              " register them all first")
         planned = self._plan.optimizer_spec
         if (spec.optimizer, spec.groups) != (planned.optimizer, planned.groups):
             raise ConfigError(f"worker {self.worker_index} built optimizer {spec.optimizer} with other groups than "
                               f"the run's plan ({planned.optimizer}): build the same optimizer on every worker")
 
     def _training_call(self) -> None:
-        if self._optimizer is None:
-            raise ConfigError("the loop began before ctx.optimizer(optimizer): register the optimizer first")
+        if self._reply is None:
+            self._start()
 
     # --- the loop ----------------------------------------------------------------------------
     @property
     def global_step(self) -> int:
-        """The run's global step as of this worker's last exchange (or its start)."""
-        return 0 if self._reply is None else self._reply.step
+        """The run's global step as of this worker's last exchange (or its start: then 0 on a fresh run, the step
+        a restored or joined run is at)."""
+        self._training_call()
+        return self._reply.step
 
     def should_stop(self) -> bool:
         """Whether the loop should end: the run reached its target step, was stopped (from the notebook, the side
@@ -379,8 +389,8 @@ class WorkerContext(_Context):
     # --- the end -----------------------------------------------------------------------------
     def finish(self) -> dict:
         """After ``train_fn`` returned: a loop that ended short of the run's end ends the run; the summary."""
-        if self._reply is None:
-            raise ConfigError(f"train_fn returned before registering the run's modules {list(self._plan.modules)} "
+        if self._reply is None and not self._modules.names:
+            raise ConfigError(f"train_fn returned without registering the run's modules {list(self._plan.modules)} "
                               "with ctx.model()")
         if not self.should_stop():
             self.request_stop(f"train_fn of worker {self.worker_index} returned at global step {self.global_step}")

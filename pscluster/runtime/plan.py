@@ -164,6 +164,7 @@ class TrainPlan:
     staleness_bound: int = 2  # ssp: how many steps a worker may run ahead of the slowest
     checkpoint_dir: str | None = None  # where the ps tasks write their shards (None: no checkpoints)
     checkpoint_every: int = 0  # global steps between checkpoints (0: only on demand and at the end)
+    eval_every: int = 0  # global steps between the checkpoints the controller evaluates (0: no evaluation)
     restore: bool = False  # the chief starts from the latest checkpoint in checkpoint_dir, if there is one
     attempt: int = 0  # restarts of this run after a lost ps
     shared_memory: bool = True  # workers exchange dense values with ps on their host through shared memory
@@ -188,6 +189,8 @@ class TrainPlan:
                 or self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every={self.checkpoint_every!r}: use a number of global steps >= 1, "
                               "or 0 for checkpoints on demand and at the end only")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"eval_every={self.eval_every!r}: use a number of global steps >= 1")
         for name in ("steps", "batch_size", "replicas_to_aggregate", "num_workers", "log_every"):
             value = getattr(self, name)
             if value is None and name == "batch_size" and self.modules:
@@ -291,6 +294,7 @@ class PsConfig:
     metrics_address: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    eval_every: int = 0  # a shard at every multiple of it too, for the controller's evaluations
     attempt: int = 0
     step: int = 0
     state: tuple[str, ...] = ()  # a restore: the optimizer slot of each state tensor after the values
@@ -314,7 +318,8 @@ class PsConfig:
         if not 1 <= self.num_workers <= NO_TASK or not 1 <= self.replicas_to_aggregate <= NO_TASK:
             raise ValueError(f"{self.num_workers} workers, {self.replicas_to_aggregate} replicas: 1 to {NO_TASK} "
                              "each")  # worker task ids are 16 bits, NO_TASK excepted
-        if not 0 <= self.step <= self.steps or self.staleness_bound < 0 or self.checkpoint_every < 0:
+        if not 0 <= self.step <= self.steps or self.staleness_bound < 0 or min(self.checkpoint_every,
+                                                                                 self.eval_every) < 0:
             raise ValueError(f"step {self.step} of {self.steps}, staleness bound {self.staleness_bound}, checkpoint "
                              f"every {self.checkpoint_every}: none may be negative, the step not past the end")
 
@@ -328,7 +333,7 @@ class PsConfig:
                    kinds=tuple(v.kind for v in mine), staleness_bound=plan.staleness_bound, buffers=plan.buffers,
                    precision=plan.precision,
                    metrics_address=plan.metrics_address, checkpoint_dir=plan.checkpoint_dir,
-                   checkpoint_every=plan.checkpoint_every, attempt=plan.attempt)
+                   checkpoint_every=plan.checkpoint_every, eval_every=plan.eval_every, attempt=plan.attempt)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -34,8 +34,8 @@ arriving pushes up to T: every ps ends on step T, which the final checkpoint hol
 ``PARK_S`` without the second STOP stops where it is.
 
 Checkpoints: when the run has a checkpoint directory, the ps writes its shard (variables and optimizer
-state, see ``checkpoint.py``) every ``checkpoint_every`` steps, at steps asked for by CHECKPOINT, and at
-the end; the controller commits a checkpoint once every ps has written its shard of one step. INIT can
+state, see ``checkpoint.py``) every ``checkpoint_every`` steps and every ``eval_every`` steps (the controller
+evaluates those), at steps asked for by CHECKPOINT, and at the end; the controller commits a checkpoint once every ps has written its shard of one step. INIT can
 carry optimizer state and a starting step: a restore.
 
 Membership (MEMBERSHIP): lost workers are left out (sync aggregates the gradients of the live workers
@@ -136,6 +136,7 @@ class _RunState:
     staleness: Counter = field(default_factory=Counter)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    eval_every: int = 0  # shards at its multiples too: the controller evaluates them
     metrics_address: str | None = None  # where the run's metric events go (told to workers that join by STATS)
     attempt: int = 0  # restarts of the run after a ps was lost
     save_at: set = field(default_factory=set)  # steps to write a shard at (CHECKPOINT)
@@ -517,7 +518,7 @@ class ParameterServer:
                             ids=list(msg.ids[:n]), names=list(cfg.names), params=params, optimizer=optimizer,
                             sparse=list(cfg.sparse), num_workers=cfg.num_workers, staleness_bound=cfg.staleness_bound,
                             step=cfg.step, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
-                            attempt=cfg.attempt, kinds=list(cfg.kinds), buffer_rule=cfg.buffers,
+                            eval_every=cfg.eval_every, attempt=cfg.attempt, kinds=list(cfg.kinds), buffer_rule=cfg.buffers,
                             half=half, metrics_address=cfg.metrics_address)
             self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.state)
             run.optimizer.restore(run.step, cfg.schedule_state)  # the schedule at the starting step
@@ -802,7 +803,8 @@ class ParameterServer:
             run.stopped = True
             self._save(run)  # the final checkpoint
             self._report(now=True)
-        elif run.step in run.save_at or (run.checkpoint_every and run.step % run.checkpoint_every == 0):
+        elif run.step in run.save_at or any(every and run.step % every == 0
+                                            for every in (run.checkpoint_every, run.eval_every)):
             self._save(run)
 
     def _save(self, run: _RunState) -> bool:
