@@ -485,9 +485,13 @@ def spec_of(optimizer: torch.optim.Optimizer, named_parameters) -> OptimizerSpec
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
     groups = []
-    for group in optimizer.param_groups:
+    for i, group in enumerate(optimizer.param_groups):
         options = {k: v for k, v in group.items() if k in defaults and not _same(v, defaults[k])}
-        groups.append({"params": group["params"], **options})
+        trained = [p for p in group["params"] if p.requires_grad]  # frozen ones never change: the ps keeps them
+        if not trained:
+            raise ConfigError(f"group {i} of the optimizer holds no trainable parameter: leave it out, or set "
+                              "requires_grad=True on those it should train")
+        groups.append({"params": trained, **options})
     return OptimizerSpec(type(optimizer), defaults, groups=named_groups(groups, named_parameters))
 
 

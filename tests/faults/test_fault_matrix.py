@@ -7,6 +7,9 @@ says it took, see ``runtime.rescue``). A stopped task gets SIGCONT once it is re
 ``HANG_S``): by then it must be dead, killed by the recovery, never back in the run. Each cell's timings (fault to
 lost, to replaced, to training again) go to ``reports/faults.json``; the README's table comes from there.
 
+A user's own loop (``Cluster.run``) on the same cluster and model survives a SIGKILLed ps and worker the same way
+(``test_a_user_loop_survives_a_lost_task``).
+
 Runs with ``make faults`` (about 15 minutes on 2 cores), not in ``make test``.
 """
 
@@ -190,3 +193,43 @@ def test_a_fault_at_a_bad_moment(cluster, data, undisturbed, fault, role, phase)
         "replacement_first_step_s": round(own["time"].min() - replaced_at, 2) if len(own) else None,
         "undisturbed_accuracy": round(undisturbed, 4), "attempts": int(run.plan.attempt) + 1,
         "restored_from": [d.get("from_step") for d in events(run, "restarting")["detail"]]})
+
+
+def net_loop(ctx):
+    """TRAIN's run as a user's own loop."""
+    torch.manual_seed(ctx.seed)
+    model = ctx.model(Net())
+    optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=TRAIN["lr"]))
+    for x, y in ctx.shard(pscluster.datasets.digits("train"), batch_size=TRAIN["batch_size"]):
+        optimizer.zero_grad()
+        loss = LOSS(model(x), y)
+        loss.backward()
+        optimizer.step()
+        ctx.log(loss=loss.item())
+        if ctx.should_stop():
+            break
+
+
+@pytest.mark.parametrize("role", ["ps", "worker"])
+def test_a_user_loop_survives_a_lost_task(cluster, data, undisturbed, role):
+    """A replaced worker calls the loop again and goes on from the run's step; a lost ps restarts every worker's
+    loop from the newest state."""
+    victim = VICTIMS[role]
+    run = cluster.run(net_loop, mode="sync", steps=STEPS, checkpoint_every=TRAIN["checkpoint_every"])
+    wait_for_step(run, STEPS // 4)
+    victim_role, victim_index = victim.split(":")
+    pid = cluster.spec.task(victim_role, int(victim_index)).pid
+    hit_at, hit_step = time.time(), run.global_step
+    os.kill(pid, signal.SIGKILL)
+    run.wait(timeout=600, verbose=False)
+    assert run.status == "finished" and run.error is None, run.error_line
+    assert run.global_step == STEPS
+    assert victim in set(events(run, "lost")["task"])
+    shards_of_one_step(run.plan.checkpoint_dir)
+    got = accuracy(run, data[1])
+    assert got >= undisturbed - ACCURACY_SLACK, (got, undisturbed)
+    replaced = events(run, "replaced")
+    record(f"SIGKILL {role} training (user loop)", {
+        "fault_step": int(hit_step), "replaced_s": round(replaced["time"].min() - hit_at, 2),
+        "accuracy": round(got, 4), "undisturbed_accuracy": round(undisturbed, 4),
+        "attempts": int(run.plan.attempt) + 1})
