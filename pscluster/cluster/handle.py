@@ -38,11 +38,13 @@ from . import launchers
 from .launchers import Launcher
 from .roles import assign_roles, host_gpus, worker_devices
 from .run import Run
+from .script_tasks import PeerWorker
 from .supervisor import Supervisor
 from .shipping import ship
 
 if TYPE_CHECKING:
     from ..widgets.placement_plan import PlacementPlan
+    from .session import Session
 
 
 def _count(name: str, value, minimum: int) -> int:
@@ -446,6 +448,52 @@ class Cluster:
                             code=code or _source(train_fn), checkpoint_dir=checkpoint_dir,
                             checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints, resume=resume)
 
+    def session(self, model_fn, optimizer, loss_fn=None, *, step_fn=None, name: str | None = None, seed: int = 0,
+                placement="round_robin", partition: dict | None = None, request_timeout: float = 120.0,
+                checkpoint_dir: str | os.PathLike | None = None, checkpoint_secs: float | None = 600.0,
+                keep_checkpoints: int = 5, **optimizer_kwargs) -> "Session":
+        """A session over the workers for a loop the notebook drives (seed 004's in-graph replication; see
+        ``pscluster.cluster.session``): ``session.step(batch)`` splits the batch across the workers, the ps tasks
+        apply one averaged update (sync), and it returns the batch's loss and metrics.
+
+        ``model_fn``: a module or a function that builds one. ``optimizer``: a torch optimizer class (with
+        ``optimizer_kwargs``) or a function of the model that builds the optimizer (tensor groups too);
+        ``session.optimizer`` is the controller's copy, whose groups' options (a learning rate a
+        ``ReduceLROnPlateau`` set) apply to each step. ``loss_fn`` / ``step_fn``, ``placement``, ``partition``,
+        ``seed``, ``name`` and the checkpoint options as in ``train``; ``request_timeout``: the most one step may
+        take."""
+        from ..runtime.session_worker import build_optimizer
+        from .session import SESSION_STEPS, Session
+
+        spec = self._require_running("start a session")
+        if self.active_run is not None:
+            raise ClusterStateError(f"{self.active_run.name} is still training: "
+                                    "wait for it (run.wait()) or stop it (run.stop())")
+        if self.detached:
+            raise ConfigError("a session follows the notebook's loop: start the cluster without detached=True")
+        if step_fn is None and not callable(loss_fn):
+            raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss(), or give "
+                              "step_fn=f(model, batch) -> loss")
+        model = build_model(model_fn, seed)
+        local = build_optimizer(optimizer, model, optimizer_kwargs)
+        optimizer_spec = optim.spec_of(local, list(model.named_parameters()))
+        optim.check(model, optimizer_spec)
+        run_plan = TrainPlan.for_model(model, optimizer_spec, num_ps=self.num_ps, placement=placement,
+                                       partition=partition, run_id=1, mode="sync", steps=SESSION_STEPS,
+                                       batch_size=None, replicas_to_aggregate=self.num_workers,
+                                       num_workers=self.num_workers, seed=seed, request_timeout=request_timeout,
+                                       overlap=False, modules=(type(model).__name__,), session=True)
+        run = self._launch(spec, run_plan, optimizer_spec,
+                           ship(model_fn, optimizer, optimizer_kwargs, loss_fn, step_fn), model_fn=model,
+                           loss_fn=loss_fn, step_fn=step_fn, name=name, code=_source(model_fn),
+                           checkpoint_dir=checkpoint_dir, checkpoint_secs=checkpoint_secs,
+                           keep_checkpoints=keep_checkpoints, resume=None)
+        return Session(self, run, local, model, request_timeout)
+
+    def task_view(self, task: TaskSpec):
+        """The ipyparallel view of ``task``'s engine."""
+        return self._engines.view(task.engine_id)
+
     def _launch(self, spec: ClusterSpec, run_plan: TrainPlan, optimizer_spec: optim.OptimizerSpec, payload: bytes, *,
                 model_fn, loss_fn=None, step_fn=None, collate_fn=None, test_dataset=None, eval_every=None,
                 example_batch=None, name, code, checkpoint_dir, checkpoint_secs, keep_checkpoints, resume) -> Run:
@@ -492,6 +540,9 @@ class Cluster:
             view = self._engines.view(task.engine_id)
         except IndexError as e:  # ipyparallel no longer lists the engine
             return LostWorker(ClusterStateError(f"worker {index}'s engine {task.engine_id} was lost: {e}"))
+        if run.plan.session:  # its loop runs in a thread of the engine, which stays free for the session's steps
+            view.apply_sync(remote.start_session_worker, spec.to_json(), index, run.plan.to_json(), run.payload, join)
+            return PeerWorker(index, None, run)
         return view.apply_async(remote.train_worker, spec.to_json(), index, run.plan.to_json(), run.payload, join)
 
     def record(self) -> None:

@@ -60,14 +60,15 @@ class ChiefWorker:
 
 
 class PeerWorker:
-    """Worker ``index``, a process of its own, followed by its events in the current attempt: ended with its
-    summary ("done"), failed ("left"), or failed for having sent neither ``PEER_END_S`` after the chief's end."""
+    """Worker ``index``, a process (or thread) of its own, followed by its events in the current attempt: ended with
+    its summary ("done"), failed ("left"), or failed for having sent neither ``PEER_END_S`` after the ``chief``'s end
+    (None: no such deadline)."""
 
-    def __init__(self, index: int, chief: ChiefWorker, supervisor: Supervisor):
+    def __init__(self, index: int, chief: ChiefWorker | None, supervisor: Supervisor):
         self.index, self._chief, self._supervisor = index, chief, supervisor
 
     def ready(self) -> bool:
-        ended = self._chief.ended_at
+        ended = self._chief.ended_at if self._chief is not None else None
         return (self._supervisor.reported(self.index) or self._supervisor.left(self.index) is not None
                 or (ended is not None and time.monotonic() - ended > PEER_END_S))
 

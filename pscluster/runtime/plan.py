@@ -177,6 +177,7 @@ class TrainPlan:
     precision: str = "fp32"  # the workers' mixed precision (steps.PRECISIONS): autocast, and the gradients' dtype
     loader: LoaderOptions = LoaderOptions()  # how each worker reads its batches (loader processes, prefetch...)
     modules: tuple[str, ...] = ()  # a user's loop: the names of the modules it registers (``context``); () for train's
+    session: bool = False  # a notebook's session: the workers' loop takes its batches from it (``session_worker``)
 
     def __post_init__(self):
         if self.mode not in MODES:

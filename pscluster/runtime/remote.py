@@ -100,3 +100,25 @@ def train_worker(spec_json: str, index: int, plan_json: str, code: bytes, join: 
     model_fn, dataset, loss_fn, step_fn, collate_fn = cloudpickle.loads(code)
     return run_worker(spec, index, plan, model_fn, dataset, loss_fn, step_fn=step_fn, collate_fn=collate_fn,
                       join=join)
+
+
+def start_session_worker(spec_json: str, index: int, plan_json: str, code: bytes, join: bool = False) -> None:
+    """Start worker ``index`` of a notebook's session in a thread of this engine (``session_worker``); ``code`` is
+    cloudpickle of (model_fn, optimizer, optimizer options, loss_fn, step_fn)."""
+    from . import session_worker
+
+    session_worker.start(ClusterSpec.from_json(spec_json), index, TrainPlan.from_json(plan_json),
+                         *cloudpickle.loads(code), join=join)
+
+
+def session_step(run_id: int, index: int, batch, groups: list[dict], timeout: float) -> dict:
+    """Worker ``index``'s slice of a session's step (``session_worker.step``)."""
+    from . import session_worker
+
+    return session_worker.step(run_id, index, batch, groups, timeout)
+
+
+def end_session_worker(run_id: int, index: int) -> None:
+    from . import session_worker
+
+    session_worker.end(run_id, index)

@@ -178,3 +178,36 @@ def test_what_a_loop_gets_wrong_is_one_line_before_any_worker_starts(one_worker)
     with pytest.raises(ConfigError, match="unknown option 'batch_size'"):
         one_worker.run(record_random, steps=5, batch_size=3)
     assert one_worker.active_run is None
+
+
+def test_a_session_steps_the_notebook_s_batches_as_one_process_steps_the_whole_batch(two_workers, digits_train):
+    """Seed 004 in a notebook: each batch split across the workers, their gradients averaged by the ps tasks, is
+    a plain SGD step on the whole batch; a ReduceLROnPlateau on session.optimizer changes the rate the ps applies."""
+    batches = [batch for _, batch in zip(range(12), torch.utils.data.DataLoader(digits_train, batch_size=64))]
+    loss_fn = torch.nn.CrossEntropyLoss()
+    with two_workers.session(mlp, torch.optim.SGD, loss_fn, lr=0.2, momentum=0.5, seed=4) as session:
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(session.optimizer, factor=0.5, patience=0)
+        outs = []
+        for x, y in batches:
+            outs.append(session.step((x, y)))
+            plateau.step(1.0)  # no better than before from the second step on: the rate halves each step
+        assert session.global_step == 12
+        state = session.state_dict()
+    assert session.run.status == "finished" and session.run.global_step == 12
+    assert outs[0]["samples"] == 64 and "accuracy" in outs[0]
+
+    torch.manual_seed(4)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
+    plain_plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+    with threads(two_workers.threads):
+        for (x, y), out in zip(batches, outs):
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            plain_plateau.step(1.0)
+            assert out["loss"] == pytest.approx(loss.item(), abs=1e-5)
+    assert max_diff(state, model.state_dict()) <= 1e-5
+    with pytest.raises(pscluster.PSClusterError, match="is over"):
+        session.step(batches[0])
