@@ -189,3 +189,17 @@ def test_your_model_trains_with_a_dataloader_a_schedule_and_a_step_fn(tmp_path):
         plotted = [t for t in traces if t.get("yaxis") == axis and t.get("name", "").startswith("worker")]
         assert {t["name"] for t in plotted} >= {"worker 0", "worker 1"}, metric
         assert all(values(t["y"]) for t in plotted), metric
+
+
+def test_your_loop_runs_a_function_a_cell_and_a_session(tmp_path):
+    execute("07_your_loop", tmp_path)
+    report = json.loads((tmp_path / "07_your_loop.json").read_text())
+    loop, early, session = report["runs"]
+    assert [r["name"] for r in report["runs"]] == ["your-loop", "early-stop", "session"]
+    assert loop["status"] == "finished" and loop["global_step"] == report["steps"]
+    assert {"accuracy", "lr"} <= set(loop["metric_columns"])  # ctx.log's numbers, columns of run.metrics()
+    assert early["status"] == "finished" and report["stop_reason"].startswith("test accuracy")
+    assert early["global_step"] < report["steps"]  # the chief's request_stop ended it early
+    history = report["session_history"]
+    assert session["status"] == "finished" and session["global_step"] == history[-1]["global_step"]
+    assert [h["lr"] for h in history] == sorted((h["lr"] for h in history), reverse=True)  # only ever lowered
