@@ -291,6 +291,8 @@ def named_groups(groups, named_parameters) -> tuple:
         params = group.get("params") if isinstance(group, dict) else None
         if isinstance(params, torch.Tensor):
             params = [params]
+        elif params is not None and not isinstance(params, str | list | tuple):  # a generator, as torch takes
+            params = list(params)
         if not isinstance(params, list | tuple) or not params or not all(isinstance(p, torch.Tensor) for p in params):
             out.append(group)
             continue

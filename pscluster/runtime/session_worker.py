@@ -30,7 +30,7 @@ _ENDED = object()  # what the loop's outbox holds once it returned or failed
 class _Worker:
     inbox: queue.Queue = field(default_factory=queue.Queue)  # (slice, group options), or None: end
     outbox: queue.Queue = field(default_factory=queue.Queue)  # each step's numbers, then _ENDED
-    error: str | None = None
+    failure: str | None = None  # why its loop ended, if it failed
 
 
 _workers: dict[tuple[int, int], _Worker] = {}
@@ -85,7 +85,7 @@ def start(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, optimizer, o
             run_loop(spec, index, plan,
                      lambda ctx: serve(ctx, worker, plan, model_fn, optimizer, options, loss_fn, step_fn), join=join)
         except BaseException as e:  # noqa: BLE001 - the controller's next step says why
-            worker.error = f"{type(e).__name__}: {e}"
+            worker.failure = f"{type(e).__name__}: {e}"
         finally:
             worker.outbox.put(_ENDED)
 
@@ -105,7 +105,7 @@ def step(run_id: int, index: int, batch, groups: list[dict], timeout: float) -> 
         raise TrainingError(f"worker {index} gave no result within {timeout:.0f}s") from None
     if out is _ENDED:
         worker.outbox.put(_ENDED)
-        raise TrainingError(f"worker {index}'s session ended: {worker.error or 'the run was stopped'}")
+        raise TrainingError(f"worker {index}'s session ended: {worker.failure or 'the run was stopped'}")
     return out
 
 

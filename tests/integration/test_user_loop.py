@@ -211,3 +211,19 @@ def test_a_session_steps_the_notebook_s_batches_as_one_process_steps_the_whole_b
     assert max_diff(state, model.state_dict()) <= 1e-5
     with pytest.raises(pscluster.PSClusterError, match="is over"):
         session.step(batches[0])
+
+
+def test_train_takes_parameter_groups_as_torch_builds_them(one_worker, digits_train):
+    """Groups of tensors (of the module given as model_fn) train as the same groups by name."""
+    torch.manual_seed(0)
+    model = mlp()
+    by_tensor = [{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+                 {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0}]
+    by_name = [{"params": ["*.weight"], "weight_decay": 0.1}, {"params": ["*.bias"], "weight_decay": 0.0}]
+    options = dict(optimizer="adamw", lr=0.01, steps=10, batch_size=16, seed=3)
+    runs = [one_worker.train(model, digits_train, torch.nn.CrossEntropyLoss(), param_groups=groups,
+                             **options).wait(verbose=False) for groups in (by_tensor, by_name)]
+    assert max_diff(runs[0].state_dict(), runs[1].state_dict()) == 0
+    with pytest.raises(ConfigError, match="group 0 params\\[0\\] .* no parameter of the model") as e:
+        one_worker.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), param_groups=by_tensor, **options)
+    assert len(str(e.value)) < 200  # a function's model is not the module those tensors belong to

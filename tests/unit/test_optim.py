@@ -633,3 +633,56 @@ def test_optimizer_state_of_another_shape_is_refused_before_a_fused_kernel_reads
         opt.load_state(ps[0], state)  # a variable stepped in chunks
     with pytest.raises(ValueError, match="restore from a checkpoint of this model"):  # one stepped whole
         opt.load_state(ps[1], {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(3)})
+
+
+# --- parameter groups as torch builds them, and a user's own optimizer --------------------------------------------
+
+
+def tied_net():
+    net = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4),
+                              torch.nn.Linear(4, 5, bias=False))
+    net[3].weight = net[0].weight  # tied: one parameter, named once
+    return net
+
+
+def test_groups_of_tensors_are_named_as_the_model_names_them():
+    net = tied_net()
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    groups = optim.named_groups([{"params": decay, "weight_decay": 0.1},
+                                 {"params": (p for p in net.parameters() if p.dim() < 2), "weight_decay": 0.0}],
+                                list(net.named_parameters()))
+    assert groups[0] == {"params": ["0.weight", "1.weight"], "weight_decay": 0.1}
+    assert groups[1]["params"] == ["1.bias", "2.weight", "2.bias"]
+    spec = optim.OptimizerSpec("AdamW", {"lr": 0.1}, groups=groups)
+    optim.check(net, spec)  # each exact name matches its parameter
+
+
+def test_a_tensor_of_another_model_is_one_short_line():
+    with pytest.raises(ConfigError) as e:
+        optim.named_groups([{"params": [torch.nn.Parameter(torch.zeros(1000, 1000))]}], [])
+    assert "group 0 params[0]" in str(e.value) and len(str(e.value)) < 200
+
+
+def test_a_malformed_group_is_described_not_printed():
+    with pytest.raises(ConfigError) as e:
+        optim.OptimizerSpec("SGD", {"lr": 0.1}, groups=[{"params": [torch.zeros(100, 100), 3]}])
+    assert "a list of 2 (Tensor, int)" in str(e.value) and len(str(e.value)) < 300
+
+
+def test_a_torch_optimizer_becomes_the_spec_a_ps_builds_again():
+    net = tied_net()
+    net[2].requires_grad_(False)  # frozen: the ps keeps them, no group names them
+    opt = torch.optim.AdamW([{"params": [net[0].weight, net[1].weight]},
+                             {"params": [net[1].bias, net[2].weight], "weight_decay": 0.0, "betas": (0.8, 0.9)}],
+                            lr=3e-3, betas=(0.9, 0.95))
+    spec = optim.spec_of(opt, list(net.named_parameters()))
+    assert spec.optimizer == "AdamW" and "decoupled_weight_decay" not in spec.kwargs  # what AdamW() takes only
+    assert spec.kwargs["lr"] == 3e-3 and spec.kwargs["fused"] is None  # the implementation as the user chose it
+    assert [g["params"] for g in spec.groups] == [["0.weight", "1.weight"], ["1.bias"]]
+    assert {k: v for k, v in spec.groups[1].items() if k != "params"} == {"weight_decay": 0.0,
+                                                                          "betas": {"$tuple": [0.8, 0.9]}}
+    built = optim.build([(n, p) for n, p in net.named_parameters() if p.requires_grad], spec)
+    dense = built.optimizers[0]
+    assert [len(g["params"]) for g in dense.param_groups] == [2, 1, 0] and dense.defaults.get("fused") is None
+    with pytest.raises(ConfigError, match="group 0 of the optimizer holds no trainable parameter"):
+        optim.spec_of(torch.optim.SGD([net[2].weight], lr=0.1), list(net.named_parameters()))

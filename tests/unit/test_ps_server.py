@@ -303,6 +303,30 @@ def test_adam_state_lives_on_the_ps(start_run, values):
         assert int(state["step"]) == 2
 
 
+def test_a_push_carries_the_learning_rate_of_its_update(start_run, values):
+    """A user's loop sets its groups' options (a warmup's lr) and they go with the push: each update uses its own."""
+    run = start_run(values, mode="async")
+    client = run.client(task=0)
+    expected = [t.clone() for t in run.initial]
+    for n, lr in enumerate((0.5, 0.05, None)):  # None: no options sent, the last ones stay
+        g = grads(n, run.initial)
+        client.push_pull(n, run.split(g), meta=None if lr is None else {"groups": [{"lr": lr}]})
+        expected = [p - (lr or 0.05) * d for p, d in zip(expected, g)]
+        assert_values(run.values(client), expected, tol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [[{"lr": "fast"}], [{"lr": float("nan")}], [{"params": 1.0}], [{"nope": 1.0}],
+                                    [{"lr": 0.1}] * 5, "lr", [{"momentum": [0.9, 0.9]}], [[0.1]], 7])
+def test_bad_group_options_in_a_push_are_refused_and_the_server_goes_on(start_run, values, groups):
+    run = start_run(values, mode="async")
+    client = run.client(task=0, timeout=0.5)
+    with pytest.raises(TrainingError, match="group option|groups|options"):
+        client.push_pull(0, run.split(grads(0, run.initial)), meta={"groups": groups})
+    assert run.servers[0].running and run.servers[0].rejected["malformed"] == 1
+    assert_values(run.values(client), run.initial, tol=0)  # nothing applied, nothing changed
+    assert float(run.servers[0].run.optimizer.optimizers[0].param_groups[0]["lr"]) == LR
+
+
 # --- stopping --------------------------------------------------------------------------------
 
 
