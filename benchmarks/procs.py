@@ -125,15 +125,17 @@ def step_split(rounds: list[dict], steps: int) -> dict[str, float]:
 
 
 def workload_workers(mode: str, workers: int, pipeline: bool = False, device: str = "cpu", *, socket: bool = False,
-                     overlap: bool = True, threads: int = 1, **env: str) -> Rounds:
+                     overlap: bool = True, threads: int = 1, loop: bool = False, **env: str) -> Rounds:
     """1 ps and ``workers`` workers of the real runtime training ``workload.py``'s model in ``mode``, one round
     per command; ``pipeline``: async workers compute their next gradients while the push-pull is in flight;
     ``socket``: no shared-memory lane; ``overlap``: sync pushes leave during backward; ``device``: the workers'
-    (``cuda:0``); ``threads``: torch threads of each process; ``env``: more of the workers' environment
+    (``cuda:0``); ``threads``: torch threads of each process; ``loop``: the workload as a user's own loop
+    (``workload.train_fn``) instead of the library's; ``env``: more of the workers' environment
     (``WORKLOAD_MODEL``...)."""
     cluster = PSProcesses(1, workers=workers, threads=threads, device=device)
     how = [name for name, on in (("pipeline", pipeline), ("socket", socket), ("no-overlap", not overlap)) if on]
-    return Rounds([spawn("workload", "pscluster", mode, *how, threads=threads, **cluster.worker_env(i), **env)
+    command = ("loop", mode) if loop else ("pscluster", mode, *how)
+    return Rounds([spawn("workload", *command, threads=threads, **cluster.worker_env(i), **env)
                    for i in range(workers)], after=cluster.close)
 
 
@@ -151,6 +153,21 @@ def runtime_worker(model_fn, dataset, loss_fn, *, run_id: int, log, **options) -
     plan, dataset, collate_fn = script_plan(spec, model_fn, dataset, **options)
     return run_worker(spec, task.index, replace(plan, run_id=run_id), model_fn, dataset, loss_fn,
                       collate_fn=collate_fn, log=log)
+
+
+def runtime_loop(train_fn, *, run_id: int, log, mode: str, steps: int, **options) -> dict:
+    """Run ``train_fn(ctx)`` as the worker PSCLUSTER_CONFIG names, on the runtime alone, as ``runtime_worker`` runs
+    the library's loop: the plan from a probe of ``train_fn`` (as ``Cluster.run`` makes it); its summary."""
+    from pscluster.runtime.context import probe, run_loop
+    from pscluster.runtime.plan import TrainPlan
+    from pscluster.task_config import from_environment
+
+    spec, task = from_environment()
+    model, modules, optimizer = probe(train_fn, len(spec.workers), options.get("seed", 0))
+    plan = TrainPlan.for_model(model, optimizer, num_ps=len(spec.ps), run_id=run_id, mode=mode, steps=steps,
+                               batch_size=None, replicas_to_aggregate=len(spec.workers),
+                               num_workers=len(spec.workers), overlap=False, modules=modules, **options)
+    return run_loop(spec, task.index, plan, train_fn, log=log)
 
 
 def serve_rounds(run_round) -> None:

@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 from . import (convnet, dashboard_scale, exchange, gpu, hidden, input_pipeline, memory, overheads, overlap, peers,
-               recovery, report, run_view, scaling)
+               recovery, report, run_view, scaling, user_loop)
 from .common import run_benchmark
 
 BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "overlap": overlap.run, "peers": peers.run,
               "convnet": convnet.run,
               "scaling": scaling.run, "overheads": overheads.run, "memory": memory.run,
               "input_pipeline": input_pipeline.run, "dashboard_scale": dashboard_scale.run, "recovery": recovery.run,
-              "run_view": run_view.run, "gpu": gpu.run}
+              "run_view": run_view.run, "gpu": gpu.run, "user_loop": user_loop.run}
 HERE = Path(__file__).parent
 
 

@@ -10,6 +10,8 @@ comes from its task).
     python -m benchmarks.workload pscluster MODE [pipeline] [socket] [no-overlap]
                                                    a pscluster worker (PSCLUSTER_CONFIG set); pipeline
                                                    (async), always over the socket, without sync overlap
+    python -m benchmarks.workload loop MODE        a pscluster worker running the workload as a user's own
+                                                   loop (``train_fn``, as ``Cluster.run`` runs it)
 
 Both run one round per step count read from stdin (see ``procs.Rounds``).
 """
@@ -25,7 +27,7 @@ import torch
 
 from pscluster.runtime.data import worker_batches
 
-from .procs import runtime_worker, serve_rounds
+from .procs import runtime_loop, runtime_worker, serve_rounds
 
 BATCH = int(os.environ.get("WORKLOAD_BATCH", 128))
 LR = 0.01
@@ -157,9 +159,39 @@ def pscluster_rounds(mode: str, pipeline: bool = False, socket: bool = False, ov
     serve_rounds(run)
 
 
+def train_fn(ctx) -> None:
+    """The workload as a user's own loop (``Cluster.run``): the same model, batches, loss and SGD."""
+    model = ctx.model(model_fn().to(ctx.device))
+    optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for x, y in ctx.shard(Synthetic(), batch_size=BATCH):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(x.to(ctx.device)), y.to(ctx.device)).backward()
+        optimizer.step()
+        if ctx.should_stop():
+            break
+
+
+def loop_rounds(mode: str) -> None:
+    """A worker running ``train_fn`` on the real runtime (``procs.runtime_loop``), each round a new run, as
+    ``pscluster_rounds`` runs the library's loop."""
+    from pscluster.task_config import from_environment
+    world = len(from_environment()[0].workers)
+    runs = itertools.count(1)
+
+    def run(steps: int) -> dict:
+        clock = Clock()
+        summary = runtime_loop(train_fn, run_id=next(runs), mode=mode, steps=steps * (1 if mode == "sync" else world),
+                               log_every=TICK, log=lambda line: clock.tick(TICK))
+        return clock.result(**{k: summary[k] for k in ("dropped", "compute_s", "comm_s", "wait_s")})
+    serve_rounds(run)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "plain":
         plain_rounds()
+    elif sys.argv[1] == "loop":
+        loop_rounds(sys.argv[2])
     else:
         options = set(sys.argv[3:])
         pscluster_rounds(sys.argv[2], pipeline="pipeline" in options, socket="socket" in options,

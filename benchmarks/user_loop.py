@@ -1,0 +1,41 @@
+"""The user's own loop as fast as the library's: the workload of ``workload.py`` (MLP, batch 128 per worker, SGD) as
+a ``train_fn`` (``Cluster.run``) against ``Cluster.train``'s loop, 1 ps + 2 workers in sync mode, and a user's loop on
+1 ps + 1 worker against a plain single-process loop; samples/s ratios, measured side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import procs
+from .common import Result, Target, alternate, compare, repetitions
+from .peers import aggregate
+
+
+def run(tiny: bool, out_dir: Path) -> Result:
+    steps = 60 if tiny else 300
+    systems = {"run": lambda: procs.workload_workers("sync", 2, loop=True),
+               "train": lambda: procs.workload_workers("sync", 2, overlap=False),
+               "run, 1 worker": lambda: procs.workload_workers("sync", 1, loop=True),
+               "plain": lambda: procs.Rounds([procs.spawn("workload", "plain")])}
+    started: dict[str, procs.Rounds] = {}
+    try:
+        for name, start in systems.items():
+            started[name] = start()
+        speeds = alternate({name: (lambda name=name: aggregate(started[name].round(steps))) for name in started},
+                           2 * repetitions(tiny))
+    finally:
+        for rounds in started.values():
+            rounds.close()
+    result = Result("user_loop", "Your own loop (Cluster.run) against the library's (Cluster.train)", tiny)
+    unit = "samples/s"
+    result.rows += [
+        compare("sync, 1 ps + 2 workers: run vs train", "Cluster.run (train_fn)", speeds["run"],
+                "Cluster.train", speeds["train"], unit, Target(0.95)),
+        compare("sync, 1 ps + 1 worker: run vs a plain loop", "Cluster.run, 1 worker", speeds["run, 1 worker"],
+                "plain loop", speeds["plain"], unit, Target(0.85)),
+    ]
+    result.notes.append(f"{steps} steps per worker per repetition (the first 20 left out), twice the usual "
+                        "repetitions; each process has one torch thread; every pscluster repetition is a new run. "
+                        "Both loops push after backward (train's overlap off: a user's loop has none yet), so the "
+                        "ratio is what the user's loop costs over the library's on the same exchange.")
+    return result
