@@ -14,7 +14,8 @@ from .spec import ClusterSpec, TaskSpec
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "clusters", "compare", "datasets",
-           "environ", "evaluate", "load_ipython_extension", "open_run", "placement", "runs", "train_from_environment",
+           "environ", "evaluate", "init", "load_ipython_extension", "open_run", "placement", "runs",
+           "train_from_environment",
            "__version__"]
 
 
@@ -31,6 +32,10 @@ def __getattr__(name):
         from .cluster.script_run import train_from_environment
 
         return train_from_environment
+    if name == "init":
+        from .cluster.script_loop import init
+
+        return init
     if name == "open_run":
         from .stored_run import open_run
 

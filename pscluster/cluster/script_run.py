@@ -92,10 +92,10 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     try:
         return run.wait(verbose=log is not None)
     finally:
-        _close(spec, run.id)
+        close_run(spec, run.id)
 
 
-def _close(spec, run_id: int) -> None:
+def close_run(spec, run_id: int) -> None:
     """Tell the ps tasks the run is finalized: a ps serving this one run ends."""
     try:
         with PSClient(spec, run_id=run_id, timeout=10.0) as client:

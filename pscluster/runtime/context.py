@@ -135,9 +135,10 @@ class _Batches:
 class _Context:
     """What ``train_fn(ctx)`` is given; ``ProbeContext`` and ``WorkerContext`` are its two kinds."""
 
-    def __init__(self, plan: TrainPlan | None, worker_index: int, num_workers: int, device: torch.device, seed: int):
+    def __init__(self, run_seed: int, worker_index: int, num_workers: int, device: torch.device, seed: int):
+        """``run_seed``: the run's (its batches' order); ``seed``: this worker's own (``seeding``)."""
         self.worker_index, self.num_workers, self.device, self.seed = worker_index, num_workers, device, seed
-        self._plan = plan
+        self._run_seed = run_seed
         self._modules = ModuleSet()
         self._optimizer: torch.optim.Optimizer | None = None
         self._streams: list[_Batches] = []
@@ -179,9 +180,8 @@ class _Context:
         ``loader_workers`` loader processes. ``batch_size``: per worker (default 64, or the DataLoader's)."""
         dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
                                                                  prefetch_factor, pin_memory)
-        seed = self._plan.seed if self._plan is not None else self.seed
         stream = _Batches(self, lambda: worker_batches(dataset, self.worker_index, self.num_workers, batch_size,
-                                                        seed, loader, collate_fn, self.device))
+                                                        self._run_seed, loader, collate_fn, self.device))
         self._streams.append(stream)
         return stream
 
@@ -200,7 +200,7 @@ class ProbeContext(_Context):
     """The context of ``probe``: as worker 0 on the CPU; the loop's first training call ends it."""
 
     def __init__(self, num_workers: int, seed: int):
-        super().__init__(None, 0, num_workers, torch.device("cpu"), seed)
+        super().__init__(seed, 0, num_workers, torch.device("cpu"), seeding.worker_seed(seed, 0))
         self.spec: OptimizerSpec | None = None
 
     @property
@@ -255,15 +255,16 @@ class WorkerContext(_Context):
 
     def __init__(self, spec: ClusterSpec, index: int, plan: TrainPlan, *, join: bool = False, log=None):
         task = spec.task("worker", index)
-        super().__init__(plan, index, plan.num_workers, local_device(task), seeding.worker_seed(plan.seed, index,
-                                                                                                 plan.attempt))
-        self._spec, self._task, self._join, self._log = spec, task, join, log
-        self._emitter = MetricsEmitter(plan.metrics_address, f"worker:{index}", spec.key, run_id=plan.run_id)
+        super().__init__(plan.seed, index, plan.num_workers, local_device(task),
+                         seeding.worker_seed(plan.seed, index, plan.attempt))
+        self._plan, self._spec, self._task, self._join, self._log = plan, spec, task, join, log
+        # from the start (``_start``) on, with the run's plan as it is then
+        self._emitter: MetricsEmitter | None = None
+        self._tally: StepTally | None = None
         self._client: PSClient | None = None
         self._shards: _Shards | None = None
         self._sparse: _SparseRows | None = None
         self._reply = None
-        self._tally = StepTally(plan, index, self._emitter.emit, log)
         self._pending: dict[str, float] = {}  # ctx.log's scalars since the last exchange
         self._unrecorded: dict | None = None  # the last exchange's step, recorded with them at the next one
         self._stop_reason: str | None = None
@@ -289,6 +290,9 @@ class WorkerContext(_Context):
             raise ConfigError(f"worker {self.worker_index} registered modules {list(self._modules.names)} where the "
                               f"run's plan has {list(self._plan.modules)}: register the same modules on every worker")
         model = self._modules.model
+        self._emitter = MetricsEmitter(self._plan.metrics_address, f"worker:{self.worker_index}", self._spec.key,
+                                       run_id=self._plan.run_id)
+        self._tally = StepTally(self._plan, self.worker_index, self._emitter.emit, self._log)
         self._shards = _Shards(model, self._plan, len(self._spec.ps))
         self._client = PSClient(self._spec, task=self.worker_index, run_id=self._plan.run_id,
                                 timeout=self._plan.request_timeout, pinned=self.device.type == "cuda")
@@ -404,7 +408,8 @@ class WorkerContext(_Context):
 
     def close(self) -> None:
         super().close()
-        self._emitter.close()
+        if self._emitter is not None:
+            self._emitter.close()
         if self._client is not None:
             self._client.close()
 

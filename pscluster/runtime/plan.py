@@ -194,7 +194,7 @@ class TrainPlan:
             raise ConfigError(f"eval_every={self.eval_every!r}: use a number of global steps >= 1")
         for name in ("steps", "batch_size", "replicas_to_aggregate", "num_workers", "log_every"):
             value = getattr(self, name)
-            if value is None and name == "batch_size" and self.modules:
+            if value is None and name == "batch_size":  # a user's loop: its batches are its own
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: use a positive integer")

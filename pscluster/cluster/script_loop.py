@@ -1,0 +1,160 @@
+"""``pscluster.init()``: the user's own loop in a script, every task of the cluster running the same script, as with
+TF's ``MonitoredTrainingSession`` or ``torchrun``. The cluster and this process's task come from ``TF_CONFIG`` or
+``PSCLUSTER_CONFIG`` (``task_config``); ``pscluster launch`` sets them for a local cluster.
+
+    ctx = pscluster.init(mode="sync", steps=1000)    # a ps task serves here and never returns
+    model = ctx.model(Net())
+    optimizer = ctx.optimizer(torch.optim.Adam(model.parameters()))
+    for x, y in ctx.shard(train_set, batch_size=64):
+        ...; optimizer.step()
+        if ctx.should_stop():
+            break
+
+- A ps task serves the run and ends the process once the chief has finalized it (TF's ``server.join()``).
+- Each worker makes the run's plan from the modules and the optimizer its script registers (as ``Cluster.run``
+  makes it from its probe), at ``ctx.optimizer()``. The chief records the run in the run store and runs its
+  ``Supervisor`` (metrics, checkpoints, the end), as ``train_from_environment``'s chief does; the other workers
+  join the run the chief started on the ps tasks.
+- The run ends for this worker at the first ``should_stop()`` that is true, or when the script ends; the chief
+  then waits for the run's end and finalizes it (``ctx.run``).
+
+A lost worker process is its scheduler's to start again (it joins the run); a lost ps fails the run, and the job
+started again resumes from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import ConfigError, TrainingError
+from ..metrics.store import RunStore
+from ..runtime import standalone
+from ..runtime.context import WorkerContext
+from ..runtime.plan import TrainPlan, describe_variables, model_tensors
+from ..task_config import from_environment
+from . import run_records
+from .checkpoint_commits import CheckpointCoordinator
+from .run import Run
+from .script_run import close_run
+from .script_tasks import ScriptTasks
+
+LOOP_OPTIONS = ("mode", "steps", "replicas_to_aggregate", "seed", "log_every", "request_timeout", "staleness_bound",
+                "checkpoint_every", "restore", "shared_memory", "buffers", "max_grad_norm", "on_nonfinite",
+                "precision", "placement", "partition")
+
+
+def init(*, name: str | None = None, store: str | os.PathLike | None = None,
+         checkpoint_dir: str | os.PathLike | None = None, checkpoint_secs: float | None = 600.0,
+         keep_checkpoints: int = 5, log=print, **options) -> "ScriptContext":
+    """This process's part of the run (see the module): a ps task serves and exits; a worker gets its context.
+    ``options``: the run's, as ``Cluster.run`` takes them (``mode``, ``steps``, ``seed``, ``placement``...);
+    ``name`` (default: the script's file name), ``store``, the checkpoint options and ``log`` (where this worker
+    prints its progress lines; None: silent) as ``train_from_environment``'s."""
+    unknown = sorted(set(options) - set(LOOP_OPTIONS))
+    if unknown:
+        raise ConfigError(f"pscluster.init() got unknown option {unknown[0]!r}: use one of {', '.join(LOOP_OPTIONS)}")
+    spec, task = from_environment()
+    if task.role == "ps":
+        standalone.serve_run(spec, task)
+        sys.exit(0)
+    if task.role != "worker":
+        raise ConfigError(f"a {task.role} task with pscluster.init(): evaluate in the loop on the chief "
+                          "(if ctx.is_chief: ...), and leave the evaluator out of the cluster")
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
+    return ScriptContext(spec, task.index, options, name=name or script.stem or "script", store=store,
+                         checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints,
+                         checkpoint_secs=checkpoint_secs, log=log, code=script.read_text() if script.is_file() else None)
+
+
+class ScriptContext(WorkerContext):
+    """A script's worker context: its plan is made when the script registers its optimizer (see the module)."""
+
+    def __init__(self, spec, index: int, options: dict, *, name: str, store, checkpoint_dir, checkpoint_secs,
+                 keep_checkpoints: int, log, code: str | None):
+        self._placement = {k: options.pop(k) for k in ("placement", "partition") if k in options}
+        options = {"mode": "sync", "steps": 1000, "restore": True, **options}
+        replicas = options.pop("replicas_to_aggregate", None) or len(spec.workers)
+        # the run's settings; its variables and optimizer come at ctx.optimizer()
+        plan = TrainPlan(run_id=1, batch_size=None, num_workers=len(spec.workers), optimizer="SGD",
+                         replicas_to_aggregate=replicas, overlap=False, **options)
+        super().__init__(spec, index, plan, log=log)
+        self._run_record = dict(name=name, store=store, checkpoint_dir=checkpoint_dir, checkpoint_secs=checkpoint_secs,
+                                keep_checkpoints=keep_checkpoints, code=code)
+        self.run: Run | None = None  # the chief's, once the run started
+        self._ended: Future = Future()  # this worker's summary (the chief's supervisor follows it)
+        self._finishing = False
+        atexit.register(self._at_exit)
+
+    def model(self, module, name: str | None = None):
+        self._modules.add(module, name)  # the plan is made from the modules at ctx.optimizer()
+        return module
+
+    def _check_optimizer(self, spec) -> None:
+        model = self._modules.model
+        self._plan = replace(self._plan, variables=describe_variables(model, len(self._spec.ps), **self._placement),
+                             state_keys=model_tensors(model)[1], optimizer=spec.optimizer,
+                             optimizer_kwargs=spec.kwargs, optimizer_groups=spec.groups, modules=self._modules.names)
+
+    def _start(self) -> None:
+        if self._task.is_chief:
+            self._start_run()
+        else:
+            held = standalone.started_run(self._spec, self._plan.request_timeout)
+            self._plan = replace(self._plan, run_id=held["run_id"], attempt=held["attempt"],
+                                 metrics_address=held["metrics_address"], checkpoint_dir=held["checkpoint_dir"])
+        super()._start()
+
+    def _start_run(self) -> None:
+        """The chief: the run in the run store, its supervisor following this loop and the other workers."""
+        record = self._run_record
+        runs = RunStore(record["store"])
+        plan, _ = run_records.create_run(runs, self._plan, name=record["name"], cluster=self._spec.name,
+                                         spec=self._spec.public_dict(), code=record["code"],
+                                         checkpoint_dir=record["checkpoint_dir"],
+                                         default_dir=lambda _: Path(runs.path).parent / "checkpoints" / record["name"])
+        run_records.end_orphans(runs, plan)
+        tasks = ScriptTasks(self._chief_worker)
+        self.run = Run(self._spec, plan, self._modules.model, None, runs, tasks=tasks,
+                       checkpoints=CheckpointCoordinator(runs, every_s=record["checkpoint_secs"] or None,
+                                                         keep=record["keep_checkpoints"]),
+                       metrics_host=self._task.host, metrics_port=self._task.port)
+        self.run.supervisor.start(lambda supervisor: [tasks.launch_worker(self._spec, t.index, supervisor)
+                                                      for t in self._spec.workers])
+        self._plan = self.run.plan
+
+    def _chief_worker(self, plan: TrainPlan, join: bool) -> dict:
+        """What the supervisor follows as the chief's worker: this script's loop, in the main thread."""
+        if plan.attempt > 0:
+            raise TrainingError("a ps was lost: a script's loop cannot be started again in its process; start the "
+                                "job again, it resumes from the latest checkpoint")
+        return self._ended.result()
+
+    def should_stop(self) -> bool:
+        stop = super().should_stop()
+        if stop and not self._finishing:
+            self._finish()
+        return stop
+
+    def _finish(self) -> None:
+        """This worker's end: its summary; the chief waits for the run's end and finalizes it."""
+        self._finishing = True  # finish() asks should_stop() again
+        try:
+            self._ended.set_result(super().finish())
+        except BaseException as e:
+            self._ended.set_exception(e)
+            raise
+        if self.run is not None:
+            try:
+                self.run.wait(verbose=False)
+            finally:
+                close_run(self._spec, self.run.id)
+
+    def _at_exit(self) -> None:
+        if self._reply is not None and not self._finishing:
+            self._finish()
+        self.close()
