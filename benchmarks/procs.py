@@ -158,15 +158,13 @@ def runtime_worker(model_fn, dataset, loss_fn, *, run_id: int, log, **options) -
 def runtime_loop(train_fn, *, run_id: int, log, mode: str, steps: int, **options) -> dict:
     """Run ``train_fn(ctx)`` as the worker PSCLUSTER_CONFIG names, on the runtime alone, as ``runtime_worker`` runs
     the library's loop: the plan from a probe of ``train_fn`` (as ``Cluster.run`` makes it); its summary."""
-    from pscluster.runtime.context import probe, run_loop
-    from pscluster.runtime.plan import TrainPlan
+    from pscluster.runtime.context import loop_plan, probe, run_loop
     from pscluster.task_config import from_environment
 
     spec, task = from_environment()
-    model, modules, optimizer = probe(train_fn, len(spec.workers), options.get("seed", 0))
-    plan = TrainPlan.for_model(model, optimizer, num_ps=len(spec.ps), run_id=run_id, mode=mode, steps=steps,
-                               batch_size=None, replicas_to_aggregate=len(spec.workers),
-                               num_workers=len(spec.workers), overlap=False, modules=modules, **options)
+    model, modules, optimizers = probe(train_fn, len(spec.workers), options.get("seed", 0))
+    plan = loop_plan(model, modules, optimizers, num_ps=len(spec.ps), run_id=run_id, mode=mode, steps=steps,
+                     num_workers=len(spec.workers), **options)
     return run_loop(spec, task.index, plan, train_fn, log=log)
 
 

@@ -398,7 +398,7 @@ class Cluster:
         optim.check(model, optimizer_spec, steps=steps)
         example_batch = first_batch(dataset, 2, collate_fn)
         check_step(model, loss_fn, step_fn, example_batch)
-        return self._launch(spec, run_plan, optimizer_spec, ship(model_fn, dataset, loss_fn, step_fn, collate_fn),
+        return self._launch(spec, run_plan, [optimizer_spec], ship(model_fn, dataset, loss_fn, step_fn, collate_fn),
                             model_fn=model_fn, loss_fn=loss_fn, step_fn=step_fn, collate_fn=collate_fn,
                             test_dataset=test_dataset, eval_every=eval_every, example_batch=example_batch, name=name,
                             code=code or _source(model_fn), checkpoint_dir=checkpoint_dir,
@@ -425,7 +425,7 @@ class Cluster:
         ``shared_memory``, ``buffers``, ``max_grad_norm``, ``on_nonfinite``, ``precision``) as in ``train``.
         ``code``: kept in the run store (default: the source of ``train_fn``).
         """
-        from ..runtime.context import probe
+        from ..runtime.context import loop_plan, probe
 
         spec = self._require_running("run")
         if self.active_run is not None:
@@ -437,14 +437,14 @@ class Cluster:
         if unknown:
             raise ConfigError(f"Cluster.run() got unknown option {unknown[0]!r}: use one of "
                               f"{', '.join(('mode', 'steps', 'replicas_to_aggregate', *self._LOOP_OPTIONS))}")
-        model, modules, optimizer_spec = probe(train_fn, self.num_workers, options.get("seed", 0))
-        optim.check(model, optimizer_spec, steps=steps)
+        model, modules, optimizers = probe(train_fn, self.num_workers, options.get("seed", 0))
+        for optimizer_spec in optimizers:
+            optim.check(model, optimizer_spec, steps=steps)
         replicas = self.num_workers if replicas_to_aggregate is None else replicas_to_aggregate
-        run_plan = TrainPlan.for_model(model, optimizer_spec, num_ps=self.num_ps, placement=placement,
-                                       partition=partition, run_id=1, mode=mode, steps=steps, batch_size=None,
-                                       replicas_to_aggregate=replicas, num_workers=self.num_workers, restore=restore,
-                                       overlap=False, modules=modules, **options)
-        return self._launch(spec, run_plan, optimizer_spec, ship(train_fn), model_fn=model, name=name,
+        run_plan = loop_plan(model, modules, optimizers, num_ps=self.num_ps, placement=placement,
+                             partition=partition, run_id=1, mode=mode, steps=steps, replicas_to_aggregate=replicas,
+                             num_workers=self.num_workers, restore=restore, **options)
+        return self._launch(spec, run_plan, optimizers, ship(train_fn), model_fn=model, name=name,
                             code=code or _source(train_fn), checkpoint_dir=checkpoint_dir,
                             checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints, resume=resume)
 
@@ -462,6 +462,7 @@ class Cluster:
         ``ReduceLROnPlateau`` set) apply to each step. ``loss_fn`` / ``step_fn``, ``placement``, ``partition``,
         ``seed``, ``name`` and the checkpoint options as in ``train``; ``request_timeout``: the most one step may
         take."""
+        from ..runtime.context import loop_plan
         from ..runtime.session_worker import build_optimizer
         from .session import SESSION_STEPS, Session
 
@@ -478,12 +479,10 @@ class Cluster:
         local = build_optimizer(optimizer, model, optimizer_kwargs)
         optimizer_spec = optim.spec_of(local, list(model.named_parameters()))
         optim.check(model, optimizer_spec)
-        run_plan = TrainPlan.for_model(model, optimizer_spec, num_ps=self.num_ps, placement=placement,
-                                       partition=partition, run_id=1, mode="sync", steps=SESSION_STEPS,
-                                       batch_size=None, replicas_to_aggregate=self.num_workers,
-                                       num_workers=self.num_workers, seed=seed, request_timeout=request_timeout,
-                                       overlap=False, modules=(type(model).__name__,), session=True)
-        run = self._launch(spec, run_plan, optimizer_spec,
+        run_plan = loop_plan(model, (type(model).__name__,), [optimizer_spec], num_ps=self.num_ps,
+                             placement=placement, partition=partition, run_id=1, mode="sync", steps=SESSION_STEPS,
+                             num_workers=self.num_workers, seed=seed, request_timeout=request_timeout, session=True)
+        run = self._launch(spec, run_plan, [optimizer_spec],
                            ship(model_fn, optimizer, optimizer_kwargs, loss_fn, step_fn), model_fn=model,
                            loss_fn=loss_fn, step_fn=step_fn, name=name, code=_source(model_fn),
                            checkpoint_dir=checkpoint_dir, checkpoint_secs=checkpoint_secs,
@@ -494,7 +493,7 @@ class Cluster:
         """The ipyparallel view of ``task``'s engine."""
         return self._engines.view(task.engine_id)
 
-    def _launch(self, spec: ClusterSpec, run_plan: TrainPlan, optimizer_spec: optim.OptimizerSpec, payload: bytes, *,
+    def _launch(self, spec: ClusterSpec, run_plan: TrainPlan, optimizers: list[optim.OptimizerSpec], payload: bytes, *,
                 model_fn, loss_fn=None, step_fn=None, collate_fn=None, test_dataset=None, eval_every=None,
                 example_batch=None, name, code, checkpoint_dir, checkpoint_secs, keep_checkpoints, resume) -> Run:
         """Record the run, give the ps tasks what its optimizer needs, and start its workers under a supervisor
@@ -504,7 +503,7 @@ class Cluster:
             self.store, run_plan, name=name, cluster=self.name, spec=spec.public_dict(), code=code,
             checkpoint_dir=checkpoint_dir, resume=resume, own_default=True,
             default_dir=lambda run_id: Path(self.store.path).parent / "checkpoints" / f"run-{run_id}")
-        self._ship_to_ps(optim.shipped(optimizer_spec))
+        self._ship_to_ps({name: obj for o in optimizers for name, obj in optim.shipped(o).items()})
         run = Run(spec, run_plan, model_fn, loss_fn, self.store, step_fn=step_fn, collate_fn=collate_fn,
                   test_dataset=test_dataset, eval_every=eval_every, tasks=self, checkpoints=checkpoints,
                   payload=payload, metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports,

@@ -34,8 +34,8 @@ from pathlib import Path
 from ..errors import ConfigError, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import standalone
-from ..runtime.context import WorkerContext
-from ..runtime.plan import TrainPlan, describe_variables, model_tensors
+from ..runtime.context import WorkerContext, loop_plan
+from ..runtime.plan import TrainPlan
 from ..task_config import from_environment
 from . import run_records
 from .checkpoint_commits import CheckpointCoordinator
@@ -77,12 +77,11 @@ class ScriptContext(WorkerContext):
     def __init__(self, spec, index: int, options: dict, *, name: str, store, checkpoint_dir, checkpoint_secs,
                  keep_checkpoints: int, log, code: str | None):
         self._placement = {k: options.pop(k) for k in ("placement", "partition") if k in options}
-        options = {"mode": "sync", "steps": 1000, "restore": True, **options}
-        replicas = options.pop("replicas_to_aggregate", None) or len(spec.workers)
         # the run's settings; its variables and optimizer come at ctx.optimizer()
-        plan = TrainPlan(run_id=1, batch_size=None, num_workers=len(spec.workers), optimizer="SGD",
-                         replicas_to_aggregate=replicas, overlap=False, **options)
-        super().__init__(spec, index, plan, log=log)
+        self._settings = {"mode": "sync", "steps": 1000, "restore": True, **options, "run_id": 1,
+                          "num_workers": len(spec.workers),
+                          "replicas_to_aggregate": options.get("replicas_to_aggregate") or len(spec.workers)}
+        super().__init__(spec, index, TrainPlan(batch_size=None, optimizer="SGD", **self._settings), log=log)
         self._run_record = dict(name=name, store=store, checkpoint_dir=checkpoint_dir, checkpoint_secs=checkpoint_secs,
                                 keep_checkpoints=keep_checkpoints, code=code)
         self.run: Run | None = None  # the chief's, once the run started
@@ -95,10 +94,10 @@ class ScriptContext(WorkerContext):
         return module
 
     def _check_optimizer(self, spec) -> None:
-        model = self._modules.model
-        self._plan = replace(self._plan, variables=describe_variables(model, len(self._spec.ps), **self._placement),
-                             state_keys=model_tensors(model)[1], optimizer=spec.optimizer,
-                             optimizer_kwargs=spec.kwargs, optimizer_groups=spec.groups, modules=self._modules.names)
+        """The run's plan, from the model and this optimizer (a script's loop has one optimizer: the run starts
+        at it)."""
+        self._plan = loop_plan(self._modules.model, self._modules.names, [spec], num_ps=len(self._spec.ps),
+                               **self._placement, **self._settings)
 
     def _start(self) -> None:
         if self._task.is_chief:

@@ -20,11 +20,13 @@ Call order on a worker (``run_loop``):
 2. ``ctx.model(module)`` for each module the run's plan names (``TrainPlan.modules``, in that order). Several
    modules are one model to the run, a ``ModuleDict`` of them by name (``run.state_dict()`` keys
    ``<name>.<key>``); one module is the model itself.
-3. ``ctx.optimizer(torch_optimizer)``: the optimizer the plan was made with (its class, defaults and param
-   groups, built on the registered modules' parameters), whose ``step()`` from then on pushes the gradients, has
-   the ps apply the update with that optimizer (its state lives on the ps) and loads the new values. The options
-   of its param groups (a learning rate the loop sets, or a torch ``lr_scheduler`` wrapped around it) travel
-   with each push and apply to that update.
+3. ``ctx.optimizer(torch_optimizer)`` for each optimizer the plan names (its class, defaults and param groups,
+   built on the registered modules' parameters), whose ``step()`` from then on pushes the gradients of its
+   parameters, has the ps apply the update with that optimizer (its state lives on the ps) and loads the new
+   values of its parameters and of its modules' buffers. The options of its param groups (a learning rate the
+   loop sets, or a torch ``lr_scheduler`` wrapped around it) travel with each push and apply to that update.
+   With several optimizers (a GAN's), each step is one optimizer's, in the loop's order; the first optimizer's
+   steps (or the one registered with ``global_step=True``) are the run's global steps.
    Registering it joins the run: the chief initializes the ps tasks with its modules' values (or a
    checkpoint's), every worker's modules get them, before the loop's first forward.
 4. The loop ends when ``ctx.should_stop()`` says so (target step reached, the run stopped from anywhere, or
@@ -38,6 +40,7 @@ optimizer before any worker starts (the plan is made from them); the probe ends 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -48,7 +51,7 @@ from . import seeding
 from .client import PSClient
 from .data import training_input, worker_batches
 from .emitter import MetricsEmitter
-from .optim import OptimizerSpec, numeric_option, spec_of
+from .optim import OptimizerSpec, literal_pattern, numeric_option, spec_of
 from .plan import TrainPlan
 from .protocol import Flag
 from .steps import PRECISIONS, grad_norm, metric_values, samples_in
@@ -88,21 +91,79 @@ class ModuleSet:
         return torch.nn.ModuleDict(self.modules)
 
     def optimizer_spec(self, optimizer) -> OptimizerSpec:
-        """The spec of ``optimizer`` (see ``optim.spec_of``), which must train exactly the registered modules'
-        trainable parameters."""
+        """The spec of ``optimizer`` (see ``optim.spec_of``), built on the registered modules' parameters."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"ctx.optimizer({type(optimizer).__name__}): give a torch.optim.Optimizer built on "
                               "the parameters of the modules given to ctx.model()")
         if not self.modules:
             raise ConfigError("ctx.optimizer() before ctx.model(): register the modules first, then build the "
                               "optimizer on their parameters")
-        named = list(self.model.named_parameters())
-        updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        left_out = [n for n, p in named if p.requires_grad and id(p) not in updated]
+        return spec_of(optimizer, list(self.model.named_parameters()))
+
+
+class Optimizers:
+    """The optimizers a ``train_fn`` registers, in the run's order: the one whose steps are the global steps first
+    (``global_step=True``, else the first registered), the others as registered. Each trains parameters of its own;
+    together, every trainable parameter of the registered modules."""
+
+    def __init__(self):
+        self.registered: list[tuple[torch.optim.Optimizer, OptimizerSpec, bool | None]] = []
+
+    def add(self, optimizer, spec: OptimizerSpec, global_step: bool | None) -> None:
+        if any(o is optimizer for o, _, _ in self.registered):
+            raise ConfigError("ctx.optimizer() was given the same optimizer twice: register each once")
+        if global_step and any(g for _, _, g in self.registered):
+            raise ConfigError("two optimizers with global_step=True: the global step counts one optimizer's steps")
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for other, _, _ in self.registered:
+            if mine & {id(p) for g in other.param_groups for p in g["params"]}:
+                raise ConfigError("two optimizers update one parameter: give each optimizer parameters of its own")
+        self.registered.append((optimizer, spec, global_step))
+
+    @property
+    def ordered(self) -> list[tuple[torch.optim.Optimizer, OptimizerSpec]]:
+        counting = next((i for i, (_, _, g) in enumerate(self.registered) if g), 0)
+        order = [counting] + [i for i in range(len(self.registered)) if i != counting]
+        return [self.registered[i][:2] for i in order]
+
+    def check_trained(self, model: torch.nn.Module) -> None:
+        """ConfigError for a trainable parameter that no optimizer updates (the ps would train it)."""
+        updated = {id(p) for o, _, _ in self.registered for g in o.param_groups for p in g["params"]}
+        left_out = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in updated]
         if left_out:
-            raise ConfigError(f"parameter {left_out[0]} is trainable but in no group of the optimizer: add it, or "
+            raise ConfigError(f"parameter {left_out[0]} is trainable but in no group of an optimizer: add it, or "
                               "set requires_grad=False on it (the ps trains every trainable parameter)")
-        return spec_of(optimizer, named)
+
+
+def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list[OptimizerSpec], *, num_ps: int,
+              placement="round_robin", partition=None, **settings) -> TrainPlan:
+    """The plan of a user's loop over ``model`` (its ``modules``) with ``optimizers`` in the run's order (see
+    ``Optimizers``): each trained variable says which optimizer updates it. With several optimizers, no
+    shared-memory lanes (a lane carries every variable, a push only one optimizer's) and, in sync mode, no backup
+    workers (each optimizer's step waits for every worker)."""
+    first, *more = optimizers
+    if more and settings.get("mode", "sync") == "sync" and \
+            settings.get("replicas_to_aggregate", settings["num_workers"]) != settings["num_workers"]:
+        raise ConfigError("several optimizers with replicas_to_aggregate other than the number of workers: "
+                          "leave replicas_to_aggregate out, or train with one optimizer")
+    if more:
+        settings = {**settings, "shared_memory": False}
+    plan = TrainPlan.for_model(model, first, num_ps=num_ps, placement=placement, partition=partition,
+                               batch_size=None, modules=modules, overlap=False,
+                               more_optimizers=tuple(spec.to_dict() for spec in more), **settings)
+    if not more:
+        return plan
+    which = [set(n for g in spec.groups for n in g["params"]) for spec in optimizers]
+    of_param = {v.parameter: next(k for k, names in enumerate(which) if literal_pattern(v.parameter) in names)
+                for v in plan.variables if v.kind == "param"}
+    # a buffer goes with the optimizer of its module's parameters (a generator's BatchNorm statistics with its steps)
+    of_module = {}
+    for name, k in of_param.items():
+        of_module.setdefault(name.split(".", 1)[0], k)
+    return replace(plan, variables=tuple(
+        replace(v, optimizer=of_param[v.parameter]) if v.kind == "param" else
+        replace(v, optimizer=of_module.get(v.parameter.split(".", 1)[0], 0)) if v.kind == "buffer" else v
+        for v in plan.variables))
 
 
 class _Planned(BaseException):
@@ -140,7 +201,7 @@ class _Context:
         self.worker_index, self.num_workers, self.device, self.seed = worker_index, num_workers, device, seed
         self._run_seed = run_seed
         self._modules = ModuleSet()
-        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizers = Optimizers()
         self._streams: list[_Batches] = []
         self._samples = 0
 
@@ -157,17 +218,16 @@ class _Context:
         self._modules.add(module, name)
         return module
 
-    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def optimizer(self, optimizer: torch.optim.Optimizer, *, global_step: bool | None = None) -> torch.optim.Optimizer:
         """Turn ``optimizer`` (a torch optimizer on the registered modules' parameters) into the run's: the same
-        object, whose ``step()`` pushes the gradients, has the ps apply the update with this optimizer (its
-        state on the ps) and pulls the new values. Its param groups' options set by the loop (a learning rate
-        each iteration, a torch ``lr_scheduler`` around it) apply to the update they go with."""
+        object, whose ``step()`` pushes the gradients of its parameters, has the ps apply the update with this
+        optimizer (its state on the ps) and pulls the new values. Its param groups' options set by the loop (a
+        learning rate each iteration, a torch ``lr_scheduler`` around it) apply to the update they go with.
+        Several optimizers (a GAN's generator and discriminator) each update parameters of their own, stepped in
+        the loop's order; the steps of one are the run's global steps: ``global_step=True``'s, else the first's."""
         spec = self._modules.optimizer_spec(optimizer)
-        if self._optimizer is not None:
-            raise ConfigError("a second ctx.optimizer(): a run trains with one optimizer; give it the parameters of "
-                              "every module, in param groups with options of their own")
+        self._optimizers.add(optimizer, spec, global_step)
         self._check_optimizer(spec)
-        self._optimizer = optimizer
         optimizer.__class__ = _run_optimizer_class(type(optimizer))
         optimizer._pscluster_context = self
         vars(optimizer).pop("step", None)  # an lr_scheduler built earlier wrapped torch's own step
@@ -201,14 +261,10 @@ class ProbeContext(_Context):
 
     def __init__(self, num_workers: int, seed: int):
         super().__init__(seed, 0, num_workers, torch.device("cpu"), seeding.worker_seed(seed, 0))
-        self.spec: OptimizerSpec | None = None
 
     @property
     def global_step(self) -> int:
         return 0
-
-    def _check_optimizer(self, spec: OptimizerSpec) -> None:
-        self.spec = spec
 
     def _training_call(self) -> None:
         raise _Planned
@@ -226,10 +282,10 @@ class ProbeContext(_Context):
         raise _Planned
 
 
-def probe(train_fn, num_workers: int, seed: int) -> tuple[torch.nn.Module, tuple[str, ...], OptimizerSpec]:
+def probe(train_fn, num_workers: int, seed: int) -> tuple[torch.nn.Module, tuple[str, ...], list[OptimizerSpec]]:
     """Call ``train_fn`` as the chief would, up to its loop's first step: (the model of its modules, their
-    names, its optimizer's spec). ConfigError when it registers no module or no optimizer before its loop, or
-    fails before it (the error's first line kept)."""
+    names, its optimizers' specs in the run's order). ConfigError when it registers no module or no optimizer
+    before its loop, or fails before it (the error's first line kept)."""
     ctx = ProbeContext(num_workers, seed)
     seeding.seed_worker(seed, 0)
     try:
@@ -244,10 +300,12 @@ def probe(train_fn, num_workers: int, seed: int) -> tuple[torch.nn.Module, tuple
                           "fix train_fn (it runs here up to its loop's first step, to learn the model)") from None
     finally:
         ctx.close()
-    if not ctx._modules.names or ctx.spec is None:
+    if not ctx._modules.names or not ctx._optimizers.registered:
         raise ConfigError("train_fn reached no training step after ctx.model(module) and ctx.optimizer(optimizer): "
                           "register the model and its optimizer before the loop")
-    return ctx._modules.model, ctx._modules.names, ctx.spec
+    model = ctx._modules.model
+    ctx._optimizers.check_trained(model)
+    return model, ctx._modules.names, [spec for _, spec in ctx._optimizers.ordered]
 
 
 class WorkerContext(_Context):
@@ -270,7 +328,9 @@ class WorkerContext(_Context):
         self._stop_reason: str | None = None
         self._wire = PRECISIONS[plan.precision]
         self._skipped = 0
-        self._since = time.perf_counter()
+        self._since = time.perf_counter()  # the end of the last global step's exchange
+        self._exchanging = 0.0  # exchanges since then
+        self._bytes = (0, 0)  # the client's bytes sent and received then
 
     # --- registration ------------------------------------------------------------------------
     def model(self, module: torch.nn.Module, name: str | None = None) -> torch.nn.Module:
@@ -283,13 +343,22 @@ class WorkerContext(_Context):
 
     def _start(self) -> None:
         """Join the run: the registered modules get the run's values."""
-        if self._optimizer is None:
-            raise ConfigError("the loop began before ctx.optimizer(optimizer): register the model with ctx.model() "
-                              "and its optimizer with ctx.optimizer() first")
+        planned = self._plan.optimizer_specs
+        if len(self._optimizers.registered) != len(planned):
+            raise ConfigError(f"the loop began with {len(self._optimizers.registered)} optimizers registered where the "
+                              f"run's plan has {len(planned)}: register the model with ctx.model() and every "
+                              "optimizer with ctx.optimizer() before the loop")
         if self._modules.names != self._plan.modules:
             raise ConfigError(f"worker {self.worker_index} registered modules {list(self._modules.names)} where the "
                               f"run's plan has {list(self._plan.modules)}: register the same modules on every worker")
+        ordered = self._optimizers.ordered
+        if [(s.optimizer, s.groups) for _, s in ordered] != [(p.optimizer, p.groups) for p in planned]:
+            raise ConfigError(f"worker {self.worker_index} built other optimizers than the run's plan has "
+                              f"({', '.join(p.optimizer for p in planned)}): build the same on every worker")
         model = self._modules.model
+        self._optimizers.check_trained(model)
+        for k, (optimizer, _) in enumerate(ordered):
+            optimizer._pscluster_set = k
         self._emitter = MetricsEmitter(self._plan.metrics_address, f"worker:{self.worker_index}", self._spec.key,
                                        run_id=self._plan.run_id)
         self._tally = StepTally(self._plan, self.worker_index, self._emitter.emit, self._log)
@@ -302,17 +371,16 @@ class WorkerContext(_Context):
         self._sparse = _SparseRows(model, self._plan, self._client)
         self._emitter.emit("state", state="training")
         self._since = time.perf_counter()
+        self._bytes = (self._client.bytes_sent, self._client.bytes_received)
 
-    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        super().optimizer(optimizer)
-        self._start()  # the run's registrations are complete: its values before the first forward
+    def optimizer(self, optimizer: torch.optim.Optimizer, *, global_step: bool | None = None) -> torch.optim.Optimizer:
+        if self._reply is not None:
+            raise ConfigError(f"ctx.optimizer() after the run started: the run's plan has "
+                              f"{len(self._plan.optimizer_specs)} optimizers; register each before the loop")
+        super().optimizer(optimizer, global_step=global_step)
+        if len(self._optimizers.registered) == len(self._plan.optimizer_specs):
+            self._start()  # the run's registrations are complete: its values before the first forward
         return optimizer
-
-    def _check_optimizer(self, spec: OptimizerSpec) -> None:
-        planned = self._plan.optimizer_spec
-        if (spec.optimizer, spec.groups) != (planned.optimizer, planned.groups):
-            raise ConfigError(f"worker {self.worker_index} built optimizer {spec.optimizer} with other groups than "
-                              f"the run's plan ({planned.optimizer}): build the same optimizer on every worker")
 
     def _training_call(self) -> None:
         if self._reply is None:
@@ -351,12 +419,14 @@ class WorkerContext(_Context):
         self._pending.update(metric_values(scalars))
 
     def _exchange(self, optimizer) -> bool:
-        """``optimizer.step()``: this worker's gradients to the ps tasks with its groups' options, the new values
-        back into the model. False when the step was left out (a non-finite gradient, ``on_nonfinite="skip"``)."""
-        plan = self._plan
+        """``optimizer.step()``: the gradients of its parameters to the ps tasks with its groups' options, the new
+        values back into the model. False when the step was left out (a non-finite gradient,
+        ``on_nonfinite="skip"``). The global step's exchange (the first optimizer's) is recorded as a step; the
+        others' time counts in the next one's."""
+        plan, k = self._plan, optimizer._pscluster_set
         t1 = time.perf_counter()
-        norm = grad_norm(self._modules.model, plan.max_grad_norm)
-        if not torch.isfinite(norm):
+        mine = [p for g in optimizer.param_groups for p in g["params"]]
+        if not torch.isfinite(grad_norm(self._modules.model, plan.max_grad_norm, params=mine)):
             step = self.global_step
             if plan.on_nonfinite == "fail":
                 raise NonFiniteError(f"worker {self.worker_index} computed a non-finite gradient at global step "
@@ -366,22 +436,35 @@ class WorkerContext(_Context):
             self._emitter.emit("nonfinite", global_step=step, local_step=self._tally.local_step + 1,
                                problem="gradient")
             return False
-        client = self._client
-        sent, received = client.bytes_sent, client.bytes_received
-        groups = [{k: v for k, v in g.items() if k in optimizer.defaults and numeric_option(v)}
+        groups = [{key: v for key, v in g.items() if key in optimizer.defaults and numeric_option(v)}
                   for g in optimizer.param_groups]
         pushed = _merge(self._shards.grads(self._wire), self._sparse.grads())
-        reply = client.push_pull(self._reply.step, pushed, meta={"groups": groups})
-        self._shards.load(reply)
+        if plan.more_optimizers:
+            pushed = {ps: self._of_optimizer(ids, tensors, k) for ps, (ids, tensors) in pushed.items()}
+        reply = self._client.push_pull(self._reply.step, pushed, meta={"groups": groups, "optimizer": k})
+        # with several optimizers, only this one's variables and buffers: the loop's graphs through the others'
+        # (a generator's output, its backward yet to come) must find them as they were
+        self._shards.load(reply, (lambda v: v.optimizer == k) if plan.more_optimizers else None)
         self._reply = reply
         t2 = time.perf_counter()
-        if self._unrecorded is not None:
-            self._record()
-        self._unrecorded = dict(reply=reply, samples=self._samples, compute_s=t1 - self._since, exchange_s=t2 - t1,
-                                bytes_sent=client.bytes_sent - sent, bytes_received=client.bytes_received - received)
-        self._samples = 0
-        self._since = time.perf_counter()
+        self._exchanging += t2 - t1
+        if k == 0:
+            if self._unrecorded is not None:
+                self._record()
+            sent, received = self._client.bytes_sent, self._client.bytes_received
+            self._unrecorded = dict(reply=reply, samples=self._samples,
+                                    compute_s=t2 - self._since - self._exchanging, exchange_s=self._exchanging,
+                                    bytes_sent=sent - self._bytes[0], bytes_received=received - self._bytes[1])
+            self._samples, self._exchanging, self._bytes = 0, 0.0, (sent, received)
+            self._since = time.perf_counter()
         return True
+
+    def _of_optimizer(self, ids: list[int], tensors: list, k: int) -> tuple[list[int], list]:
+        """What a push of optimizer ``k`` carries of ``(ids, tensors)``: its variables' gradients, and every buffer
+        (the ps keeps the latest; the reply's go back only to optimizer ``k``'s modules, see ``_exchange``)."""
+        kept = [(vid, t) for vid, t in zip(ids, tensors)
+                if (v := self._shards.by_id[vid]).kind == "buffer" or v.optimizer == k]
+        return [vid for vid, _ in kept], [t for _, t in kept]
 
     def _record(self) -> None:
         """The last exchange's step, with what the loop logged since (``loss`` and ``accuracy`` as the step's)."""

@@ -557,6 +557,17 @@ class PsOptimizer:
         self._chunks: dict[torch.Tensor, _Chunks] = chunks or {}
         self._owner = {p: o for o in self.optimizers for g in o.param_groups for p in g["params"]}
         self._owner.update({p: self.optimizers[0] for p in self._chunks})
+        self._sets = [self.optimizers]  # the torch optimizers of each of a user's optimizers (``merged``)
+
+    @classmethod
+    def merged(cls, parts: list[PsOptimizer]) -> PsOptimizer:
+        """One ps optimizer of several (a user's loop with several optimizers, each over its own variables): a
+        step steps each, and each updates the variables that have gradients, those of the push alone."""
+        merged = cls([o for part in parts for o in part.optimizers], [s for part in parts for s in part._schedulers],
+                     {p: c for part in parts for p, c in part._chunks.items()})
+        merged._owner = {p: o for part in parts for p, o in part._owner.items()}
+        merged._sets = [part.optimizers for part in parts]
+        return merged
 
     @property
     def lr(self) -> list[float]:
@@ -577,12 +588,16 @@ class PsOptimizer:
             for c in chunked:
                 c.set_grads(None)
 
-    def set_options(self, groups: list[dict]) -> None:
-        """Give group ``i`` of each optimizer the numeric options ``groups[i]`` (what a user's loop set in its
-        optimizer's ``param_groups``: the learning rate of a warmup, a schedule's momentum), from the next update
-        on. Only options the group has, as numbers or tuples of numbers; ValueError for anything else (a push's
-        options come from the network: checked before anything is changed)."""
-        for optimizer in self.optimizers:
+    def set_options(self, groups: list[dict], optimizer_set: int = 0) -> None:
+        """Give group ``i`` of each torch optimizer of user's optimizer ``optimizer_set`` the numeric options
+        ``groups[i]`` (what a user's loop set in its optimizer's ``param_groups``: the learning rate of a warmup,
+        a schedule's momentum), from the next update on. Only options the group has, as numbers or tuples of
+        numbers; ValueError for anything else (a push's options come from the network: checked before anything is
+        changed)."""
+        if isinstance(optimizer_set, bool) or not isinstance(optimizer_set, int) or \
+                not 0 <= optimizer_set < len(self._sets):
+            raise ValueError(f"optimizer {optimizer_set!r} of {len(self._sets)}")
+        for optimizer in self._sets[optimizer_set]:
             if len(groups) > len(optimizer.param_groups):
                 raise ValueError(f"options of {len(groups)} groups for an optimizer of {len(optimizer.param_groups)}")
             for group, options in zip(optimizer.param_groups, groups):
@@ -592,7 +607,7 @@ class PsOptimizer:
                     if key not in group or key == "params" or not numeric_option(value) or not numeric_option(group[key]) \
                             or _length(value) != _length(group[key]):
                         raise ValueError(f"group option {key!r}={value!r}: only the numeric options a group has")
-        for optimizer in self.optimizers:
+        for optimizer in self._sets[optimizer_set]:
             for group, options in zip(optimizer.param_groups, groups):
                 group.update({k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if k in group})
 

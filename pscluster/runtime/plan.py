@@ -47,6 +47,7 @@ class VariableSpec:
     start: int = 0
     sparse: bool = False
     kind: str = "param"
+    optimizer: int = 0  # a user's loop with several optimizers: the one whose steps push it (``more_optimizers``)
 
     @property
     def trainable(self) -> bool:
@@ -178,6 +179,9 @@ class TrainPlan:
     loader: LoaderOptions = LoaderOptions()  # how each worker reads its batches (loader processes, prefetch...)
     modules: tuple[str, ...] = ()  # a user's loop: the names of the modules it registers (``context``); () for train's
     session: bool = False  # a notebook's session: the workers' loop takes its batches from it (``session_worker``)
+    # a user's loop with several optimizers: the specs (``OptimizerSpec.to_dict()``) of those after the first, whose
+    # variables say so (``VariableSpec.optimizer``); the first one's steps are the global steps
+    more_optimizers: tuple[dict, ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -246,6 +250,11 @@ class TrainPlan:
                    scheduler_options=optimizer.scheduler_options, **settings)
 
     @property
+    def optimizer_specs(self) -> list[OptimizerSpec]:
+        """Every optimizer of the run, the one whose steps are the global steps first."""
+        return [self.optimizer_spec, *(OptimizerSpec.from_dict(d) for d in self.more_optimizers)]
+
+    @property
     def optimizer_spec(self) -> OptimizerSpec:
         return OptimizerSpec(optimizer=self.optimizer, kwargs=self.optimizer_kwargs, groups=self.optimizer_groups,
                              scheduler=self.scheduler, scheduler_options=self.scheduler_options)
@@ -270,6 +279,7 @@ class TrainPlan:
         d["state_keys"] = tuple(tuple(k) for k in d.get("state_keys", ()))
         d["optimizer_groups"] = tuple(d.get("optimizer_groups", ()))
         d["modules"] = tuple(d.get("modules", ()))
+        d["more_optimizers"] = tuple(d.get("more_optimizers", ()))
         d["loader"] = LoaderOptions(**d.get("loader", {}))
         return cls(**d)
 
@@ -289,6 +299,8 @@ class PsConfig:
     names: tuple[str, ...]
     sparse: tuple[bool, ...] = ()
     kinds: tuple[str, ...] = ()
+    more_optimizers: tuple[dict, ...] = ()  # a user's loop with several: the others' specs (``TrainPlan``)
+    optimizer_of: tuple[int, ...] = ()  # per variable: the optimizer that trains it (0 for all when empty)
     staleness_bound: int = 2
     buffers: str = "chief"
     precision: str = "fp32"  # bf16 / fp16: the gradients of fp32 variables arrive in that dtype
@@ -307,6 +319,11 @@ class PsConfig:
         object.__setattr__(self, "sparse", tuple(bool(x) for x in self.sparse) or (False,) * n)
         object.__setattr__(self, "kinds", tuple(str(k) for k in self.kinds) or ("param",) * n)
         object.__setattr__(self, "state", tuple(str(s) for s in self.state))
+        object.__setattr__(self, "more_optimizers", tuple(self.more_optimizers))
+        object.__setattr__(self, "optimizer_of", tuple(int(k) for k in self.optimizer_of) or (0,) * n)
+        if len(self.optimizer_of) != n or not all(0 <= k <= len(self.more_optimizers) for k in self.optimizer_of):
+            raise ValueError(f"optimizer_of {list(self.optimizer_of)} for {n} variables and "
+                             f"{1 + len(self.more_optimizers)} optimizers")
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r}: use sync, async or ssp")
         if self.buffers not in BUFFER_RULES:
@@ -330,6 +347,7 @@ class PsConfig:
         mine = plan.variables_on(ps)
         return cls(mode=plan.mode, steps=plan.steps, replicas_to_aggregate=plan.replicas_to_aggregate,
                    num_workers=plan.num_workers, optimizer=plan.optimizer_spec.to_dict(),
+                   more_optimizers=plan.more_optimizers, optimizer_of=tuple(v.optimizer for v in mine),
                    names=tuple(v.name for v in mine), sparse=tuple(v.sparse for v in mine),
                    kinds=tuple(v.kind for v in mine), staleness_bound=plan.staleness_bound, buffers=plan.buffers,
                    precision=plan.precision,

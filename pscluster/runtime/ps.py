@@ -110,6 +110,7 @@ class _RunState:
     optimizer: PsOptimizer  # of the trained variables, with the run's schedule (see ``optim``)
     sparse: list[bool]
     kinds: list[str] = field(default_factory=list)  # per variable: param, frozen or buffer (plan.KINDS)
+    optimizer_of: list[int] = field(default_factory=list)  # per variable: which of a user's optimizers trains it
     buffer_rule: str = "chief"  # plan.BUFFER_RULES
     half: torch.dtype | None = None  # mixed precision: the dtype the gradients of fp32 variables arrive in
     buffer_values: dict = field(default_factory=dict)  # worker -> the buffer values of its latest applied push
@@ -122,9 +123,10 @@ class _RunState:
     accum: list | None = None  # sync: per variable, a summed dense gradient or a list of (rows, values)
     chunk_sums: ChunkSums = field(default_factory=ChunkSums)  # sync: the variables summed chunk by chunk
     accum_count: int = 0
+    accum_optimizer: int = 0  # sync: which of a user's optimizers the step's gradients are for
     contributors: list[int] = field(default_factory=list)
     waiting: list[tuple[bytes, Message, float]] = field(default_factory=list)  # (identity, header, since)
-    snapshot: tuple[int, list[torch.Tensor], protocol.PayloadTags] | None = None  # step, values, their tags
+    snapshot: tuple[int, list[torch.Tensor], protocol.PayloadTags] | None = None  # updates, values, their tags
     sending: list = field(default_factory=list)  # zmq.MessageTrackers of replies sending dense values zero-copy
     clocks: Counter = field(default_factory=Counter)  # ssp: pushes per worker
     pushes: int = 0
@@ -151,6 +153,8 @@ class _RunState:
     def __post_init__(self):
         # fixed for the run: looked up on every request
         self.kinds = self.kinds or ["param"] * len(self.ids)
+        self.optimizer_of = self.optimizer_of or [0] * len(self.ids)
+        self.optimizer_sets = max(self.optimizer_of, default=0) + 1
         self.rules = AGGREGATION[self.mode]  # what the mode does with a push, chosen once
         self.position = {vid: i for i, vid in enumerate(self.ids)}
         # exchanged with every push and reply: trained dense variables (gradients in, values out) and buffers
@@ -213,15 +217,15 @@ class _RunState:
         return self.optimizer.state(self.params[i], join) if self.kinds[i] == "param" else {}
 
     def params_snapshot(self) -> tuple[list[torch.Tensor], protocol.PayloadTags]:
-        """The current dense values to reply with and the tags of their payload frames, kept for the step
+        """The current dense values to reply with and the tags of their payload frames, kept until the next update
         (every reply of a sync step, and every pull, sends the same values, tagged once, as the first reply is
         sent: see ``parts``). The values are the
         variables themselves: one of ``protocol.COPY_LIMIT`` bytes or more goes without a copy, so the reply is
         tracked (``sending``) and the next update leaves its memory alone until ZeroMQ is done with it
         (``release_sent``); a smaller one is copied as it is sent."""
-        if self.snapshot is None or self.snapshot[0] != self.step:
+        if self.snapshot is None or self.snapshot[0] != self.applied:  # an update (of any optimizer) since
             values = [p.detach() for p in self.dense_params]
-            self.snapshot = (self.step, values, protocol.PayloadTags())
+            self.snapshot = (self.applied, values, protocol.PayloadTags())
         return self.snapshot[1], self.snapshot[2]
 
 
@@ -509,16 +513,20 @@ class ParameterServer:
             # buffers (integer ones too) are plain tensors, frozen parameters take no gradient
             params = [torch.nn.Parameter(t.clone(), requires_grad=kind == "param") if kind != "buffer" else t.clone()
                       for t, kind in zip(msg.tensors[:n], cfg.kinds)]
-            trained = [i for i, kind in enumerate(cfg.kinds) if kind == "param"]
             half = PRECISIONS[cfg.precision]
-            optimizer = build([(cfg.names[i], params[i]) for i in trained], OptimizerSpec.from_dict(cfg.optimizer),
-                              sparse=[cfg.sparse[i] for i in trained],
-                              chunk_numel=[_frame_numel(params[i], half) for i in trained])
+            parts = []
+            for k, spec in enumerate((cfg.optimizer, *cfg.more_optimizers)):  # each over the variables it trains
+                trained = [i for i, kind in enumerate(cfg.kinds) if kind == "param" and cfg.optimizer_of[i] == k]
+                parts.append(build([(cfg.names[i], params[i]) for i in trained], OptimizerSpec.from_dict(spec),
+                                   sparse=[cfg.sparse[i] for i in trained],
+                                   chunk_numel=[_frame_numel(params[i], half) for i in trained]))
+            optimizer = parts[0] if len(parts) == 1 else PsOptimizer.merged(parts)
             run = _RunState(run_id=msg.run_id, mode=cfg.mode, steps=cfg.steps, replicas=cfg.replicas_to_aggregate,
                             ids=list(msg.ids[:n]), names=list(cfg.names), params=params, optimizer=optimizer,
                             sparse=list(cfg.sparse), num_workers=cfg.num_workers, staleness_bound=cfg.staleness_bound,
                             step=cfg.step, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
                             eval_every=cfg.eval_every, attempt=cfg.attempt, kinds=list(cfg.kinds), buffer_rule=cfg.buffers,
+                            optimizer_of=list(cfg.optimizer_of),
                             half=half, metrics_address=cfg.metrics_address)
             self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.state)
             run.optimizer.restore(run.step, cfg.schedule_state)  # the schedule at the starting step
@@ -604,11 +612,15 @@ class ParameterServer:
         if not 0 <= msg.step <= run.steps:
             raise MalformedMessage(f"gradients computed on step {msg.step}: a run of {run.steps} steps has "
                                    f"steps 0..{run.steps}")
-        grads, buffers = self._gradients(run, msg)
-        options = (msg.meta or {}).get("groups")
-        if options is not None:
+        meta = msg.meta or {}
+        optimizer_set = meta.get("optimizer", 0)  # a user's loop with several optimizers: whose step this is
+        if isinstance(optimizer_set, bool) or not isinstance(optimizer_set, int) or \
+                not 0 <= optimizer_set < run.optimizer_sets:
+            raise MalformedMessage(f"push for optimizer {optimizer_set!r}: this run has {run.optimizer_sets}")
+        grads, buffers = self._gradients(run, msg, optimizer_set)
+        if meta.get("groups") is not None:
             try:
-                run.optimizer.set_options(options)  # checked whole before any is set
+                run.optimizer.set_options(meta["groups"], optimizer_set)  # checked whole before any is set
             except (TypeError, ValueError) as e:
                 raise MalformedMessage(f"push's group options: {e}") from None
         if run.park_at is not None and run.step >= run.park_at and not run.stopped:
@@ -621,14 +633,14 @@ class ParameterServer:
             run.late += 1
             self._reply(identity, msg, reply_op, flags=Flag.DROPPED, with_params=with_params)
             return
-        run.rules.push(self, run, identity, msg, grads, buffers, with_params)
+        run.rules.push(self, run, identity, msg, grads, buffers, with_params, optimizer_set)
 
-    def _gradients(self, run: _RunState, msg: Message) -> tuple[list, list[torch.Tensor]]:
+    def _gradients(self, run: _RunState, msg: Message, optimizer_set: int = 0) -> tuple[list, list[torch.Tensor]]:
         """(per trained variable of this ps, in its order: a dense gradient, or for a sparse variable a list of
-        one (row indices, row values) pair; per buffer: its value on the worker). A push holds each variable
-        but the frozen ones once, a sparse one as two tensors in a row (rows, then values); with
-        ``Flag.SHARED`` the dense ones are in the session's lane. Raises ProtocolError on anything that does not
-        fit."""
+        one (row indices, row values) pair, None for one of another of a user's optimizers; per buffer: its value on
+        the worker). A push holds each buffer and each trained variable of ``optimizer_set`` (with one optimizer:
+        all of them) once, a sparse one as two tensors in a row (rows, then values); with ``Flag.SHARED`` the dense ones are in the
+        session's lane. Raises ProtocolError on anything that does not fit."""
         ids, tensors = msg.ids, msg.tensors
         if msg.flags & Flag.SHARED:
             lane = self._lanes.get(msg.nonce)
@@ -640,7 +652,8 @@ class ParameterServer:
         k = 0
         while k < len(ids):
             i = run.position.get(ids[k])
-            if i is None or grads[i] is not None or run.kinds[i] == "frozen":
+            if i is None or grads[i] is not None or run.kinds[i] == "frozen" or \
+                    (run.kinds[i] == "param" and run.optimizer_of[i] != optimizer_set):
                 raise ProtocolError(f"push holds variables {ids}: ps {self.index} takes {run.dense_ids} and its "
                                     "sparse ones, each once")
             param = run.params[i]
@@ -659,7 +672,8 @@ class ParameterServer:
                 raise ProtocolError(f"sparse gradient of variable {ids[k]}: {tuple(values.shape)} values "
                                     f"for {len(rows)} rows of shape {tuple(param.shape[1:])}")
             grads[i], k = [(rows, values)], k + 2
-        if any(g is None for g, kind in zip(grads, run.kinds) if kind != "frozen"):
+        if any(g is None for g, kind, k in zip(grads, run.kinds, run.optimizer_of)
+               if kind == "buffer" or kind == "param" and k == optimizer_set):
             raise ProtocolError(f"push holds variables {ids}: ps {self.index} takes {run.dense_ids} and its "
                                 "sparse ones, each once")
         return [grads[i] for i in run.trained], [g for g, kind in zip(grads, run.kinds) if kind == "buffer"]
@@ -772,12 +786,14 @@ class ParameterServer:
         self._stop.set()
 
     # --- updates -------------------------------------------------------------------
-    def _apply(self, run: _RunState, grads: list, count: int) -> None:
+    def _apply(self, run: _RunState, grads: list, count: int, *, counts: bool = True) -> None:
         """One optimizer step with the mean of ``count`` summed gradients (of the variables this ps owns;
         sparse ones as lists of (rows, values) parts; a dense one on the meta device was applied as it arrived,
-        see ``streamed``)."""
+        see ``streamed``; None: a variable of another of a user's optimizers, left as it is). ``counts``: the update
+        is a global step (a user's loop with several optimizers: its first one's)."""
         run.release_sent()
-        kept = [(p, g) for p, g in zip(run.trained_params, grads) if not (isinstance(g, torch.Tensor) and g.is_meta)]
+        kept = [(p, g) for p, g in zip(run.trained_params, grads)
+                if g is not None and not (isinstance(g, torch.Tensor) and g.is_meta)]
         params, grads = [p for p, _ in kept], [g for _, g in kept]
         lr = run.optimizer.plain_sgd_rate(run.step)
         if lr is not None and grads:  # what SGD's step does without momentum or decay, less its per-call overhead
@@ -797,8 +813,10 @@ class ParameterServer:
             for p in run.trained_params:
                 p.grad = None
         _keep_buffers(run)
-        run.step += 1
         run.applied += 1
+        if not counts:
+            return
+        run.step += 1
         if run.step >= run.steps:
             run.stopped = True
             self._save(run)  # the final checkpoint
@@ -856,7 +874,8 @@ class _Sync:
     joins_on_request = False
 
     @staticmethod
-    def push(server: ParameterServer, run: _RunState, identity, msg: Message, grads, buffers, with_params) -> None:
+    def push(server: ParameterServer, run: _RunState, identity, msg: Message, grads, buffers, with_params,
+             optimizer_set: int = 0) -> None:
         staleness = run.step - msg.step
         if staleness != 0:
             run.dropped_stale += 1
@@ -869,8 +888,11 @@ class _Sync:
         if run.accum is None:
             # one replica per step: applied below, before this request's frames are let go, so not copied
             run.accum = grads if run.replicas_now() == 1 else [_owned(g) for g in grads]
+            run.accum_optimizer = optimizer_set
         else:
             for a, g in zip(run.accum, grads):
+                if g is None:
+                    continue
                 if isinstance(g, torch.Tensor):
                     if not g.is_meta:  # on the meta device: summed in chunks (see streamed)
                         a.add_(g)
@@ -892,7 +914,7 @@ class _Sync:
         """Apply the step once it has its gradients (fewer are needed when workers are lost)."""
         if run.accum is not None and run.accum_count >= run.replicas_now():
             run.chunk_sums.fold(run, run.accum)
-            server._apply(run, run.accum, run.accum_count)
+            server._apply(run, run.accum, run.accum_count, counts=run.accum_optimizer == 0)
             run.accum, run.accum_count, run.contributors = None, 0, []
             server._release_waiting()
 
@@ -920,13 +942,13 @@ class _Async:
     joins_on_request = True  # no step waits for a worker
 
     def push(self, server: ParameterServer, run: _RunState, identity, msg: Message, grads, buffers,
-             with_params) -> None:
+             with_params, optimizer_set: int = 0) -> None:
         staleness = run.step - msg.step
         run.staleness[staleness] += 1
         _note_buffers(run, msg.task, buffers)
         # applied before this request's frames are let go: no copy (they are writable memory of this message
         # alone, so an optimizer that changes a gradient in place changes nothing else)
-        server._apply(run, grads, 1)
+        server._apply(run, grads, 1, counts=optimizer_set == 0)
         self.answer(server, run, identity, msg, staleness, with_params)
 
     @staticmethod
@@ -1035,6 +1057,8 @@ def _frame_numel(param: torch.Tensor, half: torch.dtype | None) -> int:
 def _owned(grad):
     """A copy of a received gradient (dense, or a list of (rows, values) parts): received tensors are
     read-only views of frames that are released after the request."""
+    if grad is None:  # a variable of another of a user's optimizers
+        return None
     if isinstance(grad, torch.Tensor):
         return grad.clone()
     return [(rows.clone(), values.clone()) for rows, values in grad]

@@ -225,11 +225,14 @@ def metric_values(metrics: dict) -> dict[str, float]:
     return out
 
 
-def grad_norm(model: torch.nn.Module, max_norm: float | None = None, skip: set[int] = frozenset()) -> torch.Tensor:
+def grad_norm(model: torch.nn.Module, max_norm: float | None = None, skip: set[int] = frozenset(),
+              params=None) -> torch.Tensor:
     """The total 2-norm of the model's dense gradients (as ``clip_grad_norm_`` computes it); with ``max_norm``,
     the gradients are clipped to it first, by torch's own ``clip_grad_norm_``. ``skip``: ids of parameters left
-    out (without ``max_norm``: those whose gradients are known to be finite, for the non-finite check)."""
-    grads = [p for p in model.parameters() if p.grad is not None and not p.grad.is_sparse and id(p) not in skip]
+    out (without ``max_norm``: those whose gradients are known to be finite, for the non-finite check);
+    ``params``: those to take (default: the model's)."""
+    grads = [p for p in (model.parameters() if params is None else params)
+             if p.grad is not None and not p.grad.is_sparse and id(p) not in skip]
     if not grads:
         return torch.zeros(())
     if max_norm is not None:

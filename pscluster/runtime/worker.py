@@ -151,11 +151,14 @@ class _Shards:
         return self._spares[vid]
 
     @torch.no_grad()
-    def load(self, reply) -> None:
+    def load(self, reply, keep=None) -> None:
         """The reply's values into the model: a value that arrived in its ``spare`` becomes the variable's memory
-        (the old memory its next spare), the others are copied; to a GPU without waiting (see ``host_copies``)."""
+        (the old memory its next spare), the others are copied; to a GPU without waiting (see ``host_copies``).
+        ``keep(variable)``: whether to load it (default: all)."""
         for msg in reply.messages:
             for vid, t in zip(msg.ids, msg.tensors):
+                if keep is not None and not keep(self.by_id[vid]):
+                    continue
                 if t is self._spares.get(vid):
                     tensor = self.params[self.by_id[vid].parameter]
                     self._spares[vid] = tensor.data

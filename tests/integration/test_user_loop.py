@@ -13,7 +13,7 @@ import pscluster
 from pscluster.errors import ConfigError
 
 from .conftest import events, mlp
-from .loops import gpt_plain, gpt_pscluster, mnist_plain, mnist_pscluster
+from .loops import gan_plain, gan_pscluster, gpt_plain, gpt_pscluster, mnist_plain, mnist_pscluster
 
 pytestmark = pytest.mark.integration
 CHANGED_LINES = 10  # the most lines a script may need changed (written anew or rewritten) to run on pscluster
@@ -97,6 +97,32 @@ def test_the_loop_stops_the_run_early_and_says_why(one_worker):
     with threads(one_worker.threads):
         model, _ = gpt_plain.main(seed=1337, max_iters=20)
     assert max_diff(run.state_dict(), model.state_dict()) <= 1e-5
+
+
+def test_a_dcgan_style_loop_with_two_optimizers_on_one_worker_is_the_plain_loop(one_worker):
+    """Generator and discriminator registered apart (by name in the state_dict), each its own Adam, stepped in the
+    loop's order; the generator's steps are the global steps."""
+    added, removed = changed_lines(gan_plain, gan_pscluster)
+    assert added <= CHANGED_LINES, f"{added} lines of the pscluster version differ from the plain script"
+    run = one_worker.run(gan_pscluster.main, mode="sync", steps=30, seed=3).wait(verbose=False)
+    with threads(one_worker.threads):
+        netG, netD, losses = gan_plain.main(seed=3, steps=30)
+    assert run.global_step == 30 and run.local_steps == [30]
+    expected = {**{f"Generator.{k}": v for k, v in netG.state_dict().items()},
+                **{f"Discriminator.{k}": v for k, v in netD.state_dict().items()}}
+    assert max_diff(run.state_dict(), expected) <= 1e-5
+    assert run.metrics()["loss_d"].tolist() == pytest.approx(losses, abs=1e-5)
+    assert [s.optimizer for s in run.plan.optimizer_specs] == ["Adam", "Adam"]
+
+
+def test_two_optimizers_on_two_workers_sync_and_async(two_workers):
+    for mode in ("sync", "async"):
+        run = two_workers.run(gan_pscluster.main, mode=mode, steps=20, seed=3).wait(verbose=False)
+        assert run.status == "finished" and run.global_step == 20, (mode, run.error_line)
+        stats = run.ps_stats
+        assert sum(s["applied"] for s in stats) >= 2 * 20  # the discriminator's updates besides the global steps
+        metrics = run.metrics()
+        assert set(metrics["worker"]) == {0, 1} and metrics[["loss_d", "loss_g"]].notna().all().all()
 
 
 def record_random(ctx):
