@@ -69,7 +69,7 @@ def test_a_runs_handle_cannot_change_its_run(attribute):
 
 # Processes are signalled where the engines' pids are kept, and nowhere else: the rest of the package names a
 # task by its engine (EngineSet.kill, .lost, .remove_engines), whatever host it runs on.
-SIGNALLERS = {"cluster/engines.py", "cluster/reaper.py"}
+SIGNALLERS = {"cluster/engines.py", "cluster/reaper.py", "launch.py"}  # launch.py: the processes it started itself
 SIGNALLING_CALLS = {("os", "kill"), ("os", "killpg"), ("reaper", "kill_all"), ("psutil", "Process")}
 
 
