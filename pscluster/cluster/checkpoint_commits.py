@@ -35,17 +35,24 @@ class CheckpointCoordinator:
         self.keep = keep
         self._last_request = time.monotonic()
 
-    def commit(self, plan: TrainPlan, num_ps: int) -> list[Path]:
-        """Commit every complete step of the current attempt; each is recorded as a 'checkpoint' event."""
+    def commit(self, plan: TrainPlan, num_ps: int, *, prune: bool = True) -> list[Path]:
+        """Commit every complete step of the current attempt; each is recorded as a 'checkpoint' event. Then
+        the newest ``keep`` are kept (``prune=False``: not yet; the caller reads the new ones first and calls
+        ``prune``)."""
         if not plan.checkpoint_dir:
             return []
         written = checkpoint.commit_ready(plan.checkpoint_dir, num_ps=num_ps, run_id=plan.run_id,
                                           attempt=plan.attempt, variables=plan.variables,
                                           optimizer=plan.optimizer, optimizer_kwargs=plan.optimizer_kwargs,
-                                          keep=self.keep, state_keys=plan.state_keys)
+                                          keep=self.keep if prune else None, state_keys=plan.state_keys)
         for step, path in written.items():
             self.store.add_event(plan.run_id, "controller", "checkpoint", {"step": step, "path": str(path)})
         return list(written.values())
+
+    def prune(self, plan: TrainPlan) -> None:
+        """Keep the newest ``keep`` committed checkpoints (after a ``commit(prune=False)``)."""
+        if plan.checkpoint_dir:
+            checkpoint.prune(plan.checkpoint_dir, self.keep)
 
     def rescue(self, plan: TrainPlan, num_ps: int) -> rescue.Assembled | None:
         """After a ps was lost: commit the newest state of the failed attempt (the survivors' shards, the

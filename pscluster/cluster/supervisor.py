@@ -181,12 +181,11 @@ class Supervisor:
                     continue
                 if failed:
                     self.signal_stop()  # other workers must not wait on the failed one
-                committed = self.commit_checkpoints()
+                self.commit_checkpoints()
                 if self.checkpoints.due() and self.plan.checkpoint_dir:
                     self._request_checkpoint()
-                if self.evaluator is not None and self.plan.eval_every:
-                    self._evaluate_checkpoints(committed)
-                elif self.evaluator is not None and self.latest_step >= next_eval:  # no checkpoints: near the step
+                if self.evaluator is not None and not self.plan.eval_every and self.latest_step >= next_eval:
+                    # no checkpoints to evaluate: the parameters near the step
                     self._evaluate_live()
                     next_eval = self.latest_step + self.eval_every
                 time.sleep(0.05)
@@ -256,7 +255,13 @@ class Supervisor:
 
     # --- checkpoints -------------------------------------------------------------------------
     def commit_checkpoints(self) -> list:
-        return self.checkpoints.commit(self.plan, len(self.spec.ps))
+        """Commit the checkpoints the ps tasks have written; those of a step to evaluate are evaluated before any
+        is pruned (``keep_checkpoints``)."""
+        committed = self.checkpoints.commit(self.plan, len(self.spec.ps), prune=False)
+        if self.evaluator is not None and self.plan.eval_every:
+            self._evaluate_checkpoints(committed)
+        self.checkpoints.prune(self.plan)
+        return committed
 
     def latest_checkpoint_step(self) -> int | None:
         return self.checkpoints.latest_step(self.plan)
@@ -333,9 +338,7 @@ class Supervisor:
             self.error_line = "; ".join(errors) + ": fix the cause and train again"
             self.error = "\n".join(tracebacks)
         self.finished = time.time()
-        committed = self.commit_checkpoints()  # the final one
-        if self.evaluator is not None and self.plan.eval_every:
-            self._evaluate_checkpoints(committed)
+        self.commit_checkpoints()  # the final one
         # a worker's last metrics batch may still be in flight when its result arrives
         wait_until(lambda: len(self._workers_done) >= len(results), timeout=2.0)
         self.collector.close()
