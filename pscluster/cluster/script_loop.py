@@ -68,7 +68,8 @@ def init(*, name: str | None = None, store: str | os.PathLike | None = None,
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
     return ScriptContext(spec, task.index, options, name=name or script.stem or "script", store=store,
                          checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints,
-                         checkpoint_secs=checkpoint_secs, log=log, code=script.read_text() if script.is_file() else None)
+                         checkpoint_secs=checkpoint_secs, log=log,
+                         code=script.read_text() if script.is_file() else None)
 
 
 class ScriptContext(WorkerContext):

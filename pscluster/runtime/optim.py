@@ -255,8 +255,9 @@ def _options(options, what: str) -> dict:
 
 def _group(group, i: int) -> dict:
     if not isinstance(group, dict) or "params" not in group:
-        raise ConfigError(f"group {i} is a {type(group).__name__} without 'params': give a dict of 'params' (parameter name patterns such as '*.bias') and the "
-                          "options that differ from the optimizer's keyword arguments")
+        raise ConfigError(f"group {i} is a {type(group).__name__} without 'params': give a dict of 'params' "
+                          "(parameter name patterns such as '*.bias') and the options that differ from the "
+                          "optimizer's keyword arguments")
     patterns = [group["params"]] if isinstance(group["params"], str) else group["params"]
     if not isinstance(patterns, list | tuple) or not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise ConfigError(f"group {i} params is {_kind(group['params'])}: give parameter name patterns such as "
@@ -499,7 +500,8 @@ def spec_of(optimizer: torch.optim.Optimizer, named_parameters) -> OptimizerSpec
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool((a == b).all())
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and bool((a == b).all()))
     return type(a) is type(b) and a == b
 
 
@@ -604,8 +606,8 @@ class PsOptimizer:
                 if not isinstance(options, dict):
                     raise ValueError("group options must be objects of option names and numbers")
                 for key, value in options.items():
-                    if key not in group or key == "params" or not numeric_option(value) or not numeric_option(group[key]) \
-                            or _length(value) != _length(group[key]):
+                    if key not in group or key == "params" or not numeric_option(value) \
+                            or not numeric_option(group[key]) or _length(value) != _length(group[key]):
                         raise ValueError(f"group option {key!r}={value!r}: only the numeric options a group has")
         for optimizer in self._sets[optimizer_set]:
             for group, options in zip(optimizer.param_groups, groups):

@@ -35,8 +35,8 @@ arriving pushes up to T: every ps ends on step T, which the final checkpoint hol
 
 Checkpoints: when the run has a checkpoint directory, the ps writes its shard (variables and optimizer
 state, see ``checkpoint.py``) every ``checkpoint_every`` steps and every ``eval_every`` steps (the controller
-evaluates those), at steps asked for by CHECKPOINT, and at the end; the controller commits a checkpoint once every ps has written its shard of one step. INIT can
-carry optimizer state and a starting step: a restore.
+evaluates those), at steps asked for by CHECKPOINT, and at the end; the controller commits a checkpoint once every
+ps has written its shard of one step. INIT can carry optimizer state and a starting step: a restore.
 
 Membership (MEMBERSHIP): lost workers are left out (sync aggregates the gradients of the live workers
 only, SSP measures the slowest among them) and count as live again from their next request (sync: from their
@@ -525,7 +525,8 @@ class ParameterServer:
                             ids=list(msg.ids[:n]), names=list(cfg.names), params=params, optimizer=optimizer,
                             sparse=list(cfg.sparse), num_workers=cfg.num_workers, staleness_bound=cfg.staleness_bound,
                             step=cfg.step, checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
-                            eval_every=cfg.eval_every, attempt=cfg.attempt, kinds=list(cfg.kinds), buffer_rule=cfg.buffers,
+                            eval_every=cfg.eval_every, attempt=cfg.attempt, kinds=list(cfg.kinds),
+                            buffer_rule=cfg.buffers,
                             optimizer_of=list(cfg.optimizer_of),
                             half=half, metrics_address=cfg.metrics_address)
             self._restore_state(run, msg.ids[n:], msg.tensors[n:], cfg.state)
@@ -639,8 +640,8 @@ class ParameterServer:
         """(per trained variable of this ps, in its order: a dense gradient, or for a sparse variable a list of
         one (row indices, row values) pair, None for one of another of a user's optimizers; per buffer: its value on
         the worker). A push holds each buffer and each trained variable of ``optimizer_set`` (with one optimizer:
-        all of them) once, a sparse one as two tensors in a row (rows, then values); with ``Flag.SHARED`` the dense ones are in the
-        session's lane. Raises ProtocolError on anything that does not fit."""
+        all of them) once, a sparse one as two tensors in a row (rows, then values); with ``Flag.SHARED`` the dense
+        ones are in the session's lane. Raises ProtocolError on anything that does not fit."""
         ids, tensors = msg.ids, msg.tensors
         if msg.flags & Flag.SHARED:
             lane = self._lanes.get(msg.nonce)
