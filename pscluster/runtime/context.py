@@ -138,12 +138,13 @@ class Optimizers:
 def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list[OptimizerSpec], *, num_ps: int,
               placement="round_robin", partition=None, **settings) -> TrainPlan:
     """The plan of a user's loop over ``model`` (its ``modules``) with ``optimizers`` in the run's order (see
-    ``Optimizers``): each trained variable says which optimizer updates it. With several optimizers, no
+    ``Optimizers``): each trained variable says which optimizer updates it; sync aggregates every worker's gradients
+    unless ``replicas_to_aggregate`` says otherwise. With several optimizers, no
     shared-memory lanes (a lane carries every variable, a push only one optimizer's) and, in sync mode, no backup
     workers (each optimizer's step waits for every worker)."""
     first, *more = optimizers
-    if more and settings.get("mode", "sync") == "sync" and \
-            settings.get("replicas_to_aggregate", settings["num_workers"]) != settings["num_workers"]:
+    settings = {**settings, "replicas_to_aggregate": settings.get("replicas_to_aggregate") or settings["num_workers"]}
+    if more and settings.get("mode", "sync") == "sync" and settings["replicas_to_aggregate"] != settings["num_workers"]:
         raise ConfigError("several optimizers with replicas_to_aggregate other than the number of workers: "
                           "leave replicas_to_aggregate out, or train with one optimizer")
     if more:
