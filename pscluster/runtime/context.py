@@ -27,14 +27,15 @@ Call order on a worker (``run_loop``):
    loop sets, or a torch ``lr_scheduler`` wrapped around it) travel with each push and apply to that update.
    With several optimizers (a GAN's), each step is one optimizer's, in the loop's order; the first optimizer's
    steps (or the one registered with ``global_step=True``) are the run's global steps.
-   Registering it joins the run: the chief initializes the ps tasks with its modules' values (or a
+   Registering the last of them joins the run: the chief initializes the ps tasks with its modules' values (or a
    checkpoint's), every worker's modules get them, before the loop's first forward.
 4. The loop ends when ``ctx.should_stop()`` says so (target step reached, the run stopped from anywhere, or
    ``ctx.request_stop(reason)``), or when ``train_fn`` returns: a loop that ends before the run's target ends
    the run.
 
 On the controller, ``probe`` calls ``train_fn`` once with a ``ProbeContext`` to learn the modules and the
-optimizer before any worker starts (the plan is made from them); the probe ends at the loop's first step.
+optimizers before any worker starts (``loop_plan`` makes the plan from them); the probe ends at the loop's first
+training call.
 """
 
 from __future__ import annotations
