@@ -404,10 +404,6 @@ class Cluster:
                             code=code or _source(model_fn), checkpoint_dir=checkpoint_dir,
                             checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints, resume=resume)
 
-    # run options a user's loop shares with train() and TrainPlan holds (their defaults are TrainPlan's)
-    _LOOP_OPTIONS = ("seed", "log_every", "request_timeout", "staleness_bound", "checkpoint_every", "shared_memory",
-                     "buffers", "max_grad_norm", "on_nonfinite", "precision")
-
     def run(self, train_fn, *, mode: str = "sync", steps: int = 1000, replicas_to_aggregate: int | None = None,
             name: str | None = None, code: str | None = None, placement="round_robin", partition: dict | None = None,
             checkpoint_dir: str | os.PathLike | None = None, checkpoint_secs: float | None = 600.0,
@@ -425,7 +421,7 @@ class Cluster:
         ``shared_memory``, ``buffers``, ``max_grad_norm``, ``on_nonfinite``, ``precision``) as in ``train``.
         ``code``: kept in the run store (default: the source of ``train_fn``).
         """
-        from ..runtime.context import loop_plan, probe
+        from ..runtime.context import LOOP_SETTINGS, loop_plan, probe
 
         spec = self._require_running("run")
         if self.active_run is not None:
@@ -433,10 +429,10 @@ class Cluster:
                                     "wait for it (run.wait()) or stop it (run.stop())")
         if not callable(train_fn):
             raise ConfigError("train_fn must be a function of the worker's context: def train_fn(ctx): ...")
-        unknown = sorted(set(options) - set(self._LOOP_OPTIONS))
+        unknown = sorted(set(options) - set(LOOP_SETTINGS))
         if unknown:
             raise ConfigError(f"Cluster.run() got unknown option {unknown[0]!r}: use one of "
-                              f"{', '.join(('mode', 'steps', 'replicas_to_aggregate', *self._LOOP_OPTIONS))}")
+                              f"{', '.join(('mode', 'steps', 'replicas_to_aggregate', *LOOP_SETTINGS))}")
         model, modules, optimizers = probe(train_fn, self.num_workers, options.get("seed", 0))
         for optimizer_spec in optimizers:
             optim.check(model, optimizer_spec, steps=steps)

@@ -34,7 +34,7 @@ from pathlib import Path
 from ..errors import ConfigError, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import standalone
-from ..runtime.context import WorkerContext, loop_plan
+from ..runtime.context import LOOP_SETTINGS, WorkerContext, loop_plan
 from ..runtime.plan import TrainPlan
 from ..task_config import from_environment
 from . import run_records
@@ -43,9 +43,7 @@ from .run import Run
 from .script_run import close_run
 from .script_tasks import ScriptTasks
 
-LOOP_OPTIONS = ("mode", "steps", "replicas_to_aggregate", "seed", "log_every", "request_timeout", "staleness_bound",
-                "checkpoint_every", "restore", "shared_memory", "buffers", "max_grad_norm", "on_nonfinite",
-                "precision", "placement", "partition")
+LOOP_OPTIONS = ("mode", "steps", "replicas_to_aggregate", "restore", "placement", "partition", *LOOP_SETTINGS)
 
 
 def init(*, name: str | None = None, store: str | os.PathLike | None = None,

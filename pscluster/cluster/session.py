@@ -22,7 +22,7 @@ import torch
 
 from ..errors import ConfigError, TrainingError
 from ..runtime import remote
-from ..runtime.optim import numeric_option
+from ..runtime.optim import group_options
 from .run import Run
 
 SESSION_STEPS = 2**31 - 1  # a session's step target: none that a notebook reaches; close() ends it
@@ -76,8 +76,7 @@ class Session:
         if self.run.done:
             raise TrainingError(f"{self.run.name} is over ({self.run.status}): start a new session")
         spec = self.run.spec
-        groups = [{k: v for k, v in g.items() if k in self.optimizer.defaults and numeric_option(v)}
-                  for g in self.optimizer.param_groups]
+        groups = group_options(self.optimizer)
         slices = split(batch, len(spec.workers))
         pending = [self._cluster.task_view(t).apply_async(remote.session_step, self.run.id, t.index, piece, groups,
                                                      self._timeout)

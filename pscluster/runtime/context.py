@@ -52,7 +52,7 @@ from . import seeding
 from .client import PSClient
 from .data import training_input, worker_batches
 from .emitter import MetricsEmitter
-from .optim import OptimizerSpec, literal_pattern, numeric_option, spec_of
+from .optim import OptimizerSpec, group_options, literal_pattern, spec_of
 from .plan import TrainPlan
 from .protocol import Flag
 from .steps import PRECISIONS, grad_norm, metric_values, samples_in
@@ -100,6 +100,11 @@ class ModuleSet:
             raise ConfigError("ctx.optimizer() before ctx.model(): register the modules first, then build the "
                               "optimizer on their parameters")
         return spec_of(optimizer, list(self.model.named_parameters()))
+
+
+# the run's settings a user's loop takes besides mode, steps and replicas_to_aggregate (their defaults: TrainPlan's)
+LOOP_SETTINGS = ("seed", "log_every", "request_timeout", "staleness_bound", "checkpoint_every", "shared_memory",
+                 "buffers", "max_grad_norm", "on_nonfinite", "precision")
 
 
 class Optimizers:
@@ -438,8 +443,7 @@ class WorkerContext(_Context):
             self._emitter.emit("nonfinite", global_step=step, local_step=self._tally.local_step + 1,
                                problem="gradient")
             return False
-        groups = [{key: v for key, v in g.items() if key in optimizer.defaults and numeric_option(v)}
-                  for g in optimizer.param_groups]
+        groups = group_options(optimizer)
         pushed = _merge(self._shards.grads(self._wire), self._sparse.grads())
         if plan.more_optimizers:
             pushed = {ps: self._of_optimizer(ids, tensors, k) for ps, (ids, tensors) in pushed.items()}

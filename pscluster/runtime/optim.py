@@ -462,6 +462,13 @@ def _scheduler(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> lr_sche
         raise _refusal(f"schedule {spec.scheduler} (at step 0)", options, e, _SCHEDULE_FIX) from None
 
 
+def group_options(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The numeric options of each of ``optimizer``'s param groups (its learning rate, betas...): what a push of a
+    user's loop carries for the ps's update (``PsOptimizer.set_options``)."""
+    return [{k: v for k, v in g.items() if k in optimizer.defaults and numeric_option(v)}
+            for g in optimizer.param_groups]
+
+
 def numeric_option(value) -> bool:
     """A finite number (not a bool), or a tuple or list of them: a group option a loop may change per step."""
     if isinstance(value, list | tuple):
