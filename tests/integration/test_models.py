@@ -277,9 +277,11 @@ def test_a_lost_ps_rolls_back_the_buffers_with_the_variables(own_cluster, digits
     assert len(restored) == 1 and restored[0] >= 130  # the newest state: the survivor's shard, a worker's copy
     state = run.state_dict()
     # one batch per global step: a count restored with the variables goes on from the checkpoint's step to the
-    # target (restored at its initial 0, it would end short by the checkpoint's step)
+    # target (restored at its initial 0, it would end short by the checkpoint's step). The rescued checkpoint
+    # takes each ps's newest source: the lost ps's part, a worker's copy, may be a step behind the survivor's
+    # (rescue.assemble), and its counts with it
     for k in ("features.2.num_batches_tracked", "features.6.num_batches_tracked", "head.1.num_batches_tracked"):
-        assert state[k].item() == steps, k
+        assert abs(state[k].item() - steps) <= 1, k
     model = assert_loads_strictly(BNNet, run, tmp_path)
     assert accuracy(model, digits_test) > 0.85
 
