@@ -37,8 +37,7 @@ from .cluster.handle import Cluster
 from .cluster.launchers import KINDS
 from .errors import ConfigError, PSClusterError
 from .metrics.store import default_path
-from .runtime.plan import BUFFER_RULES, NONFINITE
-from .runtime.steps import PRECISIONS
+from .runtime import options
 from .tensorboard_server import TensorBoard
 
 USAGE = ("usage: %pscluster start|attach|train|run|status|placement|checkpoint|kill|scale|tensorboard|stop [options]  "
@@ -46,7 +45,6 @@ USAGE = ("usage: %pscluster start|attach|train|run|status|placement|checkpoint|k
 LAUNCHER_OPTIONS = ("hosts", "ps_hosts", "interface", "ports", "ssh_args", "remote_python", "partition", "account",
                     "time_limit", "qos", "sbatch_args", "mpi_args")
 CELL_COMMANDS = ("train", "run")
-PARTITION_FORM = "NAME=SHARDS, e.g. --partition embedding=2 (a variable name or prefix, a shard count >= 1)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,18 +61,6 @@ class _HelpShown(Exception):
     pass
 
 
-def _partition(text: str) -> tuple[str, int]:
-    """``embedding=2`` -> ``("embedding", 2)``: an argparse type, so a bad value is a one-line usage error."""
-    name, sep, shards = text.rpartition("=")
-    try:
-        count = int(shards)
-    except ValueError:
-        count = 0
-    if not sep or not name.strip() or count < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: use {PARTITION_FORM}")
-    return name.strip(), count
-
-
 def _option(text: str) -> tuple[str, object]:
     """``betas=(0.9, 0.98)`` -> ``("betas", (0.9, 0.98))``: the value as a Python literal (a number, tuple, bool,
     None...), else as a string; an argparse type, so a bad form is a one-line usage error."""
@@ -88,58 +74,10 @@ def _option(text: str) -> tuple[str, object]:
         return key.strip(), value.strip()
 
 
-def _add_run_options(parser: _Parser) -> _Parser:
-    """The options of a run that ``%%pscluster train`` and ``%%pscluster run`` share (see ``_run_options``)."""
-    parser.add_argument("--mode", choices=("sync", "async", "ssp"), default="sync",
-                        help="ssp: bounded staleness (see --staleness-bound)")
-    parser.add_argument("--staleness-bound", type=int, default=2, metavar="N",
-                        help="ssp: how many steps a worker may run ahead of the slowest (default 2)")
-    parser.add_argument("--placement", choices=("round_robin", "round-robin", "greedy", "largest_first"),
-                        default="round_robin",
-                        help="which ps task holds each variable: round-robin in model order, greedy (in model "
-                             "order, each to the least loaded ps, as TF's GreedyLoadBalancingStrategy) or "
-                             "largest_first (the same, largest variable first)")
-    parser.add_argument("--partition", type=_partition, action="append", default=[], metavar="NAME=SHARDS",
-                        help="split variable NAME (or every variable under a prefix) into SHARDS shards along "
-                             "dim 0, across ps tasks; repeatable")
-    parser.add_argument("--steps", type=int, default=1000, help="global step target")
-    parser.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
-                        help="each worker clips its gradients to this total 2-norm before it pushes them")
-    parser.add_argument("--on-nonfinite", choices=NONFINITE, default="fail",
-                        help="a non-finite loss or gradient fails the run (default) or leaves its batch out")
-    parser.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
-                        help="the workers' mixed precision: bf16 (CPU and GPU) or fp16 (GPU, loss scaling)")
-    parser.add_argument("--buffers", choices=BUFFER_RULES, default="chief",
-                        help="the buffers (BatchNorm statistics...) the ps keeps: worker 0's (default) or the mean "
-                             "of every worker's")
-    parser.add_argument("--replicas-to-aggregate", type=int, default=None, help="sync: default all workers")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=100)
-    parser.add_argument("--name", default=None, help="run name")
+def _with_wait(parser: _Parser) -> _Parser:
     parser.add_argument("--wait", action="store_true",
                         help="block until the run ends, with a progress bar and the workers' log lines")
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                        help="write a sharded checkpoint every N global steps (also on demand and at the end)")
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="where checkpoints go; the run starts from the latest one there (default: "
-                             "checkpoints/run-<id> next to the run store)")
-    parser.add_argument("--resume", action="store_const", const="latest", default=None,
-                        help="continue the newest earlier run of the same --name from its latest checkpoint "
-                             "(none yet: from scratch)")
     return parser
-
-
-def _run_options(args, cell: str) -> dict:
-    """The keyword arguments of ``Cluster.train`` / ``Cluster.run`` that ``_add_run_options`` parsed."""
-    if args.staleness_bound < 0:
-        raise UsageError(f"--staleness-bound {args.staleness_bound}: use an integer >= 0 (steps a worker "
-                         "may run ahead of the slowest)")
-    return dict(mode=args.mode, steps=args.steps, staleness_bound=args.staleness_bound, placement=args.placement,
-                partition=dict(args.partition) or None, max_grad_norm=args.max_grad_norm,
-                on_nonfinite=args.on_nonfinite, precision=args.precision, buffers=args.buffers,
-                replicas_to_aggregate=args.replicas_to_aggregate, seed=args.seed, log_every=args.log_every,
-                name=args.name, code=cell, checkpoint_every=args.checkpoint_every,
-                checkpoint_dir=args.checkpoint_dir, resume=args.resume)
 
 
 def _parsers() -> dict[str, _Parser]:
@@ -177,16 +115,7 @@ def _parsers() -> dict[str, _Parser]:
     start.add_argument("--mpi-arg", dest="mpi_args", action="append", default=[], metavar="ARG",
                        help="mpi: an mpiexec argument (repeatable), e.g. --mpi-arg=--hostfile --mpi-arg=hosts.txt")
 
-    train = _add_run_options(_Parser(prog="%%pscluster train"))
-    train.add_argument("--pipeline", action="store_true",
-                       help="async: compute the next gradients while the push-pull is in flight (one step stale)")
-    train.add_argument("--no-overlap", dest="overlap", action="store_false",
-                       help="push only after backward (by default sync pushes over the socket leave during it, "
-                       "and a GPU worker copies its gradients to the host during it)")
-    train.add_argument("--batch-size", type=int, default=None, help="per worker (default 64, or the DataLoader's)")
-    train.add_argument("--loader-workers", type=int, default=0, metavar="N",
-                       help="loader processes per worker that build the next batches ahead of the step")
-    train.add_argument("--optimizer", default="sgd", help="a torch.optim class name")
+    train = _with_wait(options.add_flags(_Parser(prog="%%pscluster train"), options.TRAIN))
     train.add_argument("--lr", type=float, default=0.01, help="learning rate")
     train.add_argument("--momentum", type=float, default=None, help="(optimizers that take it)")
     train.add_argument("--opt", type=_option, action="append", default=[], metavar="KEY=VALUE",
@@ -205,8 +134,9 @@ def _parsers() -> dict[str, _Parser]:
                        help="take dataset, loss_fn, test_dataset and the step function from earlier cells when "
                             "this cell does not define them")
 
-    run = _add_run_options(_Parser(prog="%%pscluster run", description="the cell is the body of train_fn(ctx), "
-                                   "run on every worker: your own training loop"))
+    run = _with_wait(options.add_flags(_Parser(prog="%%pscluster run", description="the cell is the body of "
+                                               "train_fn(ctx), run on every worker: your own training loop"),
+                                       options.RUN))
 
     kill = _Parser(prog="%pscluster kill", description="SIGKILL one task, to try a failure: the run recovers")
     kill.add_argument("task", help="role:index, e.g. worker:1 or ps:0")
@@ -268,9 +198,9 @@ class PSClusterMagics(Magics):
     def _start(self, args, cell):
         if self.cluster is not None and self.cluster.running:
             raise UsageError(f"cluster {self.cluster.name} is already running: %pscluster stop it first")
-        options = {k: v for k in LAUNCHER_OPTIONS if (v := getattr(args, k))}
+        launcher_options = {k: v for k in LAUNCHER_OPTIONS if (v := getattr(args, k))}
         cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads,
-                          detached=args.detached, launcher=args.launcher, encrypt=args.encrypt, **options)
+                          detached=args.detached, launcher=args.launcher, encrypt=args.encrypt, **launcher_options)
         where = "local engines" if args.launcher == "local" else f"engines started by the {args.launcher} launcher"
         print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on {where}...", flush=True)
         self.cluster = cluster.start()
@@ -293,7 +223,7 @@ class PSClusterMagics(Magics):
 
     def _train(self, args, cell):
         cluster = self._running("train on")
-        options = _run_options(args, cell)
+        given = options.from_flags(args, options.TRAIN)
         defined = _defined_names(cell)
         if "model" not in defined:
             raise UsageError("the %%pscluster train cell defines no `model`: assign a torch.nn.Module "
@@ -317,22 +247,20 @@ class PSClusterMagics(Magics):
             kwargs["momentum"] = args.momentum
         test_dataset = ns.get("test_dataset") if "test_dataset" in defined or args.reuse else None
         run = cluster.train(ns["model"], ns["dataset"], None if args.step_fn else ns["loss_fn"],
-                            step_fn=ns[args.step_fn] if args.step_fn else None, optimizer=args.optimizer,
-                            loader_workers=args.loader_workers,
+                            step_fn=ns[args.step_fn] if args.step_fn else None,
                             scheduler=ns.get(args.scheduler, args.scheduler) if args.scheduler else None,
-                            scheduler_options=dict(args.scheduler_opt) or None, batch_size=args.batch_size,
-                            test_dataset=test_dataset, pipeline=args.pipeline, overlap=args.overlap,
-                            **options, **kwargs)
+                            scheduler_options=dict(args.scheduler_opt) or None, test_dataset=test_dataset, code=cell,
+                            **given, **kwargs)
         return self._follow(run, args.wait)
 
     def _run(self, args, cell):
         cluster = self._running("run on")
-        options = _run_options(args, cell)
+        given = options.from_flags(args, options.RUN)
         try:
             train_fn = _cell_function(cell, self.shell.user_ns)
         except SyntaxError as e:
             raise UsageError(f"the %%pscluster run cell does not parse: {e.msg} (line {e.lineno - 1})") from None
-        return self._follow(cluster.run(train_fn, **options), args.wait)
+        return self._follow(cluster.run(train_fn, code=cell, **given), args.wait)
 
     def _follow(self, run, wait: bool):
         """Show a run that started: its dashboard, and with ``wait`` its progress until it ends (Ctrl-C stops it)."""

@@ -14,6 +14,7 @@ from ..errors import ConfigError, RuntimeTimeout, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import checkpoint, rescue
 from ..runtime.client import PSClient
+from ..runtime.options import DEFAULTS, check
 from ..runtime.plan import TrainPlan
 from ..runtime.ps import PASSED, wait_until
 from ..spec import ClusterSpec
@@ -25,13 +26,10 @@ class CheckpointCoordinator:
     """Commits the checkpoints of one run (see the module docstring); every ``every_s`` seconds asks the
     ps tasks for one more."""
 
-    def __init__(self, store: RunStore, *, every_s: float | None = None, keep: int = 5):
-        if every_s is not None and every_s <= 0:
-            raise ConfigError(f"checkpoint_secs={every_s}: give a positive number of seconds, or None")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ConfigError(f"keep_checkpoints={keep!r}: keep at least 1")
+    def __init__(self, store: RunStore, *, every_s: float | None = None, keep: int = DEFAULTS.keep_checkpoints):
+        check(checkpoint_secs=every_s, keep_checkpoints=keep)
         self.store = store
-        self.every_s = every_s
+        self.every_s = every_s or None
         self.keep = keep
         self._last_request = time.monotonic()
 

@@ -27,6 +27,8 @@ from ..metrics.store import RunStore
 from ..runtime import remote
 from ..runtime.data import first_batch, training_input
 from ..runtime import optim
+from ..runtime import options as run_options
+from ..runtime.options import DEFAULTS
 from ..runtime.plan import TrainPlan, describe_variables
 from ..runtime.steps import check_step
 from ..runtime.worker import build_model
@@ -276,18 +278,23 @@ class Cluster:
             raise ClusterStateError(f"cannot {what}: the cluster is not running, start() it first")
         return self.spec
 
-    def train(self, model_fn, dataset, loss_fn=None, *, step_fn=None, optimizer="sgd", param_groups=None,
-              scheduler=None, scheduler_options: dict | None = None, mode: str = "sync", steps: int = 1000,
-              batch_size: int | None = None, replicas_to_aggregate: int | None = None, seed: int = 0,
-              log_every: int = 100, request_timeout: float = 120.0, name: str | None = None,
-              code: str | None = None, test_dataset=None, eval_every: int | None = None,
-              placement="round_robin", partition: dict | None = None, staleness_bound: int = 2,
-              checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
-              checkpoint_secs: float | None = 600.0, keep_checkpoints: int = 5, restore: bool = True,
-              resume: str | int | None = None, shared_memory: bool = True, pipeline: bool = False,
-              overlap: bool = True, buffers: str = "chief",
-              max_grad_norm: float | None = None, on_nonfinite: str = "fail", precision: str = "fp32",
-              collate_fn=None, loader_workers: int = 0, prefetch_factor: int | None = None, pin_memory: bool = False,
+    def train(self, model_fn, dataset, loss_fn=None, *, step_fn=None, optimizer=DEFAULTS.optimizer,
+              param_groups=None, scheduler=None, scheduler_options: dict | None = None, mode: str = DEFAULTS.mode,
+              steps: int = DEFAULTS.steps, batch_size: int | None = DEFAULTS.batch_size,
+              replicas_to_aggregate: int | None = DEFAULTS.replicas_to_aggregate, seed: int = DEFAULTS.seed,
+              log_every: int = DEFAULTS.log_every, request_timeout: float = DEFAULTS.request_timeout,
+              name: str | None = DEFAULTS.name, code: str | None = None, test_dataset=None,
+              eval_every: int | None = DEFAULTS.eval_every, placement=DEFAULTS.placement,
+              partition: dict | None = DEFAULTS.partition, staleness_bound: int = DEFAULTS.staleness_bound,
+              checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
+              checkpoint_every: int = DEFAULTS.checkpoint_every,
+              checkpoint_secs: float | None = DEFAULTS.checkpoint_secs,
+              keep_checkpoints: int = DEFAULTS.keep_checkpoints, restore: bool = DEFAULTS.restore,
+              resume: str | int | None = DEFAULTS.resume, shared_memory: bool = DEFAULTS.shared_memory,
+              pipeline: bool = DEFAULTS.pipeline, overlap: bool = DEFAULTS.overlap, buffers: str = DEFAULTS.buffers,
+              max_grad_norm: float | None = DEFAULTS.max_grad_norm, on_nonfinite: str = DEFAULTS.on_nonfinite,
+              precision: str = DEFAULTS.precision, collate_fn=None, loader_workers: int = DEFAULTS.loader_workers,
+              prefetch_factor: int | None = DEFAULTS.prefetch_factor, pin_memory: bool = DEFAULTS.pin_memory,
               **optimizer_kwargs) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
@@ -404,10 +411,7 @@ class Cluster:
                             code=code or _source(model_fn), checkpoint_dir=checkpoint_dir,
                             checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints, resume=resume)
 
-    def run(self, train_fn, *, mode: str = "sync", steps: int = 1000, replicas_to_aggregate: int | None = None,
-            name: str | None = None, code: str | None = None, placement="round_robin", partition: dict | None = None,
-            checkpoint_dir: str | os.PathLike | None = None, checkpoint_secs: float | None = 600.0,
-            keep_checkpoints: int = 5, restore: bool = True, resume: str | int | None = None, **options) -> Run:
+    def run(self, train_fn, *, code: str | None = None, **options) -> Run:
         """Run ``train_fn(ctx)`` on every worker, the user's own training loop (see ``pscluster.runtime.context``),
         in the background; returns its Run, as ``train`` does.
 
@@ -415,13 +419,12 @@ class Cluster:
         modules it gives ``ctx.model`` and the optimizer it gives ``ctx.optimizer``: the run's variables, their
         placement and the ps tasks' optimizer come from them. Then each worker calls it: its modules hold the
         run's values once registered, ``optimizer.step()`` is the exchange with the ps tasks.
+        ``options``: those of ``pscluster.runtime.options`` that a user's loop takes (``options.names("run")``:
         ``mode``, ``steps`` (the global step target ``ctx.should_stop()`` watches), ``replicas_to_aggregate``,
-        ``placement``, ``partition``, the checkpoint options, ``restore``, ``resume``, ``name`` and ``options``
-        (``seed``, ``log_every``, ``request_timeout``, ``staleness_bound``, ``checkpoint_every``,
-        ``shared_memory``, ``buffers``, ``max_grad_norm``, ``on_nonfinite``, ``precision``) as in ``train``.
-        ``code``: kept in the run store (default: the source of ``train_fn``).
+        ``seed``, ``placement``, ``partition``, the checkpoint options, ``restore``, ``resume``, ``name``...),
+        as in ``train``. ``code``: kept in the run store (default: the source of ``train_fn``).
         """
-        from ..runtime.context import LOOP_SETTINGS, loop_plan, probe
+        from ..runtime.context import loop_plan, probe
 
         spec = self._require_running("run")
         if self.active_run is not None:
@@ -429,25 +432,22 @@ class Cluster:
                                     "wait for it (run.wait()) or stop it (run.stop())")
         if not callable(train_fn):
             raise ConfigError("train_fn must be a function of the worker's context: def train_fn(ctx): ...")
-        unknown = sorted(set(options) - set(LOOP_SETTINGS))
-        if unknown:
-            raise ConfigError(f"Cluster.run() got unknown option {unknown[0]!r}: use one of "
-                              f"{', '.join(('mode', 'steps', 'replicas_to_aggregate', *LOOP_SETTINGS))}")
-        model, modules, optimizers = probe(train_fn, self.num_workers, options.get("seed", 0))
+        given = run_options.take(run_options.RUN, options, caller="Cluster.run()")
+        launch = {name: given.pop(name) for name in run_options.RECORD_OPTIONS}
+        model, modules, optimizers = probe(train_fn, self.num_workers, given["seed"])
         for optimizer_spec in optimizers:
-            optim.check(model, optimizer_spec, steps=steps)
-        replicas = self.num_workers if replicas_to_aggregate is None else replicas_to_aggregate
-        run_plan = loop_plan(model, modules, optimizers, num_ps=self.num_ps, placement=placement,
-                             partition=partition, run_id=1, mode=mode, steps=steps, replicas_to_aggregate=replicas,
-                             num_workers=self.num_workers, restore=restore, **options)
-        return self._launch(spec, run_plan, optimizers, ship(train_fn), model_fn=model, name=name,
-                            code=code or _source(train_fn), checkpoint_dir=checkpoint_dir,
-                            checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints, resume=resume)
+            optim.check(model, optimizer_spec, steps=given["steps"])
+        run_plan = loop_plan(model, modules, optimizers, num_ps=self.num_ps, run_id=1, num_workers=self.num_workers,
+                             **given)
+        return self._launch(spec, run_plan, optimizers, ship(train_fn), model_fn=model,
+                            code=code or _source(train_fn), **launch)
 
-    def session(self, model_fn, optimizer, loss_fn=None, *, step_fn=None, name: str | None = None, seed: int = 0,
-                placement="round_robin", partition: dict | None = None, request_timeout: float = 120.0,
-                checkpoint_dir: str | os.PathLike | None = None, checkpoint_secs: float | None = 600.0,
-                keep_checkpoints: int = 5, **optimizer_kwargs) -> "Session":
+    def session(self, model_fn, optimizer, loss_fn=None, *, step_fn=None, name: str | None = DEFAULTS.name,
+                seed: int = DEFAULTS.seed, placement=DEFAULTS.placement, partition: dict | None = DEFAULTS.partition,
+                request_timeout: float = DEFAULTS.request_timeout,
+                checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
+                checkpoint_secs: float | None = DEFAULTS.checkpoint_secs,
+                keep_checkpoints: int = DEFAULTS.keep_checkpoints, **optimizer_kwargs) -> "Session":
         """A session over the workers for a loop the notebook drives (seed 004's in-graph replication; see
         ``pscluster.cluster.session``): ``session.step(batch)`` splits the batch across the workers, the ps tasks
         apply one averaged update (sync), and it returns the batch's loss and metrics.
@@ -641,8 +641,8 @@ class Cluster:
         self.kill_task(victim)
         return victim.pid
 
-    def plan(self, model_fn, *, placement="round_robin", partition: dict | None = None, optimizer="sgd",
-             seed: int = 0, **optimizer_kwargs) -> PlacementPlan:
+    def plan(self, model_fn, *, placement=DEFAULTS.placement, partition: dict | None = DEFAULTS.partition,
+             optimizer=DEFAULTS.optimizer, seed: int = DEFAULTS.seed, **optimizer_kwargs) -> PlacementPlan:
         """Where ``train`` would put the model's variables, without training (or starting the cluster: only
         the number of ps tasks counts). ``placement`` and ``partition`` as in ``train``; ``optimizer`` and
         its keyword arguments say how much optimizer state each ps keeps next to its variables.

@@ -34,7 +34,8 @@ from pathlib import Path
 from ..errors import ConfigError, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import standalone
-from ..runtime.context import LOOP_SETTINGS, WorkerContext, loop_plan
+from ..runtime.context import WorkerContext, loop_plan
+from ..runtime.options import RECORD_OPTIONS, SCRIPT, take
 from ..runtime.plan import TrainPlan
 from ..task_config import from_environment
 from . import run_records
@@ -43,19 +44,13 @@ from .run import Run
 from .script_run import close_run
 from .script_tasks import ScriptTasks
 
-LOOP_OPTIONS = ("mode", "steps", "replicas_to_aggregate", "restore", "placement", "partition", *LOOP_SETTINGS)
-
-
-def init(*, name: str | None = None, store: str | os.PathLike | None = None,
-         checkpoint_dir: str | os.PathLike | None = None, checkpoint_secs: float | None = 600.0,
-         keep_checkpoints: int = 5, log=print, **options) -> "ScriptContext":
+def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "ScriptContext":
     """This process's part of the run (see the module): a ps task serves and exits; a worker gets its context.
-    ``options``: the run's, as ``Cluster.run`` takes them (``mode``, ``steps``, ``seed``, ``placement``...);
-    ``name`` (default: the script's file name), ``store``, the checkpoint options and ``log`` (where this worker
-    prints its progress lines; None: silent) as ``train_from_environment``'s."""
-    unknown = sorted(set(options) - set(LOOP_OPTIONS))
-    if unknown:
-        raise ConfigError(f"pscluster.init() got unknown option {unknown[0]!r}: use one of {', '.join(LOOP_OPTIONS)}")
+    ``options``: the run's, as ``Cluster.run`` takes them (``options.names("script")``: ``mode``, ``steps``,
+    ``seed``, ``placement``, the checkpoint options, ``name`` (default: the script's file name)...); ``store`` and
+    ``log`` (where this worker prints its progress lines; None: silent) as ``train_from_environment``'s."""
+    given = take(SCRIPT, options, caller="pscluster.init()")
+    record = {name: given.pop(name) for name in RECORD_OPTIONS if name in given}
     spec, task = from_environment()
     if task.role == "ps":
         standalone.serve_run(spec, task)
@@ -64,10 +59,9 @@ def init(*, name: str | None = None, store: str | os.PathLike | None = None,
         raise ConfigError(f"a {task.role} task with pscluster.init(): evaluate in the loop on the chief "
                           "(if ctx.is_chief: ...), and leave the evaluator out of the cluster")
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
-    return ScriptContext(spec, task.index, options, name=name or script.stem or "script", store=store,
-                         checkpoint_dir=checkpoint_dir, keep_checkpoints=keep_checkpoints,
-                         checkpoint_secs=checkpoint_secs, log=log,
-                         code=script.read_text() if script.is_file() else None)
+    record["name"] = record["name"] or script.stem or "script"
+    return ScriptContext(spec, task.index, given, store=store, log=log,
+                         code=script.read_text() if script.is_file() else None, **record)
 
 
 class ScriptContext(WorkerContext):
@@ -75,10 +69,9 @@ class ScriptContext(WorkerContext):
 
     def __init__(self, spec, index: int, options: dict, *, name: str, store, checkpoint_dir, checkpoint_secs,
                  keep_checkpoints: int, log, code: str | None):
-        self._placement = {k: options.pop(k) for k in ("placement", "partition") if k in options}
+        self._placement = {k: options.pop(k) for k in ("placement", "partition")}
         # the run's settings; its variables and optimizer come at ctx.optimizer()
-        self._settings = {"mode": "sync", "steps": 1000, "restore": True, **options, "run_id": 1,
-                          "num_workers": len(spec.workers),
+        self._settings = {**options, "run_id": 1, "num_workers": len(spec.workers),
                           "replicas_to_aggregate": options.get("replicas_to_aggregate") or len(spec.workers)}
         super().__init__(spec, index, TrainPlan(batch_size=None, optimizer="SGD", **self._settings), log=log)
         self._run_record = dict(name=name, store=store, checkpoint_dir=checkpoint_dir, checkpoint_secs=checkpoint_secs,

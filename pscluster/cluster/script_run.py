@@ -32,6 +32,7 @@ from ..metrics.store import RunStore
 from ..runtime import standalone
 from ..runtime.client import PSClient
 from ..runtime.data import first_batch
+from ..runtime.options import DEFAULTS
 from ..runtime.steps import check_step
 from ..runtime.worker import build_model, run_worker
 from ..task_config import from_environment
@@ -41,10 +42,12 @@ from .run import Run
 from .script_evaluator import evaluate_checkpoints
 from .script_tasks import ScriptTasks
 
-def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, name: str | None = None,
-                           store: str | os.PathLike | None = None, test_dataset=None, eval_every: int | None = None,
-                           checkpoint_dir: str | os.PathLike | None = None, checkpoint_secs: float | None = 600.0,
-                           keep_checkpoints: int = 5, log=print, **options):
+def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, name: str | None = DEFAULTS.name,
+                           store: str | os.PathLike | None = None, test_dataset=None,
+                           eval_every: int | None = DEFAULTS.eval_every,
+                           checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
+                           checkpoint_secs: float | None = DEFAULTS.checkpoint_secs,
+                           keep_checkpoints: int = DEFAULTS.keep_checkpoints, log=print, **options):
     """Run this process's task of the cluster in ``TF_CONFIG`` / ``PSCLUSTER_CONFIG``: the chief returns the
     ``Run`` (as ``Cluster.train(...).wait()`` does), another worker its summary, a ps task
     ``{"task", "role": "ps", "global_step"}``, the evaluator ``{"task", "role": "evaluator", "run_id",

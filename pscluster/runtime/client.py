@@ -24,6 +24,7 @@ from ..errors import ConfigError, PeerLost, ProtocolError, RunOver, RuntimeTimeo
 from ..spec import ClusterSpec
 from . import curve, host_copies, parts, protocol
 from .lanes import Lane, LaneError
+from .options import DEFAULTS
 from .protocol import Flag, Message, Op
 
 HEARTBEAT_IVL_MS = 1000
@@ -91,7 +92,7 @@ class PSClient:
     ``spec.encrypt``); the constructor opens a session with each ps (HELLO)."""
 
     def __init__(self, spec: ClusterSpec, *, task: int = protocol.NO_TASK, run_id: int = 0,
-                 timeout: float = 120.0, context: zmq.Context | None = None, only: list[int] | None = None,
+                 timeout: float = DEFAULTS.request_timeout, context: zmq.Context | None = None, only: list[int] | None = None,
                  pinned: bool = False):
         """``only``: connect to these ps tasks alone (the survivors, when one was lost). ``pinned``: replies that
         arrive in parts are assembled in page-locked memory (a CUDA worker's: from there they go to the GPU

@@ -53,6 +53,7 @@ from .client import PSClient
 from .data import training_input, worker_batches
 from .emitter import MetricsEmitter
 from .optim import OptimizerSpec, group_options, literal_pattern, spec_of
+from .options import DEFAULTS
 from .plan import TrainPlan
 from .protocol import Flag
 from .steps import PRECISIONS, grad_norm, metric_values, samples_in
@@ -102,11 +103,6 @@ class ModuleSet:
         return spec_of(optimizer, list(self.model.named_parameters()))
 
 
-# the run's settings a user's loop takes besides mode, steps and replicas_to_aggregate (their defaults: TrainPlan's)
-LOOP_SETTINGS = ("seed", "log_every", "request_timeout", "staleness_bound", "checkpoint_every", "shared_memory",
-                 "buffers", "max_grad_norm", "on_nonfinite", "precision")
-
-
 class Optimizers:
     """The optimizers a ``train_fn`` registers, in the run's order: the one whose steps are the global steps first
     (``global_step=True``, else the first registered), the others as registered. Each trains parameters of its own;
@@ -142,7 +138,7 @@ class Optimizers:
 
 
 def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list[OptimizerSpec], *, num_ps: int,
-              placement="round_robin", partition=None, **settings) -> TrainPlan:
+              placement=DEFAULTS.placement, partition=None, **settings) -> TrainPlan:
     """The plan of a user's loop over ``model`` (its ``modules``) with ``optimizers`` in the run's order (see
     ``Optimizers``): each trained variable says which optimizer updates it; sync aggregates every worker's gradients
     unless ``replicas_to_aggregate`` says otherwise. With several optimizers, no
@@ -150,7 +146,8 @@ def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list
     workers (each optimizer's step waits for every worker)."""
     first, *more = optimizers
     settings = {**settings, "replicas_to_aggregate": settings.get("replicas_to_aggregate") or settings["num_workers"]}
-    if more and settings.get("mode", "sync") == "sync" and settings["replicas_to_aggregate"] != settings["num_workers"]:
+    if more and settings.get("mode", DEFAULTS.mode) == "sync" and \
+            settings["replicas_to_aggregate"] != settings["num_workers"]:
         raise ConfigError("several optimizers with replicas_to_aggregate other than the number of workers: "
                           "leave replicas_to_aggregate out, or train with one optimizer")
     if more:

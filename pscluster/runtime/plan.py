@@ -9,24 +9,20 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
 from ..errors import ConfigError
 from ..footprint import placement_line
 from .data import LoaderOptions
+from .options import BUFFER_RULES, DEFAULTS, MODES, OPTIONS, check
 from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer, sparse_modules
 from .protocol import NO_TASK
 from .sharding import Variable, shard_map
 from .steps import PRECISIONS
 
-MODES = ("sync", "async", "ssp")
-
-
 KINDS = ("param", "frozen", "buffer")
-BUFFER_RULES = ("chief", "average")
-NONFINITE = ("fail", "skip")
 
 
 @dataclass(frozen=True)
@@ -105,7 +101,7 @@ def model_tensors(model: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor,
     return tensors, tuple(keys)
 
 
-def describe_variables(model: torch.nn.Module, num_ps: int, placement="round_robin",
+def describe_variables(model: torch.nn.Module, num_ps: int, placement=DEFAULTS.placement,
                        partition=None) -> tuple[VariableSpec, ...]:
     """The VariableSpecs of ``model``'s state (``model_tensors``: parameters, frozen parameters, buffers, in
     state_dict order), split by ``partition`` and placed by ``placement`` (see
@@ -158,24 +154,24 @@ class TrainPlan:
     replicas_to_aggregate: int = 1
     num_workers: int = 1
     variables: tuple[VariableSpec, ...] = ()
-    seed: int = 0
-    log_every: int = 100
+    seed: int = DEFAULTS.seed
+    log_every: int = DEFAULTS.log_every
     metrics_address: str | None = None
-    request_timeout: float = 120.0
-    staleness_bound: int = 2  # ssp: how many steps a worker may run ahead of the slowest
+    request_timeout: float = DEFAULTS.request_timeout
+    staleness_bound: int = DEFAULTS.staleness_bound
     checkpoint_dir: str | None = None  # where the ps tasks write their shards (None: no checkpoints)
-    checkpoint_every: int = 0  # global steps between checkpoints (0: only on demand and at the end)
+    checkpoint_every: int = DEFAULTS.checkpoint_every
     eval_every: int = 0  # global steps between the checkpoints the controller evaluates (0: no evaluation)
-    restore: bool = False  # the chief starts from the latest checkpoint in checkpoint_dir, if there is one
+    restore: bool = DEFAULTS.restore  # the chief starts from the latest checkpoint in checkpoint_dir, if there is one
     attempt: int = 0  # restarts of this run after a lost ps
-    shared_memory: bool = True  # workers exchange dense values with ps on their host through shared memory
-    pipeline: bool = False  # async: a worker computes its next gradients while its push-pull is in flight
-    overlap: bool = True  # pushes leave (``overlap``), a GPU's gradients are copied (``staging``) during backward
+    shared_memory: bool = DEFAULTS.shared_memory
+    pipeline: bool = DEFAULTS.pipeline
+    overlap: bool = DEFAULTS.overlap  # pushes leave (``overlap``), GPU gradients are copied (``staging``) in backward
     state_keys: tuple[tuple[str, str], ...] = ()  # every key of the model's state_dict and the variable it holds
-    buffers: str = "chief"  # how the ps keeps the buffers the workers push (BUFFER_RULES)
-    max_grad_norm: float | None = None  # each worker clips its gradients to this total 2-norm before it pushes
-    on_nonfinite: str = "fail"  # a non-finite loss or gradient: fail the run, or skip the batch (NONFINITE)
-    precision: str = "fp32"  # the workers' mixed precision (steps.PRECISIONS): autocast, and the gradients' dtype
+    buffers: str = DEFAULTS.buffers
+    max_grad_norm: float | None = DEFAULTS.max_grad_norm
+    on_nonfinite: str = DEFAULTS.on_nonfinite
+    precision: str = DEFAULTS.precision  # autocast in the workers, and the gradients' dtype (steps.PRECISIONS)
     loader: LoaderOptions = LoaderOptions()  # how each worker reads its batches (loader processes, prefetch...)
     modules: tuple[str, ...] = ()  # a user's loop: the names of the modules it registers (``context``); () for train's
     session: bool = False  # a notebook's session: the workers' loop takes its batches from it (``session_worker``)
@@ -184,42 +180,16 @@ class TrainPlan:
     more_optimizers: tuple[dict, ...] = ()
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ConfigError(f"unknown mode {self.mode!r}: use 'sync', 'async' or 'ssp'")
-        if isinstance(self.staleness_bound, bool) or not isinstance(self.staleness_bound, int) \
-                or self.staleness_bound < 0:
-            raise ConfigError(f"staleness_bound={self.staleness_bound!r}: use an integer >= 0 (steps a worker "
-                              "may run ahead of the slowest)")
-        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
-                or self.checkpoint_every < 0:
-            raise ConfigError(f"checkpoint_every={self.checkpoint_every!r}: use a number of global steps >= 1, "
-                              "or 0 for checkpoints on demand and at the end only")
+        check(**{name: getattr(self, name) for name in PLAN_OPTIONS})
+        for name in ("replicas_to_aggregate", "num_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: use a positive integer")
         if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
             raise ConfigError(f"eval_every={self.eval_every!r}: use a number of global steps >= 1")
-        for name in ("steps", "batch_size", "replicas_to_aggregate", "num_workers", "log_every"):
-            value = getattr(self, name)
-            if value is None and name == "batch_size":  # a user's loop: its batches are its own
-                continue
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r}: use a positive integer")
         if not 0 < self.run_id < 2**32:
             raise ConfigError("run_id must fit in 32 bits and be non-zero")
-        if self.request_timeout <= 0:
-            raise ConfigError("request_timeout must be positive (seconds)")
-        if self.buffers not in BUFFER_RULES:
-            raise ConfigError(f"buffers={self.buffers!r}: use 'chief' (the chief worker's buffers, as DDP's "
-                              "broadcast_buffers) or 'average' (the mean of every worker's latest)")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r}: use 'fp32', 'bf16' (CPU and GPU) or 'fp16' (GPU, with "
-                              "loss scaling)")
-        if self.on_nonfinite not in NONFINITE:
-            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: use 'fail' (the run fails at that step) or "
-                              "'skip' (the batch is left out)")
         if self.max_grad_norm is not None:
-            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, int | float) \
-                    or not self.max_grad_norm > 0:
-                raise ConfigError(f"max_grad_norm={self.max_grad_norm!r}: use a positive number (the total 2-norm "
-                                  "each worker clips its gradients to), or None")
             if any(v.sparse for v in self.variables):
                 raise ConfigError("max_grad_norm with sparse embeddings: torch clips dense gradients only; build "
                                   "the embedding with sparse=False, or train without max_grad_norm")
@@ -239,7 +209,7 @@ class TrainPlan:
                               "or build the embedding with sparse=False")
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, optimizer: OptimizerSpec, *, num_ps: int, placement="round_robin",
+    def for_model(cls, model: torch.nn.Module, optimizer: OptimizerSpec, *, num_ps: int, placement=DEFAULTS.placement,
                   partition=None, **settings) -> "TrainPlan":
         """The plan of training ``model`` with ``optimizer`` on ``num_ps`` ps tasks: its state as variables placed by
         ``placement`` and ``partition`` (``describe_variables``), its state_dict keys, the optimizer's fields, and
@@ -284,6 +254,10 @@ class TrainPlan:
         return cls(**d)
 
 
+# the run's options a plan holds, checked as the options are (its eval_every is the controller's: 0 for none)
+PLAN_OPTIONS = tuple(f.name for f in fields(TrainPlan) if f.name in OPTIONS and f.name != "eval_every")
+
+
 @dataclass(frozen=True)
 class PsConfig:
     """What the chief tells one ps at INIT (as JSON, beside the initial values): the run's settings, taken from its
@@ -301,12 +275,12 @@ class PsConfig:
     kinds: tuple[str, ...] = ()
     more_optimizers: tuple[dict, ...] = ()  # a user's loop with several: the others' specs (``TrainPlan``)
     optimizer_of: tuple[int, ...] = ()  # per variable: the optimizer that trains it (0 for all when empty)
-    staleness_bound: int = 2
-    buffers: str = "chief"
-    precision: str = "fp32"  # bf16 / fp16: the gradients of fp32 variables arrive in that dtype
+    staleness_bound: int = DEFAULTS.staleness_bound
+    buffers: str = DEFAULTS.buffers
+    precision: str = DEFAULTS.precision  # bf16 / fp16: the gradients of fp32 variables arrive in that dtype
     metrics_address: str | None = None
     checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int = DEFAULTS.checkpoint_every
     eval_every: int = 0  # a shard at every multiple of it too, for the controller's evaluations
     attempt: int = 0
     step: int = 0

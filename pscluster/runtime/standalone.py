@@ -26,6 +26,7 @@ from ..task_config import from_environment
 from .client import PSClient
 from .data import training_input
 from .optim import OptimizerSpec, check, named_groups
+from .options import DEFAULTS
 from .plan import TrainPlan
 from .ps import ParameterServer
 from .worker import build_model, run_worker
@@ -60,16 +61,19 @@ def _serve(spec: ClusterSpec, task: TaskSpec, *, one_run: bool) -> int | None:
     return server.run.step if server.run is not None else None
 
 
-def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer="sgd", param_groups=None, scheduler=None,
-                scheduler_options: dict | None = None, mode: str = "sync", steps: int = 1000,
-                batch_size: int | None = None, replicas_to_aggregate: int | None = None, seed: int = 0,
-                log_every: int = 100, request_timeout: float = 120.0, staleness_bound: int = 2,
-                placement="round_robin", partition: dict | None = None, shared_memory: bool = True,
-                pipeline: bool = False, overlap: bool = True, buffers: str = "chief",
-                max_grad_norm: float | None = None,
-                on_nonfinite: str = "fail", precision: str = "fp32", collate_fn=None, loader_workers: int = 0,
-                prefetch_factor: int | None = None, pin_memory: bool = False, checkpoint_every: int = 0,
-                restore: bool = True, **optimizer_kwargs) -> tuple[TrainPlan, object, object]:
+def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer=DEFAULTS.optimizer, param_groups=None,
+                scheduler=None, scheduler_options: dict | None = None, mode: str = DEFAULTS.mode,
+                steps: int = DEFAULTS.steps, batch_size: int | None = DEFAULTS.batch_size,
+                replicas_to_aggregate: int | None = DEFAULTS.replicas_to_aggregate, seed: int = DEFAULTS.seed,
+                log_every: int = DEFAULTS.log_every, request_timeout: float = DEFAULTS.request_timeout,
+                staleness_bound: int = DEFAULTS.staleness_bound, placement=DEFAULTS.placement,
+                partition: dict | None = DEFAULTS.partition, shared_memory: bool = DEFAULTS.shared_memory,
+                pipeline: bool = DEFAULTS.pipeline, overlap: bool = DEFAULTS.overlap, buffers: str = DEFAULTS.buffers,
+                max_grad_norm: float | None = DEFAULTS.max_grad_norm, on_nonfinite: str = DEFAULTS.on_nonfinite,
+                precision: str = DEFAULTS.precision, collate_fn=None, loader_workers: int = DEFAULTS.loader_workers,
+                prefetch_factor: int | None = DEFAULTS.prefetch_factor, pin_memory: bool = DEFAULTS.pin_memory,
+                checkpoint_every: int = DEFAULTS.checkpoint_every, restore: bool = DEFAULTS.restore,
+                **optimizer_kwargs) -> tuple[TrainPlan, object, object]:
     """``(plan, dataset, collate_fn)`` of a run on ``spec`` (run id 1 until the chief's run store gives it
     one; the dataset and collate function as a DataLoader given for ``dataset`` unpacks into); the options
     as ``Cluster.train``'s. Checks the model and optimizer, as ``train()`` does."""

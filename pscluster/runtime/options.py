@@ -1,0 +1,229 @@
+"""The options of a run, each defined once: its name, default, type, allowed values and help.
+
+Every way into a run takes its options from here: ``Cluster.train`` and ``%%pscluster train`` (``TRAIN``),
+``Cluster.run`` and ``%%pscluster run`` (``RUN``), ``Cluster.session`` (``SESSION``), a script's loop,
+``pscluster.init()`` (``SCRIPT``), and a script trained by ``train_from_environment()`` (``TRAIN_SCRIPT``). The
+magics' flags are made from here (``add_flags``), and the plan the ps tasks and workers get (``plan.TrainPlan``)
+checks its fields of the same names here (``check``).
+A default is written here alone: the API's signatures name it (``seed: int = DEFAULTS.seed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ..errors import ConfigError
+from .sharding import STRATEGIES
+from .steps import PRECISIONS
+
+TRAIN, RUN, SESSION, SCRIPT, TRAIN_SCRIPT = "train", "run", "session", "script", "train_script"
+TRAINS = frozenset({TRAIN, TRAIN_SCRIPT})  # pscluster's own loop
+LOOPS = frozenset({*TRAINS, RUN, SCRIPT})  # the entries whose runs have a step target and a mode
+EVERY = frozenset({*LOOPS, SESSION})
+
+MODES = ("sync", "async", "ssp")
+BUFFER_RULES = ("chief", "average")
+NONFINITE = ("fail", "skip")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a magic's flag takes an option whose value is not a plain number or word: ``parse`` turns one
+    ``--flag VALUE`` into a value (an argparse type); ``many``: the flag repeats and its values make a dict;
+    ``const``: a flag without a value that sets this one."""
+
+    parse: object = None
+    many: bool = False
+    const: object = None
+    metavar: str | None = None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a run. ``kind``: the type its value has (``int``, ``float``, ``str``, ``bool``; None: any
+    object, checked where it is used); ``least``: the smallest number allowed (``above``: the value must exceed
+    it); ``optional``: None is allowed too; ``choices``: the words allowed (for ``kind=None``, the words a flag
+    takes); ``fix``: what the one-line error tells to use; ``flag``: how a magic's flag takes it where its kind
+    does not say (see ``Flag``)."""
+
+    name: str
+    default: object
+    help: str
+    entries: frozenset
+    kind: type | None = None
+    choices: tuple = ()
+    least: float | None = None
+    above: bool = False
+    optional: bool = False
+    fix: str = ""
+    flag: Flag = Flag()
+
+    def check(self, value, *, as_flag: bool = False) -> None:
+        """Raise a one-line ConfigError naming the fix unless ``value`` is one this option takes (``as_flag``: the
+        error names the magic's flag)."""
+        if value is None and (self.optional or self.default is None):
+            return
+        kind = self.kind
+        wrong_type = kind is not None and (
+            isinstance(value, bool) != (kind is bool) or
+            not isinstance(value, (int, float) if kind is float else kind))
+        if kind is str and self.choices and isinstance(value, str):
+            wrong_type = value not in self.choices
+        bound = self.least is not None and not wrong_type and (value <= self.least if self.above else
+                                                               value < self.least)
+        if wrong_type or bound:
+            given = f"{self.flag_name} {value}" if as_flag else f"{self.name}={value!r}"
+            raise ConfigError(f"{given}: use {self.fix or self._wanted()}")
+
+    def _wanted(self) -> str:
+        if self.choices and self.kind is str:
+            *first, last = (repr(c) for c in self.choices)
+            return f"{', '.join(first)} or {last}"
+        what = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}.get(self.kind, "a value")
+        if self.least is not None:
+            what += f" {'>' if self.above else '>='} {self.least:g}"
+        return what + (", or None" if self.optional else "")
+
+    @property
+    def flag_name(self) -> str:
+        """The magic's flag: ``--max-grad-norm``; a bool option true by default is turned off with ``--no-...``."""
+        word = self.name.replace("_", "-")
+        return f"--no-{word}" if self.kind is bool and self.default else f"--{word}"
+
+
+def _options(*options: Option) -> dict[str, Option]:
+    return {o.name: o for o in options}
+
+
+def _partition(text: str) -> tuple[str, int]:
+    """``embedding=2`` -> ``("embedding", 2)``: an argparse type, so a bad value is a one-line usage error."""
+    name, sep, shards = text.rpartition("=")
+    try:
+        count = int(shards)
+    except ValueError:
+        count = 0
+    if not sep or not name.strip() or count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use NAME=SHARDS, e.g. --partition embedding=2 (a variable name "
+                                         "or prefix, a shard count >= 1)")
+    return name.strip(), count
+
+
+OPTIONS: dict[str, Option] = _options(
+    Option("mode", "sync", "sync: each global step averages the workers' gradients; async: each push is applied as "
+           "it comes; ssp: bounded staleness (see staleness_bound)", LOOPS, str, MODES),
+    Option("steps", 1000, "the global step target", LOOPS, int, least=1),
+    Option("replicas_to_aggregate", None, "sync: the gradients averaged per global step (default: one per worker; "
+           "fewer make the others backup workers)", LOOPS, int, least=1, optional=True),
+    Option("seed", 0, "the run's seed: the model's initial values, each worker's random streams (from the seed, "
+           "the worker and the attempt) and its data order", EVERY, int),
+    Option("log_every", 100, "global steps between a worker's progress lines", LOOPS, int, least=1),
+    Option("request_timeout", 120.0, "seconds a worker waits for a ps's reply before it counts the ps as lost",
+           EVERY, float, least=0, above=True, fix="a number of seconds > 0"),
+    Option("staleness_bound", 2, "ssp: how many steps a worker may run ahead of the slowest", LOOPS, int, least=0,
+           fix="an integer >= 0 (steps a worker may run ahead of the slowest)"),
+    Option("placement", "round_robin", "which ps task holds each variable: round_robin (in model order), greedy "
+           "(each to the least loaded ps, as TF's GreedyLoadBalancingStrategy), largest_first (the same, largest "
+           "first), a {variable: ps} dict or a strategy from pscluster.placement", EVERY, None,
+           tuple(STRATEGIES)),
+    Option("partition", None, "split variable NAME (or every variable under a prefix) into SHARDS shards along "
+           "dim 0, across ps tasks: {name: shards or a partitioner}", EVERY, dict,
+           flag=Flag(parse=_partition, many=True, metavar="NAME=SHARDS")),
+    Option("checkpoint_dir", None, "where checkpoints go; the run starts from the latest one there (default: "
+           "checkpoints/run-<id> next to the run store)", EVERY, (str, os.PathLike), fix="a folder's path"),
+    Option("checkpoint_every", 0, "global steps between checkpoints (0: on demand and at the end only)", LOOPS, int,
+           least=0, fix="a number of global steps >= 1, or 0 for checkpoints on demand and at the end only"),
+    Option("checkpoint_secs", 600.0, "seconds between checkpoints (0 or None: off)", EVERY, float, least=0,
+           optional=True, fix="a number of seconds, or 0 or None for none"),
+    Option("keep_checkpoints", 5, "how many of the newest checkpoints are kept", EVERY, int, least=1),
+    Option("restore", True, "the chief starts from the latest checkpoint in checkpoint_dir when there is one",
+           LOOPS, bool),
+    Option("resume", None, "continue the newest earlier run of the same name (resume='latest') or the run of that "
+           "id from its latest checkpoint (none yet: from scratch)", frozenset({TRAIN, RUN}), None,
+           flag=Flag(const="latest")),
+    Option("name", None, "the run's name", EVERY, str),
+    Option("shared_memory", True, "a worker exchanges dense values with a ps on its own host through shared "
+           "memory (off: always over the socket)", LOOPS, bool),
+    Option("pipeline", False, "async: each worker computes its next gradients while its push-pull is in flight "
+           "(every gradient one step stale)", TRAINS, bool),
+    Option("overlap", True, "a worker's pushes leave during backward, and a GPU worker copies its gradients to the "
+           "host during it", TRAINS, bool),
+    Option("buffers", "chief", "the buffers (BatchNorm statistics...) the ps keeps: worker 0's (chief, as DDP's "
+           "broadcast_buffers) or the mean of every worker's latest (average)", LOOPS, str, BUFFER_RULES),
+    Option("max_grad_norm", None, "each worker clips its gradients to this total 2-norm before it pushes them",
+           LOOPS, float, least=0, above=True, optional=True,
+           fix="a positive number (the total 2-norm each worker clips its gradients to), or None"),
+    Option("on_nonfinite", "fail", "a non-finite loss or gradient fails the run at that step (fail) or leaves its "
+           "batch out (skip)", LOOPS, str, NONFINITE),
+    Option("precision", "fp32", "the workers' mixed precision: bf16 (CPU and GPU) or fp16 (GPU, with loss "
+           "scaling)", LOOPS, str, tuple(PRECISIONS)),
+    Option("batch_size", None, "per worker (default 64, or the DataLoader's)", TRAINS, int, least=1),
+    Option("loader_workers", 0, "loader processes per worker that build the next batches ahead of the step",
+           TRAINS, int, least=0),
+    Option("prefetch_factor", None, "batches each loader process keeps ready", TRAINS, int, least=1),
+    Option("pin_memory", False, "page-locked batches for GPU workers", TRAINS, bool),
+    Option("eval_every", None, "global steps between evaluations of test_dataset (default: a tenth of steps)",
+           TRAINS, int, least=1),
+    Option("optimizer", "sgd", "a torch.optim class or its name, or any optimizer class", TRAINS, None),
+)
+
+# the options the controller keeps to record a run and commit its checkpoints, which its plan does not carry
+RECORD_OPTIONS = ("name", "checkpoint_dir", "checkpoint_secs", "keep_checkpoints", "resume")
+
+DEFAULTS = SimpleNamespace(**{name: o.default for name, o in OPTIONS.items()})
+
+
+def names(entry: str) -> tuple[str, ...]:
+    """The options ``entry`` takes, in definition order."""
+    return tuple(name for name, o in OPTIONS.items() if entry in o.entries)
+
+
+def check(**values) -> None:
+    """Check each given option's value (see ``Option.check``)."""
+    for name, value in values.items():
+        OPTIONS[name].check(value)
+
+
+def take(entry: str, given: dict, *, caller: str, also: tuple[str, ...] = ()) -> dict:
+    """The options ``entry`` takes, each given value checked and the others at their defaults. A name ``entry``
+    does not take (nor one of ``also``, its caller's own) is a one-line ConfigError that names the closest."""
+    known = (*names(entry), *also)
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(known)}"
+            raise ConfigError(f"{caller} got unknown option {name!r}: {hint}")
+    check(**{k: v for k, v in given.items() if k in OPTIONS})
+    return {**{name: OPTIONS[name].default for name in names(entry)}, **given}
+
+
+def add_flags(parser: argparse.ArgumentParser, entry: str) -> argparse.ArgumentParser:
+    """A magic's flag for every option ``entry`` takes, with the option's default and help."""
+    for name in names(entry):
+        o, spec = OPTIONS[name], OPTIONS[name].flag
+        if o.kind is bool:
+            parser.add_argument(o.flag_name, dest=name, action="store_false" if o.default else "store_true",
+                                help=o.help)
+        elif spec.const is not None:
+            parser.add_argument(o.flag_name, dest=name, action="store_const", const=spec.const, default=o.default,
+                                help=o.help)
+        elif spec.many:
+            parser.add_argument(o.flag_name, dest=name, type=spec.parse, action="append", default=[],
+                                metavar=spec.metavar, help=o.help + " (repeatable)")
+        else:
+            kind = o.kind if o.kind in (int, float) else None
+            parser.add_argument(o.flag_name, dest=name, type=spec.parse or kind, choices=o.choices or None,
+                                default=o.default, metavar=spec.metavar, help=o.help)
+    return parser
+
+
+def from_flags(args: argparse.Namespace, entry: str) -> dict:
+    """The options ``add_flags`` parsed into ``args``, checked, as keyword arguments of ``entry``'s call."""
+    values = {name: getattr(args, name) for name in names(entry)}
+    values.update({name: dict(values[name]) or None for name in values if OPTIONS[name].flag.many})
+    for name, value in values.items():
+        OPTIONS[name].check(value, as_flag=True)
+    return values
