@@ -328,6 +328,7 @@ class WorkerContext(_Context):
         self._sparse: _SparseRows | None = None
         self._reply = None
         self._pending: dict[str, float] = {}  # ctx.log's scalars since the last exchange
+        self._sent_options: dict[int, list[dict]] = {}  # per optimizer: the group options the ps tasks have now
         self._unrecorded: dict | None = None  # the last exchange's step, recorded with them at the next one
         self._stop_reason: str | None = None
         self._wire = PRECISIONS[plan.precision]
@@ -440,11 +441,15 @@ class WorkerContext(_Context):
             self._emitter.emit("nonfinite", global_step=step, local_step=self._tally.local_step + 1,
                                problem="gradient")
             return False
-        groups = group_options(optimizer)
         pushed = _merge(self._shards.grads(self._wire), self._sparse.grads())
         if plan.more_optimizers:
             pushed = {ps: self._of_optimizer(ids, tensors, k) for ps, (ids, tensors) in pushed.items()}
-        reply = self._client.push_pull(self._reply.step, pushed, meta={"groups": groups, "optimizer": k})
+        # the group options go when they changed (an lr the loop set): the ps tasks keep them for the attempt
+        groups = group_options(optimizer)
+        changed = groups != self._sent_options.get(k)
+        meta = {**({"optimizer": k} if k else {}), **({"groups": groups} if changed else {})}
+        reply = self._client.push_pull(self._reply.step, pushed, meta=meta or None)
+        self._sent_options[k] = groups
         # with several optimizers, only this one's variables and buffers: the loop's graphs through the others'
         # (a generator's output, its backward yet to come) must find them as they were
         self._shards.load(reply, (lambda v: v.optimizer == k) if plan.more_optimizers else None)
