@@ -235,6 +235,9 @@ class _Context:
         optimizer.__class__ = _run_optimizer_class(type(optimizer))
         optimizer._pscluster_context = self
         vars(optimizer).pop("step", None)  # an lr_scheduler built earlier wrapped torch's own step
+        # a GradScaler unscales the gradients and skips a step itself, as for any optimizer: the update is the ps's
+        # (a fused one would otherwise be handed the scale, to unscale in its own step)
+        optimizer._step_supports_amp_scaling = False
         return optimizer
 
     def shard(self, dataset, batch_size: int | None = None, *, collate_fn=None, loader_workers: int = 0,

@@ -85,6 +85,43 @@ def test_a_nanogpt_style_loop_on_one_worker_is_the_plain_loop(one_worker):
     assert groups[0]["weight_decay"] == 0.1 and all("bias" not in p and "ln_" not in p for p in groups[0]["params"])
 
 
+def amp_loop(ctx=None, *, seed=7, steps=24):
+    """Mixed precision as torch's AMP recipe writes it: fp16 autocast, a GradScaler whose first scale overflows
+    (those steps are skipped: no optimizer.step(), no exchange), the gradients unscaled and clipped before the
+    step of a fused Adam (which a GradScaler would otherwise hand the scale to unscale in its own step). Without
+    ``ctx``: the plain loop. Returns the model and the steps the scaler skipped."""
+    torch.manual_seed(ctx.seed if ctx else seed)
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, fused=True)
+    if ctx is not None:
+        model, optimizer = ctx.model(model), ctx.optimizer(optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=4)
+    features, labels = pscluster.datasets.digits("train").tensors()
+    skipped = 0
+    for i in range(steps):
+        x, y = features[i * 16:(i + 1) * 16], labels[i * 16:(i + 1) * 16]
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped += scaler.get_scale() < scale
+    return model, skipped
+
+
+def test_a_grad_scaler_in_the_loop_skips_and_steps_as_in_plain_torch(one_worker):
+    run = one_worker.run(amp_loop, steps=24, seed=7).wait(verbose=False)
+    with threads(one_worker.threads):
+        model, skipped = amp_loop(seed=7)
+    assert skipped > 0  # the skip path was taken
+    assert run.status == "finished" and run.global_step == 24 - skipped  # a skipped step is no global step
+    assert max_diff(run.state_dict(), model.state_dict()) <= 1e-5
+
+
 def test_the_loop_stops_the_run_early_and_says_why(one_worker):
     with threads(one_worker.threads):
         _, plain_losses = gpt_plain.main(seed=1337, max_iters=40)
