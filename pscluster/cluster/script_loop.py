@@ -11,10 +11,11 @@ TF's ``MonitoredTrainingSession`` or ``torchrun``. The cluster and this process'
             break
 
 - A ps task serves the run and ends the process once the chief has finalized it (TF's ``server.join()``).
-- Each worker makes the run's plan from the modules and the optimizer its script registers (as ``Cluster.run``
-  makes it from its probe), at ``ctx.optimizer()``. The chief records the run in the run store and runs its
-  ``Supervisor`` (metrics, checkpoints, the end), as ``train_from_environment``'s chief does; the other workers
-  join the run the chief started on the ps tasks.
+- Each worker makes the run's plan from the modules and the optimizers its script registers (as ``Cluster.run``
+  makes it from its probe), at its loop's first training call: the first forward of a registered module once an
+  optimizer is registered, a batch of ``ctx.shard``, ``ctx.global_step``, ``should_stop()`` or a step. The chief
+  records the run in the run store and runs its ``Supervisor`` (metrics, checkpoints, the end), as
+  ``train_from_environment``'s chief does; the other workers join the run the chief started on the ps tasks.
 - The run ends for this worker at the first ``should_stop()`` that is true, or when the script ends; the chief
   then waits for the run's end and finalizes it (``ctx.run``).
 
@@ -65,7 +66,9 @@ def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "Sc
 
 
 class ScriptContext(WorkerContext):
-    """A script's worker context: its plan is made when the script registers its optimizer (see the module)."""
+    """A script's worker context: its plan is made at the loop's first training call (a registered module's first
+    forward once an optimizer is registered, a batch of ``ctx.shard``, ``ctx.global_step``...), from every module
+    and optimizer registered by then."""
 
     def __init__(self, spec, index: int, options: dict, *, name: str, store, checkpoint_dir, checkpoint_secs,
                  keep_checkpoints: int, log, code: str | None):
@@ -79,19 +82,29 @@ class ScriptContext(WorkerContext):
         self.run: Run | None = None  # the chief's, once the run started
         self._ended: Future = Future()  # this worker's summary (the chief's supervisor follows it)
         self._finishing = False
+        self._first_forward: list = []  # the registered modules' forward hooks that start the run (``_forward``)
         atexit.register(self._at_exit)
 
     def model(self, module, name: str | None = None):
-        self._modules.add(module, name)  # the plan is made from the modules at ctx.optimizer()
+        self._modules.add(module, name)  # the plan is made at the start, from every registered module and optimizer
+        self._first_forward.append(module.register_forward_pre_hook(lambda *_: self._forward()))
         return module
 
-    def _check_optimizer(self, spec) -> None:
-        """The run's plan, from the model and this optimizer (a script's loop has one optimizer: the run starts
-        at it)."""
-        self._plan = loop_plan(self._modules.model, self._modules.names, [spec], num_ps=len(self._spec.ps),
-                               **self._placement, **self._settings)
+    def _registered_all(self) -> bool:
+        return False  # a script says nothing of how many optimizers it registers: the run starts at its loop
+
+    def _forward(self) -> None:
+        """A registered module's forward: the loop's first, once its optimizers are registered, starts the run
+        (the run's values before it)."""
+        if self._optimizers.registered:
+            self._training_call()
 
     def _start(self) -> None:
+        for hook in self._first_forward:
+            hook.remove()
+        self._plan = loop_plan(self._modules.model, self._modules.names,
+                               [spec for _, spec in self._optimizers.ordered], num_ps=len(self._spec.ps),
+                               **self._placement, **self._settings)
         if self._task.is_chief:
             self._start_run()
         else:

@@ -231,7 +231,6 @@ class _Context:
         the loop's order; the steps of one are the run's global steps: ``global_step=True``'s, else the first's."""
         spec = self._modules.optimizer_spec(optimizer)
         self._optimizers.add(optimizer, spec, global_step)
-        self._check_optimizer(spec)
         optimizer.__class__ = _run_optimizer_class(type(optimizer))
         optimizer._pscluster_context = self
         vars(optimizer).pop("step", None)  # an lr_scheduler built earlier wrapped torch's own step
@@ -255,9 +254,6 @@ class _Context:
     def close(self) -> None:
         for stream in self._streams:
             stream.close()
-
-    def _check_optimizer(self, spec: OptimizerSpec) -> None:
-        pass
 
     def _training_call(self) -> None:
         pass
@@ -386,9 +382,13 @@ class WorkerContext(_Context):
             raise ConfigError(f"ctx.optimizer() after the run started: the run's plan has "
                               f"{len(self._plan.optimizer_specs)} optimizers; register each before the loop")
         super().optimizer(optimizer, global_step=global_step)
-        if len(self._optimizers.registered) == len(self._plan.optimizer_specs):
+        if self._registered_all():
             self._start()  # the run's registrations are complete: its values before the first forward
         return optimizer
+
+    def _registered_all(self) -> bool:
+        """Whether every optimizer of the run is registered (the plan says how many)."""
+        return len(self._optimizers.registered) == len(self._plan.optimizer_specs)
 
     def _training_call(self) -> None:
         if self._reply is None:
@@ -431,6 +431,7 @@ class WorkerContext(_Context):
         values back into the model. False when the step was left out (a non-finite gradient,
         ``on_nonfinite="skip"``). The global step's exchange (the first optimizer's) is recorded as a step; the
         others' time counts in the next one's."""
+        self._training_call()
         plan, k = self._plan, optimizer._pscluster_set
         t1 = time.perf_counter()
         mine = [p for g in optimizer.param_groups for p in g["params"]]

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +94,35 @@ def test_a_tf_config_job_runs_the_same_script(tmp_path):
     assert saved["step"] == 40
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
     model.load_state_dict(checkpoint.Checkpoint.load(saved["path"]).state_dict())  # the final checkpoint, strictly
+
+
+GAN_SCRIPT = textwrap.dedent("""
+    import sys, torch, pscluster
+    sys.path.insert(0, {root!r})
+    from tests.integration.loops import gan_pscluster
+
+    torch.set_num_threads(1)
+    ctx = pscluster.init(mode="sync", steps=30, seed=3)
+    gan_pscluster.main(ctx)
+    if ctx.run is not None:
+        torch.save(ctx.run.state_dict(), sys.argv[1])
+""")
+
+
+def test_a_script_s_loop_with_two_optimizers_is_the_plain_loop(tmp_path):
+    """A GAN script registers its two optimizers before its loop: the run starts at the loop's first call, with
+    both (a script, unlike Cluster.run, says nothing beforehand of how many it registers)."""
+    from .loops import gan_plain
+    from .test_user_loop import max_diff, threads
+
+    script = tmp_path / "gan.py"
+    script.write_text(GAN_SCRIPT.format(root=str(Path(__file__).resolve().parents[2])))
+    done = subprocess.run([sys.executable, "-m", "pscluster", "launch", "--ps", "1", "--workers", "1", str(script),
+                           str(tmp_path / "state.pt")], env=environment(tmp_path / "home"), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with threads(1):
+        netG, netD, _ = gan_plain.main(seed=3, steps=30)
+    expected = {**{f"Generator.{k}": v for k, v in netG.state_dict().items()},
+                **{f"Discriminator.{k}": v for k, v in netD.state_dict().items()}}
+    assert max_diff(torch.load(tmp_path / "state.pt"), expected) <= 1e-5
