@@ -1,6 +1,7 @@
 """The user's own loop as fast as the library's: the workload of ``workload.py`` (MLP, batch 128 per worker, SGD) as
-a ``train_fn`` (``Cluster.run``) against ``Cluster.train``'s loop, 1 ps + 2 workers in sync mode, and a user's loop on
-1 ps + 1 worker against a plain single-process loop; samples/s ratios, measured side by side."""
+a ``train_fn`` (``Cluster.run``) against ``Cluster.train``'s loop, on 1 ps + 2 workers and on 1 ps + 1 worker (where
+the loop's own costs are the largest share) in sync mode; the 1-worker loop beside a plain single-process loop too,
+without a target (the library's own loop is measured against it in ``hidden``); samples/s ratios, side by side."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
     systems = {"run": lambda: procs.workload_workers("sync", 2, loop=True),
                "train": lambda: procs.workload_workers("sync", 2, overlap=False),
                "run, 1 worker": lambda: procs.workload_workers("sync", 1, loop=True),
+               "train, 1 worker": lambda: procs.workload_workers("sync", 1, overlap=False),
                "plain": lambda: procs.Rounds([procs.spawn("workload", "plain")])}
     started: dict[str, procs.Rounds] = {}
     try:
@@ -31,8 +33,10 @@ def run(tiny: bool, out_dir: Path) -> Result:
     result.rows += [
         compare("sync, 1 ps + 2 workers: run vs train", "Cluster.run (train_fn)", speeds["run"],
                 "Cluster.train", speeds["train"], unit, Target(0.95)),
+        compare("sync, 1 ps + 1 worker: run vs train", "Cluster.run, 1 worker", speeds["run, 1 worker"],
+                "Cluster.train, 1 worker", speeds["train, 1 worker"], unit, Target(0.95)),
         compare("sync, 1 ps + 1 worker: run vs a plain loop", "Cluster.run, 1 worker", speeds["run, 1 worker"],
-                "plain loop", speeds["plain"], unit, Target(0.85)),
+                "plain loop", speeds["plain"], unit),
     ]
     result.notes.append(f"{steps} steps per worker per repetition (the first 20 left out), twice the usual "
                         "repetitions; each process has one torch thread; every pscluster repetition is a new run. "
