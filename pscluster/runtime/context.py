@@ -450,8 +450,9 @@ class WorkerContext(_Context):
             pushed = {ps: self._of_optimizer(ids, tensors, k) for ps, (ids, tensors) in pushed.items()}
         # the group options go when they changed (an lr the loop set): the ps tasks keep them for the attempt
         groups = group_options(optimizer)
-        changed = groups != self._sent_options.get(k)
-        meta = {**({"optimizer": k} if k else {}), **({"groups": groups} if changed else {})}
+        meta = {"optimizer": k} if k else {}
+        if groups != self._sent_options.get(k):
+            meta["groups"] = groups
         reply = self._client.push_pull(self._reply.step, pushed, meta=meta or None)
         self._sent_options[k] = groups
         # with several optimizers, only this one's variables and buffers: the loop's graphs through the others'

@@ -46,9 +46,9 @@ class Flag:
 class Option:
     """One option of a run. ``kind``: the type its value has (``int``, ``float``, ``str``, ``bool``; None: any
     object, checked where it is used); ``least``: the smallest number allowed (``above``: the value must exceed
-    it); ``optional``: None is allowed too; ``choices``: the words allowed (for ``kind=None``, the words a flag
-    takes); ``fix``: what the one-line error tells to use; ``flag``: how a magic's flag takes it where its kind
-    does not say (see ``Flag``)."""
+    it); ``optional``: None is allowed too (always where None is the default); ``choices``: the words allowed
+    (for ``kind=None``, the words a flag takes); ``fix``: what the one-line error tells to use; ``flag``: how a
+    magic's flag takes it where its kind does not say (see ``Flag``)."""
 
     name: str
     default: object
@@ -65,7 +65,7 @@ class Option:
     def check(self, value, *, as_flag: bool = False) -> None:
         """Raise a one-line ConfigError naming the fix unless ``value`` is one this option takes (``as_flag``: the
         error names the magic's flag)."""
-        if value is None and (self.optional or self.default is None):
+        if value is None and self.takes_none:
             return
         kind = self.kind
         wrong_type = kind is not None and (
@@ -86,7 +86,11 @@ class Option:
         what = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}.get(self.kind, "a value")
         if self.least is not None:
             what += f" {'>' if self.above else '>='} {self.least:g}"
-        return what + (", or None" if self.optional else "")
+        return what + (", or None" if self.takes_none else "")
+
+    @property
+    def takes_none(self) -> bool:
+        return self.optional or self.default is None
 
     @property
     def flag_name(self) -> str:
@@ -117,7 +121,7 @@ OPTIONS: dict[str, Option] = _options(
            "it comes; ssp: bounded staleness (see staleness_bound)", LOOPS, str, MODES),
     Option("steps", 1000, "the global step target", LOOPS, int, least=1),
     Option("replicas_to_aggregate", None, "sync: the gradients averaged per global step (default: one per worker; "
-           "fewer make the others backup workers)", LOOPS, int, least=1, optional=True),
+           "fewer make the others backup workers)", LOOPS, int, least=1),
     Option("seed", 0, "the run's seed: the model's initial values, each worker's random streams (from the seed, "
            "the worker and the attempt) and its data order", EVERY, int),
     Option("log_every", 100, "global steps between a worker's progress lines", LOOPS, int, least=1),
@@ -154,7 +158,7 @@ OPTIONS: dict[str, Option] = _options(
     Option("buffers", "chief", "the buffers (BatchNorm statistics...) the ps keeps: worker 0's (chief, as DDP's "
            "broadcast_buffers) or the mean of every worker's latest (average)", LOOPS, str, BUFFER_RULES),
     Option("max_grad_norm", None, "each worker clips its gradients to this total 2-norm before it pushes them",
-           LOOPS, float, least=0, above=True, optional=True,
+           LOOPS, float, least=0, above=True,
            fix="a positive number (the total 2-norm each worker clips its gradients to), or None"),
     Option("on_nonfinite", "fail", "a non-finite loss or gradient fails the run at that step (fail) or leaves its "
            "batch out (skip)", LOOPS, str, NONFINITE),
