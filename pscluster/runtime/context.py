@@ -40,6 +40,7 @@ training call.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from typing import Callable
@@ -52,12 +53,15 @@ from . import seeding
 from .client import PSClient
 from .data import training_input, worker_batches
 from .emitter import MetricsEmitter
+from .loop_overlap import LoopOverlap
 from .optim import OptimizerSpec, group_options, literal_pattern, spec_of
 from .options import DEFAULTS
 from .plan import TrainPlan
 from .protocol import Flag
 from .steps import PRECISIONS, grad_norm, metric_values, samples_in
-from .worker import StepTally, _merge, _Shards, _SparseRows, join_run, leave, local_device
+from .overlap import EarlyPush
+from .staging import GradientStaging
+from .member import Shards, SparseRows, StepTally, join_run, leave, local_device, merge_pushes
 
 MAX_NAME = 64
 
@@ -150,10 +154,13 @@ def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list
             settings["replicas_to_aggregate"] != settings["num_workers"]:
         raise ConfigError("several optimizers with replicas_to_aggregate other than the number of workers: "
                           "leave replicas_to_aggregate out, or train with one optimizer")
+    if more and settings.get("pipeline"):
+        raise ConfigError("pipeline=True with several optimizers: each optimizer's step needs the values the "
+                          "other's gave; run without pipeline")
     if more:
         settings = {**settings, "shared_memory": False}
     plan = TrainPlan.for_model(model, first, num_ps=num_ps, placement=placement, partition=partition,
-                               batch_size=None, modules=modules, overlap=False,
+                               batch_size=None, modules=modules,
                                more_optimizers=tuple(spec.to_dict() for spec in more), **settings)
     if not more:
         return plan
@@ -208,6 +215,8 @@ class _Context:
         self._optimizers = Optimizers()
         self._streams: list[_Batches] = []
         self._samples = 0
+        self._overlap = False  # pushes during backward, host copies of GPU gradients (``optimizer(overlap=True)``)
+        self._syncing = True  # False under ``no_sync()``
 
     @property
     def is_chief(self) -> bool:
@@ -222,15 +231,26 @@ class _Context:
         self._modules.add(module, name)
         return module
 
-    def optimizer(self, optimizer: torch.optim.Optimizer, *, global_step: bool | None = None) -> torch.optim.Optimizer:
+    def optimizer(self, optimizer: torch.optim.Optimizer, *, global_step: bool | None = None,
+                  overlap: bool = False) -> torch.optim.Optimizer:
         """Turn ``optimizer`` (a torch optimizer on the registered modules' parameters) into the run's: the same
         object, whose ``step()`` pushes the gradients of its parameters, has the ps apply the update with this
         optimizer (its state on the ps) and pulls the new values. Its param groups' options set by the loop (a
         learning rate each iteration, a torch ``lr_scheduler`` around it) apply to the update they go with.
         Several optimizers (a GAN's generator and discriminator) each update parameters of their own, stepped in
-        the loop's order; the steps of one are the run's global steps: ``global_step=True``'s, else the first's."""
+        the loop's order; the steps of one are the run's global steps: ``global_step=True``'s, else the first's.
+
+        ``overlap=True`` (one optimizer): its gradients are final when backward returns, so its pushes leave
+        during backward (sync, CPU workers, pushes of a few MB) and a GPU worker copies them to the host during
+        it, as ``Cluster.train``'s do. Clip with the run's ``max_grad_norm``, not after backward; accumulate the
+        micro-batches before the last under ``ctx.no_sync()``; a gradient changed after backward fails the step
+        (see ``loop_overlap``). With ``pipeline=True`` (async), ``step()`` does not wait for the new values."""
         spec = self._modules.optimizer_spec(optimizer)
         self._optimizers.add(optimizer, spec, global_step)
+        self._overlap = self._overlap or bool(overlap)
+        if self._overlap and len(self._optimizers.registered) > 1:
+            raise ConfigError("ctx.optimizer(..., overlap=True) with several optimizers: a push during backward "
+                              "carries every gradient of a ps, a step one optimizer's; leave overlap out")
         optimizer.__class__ = _run_optimizer_class(type(optimizer))
         optimizer._pscluster_context = self
         vars(optimizer).pop("step", None)  # an lr_scheduler built earlier wrapped torch's own step
@@ -250,6 +270,16 @@ class _Context:
                                                         self._run_seed, loader, collate_fn, self.device))
         self._streams.append(stream)
         return stream
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside push nothing during backward: the micro-batches of an accumulation but the last,
+        with ``ctx.optimizer(..., overlap=True)`` (as DDP's ``no_sync``; without overlap, nothing to hold back)."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
 
     def close(self) -> None:
         for stream in self._streams:
@@ -312,7 +342,13 @@ def probe(train_fn, num_workers: int, seed: int) -> tuple[torch.nn.Module, tuple
 
 
 class WorkerContext(_Context):
-    """The context of worker ``index`` of a run, on its engine or in its process (see the module)."""
+    """The context of worker ``index`` of a run, on its engine or in its process (see the module).
+
+    Its exchange (``_push``, ``_settle``) is the one worker loop of the package: a user's ``optimizer.step()``
+    and the library's own loop (``worker.library_loop``, ``Cluster.train``'s) both push through it. A push-pull
+    is sent, then settled (its reply waited for and loaded into the model): at once in a user's ``step()``; with
+    ``pipeline`` (async) at the next ``step()``, after the next gradients were computed on the values the worker
+    has, so that the round trip hides behind them."""
 
     def __init__(self, spec: ClusterSpec, index: int, plan: TrainPlan, *, join: bool = False, log=None):
         task = spec.task("worker", index)
@@ -323,10 +359,15 @@ class WorkerContext(_Context):
         self._emitter: MetricsEmitter | None = None
         self._tally: StepTally | None = None
         self._client: PSClient | None = None
-        self._shards: _Shards | None = None
-        self._sparse: _SparseRows | None = None
-        self._reply = None
+        self._shards: Shards | None = None
+        self._sparse: SparseRows | None = None
+        self._early: EarlyPush | None = None  # pushes that leave during backward (``overlap``)
+        self._staging: GradientStaging | None = None  # a CUDA worker's gradients copied to the host in backward
+        self._loop_overlap: LoopOverlap | None = None  # a user's loop with overlap=True: when those two begin
+        self._reply = None  # the last settled reply: the values the model holds are of its step
+        self._in_flight = None  # the push-pull sent and not settled: (its reply's wait, its optimizer)
         self._pending: dict[str, float] = {}  # ctx.log's scalars since the last exchange
+        self._step_numbers: tuple | None = None  # the library's loop: its last step's (loss, accuracy, metrics)
         self._sent_options: dict[int, list[dict]] = {}  # per optimizer: the group options the ps tasks have now
         self._unrecorded: dict | None = None  # the last exchange's step, recorded with them at the next one
         self._stop_reason: str | None = None
@@ -340,13 +381,13 @@ class WorkerContext(_Context):
     def model(self, module: torch.nn.Module, name: str | None = None) -> torch.nn.Module:
         super().model(module, name)
         names, planned = self._modules.names, self._plan.modules
-        if names != planned[:len(names)]:
+        if planned and names != planned[:len(names)]:
             raise ConfigError(f"worker {self.worker_index} registered modules {list(names)} where the run's plan has "
                               f"{list(planned)}: register the same modules, in the same order, on every worker")
         return module
 
-    def _start(self) -> None:
-        """Join the run: the registered modules get the run's values."""
+    def _check_registered(self) -> None:
+        """ConfigError unless this worker registered the modules and optimizers of the run's plan."""
         planned = self._plan.optimizer_specs
         if len(self._optimizers.registered) != len(planned):
             raise ConfigError(f"the loop began with {len(self._optimizers.registered)} optimizers registered where the "
@@ -359,29 +400,47 @@ class WorkerContext(_Context):
         if [(s.optimizer, s.groups) for _, s in ordered] != [(p.optimizer, p.groups) for p in planned]:
             raise ConfigError(f"worker {self.worker_index} built other optimizers than the run's plan has "
                               f"({', '.join(p.optimizer for p in planned)}): build the same on every worker")
-        model = self._modules.model
-        self._optimizers.check_trained(model)
+        self._optimizers.check_trained(self._modules.model)
         for k, (optimizer, _) in enumerate(ordered):
             optimizer._pscluster_set = k
+
+    def _start(self) -> None:
+        """Join the run: the registered modules get the run's values. A user's loop must have registered what the
+        plan names; the library's loop (a plan without modules) registers its one model and the plan's optimizer
+        is its own."""
+        if self._plan.modules:
+            self._check_registered()
+        model = self._modules.model
         self._emitter = MetricsEmitter(self._plan.metrics_address, f"worker:{self.worker_index}", self._spec.key,
                                        run_id=self._plan.run_id)
         self._tally = StepTally(self._plan, self.worker_index, self._emitter.emit, self._log)
-        self._shards = _Shards(model, self._plan, len(self._spec.ps))
+        self._shards = Shards(model, self._plan, len(self._spec.ps))
         self._client = PSClient(self._spec, task=self.worker_index, run_id=self._plan.run_id,
                                 timeout=self._plan.request_timeout, pinned=self.device.type == "cuda")
         self._client.receive_into(self._shards.spare)
         self._reply = join_run(self._client, self._shards, self._plan, self._task.is_chief, self._join,
                                self._emitter.emit)
-        self._sparse = _SparseRows(model, self._plan, self._client)
+        self._sparse = SparseRows(model, self._plan, self._client)
+        if self._overlap:
+            early = EarlyPush(self._shards, self._client, self._plan, self.device, self._wire)
+            self._early = early if early.ps else None
+            if GradientStaging.applies(self._plan, self.device):
+                slots = {vid: slot for i in self._shards.dense for vid, slot in self._client.gradient_slots(i).items()}
+                self._staging = GradientStaging(self._shards, slots, self._wire)
+            if self._plan.modules:  # a user's loop (the library's begins them itself)
+                self._loop_overlap = LoopOverlap(self._modules.modules.values(), self._shards, self._early,
+                                                 self._staging, step_of=lambda: self._reply.step,
+                                                 paused=lambda: not self._syncing)
         self._emitter.emit("state", state="training")
         self._since = time.perf_counter()
         self._bytes = (self._client.bytes_sent, self._client.bytes_received)
 
-    def optimizer(self, optimizer: torch.optim.Optimizer, *, global_step: bool | None = None) -> torch.optim.Optimizer:
+    def optimizer(self, optimizer: torch.optim.Optimizer, *, global_step: bool | None = None,
+                  overlap: bool = False) -> torch.optim.Optimizer:
         if self._reply is not None:
             raise ConfigError(f"ctx.optimizer() after the run started: the run's plan has "
                               f"{len(self._plan.optimizer_specs)} optimizers; register each before the loop")
-        super().optimizer(optimizer, global_step=global_step)
+        super().optimizer(optimizer, global_step=global_step, overlap=overlap)
         if self._registered_all():
             self._start()  # the run's registrations are complete: its values before the first forward
         return optimizer
@@ -397,14 +456,16 @@ class WorkerContext(_Context):
     # --- the loop ----------------------------------------------------------------------------
     @property
     def global_step(self) -> int:
-        """The run's global step as of this worker's last exchange (or its start: then 0 on a fresh run, the step
-        a restored or joined run is at)."""
+        """The run's global step of the values the model holds: as of this worker's last exchange (with
+        ``pipeline``, the one before the step in flight), or its start (0 on a fresh run, the step a restored or
+        joined run is at)."""
         self._training_call()
         return self._reply.step
 
     def should_stop(self) -> bool:
         """Whether the loop should end: the run reached its target step, was stopped (from the notebook, the side
-        panel, another worker's ``request_stop``), or this worker asked for it."""
+        panel, another worker's ``request_stop``), or this worker asked for it (with ``pipeline``: as of the
+        values the model holds; a step computed past the end is left out)."""
         self._training_call()
         reply = self._reply
         return self._stop_reason is not None or bool(reply.flags & Flag.STOPPED) or reply.step >= self._plan.steps
@@ -415,6 +476,7 @@ class WorkerContext(_Context):
         self._training_call()
         if self._stop_reason is not None:
             return
+        self._settle()
         self._stop_reason = str(reason)
         self._emitter.emit("stop_requested", reason=self._stop_reason, global_step=self.global_step)
         self._client.stop(self._client.park())
@@ -428,12 +490,17 @@ class WorkerContext(_Context):
 
     def _exchange(self, optimizer) -> bool:
         """``optimizer.step()``: the gradients of its parameters to the ps tasks with its groups' options, the new
-        values back into the model. False when the step was left out (a non-finite gradient,
-        ``on_nonfinite="skip"``). The global step's exchange (the first optimizer's) is recorded as a step; the
-        others' time counts in the next one's."""
+        values back into the model (with ``pipeline``, at the next step). False when the step was left out: a
+        non-finite gradient (``on_nonfinite="skip"``), or with ``pipeline`` a step computed past the run's end."""
         self._training_call()
         plan, k = self._plan, optimizer._pscluster_set
-        t1 = time.perf_counter()
+        computed_on = self._reply.step  # the global step of the values this step's gradients were computed on
+        if self._in_flight is not None:
+            self._settle()  # pipeline: the last step's values, now that this step's gradients are computed
+            if self.should_stop():
+                return False
+        if self._loop_overlap is not None:
+            self._loop_overlap.check()  # before max_grad_norm clips them
         mine = [p for g in optimizer.param_groups for p in g["params"]]
         if not torch.isfinite(grad_norm(self._modules.model, plan.max_grad_norm, params=mine)):
             step = self.global_step
@@ -442,48 +509,89 @@ class WorkerContext(_Context):
                                      f"{step}: lower the learning rate, clip with max_grad_norm=..., or run with "
                                      "on_nonfinite='skip'")
             self._skipped += 1
-            self._emitter.emit("nonfinite", global_step=step, local_step=self._tally.local_step + 1,
+            self._emitter.emit("nonfinite", global_step=step, local_step=self._local_steps + 1,
                                problem="gradient")
             return False
-        pushed = _merge(self._shards.grads(self._wire), self._sparse.grads())
-        if plan.more_optimizers:
-            pushed = {ps: self._of_optimizer(ids, tensors, k) for ps, (ids, tensors) in pushed.items()}
         # the group options go when they changed (an lr the loop set): the ps tasks keep them for the attempt
         groups = group_options(optimizer)
         meta = {"optimizer": k} if k else {}
         if groups != self._sent_options.get(k):
             meta["groups"] = groups
-        reply = self._client.push_pull(self._reply.step, pushed, meta=meta or None)
+        self._push(computed_on, k, meta=meta or None)
         self._sent_options[k] = groups
-        # with several optimizers, only this one's variables and buffers: the loop's graphs through the others'
-        # (a generator's output, its backward yet to come) must find them as they were
-        self._shards.load(reply, (lambda v: v.optimizer == k) if plan.more_optimizers else None)
+        if not plan.pipeline:
+            self._settle()
+        return True
+
+    @property
+    def _local_steps(self) -> int:
+        """This worker's global steps settled so far (the last one's record may be pending)."""
+        return self._tally.local_step + (self._unrecorded is not None)
+
+    def _push(self, step: int, k: int = 0, *, meta: dict | None = None) -> None:
+        """Send optimizer ``k``'s push of the gradients in the model's ``.grad`` (computed on the values of global
+        ``step``), and of its buffers' values; what left during backward (``_early``) or was copied to the host
+        then (``_staging``) goes as it is. Its reply is for ``_settle``. The last global step's record goes
+        first, with what the loop logged since it."""
+        if k == 0 and self._unrecorded is not None:
+            self._record()
+        began = time.perf_counter()
+        opened = self._early.finish() if self._early is not None else {}
+        staged = self._staging.take() if self._staging is not None else None
+        pushed = merge_pushes(self._shards.grads(self._wire, sent=opened, staged=staged), self._sparse.grads())
+        if self._plan.more_optimizers:
+            pushed = {ps: self._of_optimizer(ids, tensors, k) for ps, (ids, tensors) in pushed.items()}
+        self._in_flight = (self._client.start_push_pull(step, pushed, opened, meta=meta), k)
+        if self._plan.pipeline:
+            for p in self._modules.model.parameters():
+                p.grad = None  # they leave with the push: the next backward must not write into them
+        self._exchanging += time.perf_counter() - began
+
+    def _settle(self) -> None:
+        """Wait for the push-pull in flight, if any, and load its values into the model (with several optimizers,
+        only its optimizer's variables and buffers: the loop's graphs through the others', a generator's output
+        whose backward is yet to come, must find them as they were). The global step's exchange (the first
+        optimizer's) is a step to record; the others' time counts in the next one's."""
+        if self._in_flight is None:
+            return
+        (wait, k), self._in_flight = self._in_flight, None
+        began = time.perf_counter()
+        reply = wait()
+        self._shards.load(reply, (lambda v: v.optimizer == k) if self._plan.more_optimizers else None)
         self._reply = reply
-        t2 = time.perf_counter()
-        self._exchanging += t2 - t1
+        settled = time.perf_counter()
+        self._exchanging += settled - began
         if k == 0:
-            if self._unrecorded is not None:
-                self._record()
             sent, received = self._client.bytes_sent, self._client.bytes_received
             self._unrecorded = dict(reply=reply, samples=self._samples,
-                                    compute_s=t2 - self._since - self._exchanging, exchange_s=self._exchanging,
+                                    compute_s=settled - self._since - self._exchanging, exchange_s=self._exchanging,
                                     bytes_sent=sent - self._bytes[0], bytes_received=received - self._bytes[1])
             self._samples, self._exchanging, self._bytes = 0, 0.0, (sent, received)
-            self._since = time.perf_counter()
-        return True
+            self._since = settled
+            if self._step_numbers is not None:
+                self._record()  # the library's loop gave the step's numbers before its reply: recorded as it comes
 
     def _of_optimizer(self, ids: list[int], tensors: list, k: int) -> tuple[list[int], list]:
         """What a push of optimizer ``k`` carries of ``(ids, tensors)``: its variables' gradients, and every buffer
-        (the ps keeps the latest; the reply's go back only to optimizer ``k``'s modules, see ``_exchange``)."""
+        (the ps keeps the latest; the reply's go back only to optimizer ``k``'s modules, see ``_settle``)."""
         kept = [(vid, t) for vid, t in zip(ids, tensors)
                 if (v := self._shards.by_id[vid]).kind == "buffer" or v.optimizer == k]
         return [vid for vid, _ in kept], [t for _, t in kept]
 
+    def _log_step(self, loss: float, accuracy: float | None, metrics: dict[str, float]) -> None:
+        """The library's loop: the numbers of the step in flight, as they are (a step_fn's metric may be named
+        ``accuracy``), recorded when its reply is settled. A user's loop logs a step's numbers after its
+        ``step()`` (``log``): its step is recorded at the next one."""
+        self._step_numbers = (loss, accuracy, metrics)
+
     def _record(self) -> None:
         """The last exchange's step, with what the loop logged since (``loss`` and ``accuracy`` as the step's)."""
         logged, self._pending = self._pending, {}
-        self._tally.record(**self._unrecorded, loss=logged.pop("loss", float("nan")),
-                           accuracy=logged.pop("accuracy", None), metrics=logged)
+        if self._step_numbers is not None:
+            (loss, accuracy, metrics), self._step_numbers = self._step_numbers, None
+        else:
+            loss, accuracy, metrics = logged.pop("loss", float("nan")), logged.pop("accuracy", None), logged
+        self._tally.record(**self._unrecorded, loss=loss, accuracy=accuracy, metrics=metrics)
         self._unrecorded = None
 
     # --- the end -----------------------------------------------------------------------------
@@ -492,15 +600,20 @@ class WorkerContext(_Context):
         if self._reply is None and not self._modules.names:
             raise ConfigError(f"train_fn returned without registering the run's modules {list(self._plan.modules)} "
                               "with ctx.model()")
+        self._training_call()
+        self._settle()
         if not self.should_stop():
             self.request_stop(f"train_fn of worker {self.worker_index} returned at global step {self.global_step}")
         if self._unrecorded is not None:
             self._record()
-        return self._tally.summary(self.global_step, self._client, self._emitter.dropped, skipped=self._skipped)
+        return self._tally.summary(self.global_step, self._client, self._emitter.dropped, skipped=self._skipped,
+                                   overlapped_pushes=self._early.pushes if self._early is not None else 0,
+                                   staged_steps=self._staging.steps if self._staging is not None else 0)
 
     def failed(self, error: Exception) -> None:
-        if self._shards is not None:
-            leave(self._shards, self._plan, self.worker_index, self.global_step, self._emitter.emit, error)
+        """On the way out of a failed loop: this worker's copy of the values it holds (see ``member.leave``)."""
+        if self._reply is not None:
+            leave(self._shards, self._plan, self.worker_index, self._reply.step, self._emitter.emit, error)
 
     def close(self) -> None:
         super().close()

@@ -152,7 +152,7 @@ OPTIONS: dict[str, Option] = _options(
     Option("shared_memory", True, "a worker exchanges dense values with a ps on its own host through shared "
            "memory (off: always over the socket)", LOOPS, bool),
     Option("pipeline", False, "async: each worker computes its next gradients while its push-pull is in flight "
-           "(every gradient one step stale)", TRAINS, bool),
+           "(every gradient one step stale)", LOOPS, bool),
     Option("overlap", True, "a worker's pushes leave during backward, and a GPU worker copies its gradients to the "
            "host during it", TRAINS, bool),
     Option("buffers", "chief", "the buffers (BatchNorm statistics...) the ps keeps: worker 0's (chief, as DDP's "

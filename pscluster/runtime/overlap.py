@@ -45,7 +45,7 @@ class EarlyPush:
 
     def __init__(self, shards, client: PSClient, plan: TrainPlan, device: torch.device,
                  wire_dtype: torch.dtype | None):
-        """``shards``: the worker's ``_Shards`` (what each ps holds and what goes on the wire for it)."""
+        """``shards``: the worker's ``member.Shards`` (what each ps holds and what goes on the wire for it)."""
         self._shards, self._client, self._wire_dtype = shards, client, wire_dtype
         self.ps: dict[int, list[VariableSpec]] = {}
         if self.applies(plan, device):

@@ -39,7 +39,7 @@ class GradientStaging:
     before each backward, ``take()`` after it."""
 
     def __init__(self, shards, destinations: dict[int, torch.Tensor], wire_dtype: torch.dtype | None):
-        """``shards``: the worker's ``_Shards``; ``destinations``: host tensors some variables' gradients go into
+        """``shards``: the worker's ``member.Shards``; ``destinations``: host tensors some variables' gradients go into
         (a lane's slots) by variable id; the other staged variables get page-locked buffers here."""
         self._shards = shards
         self._stream = torch.cuda.Stream()

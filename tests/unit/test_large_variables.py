@@ -187,7 +187,7 @@ def test_the_checkpoint_of_a_large_variable_holds_torchs_optimizer_state_of_the_
 
 
 def restore_init(local_ps, directory, optimizer: str, options: dict):
-    """What a chief restoring the run does (``worker._initialize``): commit the shard of step 3, take the latest
+    """What a chief restoring the run does (``member.initialize``): commit the shard of step 3, take the latest
     checkpoint, cut it to the variables and INIT a fresh ps (attempt 1) with its values, optimizer state and step.
     (spec, server)."""
     variables = [VariableSpec(id=i, name=name, shape=shape, dtype="float32", ps=0)

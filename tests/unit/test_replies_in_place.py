@@ -1,4 +1,4 @@
-"""Replies that arrive where they belong (``PSClient.receive_into``, ``worker._Shards.spare``): a CPU worker's
+"""Replies that arrive where they belong (``PSClient.receive_into``, ``member.Shards.spare``): a CPU worker's
 reply in parts is written into a spare of each large variable as its parts arrive and swapped in whole, never
 copied; a reply spoiled midway on the wire leaves the model as the last whole reply left it (what a worker's
 rescue copy holds). Against an in-process ps over loopback TCP, compared with plain torch."""
@@ -11,7 +11,8 @@ import zmq
 
 from pscluster.errors import BadSignature
 from pscluster.runtime import parts
-from pscluster.runtime.worker import _initialize, _Shards, build_model
+from pscluster.runtime.member import Shards, initialize
+from pscluster.runtime.worker import build_model
 
 from .test_overlap import Wide, plan_for
 from .test_worker_inprocess import RUN_ID, SEED, dataset, plain_batches  # noqa: F401 - a fixture
@@ -74,14 +75,14 @@ def tamper(local_ps):
 
 
 def worker_half(local_ps, spec, steps):
-    """A chief worker's model, its ``_Shards`` and a client that receives into their spares, the run
+    """A chief worker's model, its ``Shards`` and a client that receives into their spares, the run
     initialized (Wide with Adam over the socket: its 8.8 MB replies come in parts), and the first pull loaded."""
     plan = plan_for(spec, steps=steps, overlap=False)
     model = build_model(Wide, SEED)
-    shards = _Shards(model, plan, 1)
+    shards = Shards(model, plan, 1)
     client = local_ps.client(spec, 0, run_id=RUN_ID)
     client.receive_into(shards.spare)
-    _initialize(client, plan, shards, lambda *args, **kwargs: None)
+    initialize(client, plan, shards, lambda *args, **kwargs: None)
     shards.load(client.pull())
     return model, shards, client
 

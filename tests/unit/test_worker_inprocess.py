@@ -25,7 +25,8 @@ from pscluster.runtime.optim import resolve_optimizer
 from pscluster.runtime.plan import TrainPlan, describe_variables
 from pscluster.runtime.ps import wait_until
 from pscluster.runtime.steps import batch_accuracy
-from pscluster.runtime.worker import build_model, log_line, run_worker
+from pscluster.runtime.member import log_line
+from pscluster.runtime.worker import build_model, run_worker
 
 RUN_ID = 7  # the run id the conftest clients use
 SEED = 3

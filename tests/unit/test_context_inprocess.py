@@ -1,0 +1,156 @@
+"""A user's loop (``context.run_loop``) against in-process ps servers: what the library's loop does, a user's
+loop can ask for (pipelining), with the same numbers."""
+
+import contextlib
+
+import pytest
+import torch
+
+from pscluster.errors import ConfigError
+from pscluster.runtime.context import loop_plan, probe, run_loop
+
+from .test_overlap import Wide, trained
+from .test_worker_inprocess import (BATCH, LR, RUN_ID, SEED, dataset, delayed_local_training, mlp,  # noqa: F401
+                                    plain_batches)
+
+
+def user_loop(data, seen: list | None = None):
+    """A plain SGD loop in a user's shape; ``seen``: each step's ``optimizer.step()`` result and ``.grad`` after it."""
+    def train_fn(ctx):
+        torch.manual_seed(SEED)
+        model = ctx.model(mlp())
+        optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=LR))
+        loss_fn = torch.nn.CrossEntropyLoss()
+        for x, y in ctx.shard(data, batch_size=BATCH):
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            pushed = optimizer.step()
+            ctx.log(loss=loss.item())
+            if seen is not None:
+                seen.append((pushed, model[0].weight.grad))
+            if ctx.should_stop():
+                break
+    return train_fn
+
+
+def plan_of(train_fn, spec, **settings):
+    model, modules, optimizers = probe(train_fn, len(spec.workers), SEED)
+    return loop_plan(model, modules, optimizers, num_ps=len(spec.ps), run_id=RUN_ID, num_workers=len(spec.workers),
+                     seed=SEED, request_timeout=30.0, **settings)
+
+
+def test_a_pipelined_user_loop_computes_each_gradient_on_the_values_one_step_older(local_ps, dataset):
+    steps = 30
+    spec = local_ps.start(num_ps=2, num_workers=1)
+    seen = []
+    train_fn = user_loop(dataset, seen)
+    plan = plan_of(train_fn, spec, mode="async", steps=steps, pipeline=True)
+    summary = run_loop(spec, 0, plan, train_fn)
+
+    assert (summary["local_steps"], summary["global_step"], summary["dropped"]) == (steps, steps, 0)
+    assert summary["staleness"] == {0: 1, 1: steps - 1}  # the first gradient alone was computed on fresh values
+    # each step's gradients left with its push; the last one, computed past the run's end, was not pushed
+    assert [pushed for pushed, _ in seen] == [True] * steps + [False]
+    assert all(grad is None for _, grad in seen[:-1])
+    reply = local_ps.client(spec, run_id=RUN_ID).pull()
+    trained = {plan.variables[i].name: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
+    for name, value in delayed_local_training(dataset, steps).items():
+        assert (trained[name] - value).abs().max() <= 1e-6, name
+
+
+def test_an_unpipelined_user_loop_loads_the_values_in_its_step(local_ps, dataset):
+    steps = 5
+    spec = local_ps.start(num_ps=1, num_workers=1)
+    seen = []
+    train_fn = user_loop(dataset, seen)
+    summary = run_loop(spec, 0, plan_of(train_fn, spec, mode="async", steps=steps), train_fn)
+    assert summary["staleness"] == {0: steps} and len(seen) == steps
+    assert all(pushed and grad is not None for pushed, grad in seen)  # the loop's gradients stay its own
+
+
+def test_pipeline_needs_async_and_one_optimizer(local_ps, dataset):
+    spec = local_ps.start(num_ps=1, num_workers=1)
+    with pytest.raises(ConfigError, match="pipeline=True with mode='sync': use mode='async'"):
+        plan_of(user_loop(dataset), spec, mode="sync", steps=5, pipeline=True)
+
+    def two_optimizers(ctx):
+        a, b = ctx.model(torch.nn.Linear(2, 2), name="a"), ctx.model(torch.nn.Linear(2, 2), name="b")
+        ctx.optimizer(torch.optim.SGD(a.parameters(), lr=0.1))
+        ctx.optimizer(torch.optim.SGD(b.parameters(), lr=0.1))
+        ctx.should_stop()
+    with pytest.raises(ConfigError, match="pipeline=True with several optimizers"):
+        plan_of(two_optimizers, spec, mode="async", steps=5, pipeline=True)
+
+
+# --- overlap=True: a user loop's pushes leave during backward -----------------------------------------------
+
+
+def wide_loop(data, *, micro_batches: int = 1, no_sync: bool = True, clip: bool = False):
+    """``Wide`` with Adam in a user's loop, its optimizer registered with overlap=True: each batch in
+    ``micro_batches`` accumulated (the ones before the last under ``ctx.no_sync()`` where ``no_sync``), clipped
+    after backward where ``clip``."""
+    def train_fn(ctx):
+        torch.manual_seed(SEED)
+        model = ctx.model(Wide())
+        optimizer = ctx.optimizer(torch.optim.Adam(model.parameters(), lr=0.001), overlap=True)
+        for x, y in ctx.shard(data, batch_size=BATCH):
+            optimizer.zero_grad()
+            for k, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+                held = ctx.no_sync() if no_sync and k < micro_batches - 1 else contextlib.nullcontext()
+                with held:
+                    (torch.nn.functional.cross_entropy(model(xs), ys) / micro_batches).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            if ctx.should_stop():
+                break
+    return train_fn
+
+
+def plain_accumulated(data, steps: int, micro_batches: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(SEED)
+    model = Wide()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
+    for x, y in plain_batches(data, steps):
+        optimizer.zero_grad()
+        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            (torch.nn.functional.cross_entropy(model(xs), ys) / micro_batches).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_user_loop_with_overlap_pushes_during_backward_and_trains_as_plain_torch(local_ps, dataset,
+                                                                                   micro_batches):
+    steps = 6
+    spec = local_ps.start(num_ps=1, num_workers=1)
+    train_fn = wide_loop(dataset, micro_batches=micro_batches)
+    plan = plan_of(train_fn, spec, mode="sync", steps=steps, shared_memory=False)
+    summary = run_loop(spec, 0, plan, train_fn)
+    assert summary["global_step"] == steps and summary["overlapped_pushes"] == steps
+    got = trained(local_ps, spec, plan)
+    for name, value in plain_accumulated(dataset, steps, micro_batches).items():
+        assert (got[f"{name}"].to(value.dtype) - value).abs().max() <= 1e-6, name
+
+
+@pytest.mark.parametrize("loop, message", [
+    (dict(clip=True), "the gradient of .* changed after backward had pushed it: clip with max_grad_norm="),
+    (dict(micro_batches=2, no_sync=False), "backward produced the gradient of .* twice before step()"),
+], ids=["clipped after backward", "accumulated without no_sync"])
+def test_a_user_loop_with_overlap_that_changes_a_pushed_gradient_fails_with_the_fix(local_ps, dataset, loop,
+                                                                                    message):
+    spec = local_ps.start(num_ps=1, num_workers=1)
+    train_fn = wide_loop(dataset, **loop)
+    plan = plan_of(train_fn, spec, mode="async", steps=3, shared_memory=False)  # no early push: checked anyway
+    with pytest.raises(ConfigError, match=message):
+        run_loop(spec, 0, plan, train_fn)
+
+
+def test_overlap_with_several_optimizers_is_refused_at_registration():
+    def train_fn(ctx):
+        a, b = ctx.model(torch.nn.Linear(2, 2), name="a"), ctx.model(torch.nn.Linear(2, 2), name="b")
+        ctx.optimizer(torch.optim.SGD(a.parameters(), lr=0.1), overlap=True)
+        ctx.optimizer(torch.optim.SGD(b.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match=r"overlap=True\) with several optimizers"):
+        probe(train_fn, 1, SEED)
