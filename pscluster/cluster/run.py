@@ -66,9 +66,8 @@ class Run:
                                      metrics_ports=metrics_ports)
         self.name = self.supervisor.name
         inputs = traceable_inputs(example_batch, step_fn)
-        if inputs is not None:  # traced beside the run's start, which it must not delay
-            threading.Thread(target=self.supervisor.event_files.add_graph, name="pscluster-graph", daemon=True,
-                             args=(build_model(model_fn, plan.seed), inputs)).start()
+        if inputs is not None:
+            self.supervisor.event_files.trace_graph(build_model(model_fn, plan.seed), inputs)
 
     @classmethod
     def adopt(cls, spec: ClusterSpec, plan: TrainPlan, store: RunStore, worker_results, *, tasks: recovery.Tasks,

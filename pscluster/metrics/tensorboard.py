@@ -49,6 +49,7 @@ class EventWriter:
         self._last_step: dict[str, int] = {}
         self._charted_at: dict[str, float] = {}  # task: the time of its last charted step
         self._uncharted: dict[str, dict] = {}  # task: its latest step not charted yet
+        self._graph: threading.Thread | None = None  # the model's graph being traced (``trace_graph``)
 
     def _writer(self, folder: str):
         with self._opening:  # the collector's thread and the graph's may open a folder at once
@@ -130,6 +131,13 @@ class EventWriter:
         except Exception:
             self.errors += 1
 
+    def trace_graph(self, model, inputs: tuple) -> None:
+        """``add_graph`` in a thread of its own, beside the run's start, which it must not delay; ``close`` waits
+        for it (a trace slower than a short run would otherwise find the files closed)."""
+        self._graph = threading.Thread(target=self.add_graph, args=(model, inputs), name="pscluster-graph",
+                                       daemon=True)
+        self._graph.start()
+
     def add_graph(self, model, inputs: tuple) -> bool:
         """The model's graph (TensorBoard's Graphs tab), traced by ``torch.jit.trace`` on ``inputs``, in the
         chief's folder; whether it was written. A model torch cannot trace is left out (counted in ``errors``)
@@ -150,8 +158,10 @@ class EventWriter:
             return False
 
     def close(self) -> None:
-        """Write what is pending (each worker's last step, the staleness of its last steps) and close every
-        file."""
+        """Write what is pending (the model's graph, each worker's last step, the staleness of its last steps) and
+        close every file."""
+        if self._graph is not None:
+            self._graph.join()
         for task, event in list(self._uncharted.items()):
             try:
                 self._chart(task, event)

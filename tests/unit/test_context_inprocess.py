@@ -2,6 +2,7 @@
 loop can ask for (pipelining), with the same numbers."""
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from pscluster.errors import ConfigError
 from pscluster.runtime.context import loop_plan, probe, run_loop
 
-from .test_overlap import Wide, trained
+from .test_overlap import Wide, plain_wide, trained
 from .test_worker_inprocess import (BATCH, LR, RUN_ID, SEED, dataset, delayed_local_training, mlp,  # noqa: F401
                                     plain_batches)
 
@@ -92,7 +93,7 @@ def wide_loop(data, *, micro_batches: int = 1, no_sync: bool = True, clip: bool 
     after backward where ``clip``."""
     def train_fn(ctx):
         torch.manual_seed(SEED)
-        model = ctx.model(Wide())
+        model = ctx.model(Wide().to(ctx.device))
         optimizer = ctx.optimizer(torch.optim.Adam(model.parameters(), lr=0.001), overlap=True)
         for x, y in ctx.shard(data, batch_size=BATCH):
             optimizer.zero_grad()
@@ -154,3 +155,18 @@ def test_overlap_with_several_optimizers_is_refused_at_registration():
         ctx.optimizer(torch.optim.SGD(b.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match=r"overlap=True\) with several optimizers"):
         probe(train_fn, 1, SEED)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_a_gpu_user_loop_with_overlap_copies_its_gradients_to_the_host_during_backward(local_ps, dataset):
+    steps = 10
+    spec = local_ps.start(num_ps=1, num_workers=1)
+    spec = replace(spec, workers=tuple(replace(w, device="cuda:0") for w in spec.workers))
+    train_fn = wide_loop(dataset)
+    plan = plan_of(train_fn, spec, mode="sync", steps=steps)
+    summary = run_loop(spec, 0, plan, train_fn)
+    assert summary["global_step"] == steps and summary["staged_steps"] == steps
+    got = trained(local_ps, spec, plan)
+    for name, value in plain_wide(dataset, steps, device="cuda").items():
+        assert (got[name].to(value.dtype) - value.cpu()).abs().max() <= 1e-4, name

@@ -127,6 +127,11 @@ def test_the_model_graph_is_traced_on_a_batch_of_the_dataset_where_torch_can(tmp
     graph = read(tmp_path).Graph("worker_0")
     ops = {node.op for node in graph.node}
     assert {"aten::_convolution", "aten::batch_norm", "aten::linear"} <= ops, ops
+    # traced beside a run: closing the files as soon as the run ends (before the trace is done) waits for it
+    later = EventWriter(tmp_path / "short_run")
+    later.trace_graph(Residual(), traceable_inputs(batch, None))
+    later.close()
+    assert {node.op for node in read(tmp_path / "short_run").Graph("worker_0").node} == ops and not later.errors
     # what the default step cannot hand to torch.jit.trace: a step_fn's batch, keyword inputs
     assert traceable_inputs(batch, step_fn=lambda model, b: 0) is None
     assert traceable_inputs(({"x": torch.ones(1)}, torch.ones(1)), None) is None
