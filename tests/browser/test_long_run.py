@@ -92,11 +92,17 @@ def drawn(page) -> list[int]:
     return page.evaluate(DRAWN)
 
 
-def wait_drawn(page, timeout: float) -> list[int]:
-    """The figures once all of them are drawn with data."""
+def wait_drawn(page, timeout: float, shot: str) -> list[int]:
+    """The figures once all of them are drawn with data; past ``timeout``, a screenshot (``reports/<shot>``) and
+    an AssertionError with what each output of the notebook shows (a widget's view, "Loading widget...", "Error
+    displaying widget"...)."""
     deadline = time.monotonic() + timeout
     while (counts := drawn(page)).count(0) or len(counts) < FIGURES:
-        assert time.monotonic() < deadline, f"figures drawn with data: {counts}"
+        if time.monotonic() > deadline:
+            page.screenshot(path=str(REPORTS / shot))
+            outputs = [" ".join(text.split())[:100] for text in
+                       page.locator(f"{NOTEBOOK} .jp-OutputArea-output").all_inner_texts()]
+            raise AssertionError(f"figures drawn with data: {counts}; the outputs show: {outputs}")
         page.wait_for_timeout(300)
     return counts
 
@@ -134,7 +140,7 @@ def test_a_long_async_run_stays_drawn_within_budget_through_a_reload(page, lab, 
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Run All Cells$")).click()
 
-    wait_drawn(page, 120)
+    wait_drawn(page, 120, "long_run_not_drawn.png")
     began = time.time()
     while header_step(page) < RELOAD_AT or time.time() - began < BUDGET_S:
         page.wait_for_timeout(500)
@@ -152,7 +158,8 @@ def test_a_long_async_run_stays_drawn_within_budget_through_a_reload(page, lab, 
     page.locator(".jp-LauncherCard, .jp-NotebookPanel").first.wait_for(timeout=60_000)
     if not page.locator(NOTEBOOK).count():
         open_notebook(page, "long_run.ipynb")
-    wait_drawn(page, 90)  # the widgets come back from the kernel, and their views ask for their figures
+    # the widgets come back from the kernel, and their views ask for their figures
+    wait_drawn(page, 90, "long_run_not_redrawn.png")
     assert len(lost.dropped) >= FIGURES, f"{len(lost.dropped)} views asked for their figure"
     reloaded_at = header_step(page)
     assert reloaded_at >= RELOAD_AT
@@ -162,7 +169,7 @@ def test_a_long_async_run_stays_drawn_within_budget_through_a_reload(page, lab, 
 
     page.locator(NOTEBOOK).get_by_text(f"global step {STEPS} / {STEPS}").first.wait_for(timeout=240_000)
     page.locator(NOTEBOOK).get_by_text("finished", exact=True).first.wait_for(timeout=30_000)
-    final = wait_drawn(page, 30)  # the static copy that replaced the widgets
+    final = wait_drawn(page, 30, "long_run_static_not_drawn.png")  # the static copy that replaced the widgets
     assert len(final) == FIGURES and min(final) > 0
     page.screenshot(path=str(REPORTS / "long_run_finished.png"))
     text = page.locator("body").inner_text()
