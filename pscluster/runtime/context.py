@@ -54,14 +54,14 @@ from .client import PSClient
 from .data import training_input, worker_batches
 from .emitter import MetricsEmitter
 from .loop_overlap import LoopOverlap
+from .member import Shards, SparseRows, StepTally, join_run, leave, local_device, merge_pushes
 from .optim import OptimizerSpec, group_options, literal_pattern, spec_of
 from .options import DEFAULTS
+from .overlap import EarlyPush
 from .plan import TrainPlan
 from .protocol import Flag
-from .steps import PRECISIONS, grad_norm, metric_values, samples_in
-from .overlap import EarlyPush
 from .staging import GradientStaging
-from .member import Shards, SparseRows, StepTally, join_run, leave, local_device, merge_pushes
+from .steps import PRECISIONS, grad_norm, metric_values, samples_in
 
 MAX_NAME = 64
 
@@ -364,6 +364,7 @@ class WorkerContext(_Context):
         self._early: EarlyPush | None = None  # pushes that leave during backward (``overlap``)
         self._staging: GradientStaging | None = None  # a CUDA worker's gradients copied to the host in backward
         self._loop_overlap: LoopOverlap | None = None  # a user's loop with overlap=True: when those two begin
+        self._model: torch.nn.Module | None = None  # the registered modules as one, from the start on
         self._reply = None  # the last settled reply: the values the model holds are of its step
         self._in_flight = None  # the push-pull sent and not settled: (its reply's wait, its optimizer)
         self._pending: dict[str, float] = {}  # ctx.log's scalars since the last exchange
@@ -410,7 +411,7 @@ class WorkerContext(_Context):
         is its own."""
         if self._plan.modules:
             self._check_registered()
-        model = self._modules.model
+        model = self._model = self._modules.model
         self._emitter = MetricsEmitter(self._plan.metrics_address, f"worker:{self.worker_index}", self._spec.key,
                                        run_id=self._plan.run_id)
         self._tally = StepTally(self._plan, self.worker_index, self._emitter.emit, self._log)
@@ -502,7 +503,7 @@ class WorkerContext(_Context):
         if self._loop_overlap is not None:
             self._loop_overlap.check()  # before max_grad_norm clips them
         mine = [p for g in optimizer.param_groups for p in g["params"]]
-        if not torch.isfinite(grad_norm(self._modules.model, plan.max_grad_norm, params=mine)):
+        if not torch.isfinite(grad_norm(self._model, plan.max_grad_norm, params=mine)):
             step = self.global_step
             if plan.on_nonfinite == "fail":
                 raise NonFiniteError(f"worker {self.worker_index} computed a non-finite gradient at global step "
@@ -543,7 +544,7 @@ class WorkerContext(_Context):
             pushed = {ps: self._of_optimizer(ids, tensors, k) for ps, (ids, tensors) in pushed.items()}
         self._in_flight = (self._client.start_push_pull(step, pushed, opened, meta=meta), k)
         if self._plan.pipeline:
-            for p in self._modules.model.parameters():
+            for p in self._model.parameters():
                 p.grad = None  # they leave with the push: the next backward must not write into them
         self._exchanging += time.perf_counter() - began
 
