@@ -20,9 +20,10 @@ from pathlib import Path
 REPETITIONS = 5  # the least number of rounds of any comparison
 
 
-def repetitions(tiny: bool) -> int:
-    """Rounds of a comparison: one at the tiny size, which checks that a benchmark runs, not what it measures."""
-    return 1 if tiny else REPETITIONS
+def repetitions(tiny: bool, times: int = 1) -> int:
+    """Rounds of a comparison: ``times`` the usual number (more for comparisons of short, noisy rounds); one at the
+    tiny size, which checks that a benchmark runs, not what it measures."""
+    return 1 if tiny else times * REPETITIONS
 
 
 def summary(values: list[float]) -> dict:

@@ -30,7 +30,8 @@ import torch
 import pscluster
 from pscluster.widgets import Dashboard
 
-from benchmarks.common import machine  # absolute: this file also runs as a script
+from benchmarks import procs  # absolute: this file also runs as a script
+from benchmarks.common import machine
 
 SETTLE_S = 0.25  # left out at the start of each window: the switch itself
 
@@ -56,17 +57,20 @@ def bootstrap_interval(values: np.ndarray, *, draws: int = 5000, seed: int = 0) 
 
 def measure(pairs: int, window: float, *, control: bool = False, warmup_steps: int = 600) -> dict:
     """Samples/s of each window by kind (``with`` / ``without``, one value per pair), and the dashboard's
-    ``refreshes`` and ``cpu_s`` over the windows."""
+    ``refreshes`` and ``cpu_s`` over the windows; on a cluster just started (in a tiny run, the one it shares:
+    ``procs.started_cluster``) that first trains a warm-up run of ``warmup_steps`` (none with 0)."""
     store = tempfile.mkdtemp(prefix="pscluster-bench-") + "/runs.sqlite"
     dataset = pscluster.datasets.digits("train")
-    with pscluster.Cluster(ps=1, workers=2, store=store) as cluster:
-        cluster.train(model_fn, dataset, torch.nn.CrossEntropyLoss(), lr=0.1, steps=warmup_steps,
-                      name="warm-up").wait(verbose=False)  # first runs on fresh engines are slower
+    with procs.started_cluster(store) as started:
+        cluster = started.cluster
+        if warmup_steps:  # first runs on fresh engines are slower
+            cluster.train(model_fn, dataset, torch.nn.CrossEntropyLoss(), lr=0.1, steps=warmup_steps,
+                          name="warm-up").wait(verbose=False)
         run = cluster.train(model_fn, dataset, torch.nn.CrossEntropyLoss(), lr=0.1, mode="sync",
                             steps=10**7, batch_size=64, name="dashboard on and off")
         while run.global_step < 200:  # past start-up
             time.sleep(0.1)
-        dashboard = Dashboard(store, run.id)
+        dashboard = Dashboard(cluster.store.path, run.id)
         dashboard.refresh()  # attached: its widgets hold the run so far
         first_refreshes, first_cpu = dashboard.refreshes, dashboard.cpu_s
         windows = []  # (pair, kind, begin, end)

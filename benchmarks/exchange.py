@@ -155,13 +155,13 @@ def cpu_per_trip(megabytes: float, trips: int, rounds: int) -> dict[str, dict[st
         trip = {"raw": lambda: raw.round_trip(payload), "socket": lambda: ps.round_trip("socket")}
         servers = {"raw": psutil.Process(raw.procs[0].pid), "socket": psutil.Process(cluster.pids[0])}
         samples = {how: {"cpu_ms": [], "wall_ms": []} for how in trip}
-        for how, fn in trip.items():
+        for fn in trip.values():
             fn()
         for _ in range(rounds):
             for how, fn in trip.items():
                 processes = [psutil.Process(), servers[how]]
                 before = sum(sum(p.cpu_times()[:2]) for p in processes)
-                wall = timed(lambda: [fn() for _ in range(trips)])
+                wall = timed(lambda fn=fn: [fn() for _ in range(trips)])
                 samples[how]["cpu_ms"].append(1000 * (sum(sum(p.cpu_times()[:2]) for p in processes) - before) / trips)
                 samples[how]["wall_ms"].append(1000 * wall / trips)
         ps.close()

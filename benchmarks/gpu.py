@@ -17,6 +17,7 @@ import torch
 
 from . import procs
 from .common import Result, Target, alternate, compare, repetitions
+from .workload import TINY_STEPS
 
 DEVICE = "cuda:0"
 BATCH = 256
@@ -49,8 +50,7 @@ def _model_rows(model: str, label: str, steps: int, rounds: int) -> tuple[list, 
     try:
         speeds = alternate({name: (lambda name=name: measure(name)) for name in contenders}, rounds)
     finally:
-        for r in contenders.values():
-            r.close()
+        procs.close_all(contenders.values())
     rows = [compare(f"{label}, {how}, batch {BATCH}", "1 ps + 1 GPU worker", speeds[mode], "plain loop on the GPU",
                     speeds["plain"], "samples/s", Target(0.85) if mode != "after" else None)
             for mode, how in MODES.items()]
@@ -67,7 +67,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
     if not torch.cuda.is_available():
         result.skipped = "no CUDA GPU on this machine"
         return result
-    steps = 40 if tiny else 300
+    steps = TINY_STEPS if tiny else 300
     for model, label in MODELS.items():
         rows, result.extra[model] = _model_rows(model, label, steps, repetitions(tiny))
         result.rows += rows

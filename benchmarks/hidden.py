@@ -7,10 +7,11 @@ from pathlib import Path
 
 from . import procs
 from .common import Result, Target, alternate, compare, repetitions
+from .workload import TINY_STEPS
 
 
 def run(tiny: bool, out_dir: Path) -> Result:
-    steps = 40 if tiny else 300
+    steps = TINY_STEPS if tiny else 300
     workers = {"sync": procs.workload_workers("sync", 1),
                "async, pipelined": procs.workload_workers("async", 1, pipeline=True)}
     plain = procs.Rounds([procs.spawn("workload", "plain")])
@@ -24,10 +25,9 @@ def run(tiny: bool, out_dir: Path) -> Result:
         # twice the usual repetitions: this VM's speed moves between runs seconds apart, and one pair of
         # 300-step runs takes only a couple of seconds
         speeds = alternate({**{name: (lambda name=name: speed(name)) for name in workers},
-                            "plain": lambda: plain.round(steps)[0]["samples_per_s"]}, 2 * repetitions(tiny))
+                            "plain": lambda: plain.round(steps)[0]["samples_per_s"]}, repetitions(tiny, times=2))
     finally:
-        for r in (*workers.values(), plain):
-            r.close()
+        procs.close_all((*workers.values(), plain))
     result = Result("hidden", "Communication hidden behind compute (1 ps + 1 worker vs a plain loop)", tiny)
     for name in workers:
         result.rows.append(compare(f"784-256-10 MLP, batch 128, SGD, {name}", f"1 ps + 1 worker, {name}",

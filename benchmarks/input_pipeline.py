@@ -124,10 +124,9 @@ def run(tiny: bool, out_dir: Path) -> Result:
         # twice the usual repetitions, each a few seconds: the loader processes need this VM's second core, which
         # other processes take now and then
         speeds = alternate({name: (lambda r=r: r.round(steps)[0]["samples_per_s"]) for name, r in contenders.items()},
-                           2 * repetitions(tiny))
+                           repetitions(tiny, times=2))
     finally:
-        for rounds in contenders.values():
-            rounds.close()
+        procs.close_all(contenders.values())
     result = Result("input_pipeline", "Input pipeline: a worker with 2 loader processes against one building its "
                     "batches in the training thread", tiny)
     result.rows.append(compare(f"conv net, batch {BATCH}, 1 ps + 1 worker sync, a batch's reads ~ one step",

@@ -25,11 +25,10 @@ MB = 2**20
 
 
 def pscluster_start(store: str) -> float:
-    """Seconds from ``Cluster(ps=1, workers=2).start()`` to ready (ps serving, roles assigned); then stopped."""
-    cluster = pscluster.Cluster(ps=1, workers=2, store=store)
-    seconds = timed(cluster.start)
-    cluster.stop()
-    return seconds
+    """Seconds from ``Cluster(ps=1, workers=2).start()`` to ready (ps serving, roles assigned); then stopped (in a
+    tiny run: the start of the cluster the run shares, left running; see ``procs.started_cluster``)."""
+    with procs.started_cluster(store) as started:
+        return started.start_s
 
 
 def start_model() -> torch.nn.Module:
@@ -49,14 +48,11 @@ def to_first_steps(cluster: pscluster.Cluster, dataset) -> float:
 
 
 def run_starts(store: str) -> tuple[float, float]:
-    """``to_first_steps`` of the first run on a cluster just started (1 ps + 2 workers), and of the run after it."""
-    cluster = pscluster.Cluster(ps=1, workers=2, store=store)
-    cluster.start()
-    try:
+    """``to_first_steps`` of the first run on a cluster just started (1 ps + 2 workers), and of the run after it (in
+    a tiny run: on the cluster the run shares, whose first runs they are when no benchmark used it before)."""
+    with procs.started_cluster(store) as started:
         dataset = pscluster.datasets.digits("train")
-        return to_first_steps(cluster, dataset), to_first_steps(cluster, dataset)
-    finally:
-        cluster.stop()
+        return to_first_steps(started.cluster, dataset), to_first_steps(started.cluster, dataset)
 
 
 def ipyparallel_start() -> float:
@@ -136,7 +132,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
                                    "one torch.save", times["torch.save"], "s", Target(1.0, higher=False)))
 
     pairs, window = (1, 0.8) if tiny else (rounds + 1, 2.0)
-    speeds = dashboard_overhead.measure(pairs, window, warmup_steps=50 if tiny else 600)
+    speeds = dashboard_overhead.measure(pairs, window, warmup_steps=0 if tiny else 600)
     with_, without = speeds["with"], speeds["without"]
     keep = np.isfinite(with_) & np.isfinite(without)
     result.rows.append(compare("training with the live dashboard", "with", list(with_[keep]), "without",

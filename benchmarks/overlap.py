@@ -9,12 +9,13 @@ from pathlib import Path
 
 from . import procs
 from .common import Result, Target, alternate, compare, repetitions
+from .workload import TINY_STEPS
 
 MODEL = {"WORKLOAD_MODEL": "wide_mlp"}
 
 
 def run(tiny: bool, out_dir: Path) -> Result:
-    steps = 40 if tiny else 80  # the clock ticks every 10 steps and leaves out the first 20
+    steps = TINY_STEPS if tiny else 80  # the clock ticks every 10 steps and leaves out the first 20
     workers = {on: procs.workload_workers("sync", 1, socket=True, overlap=on, **MODEL) for on in (True, False)}
     plain = procs.Rounds([procs.spawn("workload", "plain", **MODEL)])
     overlapped: list[int] = []
@@ -28,8 +29,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
         speeds = alternate({"on": lambda: speed(True), "off": lambda: speed(False),
                             "plain": lambda: plain.round(steps)[0]["samples_per_s"]}, repetitions(tiny))
     finally:
-        for r in (*workers.values(), plain):
-            r.close()
+        procs.close_all((*workers.values(), plain))
     result = Result("overlap", "Sync overlap: pushes during backward (1 ps + 1 worker over the socket)", tiny)
     case = "784-2048-2048-10 MLP, batch 128, SGD, sync, socket"
     result.rows.append(compare(case, "overlap on", speeds["on"], "overlap off", speeds["off"], "samples/s",

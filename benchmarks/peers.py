@@ -59,8 +59,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
             systems[name] = start()
         speeds = alternate({name: (lambda name=name: measure(name)) for name in systems}, repetitions(tiny))
     finally:
-        for r in systems.values():
-            r.close()
+        procs.close_all(systems.values())
     result = Result("peers", "Peers on the same work (MLP 784-256-10, batch 128 per worker, SGD)", tiny)
     unit = "samples/s"
     for mode, bare_mode, ddp_goal in (("sync", "sync", 1.5), ("async", "async", 1.7),

@@ -1,10 +1,12 @@
 """Processes of the benchmarks: ps tasks served by ``python -m pscluster.runtime`` (the product's own
 standalone ps), and benchmark roles run as ``python -m benchmarks.<module> ...`` children, started once per
 contender and told to run one round at a time (so that rounds of several contenders alternate without
-paying for process starts)."""
+paying for process starts). Within ``tiny_run`` (the tiny size) every child is forked from a zygote that has
+imported torch once, instead of started fresh, and the benchmarks share one started cluster."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -14,13 +16,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pscluster.errors import PeerLost
 from pscluster.runtime.client import PSClient
 from pscluster.runtime.optim import OptimizerSpec
 from pscluster.runtime.plan import PsConfig
 from pscluster.spec import ClusterSpec, TaskSpec
+
+from .zygote import Zygote
+
+if TYPE_CHECKING:
+    import pscluster
 
 ROOT = Path(__file__).absolute().parent.parent
 
@@ -50,13 +59,98 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+@dataclass
+class StartedCluster:
+    """A started ``pscluster.Cluster(ps=1, workers=2)`` and the seconds its ``start()`` took."""
+
+    cluster: pscluster.Cluster
+    start_s: float
+
+    @classmethod
+    def start(cls, store: str) -> StartedCluster:
+        import pscluster  # ipyparallel's client with it: imported where a cluster is started
+
+        cluster = pscluster.Cluster(ps=1, workers=2, store=store)
+        began = time.perf_counter()
+        cluster.start()
+        return cls(cluster, time.perf_counter() - began)
+
+
+class TinyRun:
+    """What the benchmarks of one tiny run share (``tiny_run``): the zygote their children are forked from, and a
+    temporary folder for the cluster they share, started on first use."""
+
+    def __init__(self):
+        self.zygote = Zygote(child_env(1), str(ROOT))
+        self.folder = tempfile.TemporaryDirectory(prefix="pscluster-bench-")
+        self.started: StartedCluster | None = None
+
+    def cluster(self) -> StartedCluster:
+        if self.started is None:
+            self.started = StartedCluster.start(os.path.join(self.folder.name, "runs.sqlite"))
+        return self.started
+
+    def close(self) -> None:
+        try:
+            if self.started is not None:
+                self.started.cluster.stop()
+        finally:
+            self.zygote.close()
+            self.folder.cleanup()
+
+
+_tiny: TinyRun | None = None  # within tiny_run
+
+
+@contextlib.contextmanager
+def tiny_run(tiny: bool = True):
+    """Within it, with ``tiny``, the benchmarks share processes, as the tiny size (which checks that they run,
+    its numbers meaning nothing) can: every child of ``spawn`` and ``PSProcesses`` is forked from one zygote
+    process (``zygote.Zygote``) that has imported torch and pscluster's runtime once, rather than started as a
+    fresh interpreter (4-6 s of CPU less per child), and ``started_cluster`` gives the benchmarks that train on a
+    ``Cluster(ps=1, workers=2)`` the same one. Measurements at full size start every child and cluster fresh, as
+    the product starts its processes."""
+    global _tiny
+    if not tiny or _tiny is not None:
+        yield
+        return
+    _tiny = TinyRun()
+    try:
+        yield
+    finally:
+        shared, _tiny = _tiny, None
+        shared.close()
+
+
+@contextlib.contextmanager
+def started_cluster(store: str):
+    """A ``StartedCluster`` just started, recording its runs in ``store``, stopped on leaving; within ``tiny_run``,
+    the one the run shares (started on its first use, its store in a folder of its own; left running)."""
+    if _tiny is not None:
+        yield _tiny.cluster()
+        return
+    started = StartedCluster.start(store)
+    try:
+        yield started
+    finally:
+        started.cluster.stop()
+
+
+def _start(module: str, args, *, threads: int, env: dict, **streams):
+    """``python -m module args...`` in this repository with ``child_env(threads, **env)``: a ``subprocess.Popen``
+    (text streams), or its like forked from the zygote within ``tiny_run``."""
+    command = [sys.executable, "-m", module, *map(str, args)]
+    if _tiny is not None:
+        return _tiny.zygote.popen(command, cwd=str(ROOT), env=child_env(threads, **env), **streams)
+    return subprocess.Popen(command, cwd=ROOT, env=child_env(threads, **env), text=True, **streams)
+
+
 def spawn(module: str, *args, threads: int = 1, **env: str) -> subprocess.Popen:
     """``python -m benchmarks.<module> args...``: commands on its stdin, JSON lines on its stdout, its error
-    output in a temporary file (read back when it fails)."""
+    output in a temporary file (read back when it fails). Within ``tiny_run``, a ``zygote.Forked``."""
     errors = tempfile.TemporaryFile()
-    child = subprocess.Popen([sys.executable, "-m", f"benchmarks.{module}", *map(str, args)], cwd=ROOT,
-                             env=child_env(threads, **env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=errors, text=True)
+    child = _start(f"benchmarks.{module}", args, threads=threads, env=env, stdin=subprocess.PIPE,
+                   stdout=subprocess.PIPE, stderr=errors)
     child.errors = errors
     return child
 
@@ -96,10 +190,14 @@ class Rounds:
             child.stdin.flush()
         return [read_json(child) for child in self.commanded]
 
-    def close(self) -> None:
-        """End of input for the commanded processes: every process ends (killed after 30 s)."""
+    def end_input(self) -> None:
+        """End of input for the commanded processes, which then end (``close`` waits for them)."""
         for child in self.commanded:
             child.stdin.close()
+
+    def close(self) -> None:
+        """End of input for the commanded processes: every process ends (killed after 30 s)."""
+        self.end_input()
         for child in self.commanded + self.others:
             try:
                 child.wait(30)
@@ -108,6 +206,16 @@ class Rounds:
                 child.wait()
         if self.after is not None:
             self.after()
+
+
+def close_all(contenders) -> None:
+    """``close`` each of ``contenders`` (``Rounds``), every one told to end before any is waited for, so that
+    their processes end together rather than one contender after another."""
+    contenders = list(contenders)
+    for rounds in contenders:
+        rounds.end_input()
+    for rounds in contenders:
+        rounds.close()
 
 
 WORKER_TIMES = ("compute_s", "comm_s", "wait_s")  # a runtime worker's seconds computing, exchanging, waiting
@@ -181,9 +289,9 @@ class PSProcesses:
     def __init__(self, num_ps: int, workers: int = 1, threads: int = 1, device: str = "cpu"):
         self.spec = ClusterSpec(ps=tuple(TaskSpec("ps", i, port=p) for i, p in enumerate(free_ports(num_ps))),
                                 workers=tuple(TaskSpec("worker", i, device=device) for i in range(workers)))
-        self.procs = [subprocess.Popen([sys.executable, "-m", "pscluster.runtime"], cwd=ROOT,
-                                       env=child_env(threads, PSCLUSTER_CONFIG=self.spec.config_for("ps", i)),
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self.procs = [_start("pscluster.runtime", (), threads=threads,
+                             env={"PSCLUSTER_CONFIG": self.spec.config_for("ps", i)}, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL)
                       for i in range(num_ps)]
         try:
             self._wait_ready(60.0)

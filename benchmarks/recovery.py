@@ -16,6 +16,7 @@ import torch
 import pscluster
 from pscluster.datasets import digits
 
+from . import procs
 from .common import Result, Target, compare, repetitions
 
 STEPS = 10**7  # the run outlasts the kills; it is stopped after them
@@ -62,7 +63,8 @@ def run(tiny: bool, out_dir: Path) -> Result:
     result = Result("recovery", "Recovery of a lost worker: engine ready to the replacement's first step", tiny)
     losses = []
     with tempfile.TemporaryDirectory() as folder:  # the run store, and the checkpoint that stop() writes
-        with pscluster.Cluster(ps=1, workers=2, store=os.path.join(folder, "runs.sqlite")) as cluster:
+        with procs.started_cluster(os.path.join(folder, "runs.sqlite")) as started:  # in a tiny run, the shared one
+            cluster = started.cluster
             training = cluster.train(model_fn, digits("train"), torch.nn.CrossEntropyLoss(), mode="async",
                                      steps=STEPS, batch_size=32, lr=0.05, log_every=STEPS, checkpoint_secs=None)
             _until(lambda: training.global_step > 200, "training")

@@ -4,7 +4,9 @@ for each and regenerates the tables of ``README.md``.
     python -m benchmarks.run [--tiny] [--only NAME ...] [--out DIR] [--readme PATH]
 
 ``--tiny``: every benchmark at a tiny size with one repetition, to check that it runs (its numbers mean
-nothing). The tables list every JSON file in ``--out``, so ``--only`` updates some and keeps the others.
+nothing), their children forked from one process that has imported torch and one cluster shared by those that
+train on one (``procs.tiny_run``). The tables list every JSON file in ``--out``, so ``--only`` updates some and
+keeps the others.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 from . import (convnet, dashboard_scale, exchange, gpu, hidden, input_pipeline, memory, overheads, overlap, peers,
-               recovery, report, run_view, scaling, user_loop)
+               procs, recovery, report, run_view, scaling, user_loop)
 from .common import run_benchmark
 
 BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "overlap": overlap.run, "peers": peers.run,
@@ -34,17 +36,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--readme", type=Path, default=HERE / "README.md", help="the file whose tables to regenerate")
     args = parser.parse_args(argv)
     failed = []
-    for name in args.only:
-        began = time.monotonic()
-        print(f"{name}...", flush=True)
-        data = run_benchmark(name, BENCHMARKS[name], args.tiny, args.out)
-        if data["extra"].get("failed"):
-            failed.append(name)
-            print(f"  {data['skipped']}", flush=True)
-        for row in data["rows"]:
-            verdict = "" if not row["target"] else " met" if row["target"]["met"] else " MISSED"
-            print(f"  {row['case']}: {row['ratio'].get('median', float('nan')):.3f}{verdict}", flush=True)
-        print(f"  ({time.monotonic() - began:.0f} s)", flush=True)
+    with procs.tiny_run(args.tiny):
+        for name in args.only:
+            began = time.monotonic()
+            print(f"{name}...", flush=True)
+            data = run_benchmark(name, BENCHMARKS[name], args.tiny, args.out)
+            if data["extra"].get("failed"):
+                failed.append(name)
+                print(f"  {data['skipped']}", flush=True)
+            for row in data["rows"]:
+                verdict = "" if not row["target"] else " met" if row["target"]["met"] else " MISSED"
+                print(f"  {row['case']}: {row['ratio'].get('median', float('nan')):.3f}{verdict}", flush=True)
+            print(f"  ({time.monotonic() - began:.0f} s)", flush=True)
     report.update_readme(args.readme, report.render(args.out, args.readme))
     print(f"results in {args.out}, tables in {args.readme}")
     if failed:

@@ -10,10 +10,11 @@ from pathlib import Path
 from . import procs
 from .common import Result, Target, alternate, compare, repetitions
 from .peers import aggregate
+from .workload import TINY_STEPS
 
 
 def run(tiny: bool, out_dir: Path) -> Result:
-    steps = 60 if tiny else 300
+    steps = TINY_STEPS if tiny else 300
     systems = {"run": lambda: procs.workload_workers("sync", 2, loop=True),
                "train": lambda: procs.workload_workers("sync", 2),
                "run, 1 worker": lambda: procs.workload_workers("sync", 1, loop=True),
@@ -24,10 +25,9 @@ def run(tiny: bool, out_dir: Path) -> Result:
         for name, start in systems.items():
             started[name] = start()
         speeds = alternate({name: (lambda name=name: aggregate(started[name].round(steps))) for name in started},
-                           2 * repetitions(tiny))
+                           repetitions(tiny, times=2))
     finally:
-        for rounds in started.values():
-            rounds.close()
+        procs.close_all(started.values())
     result = Result("user_loop", "Your own loop (Cluster.run) against the library's (Cluster.train)", tiny)
     unit = "samples/s"
     result.rows += [

@@ -33,6 +33,7 @@ BATCH = int(os.environ.get("WORKLOAD_BATCH", 128))
 LR = 0.01
 WARMUP = 20  # steps left out of every speed: connections, first allocations
 TICK = 10  # a pscluster worker's clock ticks with its progress lines, one every TICK steps
+TINY_STEPS = WARMUP + TICK  # the tiny size's rounds: the fewest steps that give a sync worker's speed
 SAMPLES = 8192
 
 
