@@ -21,6 +21,7 @@ from .conftest import events, mlp, wait_for_step
 
 pytestmark = pytest.mark.integration
 STEPS = 400
+FUZZ_STEPS = 3_000  # the fuzzing takes a few hundred steps of it (about a second)
 
 
 def test_rejected_frames_reach_the_run_and_training_goes_on(cluster_1ps_2w, digits_train):
@@ -73,8 +74,8 @@ def test_random_bytes_to_every_port_of_the_cluster_leave_the_run_to_finish(digit
 
 
 def fuzz_every_port_mid_run(c, digits_train) -> None:
-    run = c.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="async", steps=10_000, batch_size=32,
-                  checkpoint_secs=None)
+    run = c.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="async", steps=FUZZ_STEPS,
+                  batch_size=32, checkpoint_secs=None)
     wait_for_step(run, 200)
     ports = listening_ports(set(c.pids) | {os.getpid()})
     assert len(ports) >= 10
@@ -87,5 +88,5 @@ def fuzz_every_port_mid_run(c, digits_train) -> None:
             except OSError:  # dropped by the peer: what it may do
                 pass
     run.wait(timeout=180, verbose=False)
-    assert run.status == "finished" and run.global_step == 10_000 and run.error is None
-    assert sum(run.local_steps) >= 10_000
+    assert run.status == "finished" and run.global_step == FUZZ_STEPS and run.error is None
+    assert sum(run.local_steps) >= FUZZ_STEPS

@@ -1,6 +1,7 @@
 """Fault tolerance on real engines: SIGKILL a worker or a ps mid-run; the run recovers by itself and ends
 exactly on its step target, and no process of the cluster outlives it."""
 
+import os
 import time
 
 import pytest
@@ -14,27 +15,62 @@ from pscluster.runtime import checkpoint
 from .conftest import events, mlp, wait_for_step
 
 LOSS = torch.nn.CrossEntropyLoss()
-STEPS = 15_000
+STEPS = 1_000
+
+
+class SlowWhile(torch.utils.data.Dataset):
+    """``data``, each batch ``delay_s`` late while the file ``flag`` exists: the workers train on, slowly, for as
+    long as the test holds the run back."""
+
+    supports_batch_index = True  # as the digits: a batch at once
+
+    def __init__(self, data, flag: str, delay_s: float = 0.1):
+        self.data, self.flag, self.delay_s = data, flag, delay_s
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index):
+        if not isinstance(index, int) and os.path.exists(self.flag):
+            time.sleep(self.delay_s)
+        return self.data[index]
+
+
+def wait_until_trained_by(run, worker: int, since: float, timeout: float = 180) -> None:
+    """Wait until worker ``worker`` has reported a step made after ``since`` (unix seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = run.metrics()
+        if ((metrics["worker"] == worker) & (metrics["time"] > since)).any():
+            return
+        assert not run.done, f"the run ended at {run.global_step} before worker {worker} trained again: {run.error}"
+        assert time.monotonic() < deadline, f"worker {worker} did not train again within {timeout}s"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("mode, victim", [("sync", "worker:1"), ("async", "worker:0")])
-def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(own_cluster, digits_train, mode, victim):
+def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(own_cluster, digits_train, tmp_path, mode, victim):
     c = own_cluster(ps=1, workers=2)
     with pytest.raises(ConfigError, match="task 'worker': name it role:index, e.g. worker:1 or ps:0"):
         c.kill("worker")
     with pytest.raises(ConfigError, match="no worker task 9: this cluster has 2"):
         c.kill("worker:9")
-    # long enough that the run still trains when the replacement's new engine is ready (about 5 s here): this
-    # model takes about 1 ms a step
-    run = c.train(mlp, digits_train, LOSS, lr=0.1, mode=mode, steps=STEPS, batch_size=32, checkpoint_secs=None)
+    # the run must still train when the replacement's new engine is ready (5 s here, more under load: thousands
+    # of steps of this model at full speed): from the loss until the replacement has trained, batches come slowly
+    slow = tmp_path / "slow"
+    run = c.train(mlp, SlowWhile(digits_train, str(slow)), LOSS, lr=0.1, mode=mode, steps=STEPS, batch_size=32,
+                  checkpoint_secs=None)
     wait_for_step(run, 100)
+    slow.touch()
     old_pid = c.kill(victim)
+    role, index = victim.split(":")
+    wait_until_trained_by(run, int(index), since=time.time())
+    slow.unlink()
     run.wait(timeout=180, verbose=False)
     assert run.status == "finished" and run.error is None
     assert run.global_step == STEPS  # exactly the target
     lost, replaced = events(run, "lost"), events(run, "replaced")
     assert list(lost["task"]) == [victim] and list(replaced["task"]) == [victim]
-    role, index = victim.split(":")
     assert c.spec.task(role, int(index)).pid != old_pid
     assert not alive(old_pid)
     assert run.local_steps[int(index)] > 0, run.local_steps  # the replacement trained
@@ -88,12 +124,12 @@ def test_a_lost_ps_with_no_checkpoint_yet_costs_a_few_steps_not_the_run(own_clus
     """Default settings (a checkpoint every 10 minutes): the ps is lost long before the first one. Its
     variables come back from the workers' copies, the other ps's from their own shards."""
     c = own_cluster(ps=2, workers=2)
-    run = c.train(mlp, digits_train, LOSS, optimizer="adam", lr=0.01, mode=mode, steps=3000, batch_size=32)
+    run = c.train(mlp, digits_train, LOSS, optimizer="adam", lr=0.01, mode=mode, steps=1500, batch_size=32)
     wait_for_step(run, 700)
     c.kill("ps:1")
     run.wait(timeout=240, verbose=False)
     assert run.status == "finished" and run.error is None
-    assert run.global_step == 3000
+    assert run.global_step == 1500
     restart = events(run, "restarting")
     assert len(restart) == 1
     detail = restart["detail"].iloc[0]
