@@ -5,7 +5,7 @@ TORCH_SPEC  ?= torch==2.13.0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
 
-.PHONY: demo embeddings bench test faults install labextension chromium multihost-deps clean
+.PHONY: demo embeddings bench test faults install labextension dist wheel-check chromium multihost-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,19 @@ $(LABEXT_BUILT): $(wildcard labextension/src/*.ts labextension/style/*) labexten
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 
 labextension: $(LABEXT_BUILT)
+
+# The sdist and the wheel in dist/, both built from the tree with the side panel prebuilt inside (installing
+# either needs no node).
+dist: $(LABEXT_BUILT)
+	rm -rf dist
+	$(BIN)/python -m pip install --quiet "build>=1.2"
+	$(BIN)/python -m build --sdist --wheel --outdir dist .
+
+# The wheel installed into a fresh venv, torch from TORCH_SPEC first: %load_ext pscluster, both extensions
+# enabled, the side panel drawn by a JupyterLab of that venv in chromium (tests/packaging).
+wheel-check: dist chromium
+	PSCLUSTER_WHEEL="$$(ls dist/pscluster-*.whl)" TORCH_SPEC="$(TORCH_SPEC)" IPP_NONINTERACTIVE=1 \
+		$(BIN)/python -m pytest tests/packaging
 
 # Browser tests drive Debian's chromium (never a browser downloaded by playwright).
 chromium:
@@ -73,4 +86,4 @@ faults: $(STAMP)
 	PSCLUSTER_FAULT_MATRIX=1 PSCLUSTER_REPORT_DIR=$(CURDIR)/reports IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest tests/faults
 
 clean:
-	rm -rf $(VENV) reports .pytest_cache pscluster/labextension labextension/lib labextension/node_modules
+	rm -rf $(VENV) reports .pytest_cache dist pscluster/labextension labextension/lib labextension/node_modules

@@ -6,12 +6,13 @@ ipyparallel.
 """
 
 import importlib
+import importlib.metadata
 
 from . import datasets, environ, placement  # placement is light: no torch, plotly or IPython
 from .errors import PSClusterError
 from .spec import ClusterSpec, TaskSpec
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("pscluster")  # one place: labextension/package.json
 
 __all__ = ["Cluster", "ClusterSpec", "PSClusterError", "Run", "TaskSpec", "clusters", "compare", "datasets",
            "environ", "evaluate", "init", "load_ipython_extension", "open_run", "placement", "runs",

@@ -11,6 +11,8 @@ os.environ.setdefault("IPP_NONINTERACTIVE", "1")
 os.environ["PSCLUSTER_HOME"] = tempfile.mkdtemp(prefix="pscluster-tests-")
 # the fault matrix has its own target (make faults): about 15 minutes more than the suite
 collect_ignore = [] if os.environ.get("PSCLUSTER_FAULT_MATRIX") else ["faults"]
+# the wheel check has its own target too (make wheel-check): it builds a venv from nothing
+collect_ignore += [] if os.environ.get("PSCLUSTER_WHEEL") else ["packaging"]
 
 
 def _leftovers() -> list[psutil.Process]:

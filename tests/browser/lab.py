@@ -40,11 +40,13 @@ class LabServer:
     """``jupyter lab`` on 127.0.0.1 in a child process, with a temporary root, settings and runtime
     directory; ``restart()`` stops it and starts a new one on the same port with the same token, as
     a user restarting their server would. ``env``: variables the server gets besides this process's
-    environment (``PSCLUSTER_HOME``: where the panel finds the run store and the cluster registry)."""
+    environment (``PSCLUSTER_HOME``: where the panel finds the run store and the cluster registry); ``python``:
+    the interpreter whose JupyterLab it is (this one unless said), run from ``root``."""
 
-    def __init__(self, root: Path, env: dict[str, str] | None = None):
+    def __init__(self, root: Path, env: dict[str, str] | None = None, python: str = sys.executable):
         self.root = root
         self.env = dict(env or {})
+        self.python = python
         self.port, self.token = _free_port(), secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -56,13 +58,13 @@ class LabServer:
         r = self.root
         with open(r / "server.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+                [self.python, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
                  f"--port={self.port}", "--port-retries=0", f"--ServerApp.token={self.token}",
                  f"--ServerApp.root_dir={r / 'files'}", "--LabApp.news_url=None",
                  f"--LabApp.user_settings_dir={r / 'settings'}", f"--LabApp.workspaces_dir={r / 'workspaces'}"],
                 env={**os.environ, **self.env, "JUPYTER_CONFIG_DIR": str(r / "config"),
                      "JUPYTER_RUNTIME_DIR": str(r / "runtime")},
-                stdout=log, stderr=subprocess.STDOUT)
+                cwd=r, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
             try:
