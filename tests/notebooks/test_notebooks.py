@@ -199,7 +199,7 @@ def test_your_loop_runs_a_function_a_cell_and_a_session(tmp_path):
     assert loop["status"] == "finished" and loop["global_step"] == report["steps"]
     assert {"accuracy", "lr"} <= set(loop["metric_columns"])  # ctx.log's numbers, columns of run.metrics()
     assert early["status"] == "finished" and report["stop_reason"].startswith("test accuracy")
-    assert early["global_step"] < report["steps"]  # the chief's request_stop ended it early
+    assert early["global_step"] < report["early_steps"]  # the chief's request_stop ended it early
     history = report["session_history"]
     assert session["status"] == "finished" and session["global_step"] == history[-1]["global_step"]
     assert [h["lr"] for h in history] == sorted((h["lr"] for h in history), reverse=True)  # only ever lowered
