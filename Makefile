@@ -5,7 +5,7 @@ TORCH_SPEC  ?= torch==2.13.0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
 
-.PHONY: demo embeddings bench test faults install labextension dist wheel-check chromium multihost-deps clean
+.PHONY: demo embeddings bench test docs faults install labextension dist wheel-check chromium multihost-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,16 @@ bench: $(BENCH_STAMP) $(LABEXT_BUILT) chromium
 
 test: $(STAMP) $(LABEXT_BUILT) chromium multihost-deps
 	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest
+
+# The documentation site (mkdocs.yml, docs/) into site/, the docs extra installed into .venv once; a warning (a
+# broken link, a docstring mkdocstrings cannot read) fails the build.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # Every fault on every role at every bad moment (tests/faults, about 15 minutes on 2 cores): reports/faults.json.
 faults: $(STAMP)

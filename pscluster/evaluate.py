@@ -1,15 +1,50 @@
 """``pscluster.evaluate``: a model's loss, accuracy and metrics over a dataset, in the calling process
-(``evaluate``, from ``runtime.evaluation``, which ``Run.evaluate`` uses too), and the ROC AUC of scores (``auc``)."""
+(``evaluate``, over ``runtime.evaluation``, which ``Run.evaluate`` uses too), and the ROC AUC of scores (``auc``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .errors import ConfigError
-from .runtime.evaluation import evaluate
+from .errors import ConfigError, PSClusterError
+from .runtime import evaluation
+from .runtime.steps import describe
 
 __all__ = ["auc", "evaluate"]
+
+
+def evaluate(model: torch.nn.Module, dataset, loss_fn=None, *, step_fn=None, batch_size: int = 1024,
+             collate_fn=None) -> dict:
+    """Mean loss, accuracy (None unless the outputs are class logits against integer targets) and the mean of each
+    of a ``step_fn``'s metrics of ``model``, in eval mode, over ``dataset`` (a map-style or iterable dataset, batched
+    as the workers batch it with ``collate_fn``, or a DataLoader), computed here: ``{"loss": ..., "accuracy": ...}``.
+
+    ``loss_fn(output, target)`` scores the default step (``batch = (inputs, target)``); ``step_fn(model, batch)``
+    replaces it. A model, loss or dataset that do not fit each other raise ConfigError naming what to fix (the
+    error of the failing batch chained to it), not the error of whichever torch call failed first.
+    """
+    if step_fn is None and not callable(loss_fn):
+        raise ConfigError("evaluate needs loss_fn, e.g. torch.nn.CrossEntropyLoss(), or step_fn=f(model, batch) -> "
+                          "loss")
+    try:
+        return evaluation.evaluate(model, dataset, loss_fn, step_fn=step_fn, batch_size=batch_size,
+                                   collate_fn=collate_fn)
+    except PSClusterError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        fix = ("fix the model or step_fn to fit its batches" if step_fn is not None else
+               "fix the model or loss_fn to fit its batches, or give step_fn=f(model, batch) -> loss")
+        raise ConfigError(f"evaluate fails on the dataset (items: {_item_of(dataset)}): {type(e).__name__}: {first} "
+                          f"— {fix}") from e
+
+
+def _item_of(dataset) -> str:
+    """What the dataset's first item looks like, for the error message."""
+    try:
+        return describe(dataset[0])
+    except Exception:  # an iterable dataset, or one that fails itself: the error says the rest
+        return type(dataset).__name__
 
 
 def auc(scores, labels) -> float:

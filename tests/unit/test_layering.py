@@ -5,7 +5,7 @@ control plane (cluster) → front (the package, magics, labserver and the other 
 imports its own layer and the layers below it, never above; every import counts: module level, inside
 functions and under ``if TYPE_CHECKING:``. No import cycle between modules, no two modules of one name,
 importing the runtime (code that runs on engines) loads nothing of IPython, Jupyter, ipyparallel or plotly, and
-the README's repository layout lists every module.
+the layout in the maintainers' documentation (``docs/maintainers.md``) lists every module.
 """
 
 import ast
@@ -143,11 +143,11 @@ def test_runtime_imports_no_notebook_or_control_plane_modules():
     assert "torch" in loaded and "zmq" in loaded  # the probe did import the runtime
 
 
-def test_readme_layout_lists_every_module():
-    """The README's repository layout names every module of the package, each where it is, and no other (a
+def test_documented_layout_lists_every_module():
+    """The layout in ``docs/maintainers.md`` names every module of the package, each where it is, and no other (a
     subpackage's folder stands for its ``__init__.py``)."""
-    readme = (PACKAGE.parent / "README.md").read_text()
-    block = readme.split("## Repository layout", 1)[1].split("```", 2)[1]
+    page = (PACKAGE.parent / "docs" / "maintainers.md").read_text()
+    block = page.split("## Layout", 1)[1].split("```", 2)[1]
     listed, folders = set(), []
     for line in block.splitlines():
         name = line.strip().split(" ", 1)[0]
@@ -161,5 +161,5 @@ def test_readme_layout_lists_every_module():
             listed.add("".join(folders) + name)
     on_disk = {str(p.relative_to(PACKAGE.parent)) for p in MODULES.values()
                if p.name != "__init__.py" or p.parent == PACKAGE}
-    assert listed == on_disk, (f"not in the README's layout: {sorted(on_disk - listed)}; "
+    assert listed == on_disk, (f"not in docs/maintainers.md's layout: {sorted(on_disk - listed)}; "
                                f"listed but absent: {sorted(listed - on_disk)}")
