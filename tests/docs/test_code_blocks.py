@@ -132,7 +132,8 @@ def shell():
 
 
 def _stop_clusters(shell) -> list[int]:
-    """Stop every cluster the page left running (the magics' and any in its namespace); their pids."""
+    """Stop every cluster the page left running (the magics' and any in its namespace), and leave the magics with
+    no cluster and no run, as a new kernel has them; the clusters' pids."""
     found = [v for v in shell.user_ns.values() if isinstance(v, Cluster)]
     magics = shell.magics_manager.registry.get("PSClusterMagics")
     if magics is not None and magics.cluster is not None:
@@ -142,6 +143,8 @@ def _stop_clusters(shell) -> list[int]:
         pids += cluster.pids
         if cluster.running:
             cluster.stop()
+    if magics is not None:
+        magics.cluster, magics.last_run = None, None
     return pids
 
 
