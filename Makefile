@@ -5,7 +5,7 @@ TORCH_SPEC  ?= torch==2.13.0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
 
-.PHONY: demo embeddings bench test docs faults install labextension dist wheel-check chromium multihost-deps clean
+.PHONY: demo embeddings bench test docs faults install labextension dist wheel-check chromium multihost-deps slurm-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ multihost-deps:
 	@test -x /usr/sbin/sshd -a -x /usr/bin/ssh -a -x /usr/sbin/ip -a -x /usr/bin/mpiexec || \
 		(apt-get update && apt-get install -y openssh-server openssh-client iproute2 openmpi-bin)
 
+# The Slurm launcher test (tests/multihost/test_slurm.py) starts its own munged, slurmctld and slurmd on loopback.
+slurm-deps:
+	@test -x /usr/sbin/slurmctld -a -x /usr/sbin/slurmd -a -x /usr/sbin/munged -a -x /usr/bin/sbatch || \
+		(apt-get update && apt-get install -y slurmctld slurmd munge slurm-client)
+
 # A notebook executed headless at full size: reports/<name>.html (and whatever JSON it writes there).
 NBCONVERT := PSCLUSTER_REPORT_DIR=$(CURDIR)/reports IPP_NONINTERACTIVE=1 $(BIN)/jupyter nbconvert --to html \
 	--HTMLExporter.preprocessors=pscluster.report.InlinePlotly \
@@ -77,7 +82,7 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP) $(LABEXT_BUILT) chromium
 	$(BIN)/python -m benchmarks.run
 
-test: $(STAMP) $(LABEXT_BUILT) chromium multihost-deps
+test: $(STAMP) $(LABEXT_BUILT) chromium multihost-deps slurm-deps
 	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest
 
 # The documentation site (mkdocs.yml, docs/) into site/, the docs extra installed into .venv once; a warning (a

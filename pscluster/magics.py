@@ -2,7 +2,8 @@
 
     %pscluster start --ps 1 --workers 2
     %pscluster start --launcher ssh --hosts node1,node2=2 --ps-hosts node1 --interface 10.0.0.1 --ports 20000-20100
-    %pscluster start --launcher slurm --partition gpu --account proj --time-limit 01:00:00 --sbatch-arg=--nodes=2
+    %pscluster start --launcher slurm --partition gpu --account proj --time-limit 01:00:00 --sbatch-arg=--gres=gpu:1
+    %pscluster start --launcher pbs --launcher-opt queue=long --interface 10.0.0.1   (any ipyparallel launcher)
     %pscluster start --launcher mpi --mpi-arg=--hostfile --mpi-arg=hosts.txt --interface 10.0.0.1
     %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1 [--wait] [--name N --resume]
     model = ...; loss_fn = ...; dataset = ...; test_dataset = ... (optional)
@@ -34,7 +35,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .cluster.handle import Cluster
-from .cluster.launchers import KINDS
+from .cluster import launchers
 from .errors import ConfigError, PSClusterError
 from .metrics.store import default_path
 from .runtime import options
@@ -43,7 +44,7 @@ from .tensorboard_server import TensorBoard
 USAGE = ("usage: %pscluster start|attach|train|run|status|placement|checkpoint|kill|scale|tensorboard|stop [options]  "
          "(%pscluster <command> --help for options)")
 LAUNCHER_OPTIONS = ("hosts", "ps_hosts", "interface", "ports", "ssh_args", "remote_python", "partition", "account",
-                    "time_limit", "qos", "sbatch_args", "mpi_args")
+                    "time_limit", "qos", "sbatch_args", "mpi_args")  # and --launcher-opt KEY=VALUE
 CELL_COMMANDS = ("train", "run")
 
 
@@ -74,6 +75,15 @@ def _option(text: str) -> tuple[str, object]:
         return key.strip(), value.strip()
 
 
+def _launcher(name: str) -> str:
+    """A launcher name that names one (argparse type): the one-line error lists the names otherwise."""
+    try:
+        launchers.find(name)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def _with_wait(parser: _Parser) -> _Parser:
     parser.add_argument("--wait", action="store_true",
                         help="block until the run ends, with a progress bar and the workers' log lines")
@@ -93,8 +103,14 @@ def _parsers() -> dict[str, _Parser]:
                        help="torch threads per task (default: the cores shared out among the tasks)")
     start.add_argument("--encrypt", action="store_true",
                        help="run the data plane over ZeroMQ CURVE encryption (it is always signed)")
-    start.add_argument("--launcher", choices=KINDS, default="local",
-                       help="how ipyparallel starts the engines: here, over ssh, with mpiexec, as a Slurm job")
+    start.add_argument("--launcher", type=_launcher, default=launchers.DEFAULT,
+                       help="how the engines start: here (local), over ssh, with mpiexec, as Slurm jobs, or any "
+                            f"launcher of ipyparallel or registered with pscluster ({', '.join(launchers.names())}), "
+                            "or an importable package.module.Class")
+    start.add_argument("--launcher-opt", dest="launcher_opts", action="append", type=_option, default=[],
+                       metavar="KEY=VALUE",
+                       help="another option of the launcher (repeatable), e.g. --launcher pbs --launcher-opt "
+                            "queue=long (a trait of ipyparallel's launcher)")
     start.add_argument("--hosts", default=None, metavar="HOST[=N],...",
                        help="ssh: [user@]host[:port], N engines there (default: as the ps/worker rule places them)")
     start.add_argument("--ps-hosts", default=None, metavar="HOST,...",
@@ -111,7 +127,8 @@ def _parsers() -> dict[str, _Parser]:
     start.add_argument("--time-limit", default=None, help="slurm: the job's time limit, e.g. 01:00:00")
     start.add_argument("--qos", default=None, help="slurm: the QoS")
     start.add_argument("--sbatch-arg", dest="sbatch_args", action="append", default=[], metavar="ARG",
-                       help="slurm: an extra #SBATCH argument (repeatable), e.g. --sbatch-arg=--nodes=2")
+                       help="slurm: an extra #SBATCH argument of each engine's job (repeatable), "
+                            "e.g. --sbatch-arg=--gres=gpu:1")
     start.add_argument("--mpi-arg", dest="mpi_args", action="append", default=[], metavar="ARG",
                        help="mpi: an mpiexec argument (repeatable), e.g. --mpi-arg=--hostfile --mpi-arg=hosts.txt")
 
@@ -199,9 +216,11 @@ class PSClusterMagics(Magics):
         if self.cluster is not None and self.cluster.running:
             raise UsageError(f"cluster {self.cluster.name} is already running: %pscluster stop it first")
         launcher_options = {k: v for k in LAUNCHER_OPTIONS if (v := getattr(args, k))}
+        launcher_options.update(args.launcher_opts)
         cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads,
                           detached=args.detached, launcher=args.launcher, encrypt=args.encrypt, **launcher_options)
-        where = "local engines" if args.launcher == "local" else f"engines started by the {args.launcher} launcher"
+        where = ("local engines" if cluster.launcher.local else
+                 f"engines started by the {cluster.launcher.kind} launcher")
         print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on {where}...", flush=True)
         self.cluster = cluster.start()
         return self.cluster

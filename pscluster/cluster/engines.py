@@ -1,11 +1,11 @@
-"""ipyparallel engines for one cluster: start (by one of ipyparallel's launchers), call, stop, leave nothing
+"""ipyparallel engines for one cluster: start (by its launcher, see ``launchers``), call, stop, leave nothing
 behind.
 
-Local engines are watched by pid, and a reaper process kills them if this process dies. Engines on other
-hosts (ssh, mpi, slurm) are watched through the controller's heartbeats: one that misses them is
+Local engines (``Launcher.local``) are watched by pid, and a reaper process kills them if this process dies.
+Engines on other hosts are watched through the controller's heartbeats: one that misses them is
 unregistered, and counts as lost; they end themselves once the controller is unreachable for a while
 (stopped, killed by the reaper with its kernel, or cut off: ``runtime.remote.watch_controller``), and are
-stopped through ipyparallel (client shutdown, then the launcher's stop).
+stopped through the client (shutdown), then the launcher's ``stop``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,8 +22,8 @@ import ipyparallel as ipp
 import ipyparallel.client.client as ipp_client
 
 from ..errors import ClusterStateError
-from . import engine_main, reaper
-from .launchers import Launcher, host_name
+from . import reaper
+from .launchers import Launcher
 from .roles import EngineInfo
 
 RECOUNT_S = 2.0  # how often a start that waits for engines compares the client's count with the hub's
@@ -66,32 +64,56 @@ SHUTDOWN_S = 2.0  # how long stop() waits for engines to end when asked (a clien
 
 
 class EngineSet:
-    """An ipyparallel controller with ``n`` engines started by ``launcher``, and a reaper that kills the local
-    processes if this process dies without stopping them (``detached``: if the controller dies; this process
-    may end first). ``counts``: engines per ssh host."""
+    """An ipyparallel controller with ``n`` engines started by ``launcher`` for ``roles`` (``(num_ps,
+    num_workers)``, default: 1 ps and the rest workers), and a reaper that kills the local processes if this
+    process dies without stopping them (``detached``: if the controller dies; this process may end first)."""
 
     def __init__(self, n: int, cluster_id: str, *, timeout: float = 90.0, detached: bool = False,
-                 launcher: Launcher | None = None, counts: dict[str, int] | None = None):
+                 launcher: Launcher | None = None, roles: tuple[int, int] | None = None):
         self.n = n
         self.cluster_id = cluster_id
         self.timeout = timeout
         self.detached = detached
         self.launcher = launcher or Launcher()
-        self.counts = counts
+        self.roles = roles or (1, n - 1)
         self._ipp: ipp.Cluster | None = None
         self.client: ipp.Client | None = None
         self.pids: list[int] = []
         self.engines: dict[int, int] = {}  # engine id -> pid, of the engines in use
+        self.info: dict[int, EngineInfo] = {}  # engine id -> what it reported, of the engines in use
+        self.since = 0.0  # when the controller started (its connection file is newer)
+        self._sets = 0  # engine sets launched
         self._reaper: subprocess.Popen | None = None
         self._adding = threading.Lock()  # held while one engine is added (see add_engine)
 
+    # --- what launchers use (see launchers.Launcher) ---------------------------------------------
+    @property
+    def cluster(self) -> ipp.Cluster:
+        """The ipyparallel cluster: its controller, and the engine sets launched (``cluster.engines``)."""
+        return self._ipp
+
+    def new_set_id(self) -> str:
+        """A name for the next engine set, unique in this cluster."""
+        self._sets += 1
+        return f"{int(self.since)}-{self._sets}"
+
+    def launch(self, n: int, set_id: str | None = None, **options) -> str:
+        """Start ``n`` engines through the ipyparallel cluster's engine launcher, with these options of it;
+        returns the engine set's id."""
+        return self._ipp.start_engines_sync(n, engine_set_id=set_id or self.new_set_id(), **options)
+
+    def where(self) -> dict[int, dict]:
+        """Each engine in use, and where it lives: host, pid, address, job (see ``Launcher.where``)."""
+        return {e: self.launcher.where(self, e) for e in self.engines}
+
+    # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> list[EngineInfo]:
         self._ipp = ipp.Cluster(n=self.n, cluster_id=self.cluster_id, log_level=logging.ERROR,
                                 shutdown_atexit=not self.detached, **self.launcher.cluster_options())
         try:
-            since = time.time()
+            self.since = time.time()
             self._ipp.start_controller_sync()
-            self._start_engines(self.n, self.counts, since)
+            self.launcher.start(self, self.n, *self.roles)
             self._watch_launched()
             self.client = self._ipp.connect_client_sync()
             self._wait_for_engines()
@@ -109,6 +131,7 @@ class EngineSet:
         local = [e.pid for e in engines] if self.launcher.local else []
         self.pids = reaper.with_descendants(local + [self._ipp.controller.pid])
         self.engines = {e.engine_id: e.pid for e in engines}
+        self.info = {e.engine_id: e for e in engines}
         self._watch()
         return engines
 
@@ -116,9 +139,7 @@ class EngineSet:
         """Watch what is started so far (the controller, the process local engines fork from) while the
         engines register: if this process dies before the start ends, the reaper kills them and every
         process below them."""
-        self.pids = [self._ipp.controller.pid]
-        if self.launcher.local:
-            self.pids += [e.pid for s in self._ipp.engines.values() for e in s.launchers.values()]
+        self.pids = [self._ipp.controller.pid, *self.launcher.launched_pids(self)]
         self._watch()
 
     def _wait_for_engines(self) -> None:
@@ -138,22 +159,13 @@ class EngineSet:
                 self.client.close()
                 self.client = self._ipp.connect_client_sync()
 
-    def _start_engines(self, n: int, counts: dict[str, int] | None, since: float = 0.0) -> None:
-        """Launch ``n`` engines: local ones as one process that forks into them (``engine_main``: torch imported
-        once, while the controller starts, from its connection file written since ``since``), others by the
-        launcher, ``counts`` of them on each ssh host."""
-        if self.launcher.local:
-            path = self._ipp.controller.connection_files["engine"]
-            self._ipp.start_engines_sync(1, engine_cmd=engine_main.command(n, path, since))
-        else:
-            self._ipp.start_engines_sync(n, **self.launcher.engine_options(counts))
-
     def _describe(self, engine_ids: list[int]) -> list[EngineInfo]:
         """Ask the engines (all at once: each imports torch first, unless engine_main did) who and where they
         are."""
-        asked = [self.client[e].apply_async(_describe, self.launcher.controller_ip()) for e in engine_ids]
-        return [EngineInfo(engine_id=e, host=i["host"], pid=i["pid"], address=i["address"], gpus=i["gpus"])
-                for e, i in zip(engine_ids, (a.get(self.timeout) for a in asked))]
+        asked = [self.client[e].apply_async(_describe, self.launcher.controller_ip(), self.launcher.job_variable())
+                 for e in engine_ids]
+        return [EngineInfo(engine_id=e, host=i["host"], pid=i["pid"], address=i["address"], gpus=i["gpus"],
+                           job=i.get("job")) for e, i in zip(engine_ids, (a.get(self.timeout) for a in asked))]
 
     def _controller_endpoint(self) -> tuple[str, int]:
         """The controller's registration address, as its engines reach it."""
@@ -162,12 +174,7 @@ class EngineSet:
         return info["interface"].rpartition("/")[2], info["registration"]
 
     def _hint(self) -> str:
-        return {"local": "check the machine's load and try again",
-                "ssh": "check that `ssh HOST python3 -c 1` works without a password on every host and that the "
-                       f"hosts reach {self.launcher.controller_ip()} (pass interface= otherwise)",
-                "mpi": "check that mpiexec runs (as root it needs --allow-run-as-root in mpi_args)",
-                "slurm": "check the job with squeue: it may wait in the queue (partition, account, time limit)",
-                }[self.launcher.kind]
+        return self.launcher.hint()
 
     @classmethod
     def attach(cls, cluster_file: str, engines: dict[int, int], pids: list[int]) -> "EngineSet":
@@ -204,12 +211,13 @@ class EngineSet:
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
 
-    def add_engine(self, host: str | None = None) -> EngineInfo:
-        """Start one more engine (to replace a lost one; ssh: on ``host``) and wait for it to register. One at a
-        time: a scale and a recovery that start engines together would otherwise both take the first to come."""
+    def add_engine(self, task=None, live=()) -> EngineInfo:
+        """Start one more engine (for ``task``: in place of its lost one, or a new worker; the launcher may place
+        it near ``live``, the tasks whose engines still answer) and wait for it to register. One at a time: a
+        scale and a recovery that start engines together would otherwise both take the first to come."""
         with self._adding:
             known = set(self.client.ids)
-            self._start_engines(1, {host: 1} if host else None)
+            self.launcher.add(self, task, live)
             deadline = time.monotonic() + self.timeout
             while not (new := {e for e in set(self.client.ids) - known if self._addressable(e)}):
                 if time.monotonic() > deadline:
@@ -222,6 +230,7 @@ class EngineSet:
         if self.launcher.local:
             self.pids = list(dict.fromkeys(self.pids + reaper.with_descendants([info.pid])))
         self.engines[info.engine_id] = info.pid
+        self.info[info.engine_id] = info
         self._watch()
         return info
 
@@ -247,18 +256,9 @@ class EngineSet:
         return engine_id not in self.registered()
 
     def kill(self, engine_id: int) -> None:
-        """SIGKILL the engine's process: directly (local), or through its nanny on its host (remote)."""
-        if self.launcher.local:
-            os.kill(self.engines[engine_id], signal.SIGKILL)
-        else:
-            self.client.send_signal(signal.SIGKILL, targets=[engine_id], block=True)
-
-    def ssh_host(self, address: str | None) -> str | None:
-        """The ssh host (as listed in the launcher's hosts) of an engine that reported ``address``."""
-        for host in self.launcher.hosts:
-            if address in _addresses(host_name(host)):
-                return host
-        return None
+        """Kill the engine's process now, as its launcher does: SIGKILL by pid (local), through its nanny on
+        its host, or by cancelling its batch job."""
+        self.launcher.kill(self, engine_id)
 
     def remove_engines(self, engine_ids: list[int]) -> None:
         """Stop these engines for good: the cluster has fewer tasks now."""
@@ -267,9 +267,14 @@ class EngineSet:
         gone = reaper.with_descendants(removed, staying) if self.launcher.local else []
         self._shutdown(engine_ids)
         reaper.kill_all(gone, grace=5.0)
+        try:
+            self.launcher.release(self, engine_ids)
+        except Exception as e:  # the engines are gone from the cluster either way
+            log.warning("the launcher did not release engines %s: %s", engine_ids, e)
         self.pids = [p for p in self.pids if p not in gone]
         for engine_id in engine_ids:
             self.engines.pop(engine_id, None)
+            self.info.pop(engine_id, None)
         self._watch()
 
     def _shutdown(self, engine_ids: list[int]) -> None:
@@ -300,6 +305,10 @@ class EngineSet:
             self.client = None
         if self._ipp is not None:
             try:
+                self.launcher.stop(self)
+            except Exception as e:  # the controller and the local processes are ended below all the same
+                log.warning("the %s launcher did not stop its engines: %s", self.launcher.kind, e)
+            try:
                 self._ipp.stop_cluster_sync()
             except Exception:
                 pass
@@ -314,20 +323,26 @@ class EngineSet:
             self._reaper = None
 
 
-def _addresses(host: str) -> set[str]:
-    try:
-        return {a[4][0] for a in socket.getaddrinfo(host, None)}
-    except OSError:
-        return set()
-
-
 def _watch_controller(host, port):
+    """On a remote engine: end once the controller is unreachable (``runtime.remote.watch_controller``), and at
+    once on SIGTERM. ipyparallel's engine takes SIGTERM as a request to stop after the call in progress, and a
+    worker's call is its whole training: a batch system that cancels or preempts the engine's job (scancel) would
+    otherwise see it train on until its kill wait (Slurm: 30 s) ends in SIGKILL."""
+    import os
+    import signal
+
     from pscluster.runtime.remote import watch_controller
 
     watch_controller(host, port)
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+    except ValueError:  # not the engine's main thread: its own handler stays
+        pass
 
 
-def _describe(controller_ip):
+def _describe(controller_ip, job_variable=None):
+    import os
+
     from pscluster.runtime.remote import describe
 
-    return describe(controller_ip)
+    return {**describe(controller_ip), "job": os.environ.get(job_variable) if job_variable else None}

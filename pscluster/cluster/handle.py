@@ -1,5 +1,5 @@
 """Cluster, the kernel's handle on a PS cluster: ps and worker tasks on ipyparallel engines (local, or started
-on other hosts by ipyparallel's ssh, mpi or slurm launcher).
+on other hosts by a launcher: ssh, mpi, slurm, or any of ipyparallel's; see ``launchers``).
 
     cluster = Cluster(ps=1, workers=2).start()
     cluster = Cluster(ps=1, workers=4, launcher="ssh", hosts=["node1", "node2=2", "node3=2"], ps_hosts=["node1"])
@@ -58,11 +58,12 @@ def _count(name: str, value, minimum: int) -> int:
 class Cluster:
     """ps and worker tasks on ipyparallel engines. Worker 0 is the chief.
 
-    ``launcher``: ``"local"`` (engines on this machine, the default), ``"ssh"``, ``"mpi"`` or ``"slurm"``
-    (or a ``Launcher``); ``launcher_options`` are the ``Launcher``'s: ``hosts``, ``ps_hosts``, ``interface``,
-    ``ports``, ``ssh_args``, ``remote_python``, ``partition``, ``account``, ``time_limit``, ``sbatch_args``,
-    ``mpi_args``... (see ``pscluster.cluster.launchers``). The ps tasks go to the ps hosts, the workers
-    to the others.
+    ``launcher``: the name of a launcher (``launchers.names()``: ``local``, engines on this machine, the default;
+    ``ssh``, ``mpi``, ``slurm``; any of ipyparallel's engine launchers such as ``pbs``; a registered one), an
+    importable class, or a ``Launcher``; ``launcher_options`` are that launcher's: ``hosts``, ``ps_hosts``,
+    ``interface``, ``ports``, ``ssh_args``, ``remote_python``, ``partition``, ``account``, ``time_limit``,
+    ``sbatch_args``, ``mpi_args``... (see ``pscluster.cluster.launchers``). The ps tasks go to the ps hosts,
+    the workers to the others.
 
     ``gpus``: how many GPUs the workers of each host share (one per worker engine, round-robin);
     default: every GPU the host's engines see, 0 without CUDA. ``store``: the run store
@@ -80,12 +81,11 @@ class Cluster:
 
     def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None,
                  store: str | os.PathLike | None = None, threads: int | None = None, detached: bool = False,
-                 launcher: str | Launcher = "local", encrypt: bool = False, **launcher_options):
+                 launcher: str | Launcher = launchers.DEFAULT, encrypt: bool = False, **launcher_options):
         self.num_ps = _count("ps", ps, 1)
         self.num_workers = _count("workers", workers, 1)
         self.launcher = launcher if isinstance(launcher, Launcher) else Launcher(launcher, **launcher_options)
-        if self.launcher.kind == "ssh":
-            self.launcher.engine_counts(self.num_ps, self.num_workers)  # refuses counts that do not add up
+        self.launcher.check_tasks(self.num_ps, self.num_workers)
         if detached and not self.launcher.local:
             raise ConfigError(f"detached=True works with local engines only, not {self.launcher.kind}: "
                               "leave detached out, or keep the kernel running")
@@ -128,14 +128,13 @@ class Cluster:
                                     f"(Cluster.attach({self.name!r})) or pick another name")
         optim.preload_in_background()  # for train()'s optimizer check, while the engines start
         launcher = self.launcher
-        counts = launcher.engine_counts(self.num_ps, self.num_workers) if launcher.kind == "ssh" else None
         engines = EngineSet(self.num_ps + self.num_workers, self.name, detached=self.detached, launcher=launcher,
-                            counts=counts)
+                            roles=(self.num_ps, self.num_workers))
         infos = engines.start()
         try:
             spec = assign_roles(infos, self.num_ps, self.num_workers, name=self.name,
                                 gpus=self.gpus if launcher.local else host_gpus(infos, self.gpus),
-                                ps_machines=self._ps_machines(engines, infos),
+                                ps_machines=launcher.ps_machines(engines, infos, self.num_ps, self.num_workers),
                                 bind_host=lambda e: launcher.bind_host(e.address))
             spec = replace(spec, encrypt=self.encrypt)
             # all sent at once: an engine runs its calls in order, so each ps starts after its configure_task
@@ -153,25 +152,6 @@ class Cluster:
         self._engines = engines
         self._registration = registry.Registration(self)  # listed in the side panel from now on
         return self
-
-    def _ps_machines(self, engines: EngineSet, infos) -> list[str] | None:
-        """The machine of each ps task (ssh: the ps hosts of the launcher's placement; mpi, slurm: engines of
-        the named ps hosts, by name or address); None: the first engines."""
-        if self.launcher.kind == "ssh":
-            machine = {engines.ssh_host(e.address): e.machine for e in infos}
-            hosts, _ = self.launcher.task_hosts(self.num_ps, self.num_workers)
-            missing = [h for h in hosts if h not in machine]
-            if missing:
-                raise ClusterStateError(f"no engine registered from host {missing[0]}: check that it reaches the "
-                                        f"controller at {self.launcher.controller_ip()}")
-            return [machine[h] for h in hosts]
-        if not self.launcher.ps_hosts:
-            return None
-        named = [e.machine for h in self.launcher.ps_hosts for e in infos if h in (e.host, e.address)]
-        if not named:
-            raise ClusterStateError(f"no engine runs on the ps hosts {', '.join(self.launcher.ps_hosts)}: name "
-                                    "hosts the launcher places engines on")
-        return [named[i % len(named)] for i in range(self.num_ps)]
 
     # --- what recovery needs (see recovery.Tasks) ------------------------------------------
     def lost(self, task: TaskSpec) -> bool:
@@ -546,9 +526,10 @@ class Cluster:
             self._registration.update("running")
 
     def _new_engine(self, task: TaskSpec) -> TaskSpec:
-        """``task`` on a new engine (ssh: on a host whose engines still answer, its own host first), configured
+        """``task`` on a new engine (placed by the launcher, near the tasks whose engines still answer), configured
         for its device (a ps serving on a new port)."""
-        engine = self._engines.add_engine(self._replacement_host(task))
+        live = [t for t in (*self.spec.ps, *self.spec.workers) if t.engine_id in self._engines.registered()]
+        engine = self._engines.add_engine(task, live)
         view = self._engines.view(engine.engine_id)
         if task.device != "cpu" and engine.gpus == 0:
             task = replace(task, device="cpu")
@@ -559,13 +540,6 @@ class Cluster:
             task = replace(task, port=view.apply_sync(remote.start_ps, self.spec.secret, task.index, task.host, 0,
                                                       self.launcher.ports, self.spec.encrypt))
         return task
-
-    def _replacement_host(self, task: TaskSpec) -> str | None:
-        if self.launcher.kind != "ssh":
-            return None
-        live = [t for t in (*self.spec.ps, *self.spec.workers) if t.engine_id in self._engines.registered()]
-        same = [t for t in live if t.host == task.host] or [t for t in live if t.role == task.role] or live
-        return self._engines.ssh_host(same[0].host) if same else next(iter(self.launcher.hosts))
 
     def replace_task(self, role: str, index: int) -> ClusterSpec:
         """Give task ``role:index`` a new engine (its old one was lost); the cluster's new spec. During a run

@@ -11,13 +11,14 @@ from ..spec import ClusterSpec, TaskSpec
 @dataclass(frozen=True)
 class EngineInfo:
     """What the control plane knows of one engine: its host name, pid, its address towards the controller
-    (None on a local cluster) and the GPUs it sees."""
+    (None on a local cluster), the GPUs it sees and the id of the batch job it runs in (None: none)."""
 
     engine_id: int
     host: str
     pid: int
     address: str | None = None
     gpus: int = 0
+    job: str | None = None
 
     @property
     def machine(self) -> str:

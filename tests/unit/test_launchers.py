@@ -1,13 +1,23 @@
 """Launcher options: validation with one-line errors, placement of the tasks on hosts, the ipyparallel options
-they become, role assignment by machine with per-host GPUs, and picking ports in a range."""
+they become, role assignment by machine with per-host GPUs, and picking ports in a range; launchers found by
+name (pscluster's, registered ones, any of ipyparallel's) or class, and no launcher name tested outside
+``pscluster/cluster/launchers``."""
 
+import ast
+import dataclasses
 import errno
 import socket
+from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 import zmq
 
-from pscluster.cluster.launchers import LOCAL_HB_PERIOD_MS, Launcher, parse_hosts
+import pscluster
+from pscluster.cluster import launchers
+from pscluster.cluster.launchers import (LOCAL_HB_PERIOD_MS, BatchLauncher, IPyParallelLauncher, Launcher,
+                                         SlurmLauncher, parse_hosts)
+from pscluster.cluster.launchers import base as launcher_base
 from pscluster.cluster.roles import EngineInfo, assign_roles, host_gpus
 from pscluster.errors import ConfigError
 from pscluster.magics import _parsers
@@ -21,6 +31,10 @@ from ..ports import quiet_port_range
     ({"kind": "nfs"}, "use one of local, ssh, mpi, slurm"),
     ({"kind": "local", "hosts": ["a"]}, "use launcher='ssh'"),
     ({"kind": "slurm", "hosts": ["a"]}, "--nodes=2"),
+    ({"kind": "pbs", "partition": "gpu"}, "partition are slurm launcher options"),
+    ({"kind": "pbs", "queeu": "long"}, "nor a trait of ipyparallel's PBSEngineSetLauncher"),
+    ({"kind": "local", "workres": 2}, "'workres' is not an option of a cluster or of the local launcher"),
+    ({"kind": "no_such_module.Launcher"}, "does not import"),
     ({"kind": "ssh", "hosts": ["a"], "partition": "gpu"}, "partition are slurm launcher options"),
     ({"kind": "local", "mpi_args": ["-n"]}, "mpi_args are mpi launcher options"),
     ({"kind": "ssh", "hosts": ["a", "b"], "ps_hosts": ["c"]}, "ps host 'c' is not one of the hosts"),
@@ -149,8 +163,101 @@ def test_start_magic_takes_the_launcher_options():
     assert (args.launcher, args.partition, args.time_limit, args.sbatch_args) == ("slurm", "gpu", "01:00:00",
                                                                                   ["--nodes=2"])
     assert args.encrypt and not _parsers()["start"].parse_args([]).encrypt
-    with pytest.raises(ConfigError, match="invalid choice"):
-        _parsers()["start"].parse_args(["--launcher", "pbs"])
+    with pytest.raises(ConfigError, match="launcher 'nfs': use one of local, ssh, mpi, slurm, .*pbs"):
+        _parsers()["start"].parse_args(["--launcher", "nfs"])
+    args = _parsers()["start"].parse_args(["--launcher", "pbs", "--launcher-opt", "queue=long"])
+    assert (args.launcher, args.launcher_opts) == ("pbs", [("queue", "long")])
+
+
+def test_any_ipyparallel_engine_launcher_by_name_or_class():
+    from ipyparallel.cluster import launcher as ipp
+
+    pbs = Launcher("pbs", queue="long", interface="10.1.2.3")
+    assert isinstance(pbs, BatchLauncher) and pbs.kind == "pbs" and pbs.traits == {"queue": "long"}
+    assert pbs.cluster_options()["engine_launcher_class"] is ipp.PBSEngineSetLauncher
+    assert pbs.engine_options() == {"queue": "long"} and pbs.job_variable() == "PBS_JOBID"
+    assert Launcher("sge", traits={"queue": "q"}).job_variable() == "JOB_ID"  # SGE's own, not PBS's
+    proxy = Launcher("sshproxy", interface="10.1.2.3")  # no batch system: all engines in one launch
+    assert type(proxy).__mro__[1] is IPyParallelLauncher and not isinstance(proxy, BatchLauncher)
+    by_path = Launcher("ipyparallel.cluster.launcher.LSFEngineSetLauncher", interface="10.1.2.3")
+    by_class = pscluster.Cluster(launcher=ipp.LSFEngineSetLauncher, interface="10.1.2.3").launcher
+    assert type(by_path) is type(by_class) and by_class.job_variable() == "LSB_JOBID"
+    assert {"local", "ssh", "mpi", "slurm", "pbs", "sge", "lsf", "htcondor"} <= set(launchers.names())
+    assert launchers.names()[:4] == ["local", "ssh", "mpi", "slurm"]
+    slurm = Launcher("slurm", partition="p", namespace={"x": 1})  # a trait of ipyparallel's Slurm launcher too
+    assert isinstance(slurm, SlurmLauncher) and slurm.engine_options() == {"queue": "p", "namespace": {"x": 1}}
+
+
+def test_slurm_submits_a_job_per_engine_unless_its_options_size_one_job():
+    each = Launcher("slurm", sbatch_args=["--gres=gpu:1"])
+    assert not each.together() and "--gres=gpu:1" in each.engine_options()["default_template"]
+    for size in ("--nodes=2", "-N2", "--ntasks-per-node=4", "-n 4"):
+        launcher = Launcher("slurm", sbatch_args=[size, "--mem=8G"])
+        assert launcher.together(), size  # the first engines one job of that size, as before
+        assert f"#SBATCH {size}\n" in launcher.engine_options()["default_template"]
+        replacement = launcher.replacement_options()["default_template"]  # a job of one engine, of the same kind
+        assert size not in replacement and "#SBATCH --mem=8G\n" in replacement, replacement
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeKubernetes(Launcher):
+    """A third party's launcher: its own options, the whole interface (nothing started here)."""
+
+    kind: str = "k8s"
+    namespace: str = "default"
+    image: str | None = None
+
+    def start(self, engines, n, num_ps, num_workers):
+        raise NotImplementedError
+
+    def add(self, engines, task, live):
+        raise NotImplementedError
+
+
+def test_a_third_party_launcher_by_registration_or_entry_point(monkeypatch):
+    monkeypatch.setitem(launcher_base._REGISTERED, "k8s", FakeKubernetes)
+    made = Launcher("k8s", namespace="ml", interface="10.0.0.9")
+    assert isinstance(made, FakeKubernetes) and made.namespace == "ml" and made.controller_ip() == "10.0.0.9"
+    assert pscluster.Cluster(launcher="k8s", image="me/engine:1", ps=1, workers=1).launcher.image == "me/engine:1"
+    with pytest.raises(ConfigError, match="namespace are k8s launcher options, and this cluster uses mpi"):
+        Launcher("mpi", namespace="ml")
+    assert "k8s" in launchers.names()
+    args = _parsers()["start"].parse_args(["--launcher", "k8s", "--launcher-opt", "namespace=ml"])
+    assert args.launcher_opts == [("namespace", "ml")]
+    monkeypatch.delitem(launcher_base._REGISTERED, "k8s")
+    point = EntryPoint(name="k8s", value=f"{__name__}:FakeKubernetes", group=launcher_base.ENTRY_POINTS)
+    real = launcher_base.entry_points
+    monkeypatch.setattr(launcher_base, "entry_points",
+                        lambda group: [point] if group == launcher_base.ENTRY_POINTS else real(group=group))
+    assert isinstance(Launcher("K8s", namespace="ml"), FakeKubernetes)
+
+
+# what may decide by a launcher's name: its own modules
+LAUNCHERS = Path(launchers.__file__).parent
+
+
+def _names_in(node, names) -> list[str]:
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [i.value for i in items if isinstance(i, ast.Constant) and i.value in names]
+
+
+def test_no_launcher_name_is_tested_outside_the_launchers():
+    """No ``kind == "ssh"``, ``kind in ("local", "mpi")`` or ``{"local": ..., "ssh": ...}[kind]`` anywhere else in
+    pscluster: what differs between launchers is a method of theirs."""
+    found, names = [], set(launchers.names())
+    for path in Path(pscluster.__file__).parent.rglob("*.py"):
+        if LAUNCHERS in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                hits = [n for side in (node.left, *node.comparators) for n in _names_in(side, names)]
+            elif isinstance(node, ast.Dict):
+                hits = [n for k in node.keys if k is not None for n in _names_in(k, names)]
+                hits = hits if len(hits) > 1 else []
+            else:
+                continue
+            found += [f"{path.relative_to(LAUNCHERS.parents[2])}:{node.lineno} {h!r}" for h in hits]
+    assert not found, found
 
 
 def test_ipyparallel_client_notes_go_to_the_log_not_the_notebook(capsys, caplog):
@@ -164,3 +271,44 @@ def test_ipyparallel_client_notes_go_to_the_log_not_the_notebook(capsys, caplog)
         ipp_client.print("got stale result: 3f2a")  # as the client calls it
     assert capsys.readouterr().out == ""
     assert [r.getMessage() for r in caplog.records] == ["got stale result: 3f2a"]
+
+
+class _Submitted:
+    """An engine set of ipyparallel's batch launchers, as far as the launcher reads it: its job."""
+
+    def __init__(self, job_id):
+        self.job_id, self.batch_file = job_id, None
+
+
+class _Cluster:
+    """ipyparallel's cluster with two engine sets, one job each."""
+
+    def __init__(self):
+        self.engines = {"s1": _Submitted("4711"), "s2": _Submitted("4712.server")}
+        self.stopped = []
+
+    def stop_engines_sync(self, set_id):
+        self.stopped.append(set_id)
+        del self.engines[set_id]
+
+
+class _Engines:
+    """A cluster's engines as a launcher sees them (``launchers.base.Engines``)."""
+
+    def __init__(self):
+        self.cluster = _Cluster()
+        self.info = {0: EngineInfo(0, "n1", 10, "10.0.0.1", job="4711"),
+                     1: EngineInfo(1, "n2", 11, "10.0.0.2", job="4712.server")}
+        self.engines = {0: 10, 1: 11}
+
+
+def test_a_batch_launcher_kills_releases_and_stops_engines_by_their_jobs(monkeypatch):
+    engines = _Engines()
+    slurm = Launcher("slurm", interface="10.0.0.1")
+    assert slurm.where(engines, 1) == {"host": "n2", "pid": 11, "address": "10.0.0.2", "job": "4712.server"}
+    slurm.kill(engines, 0)  # its job cancelled, the other left
+    assert engines.cluster.stopped == ["s1"] and list(engines.cluster.engines) == ["s2"]
+    drained = []
+    monkeypatch.setattr(SlurmLauncher, "drain", lambda self, jobs: drained.append(jobs))
+    slurm.stop(engines)  # every job left deleted, then waited for until the queue no longer lists them
+    assert engines.cluster.stopped == ["s1", "s2"] and drained == [["4712.server"]]

@@ -254,7 +254,7 @@ def test_defined_names(cell, names):
 
 @pytest.mark.parametrize("line, fragments", [
     ("start --launcher ssh", ["the ssh launcher needs hosts", "--hosts node1,node2"]),
-    ("start --launcher pbs", ["invalid choice: 'pbs'", "see %pscluster start --help"]),
+    ("start --launcher nfs", ["launcher 'nfs': use one of local, ssh, mpi, slurm", "see %pscluster start --help"]),
     ("start --launcher ssh --hosts a,b --ps-hosts c", ["ps host 'c' is not one of the hosts", "list it in hosts"]),
     ("start --launcher ssh --hosts a=1,b=1 --workers 2", ["do not hold 1 ps + 2 workers", "adding up to 3"]),
     ("start --hosts a", ["hosts are for the ssh launcher", "launcher='ssh'"]),

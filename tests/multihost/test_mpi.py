@@ -1,5 +1,4 @@
-"""The MPI launcher on this machine (Open MPI's mpiexec starts the engines), and the Slurm launcher as far as
-the batch script it submits (no slurmctld here)."""
+"""The MPI launcher on this machine (Open MPI's mpiexec starts the engines). (Slurm: test_slurm.)"""
 
 import os
 import shutil
@@ -8,10 +7,8 @@ import time
 
 import pytest
 import torch
-from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 
 import pscluster
-from pscluster.cluster.launchers import Launcher
 from pscluster.cluster.reaper import alive
 
 MPI_ARGS = ["--allow-run-as-root", "--oversubscribe"]  # root in CI; 3 engines on 2 cores
@@ -46,15 +43,3 @@ def test_mpi_engines_train_and_end_themselves_when_the_controller_dies():
         cluster.stop()
         assert [p for p in pids + engine_pids if alive(p)] == []
 
-
-def test_slurm_batch_script_carries_partition_account_time_and_extra_options(tmp_path):
-    launcher = Launcher("slurm", partition="gpu", account="proj42", time_limit="01:30:00", qos="normal",
-                        sbatch_args=("--nodes=2", "--gres=gpu:4"))
-    engines = SlurmEngineSetLauncher(work_dir=str(tmp_path), profile_dir=str(tmp_path), cluster_id="c1",
-                                     **launcher.engine_options())
-    engines.write_batch_script(5)
-    script = (tmp_path / engines.batch_file_name).read_text()
-    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=proj42", "#SBATCH --time=01:30:00",
-                 "#SBATCH --qos=normal", "#SBATCH --nodes=2", "#SBATCH --gres=gpu:4", "#SBATCH --ntasks=5"):
-        assert line in script.splitlines(), f"{line!r} missing from\n{script}"
-    assert "srun" in script and "ipyparallel.engine" in script
