@@ -1,14 +1,14 @@
 """pscluster: parameter-server training of PyTorch models, driven from Jupyter.
 
-The control-plane names (Cluster, Run) load on first use, so importing
+The control-plane names (Cluster, Run) and the datasets load on first use, so importing
 ``pscluster.runtime`` on an engine or a plain process pulls in no IPython or
-ipyparallel.
+ipyparallel, and the side panel's server extension no torch.
 """
 
 import importlib
 import importlib.metadata
 
-from . import datasets, environ, placement  # placement is light: no torch, plotly or IPython
+from . import environ, placement  # placement is light: no torch, plotly or IPython
 from .errors import PSClusterError
 from .spec import ClusterSpec, TaskSpec
 
@@ -41,8 +41,8 @@ def __getattr__(name):
         from .stored_run import open_run
 
         return open_run
-    if name == "evaluate":  # the module (evaluate(), auc()): torch, loaded on first use
-        return importlib.import_module(".evaluate", __name__)
+    if name in ("datasets", "evaluate"):  # modules of torch, loaded on first use
+        return importlib.import_module(f".{name}", __name__)
     if name == "compare":
         from .compare import compare
 

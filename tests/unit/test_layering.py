@@ -143,6 +143,15 @@ def test_runtime_imports_no_notebook_or_control_plane_modules():
     assert "torch" in loaded and "zmq" in loaded  # the probe did import the runtime
 
 
+def test_the_side_panel_s_server_extension_loads_no_torch():
+    """JupyterLab imports the server extension at its start: torch (seconds of CPU) waits until a kernel wants it."""
+    done = subprocess.run([sys.executable, "-c", PROBE, "pscluster.labserver"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout))
+    assert "pscluster" in loaded and "tornado" in loaded and "torch" not in loaded
+
+
 def test_documented_layout_lists_every_module():
     """The layout in ``docs/maintainers.md`` names every module of the package, each where it is, and no other (a
     subpackage's folder stands for its ``__init__.py``)."""
