@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import pscluster
 from pscluster.labserver import models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,9 @@ def test_every_interface_is_a_model():
     assert declared == {m.__name__ for m in models.PAYLOADS}
 
 
-def test_npm_and_python_versions_agree():
+def test_the_version_is_written_once_in_the_labextension_s_package_json():
     npm = json.loads((ROOT / "labextension" / "package.json").read_text())["version"]
-    python = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    assert npm == python
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["hatch"]["version"] == {"source": "nodejs", "path": "labextension/package.json"}
+    assert pscluster.__version__ == npm
