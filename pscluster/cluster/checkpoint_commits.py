@@ -16,7 +16,8 @@ from ..runtime import checkpoint, rescue
 from ..runtime.client import PSClient
 from ..runtime.options import DEFAULTS, check
 from ..runtime.plan import TrainPlan
-from ..runtime.ps import PASSED, wait_until
+from ..runtime.ps import PASSED
+from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec
 
 REQUEST_ATTEMPTS = 6  # steps ahead: 1, 4, 16, ... 1024

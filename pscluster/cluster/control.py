@@ -21,7 +21,7 @@ from typing import Protocol
 import zmq
 
 from ..errors import ClusterStateError, PSClusterError
-from ..runtime.ps import wait_until
+from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec, TaskSpec
 
 POLL_MS = 200

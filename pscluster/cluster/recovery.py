@@ -24,7 +24,7 @@ from typing import Protocol
 from ..runtime import checkpoint
 from ..runtime.client import PSClient
 from ..runtime.plan import TrainPlan
-from ..runtime.ps import wait_until
+from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec, TaskSpec
 from .checkpoint_commits import CheckpointCoordinator
 

@@ -24,6 +24,7 @@ from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.evaluation import evaluate
 from ..runtime.plan import TrainPlan
+from ..runtime.policies import policy_for
 from ..runtime.steps import traceable_inputs
 from ..runtime.worker import build_model
 from ..spec import ClusterSpec
@@ -309,7 +310,7 @@ class Run:
                 "replicas_to_aggregate": self.plan.replicas_to_aggregate, "steps": self.plan.steps,
                 "global_step": stats[0].get("step"), "local_steps": self.local_steps,
                 "dropped_stale": stats[0].get("dropped_stale"), "late": stats[0].get("late"),
-                "staleness": self.staleness() if self.mode == "async" else None,
+                "staleness": self.staleness() if policy_for(self.mode).counts_staleness else None,
                 "samples_per_sec": samples / self.wall_s if self.done and self.wall_s > 0 else None,
                 "steps_per_s": _number(rates.run(live=live)),
                 "worker_steps_per_s": {w: _number(r) for w, r in rates.workers(live=live).items()},

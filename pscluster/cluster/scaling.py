@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 from ..errors import RuntimeTimeout
 from ..metrics.store import RunStore
 from ..runtime.client import PSClient
-from ..runtime.ps import wait_until
+from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec
 from .recovery import RecoveringRun, Tasks
 

@@ -33,7 +33,7 @@ from ..runtime import checkpoint
 from ..runtime.client import PSClient
 from ..runtime.network import bind_in_range
 from ..runtime.plan import TrainPlan, assemble, state_dict_of
-from ..runtime.ps import wait_until
+from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec
 from . import recovery, scaling
 from .checkpoint_commits import CheckpointCoordinator

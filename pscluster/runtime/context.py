@@ -59,6 +59,7 @@ from .optim import OptimizerSpec, group_options, literal_pattern, spec_of
 from .options import DEFAULTS
 from .overlap import EarlyPush
 from .plan import TrainPlan
+from .policies import policy_for
 from .protocol import Flag
 from .staging import GradientStaging
 from .steps import PRECISIONS, grad_norm, metric_values, samples_in
@@ -150,7 +151,7 @@ def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list
     workers (each optimizer's step waits for every worker)."""
     first, *more = optimizers
     settings = {**settings, "replicas_to_aggregate": settings.get("replicas_to_aggregate") or settings["num_workers"]}
-    if more and settings.get("mode", DEFAULTS.mode) == "sync" and \
+    if more and policy_for(settings.get("mode", DEFAULTS.mode)).aggregates_steps and \
             settings["replicas_to_aggregate"] != settings["num_workers"]:
         raise ConfigError("several optimizers with replicas_to_aggregate other than the number of workers: "
                           "leave replicas_to_aggregate out, or train with one optimizer")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..errors import ConfigError
+from .policies import POLICIES
 from .sharding import STRATEGIES
 from .steps import PRECISIONS
 
@@ -25,7 +26,7 @@ TRAINS = frozenset({TRAIN, TRAIN_SCRIPT})  # pscluster's own loop
 LOOPS = frozenset({*TRAINS, RUN, SCRIPT})  # the entries whose runs have a step target and a mode
 EVERY = frozenset({*LOOPS, SESSION})
 
-MODES = ("sync", "async", "ssp")
+MODES = tuple(POLICIES)  # the modes of a run: the aggregation policies
 BUFFER_RULES = ("chief", "average")
 NONFINITE = ("fail", "skip")
 

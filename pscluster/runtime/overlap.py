@@ -30,6 +30,7 @@ import torch
 
 from .client import Opened, PSClient
 from .plan import TrainPlan, VariableSpec
+from .policies import policy_for
 from . import protocol
 from .protocol import Op
 
@@ -68,8 +69,9 @@ class EarlyPush:
     @staticmethod
     def applies(plan: TrainPlan, device: torch.device) -> bool:
         """Whether a run of ``plan`` on a worker of ``device`` may push during backward (see the module)."""
-        return (plan.overlap and plan.mode == "sync" and device.type == "cpu" and plan.max_grad_norm is None
-                and plan.on_nonfinite == "fail" and plan.precision != "fp16" and not plan.pipeline)
+        return (plan.overlap and policy_for(plan).aggregates_steps and device.type == "cpu"
+                and plan.max_grad_norm is None and plan.on_nonfinite == "fail" and plan.precision != "fp16"
+                and not plan.pipeline)
 
     def begin(self, step: int) -> None:
         """Send the heads of this step's pushes (gradients computed on global ``step``); call after forward, before

@@ -16,8 +16,9 @@ import torch
 from ..errors import ConfigError
 from ..footprint import placement_line
 from .data import LoaderOptions
-from .options import BUFFER_RULES, DEFAULTS, MODES, OPTIONS, check
+from .options import BUFFER_RULES, DEFAULTS, OPTIONS, check
 from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer, sparse_modules
+from .policies import POLICIES, policy_for
 from .protocol import NO_TASK
 from .sharding import Variable, shard_map
 from .steps import PRECISIONS
@@ -193,8 +194,9 @@ class TrainPlan:
             if any(v.sparse for v in self.variables):
                 raise ConfigError("max_grad_norm with sparse embeddings: torch clips dense gradients only; build "
                                   "the embedding with sparse=False, or train without max_grad_norm")
-        if self.pipeline and self.mode != "async":
-            raise ConfigError(f"pipeline=True with mode={self.mode!r}: use mode='async' (a {self.mode} step waits "
+        if self.pipeline and not policy_for(self).allows_pipeline:
+            allowed = " or ".join(f"mode={name!r}" for name, policy in POLICIES.items() if policy.allows_pipeline)
+            raise ConfigError(f"pipeline=True with mode={self.mode!r}: use {allowed} (a {self.mode} step waits "
                               "for the other workers, so gradients computed ahead of it would be dropped as stale)")
         if self.pipeline and any(v.sparse for v in self.variables):
             raise ConfigError("pipeline=True with sparse embeddings: their rows are pulled during forward; build "
@@ -298,8 +300,7 @@ class PsConfig:
         if len(self.optimizer_of) != n or not all(0 <= k <= len(self.more_optimizers) for k in self.optimizer_of):
             raise ValueError(f"optimizer_of {list(self.optimizer_of)} for {n} variables and "
                              f"{1 + len(self.more_optimizers)} optimizers")
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r}: use sync, async or ssp")
+        policy_for(self)  # a ConfigError (a ValueError) naming the modes for an unknown one
         if self.buffers not in BUFFER_RULES:
             raise ValueError(f"buffers {self.buffers!r}: use one of {BUFFER_RULES}")
         if self.precision not in PRECISIONS:

@@ -8,7 +8,7 @@ frame (``protocol.CHUNK_BYTES``) and whose optimizer steps it in chunks of one f
 (``optim.ELEMENTWISE`` optimizers, see ``optim.build``; plain SGD adds ``-lr * chunk`` itself). Everything else in
 the push (buffers, sparse rows, smaller variables) is put together and applied once the push is whole, with what
 every push does then: the global step, checkpoints, the reply. A streamed variable's gradient stays on the meta
-device in the whole message: ``ParameterServer._apply`` skips it, it has been taken.
+device in the whole message: ``updates.apply`` skips it, it has been taken.
 
 Async and SSP apply each chunk as it arrives (``StreamedPush``): lock-free, as TensorFlow's async ps without
 use_locking, a pull or another worker's push served while a push's parts arrive sees the variables with the
@@ -78,6 +78,19 @@ class ChunkSums:
             chunk.add_(grad)
         counts[k] += 1
 
+    def take(self, run, grads: list) -> None:
+        """Of a whole push of the current step (``grads``: its gradient of each trained variable), the gradients of
+        the variables summed here this step: added here, and left in ``grads`` on the meta device."""
+        if not self:  # no push in parts this step: nearly every sync step
+            return
+        for j, i in enumerate(run.trained):
+            grad = grads[j]
+            if isinstance(grad, torch.Tensor) and not grad.is_meta and i in self:
+                flat = grad.reshape(-1)
+                for k, (start, end) in enumerate(run.optimizer.chunk_bounds(run.params[i])):
+                    self.add(run, i, k, flat[start:end])
+                grads[j] = torch.empty(grad.shape, dtype=grad.dtype, device="meta")
+
     def fold(self, run, accum: list) -> None:
         """Add the sums into ``accum`` (the step's summed gradient of each trained variable, on the meta device
         where every gradient so far was summed here), and start the next step. A push cut short (its sender lost)
@@ -114,7 +127,7 @@ class StreamedPush:
         if self._server.run is not run or run.stopped:
             return
         i = self.positions[position]
-        if run.mode == "sync":
+        if run.policy.aggregates_steps:
             if run.step == self._step:
                 run.chunk_sums.add(run, i, chunk, values)
             return
@@ -128,7 +141,7 @@ def streamed_push(server, run, head: Message) -> StreamedPush | None:
     if (head.op not in (Op.PUSH, Op.PUSH_PULL) or run is None or run.run_id != head.run_id or run.stopped
             or head.flags & Flag.SHARED or head.task == protocol.NO_TASK or head.task >= run.num_workers
             or not 0 <= head.step <= run.steps or run.park_at is not None and run.step >= run.park_at
-            or run.mode == "sync" and head.step != run.step):
+            or run.policy.aggregates_steps and head.step != run.step):
         return None
     try:
         server._gradients(run, head)  # what can be checked of it before its payloads arrive

@@ -14,7 +14,7 @@ from pscluster.compare import Comparison, compare
 from pscluster.errors import ConfigError
 from pscluster.metrics import store as store_module
 from pscluster.metrics.store import RunStore
-from pscluster.runtime.ps import wait_until
+from pscluster.runtime.waiting import wait_until
 from pscluster.widgets import Dashboard, figure_specs, figures, live, show
 
 WIDGET = "application/vnd.jupyter.widget-view+json"

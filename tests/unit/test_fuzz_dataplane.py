@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from pscluster.datasets import digits
 from pscluster.runtime import protocol
 from pscluster.runtime.protocol import Message, Op
-from pscluster.runtime.ps import REJECTED, ParameterServer, wait_until
+from pscluster.runtime.ps import ParameterServer
+from pscluster.runtime.router import REJECTED
+from pscluster.runtime.waiting import wait_until
 from pscluster.runtime.worker import run_worker
 
 from .conftest import RUN_ID, make_spec

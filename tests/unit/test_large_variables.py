@@ -14,7 +14,7 @@ from pscluster.errors import RuntimeTimeout
 from pscluster.runtime import checkpoint, parts
 from pscluster.runtime.plan import VariableSpec
 from pscluster.runtime.protocol import Flag, Op
-from pscluster.runtime.ps import wait_until
+from pscluster.runtime.waiting import wait_until
 
 from .conftest import RUN_ID, ps_config
 
@@ -138,7 +138,7 @@ def test_sync_applies_the_mean_of_two_large_gradients_as_torchs_adam_does(local_
     for step in range(3):
         g0, g1 = gradients(step, 0), gradients(step, 1)
         first = w0.send(Op.PUSH_PULL, {0: (IDS, g0)}, step=step)
-        assert wait_until(lambda: server.run.contributors == [0], 10)  # worker 0's gradient is in, whole
+        assert wait_until(lambda: server.run.policy.contributors == [0], 10)  # worker 0's gradient is in, whole
         with pytest.raises(RuntimeTimeout):  # ...and its reply waits for worker 1's
             w0.collect(first, timeout=0.2)
         assert server.run.step == step and server.run.waiting_for() == [1]

@@ -11,7 +11,7 @@ from pscluster.errors import BadSignature, MalformedMessage
 from pscluster.runtime import parts, protocol
 from pscluster.runtime.client import Pending
 from pscluster.runtime.protocol import Flag, Limits, Message, Op
-from pscluster.runtime.ps import wait_until
+from pscluster.runtime.waiting import wait_until
 
 from .conftest import RUN_ID, ps_config
 

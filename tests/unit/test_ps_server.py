@@ -15,7 +15,9 @@ from pscluster.metrics.collector import Collector
 from pscluster.runtime import protocol
 from pscluster.runtime.client import PSClient
 from pscluster.runtime.protocol import Flag, Message, Op
-from pscluster.runtime.ps import REJECTED, ParameterServer, wait_until
+from pscluster.runtime.ps import ParameterServer
+from pscluster.runtime.router import REJECTED
+from pscluster.runtime.waiting import wait_until
 from pscluster.spec import ClusterSpec, TaskSpec
 
 from .conftest import RUN_ID, make_spec, ps_config

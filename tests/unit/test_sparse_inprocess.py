@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime.plan import TrainPlan, assemble, describe_variables
-from pscluster.runtime.ps import wait_until
+from pscluster.runtime.waiting import wait_until
 from pscluster.runtime.worker import build_model, run_worker
 
 from .test_worker_inprocess import RUN_ID, mlp, plain_batches

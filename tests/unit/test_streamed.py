@@ -9,7 +9,7 @@ from pscluster.errors import TrainingError
 from pscluster.runtime import checkpoint, parts
 from pscluster.runtime.client import Pending
 from pscluster.runtime.protocol import CHUNK_BYTES, Message, Op
-from pscluster.runtime.ps import wait_until
+from pscluster.runtime.waiting import wait_until
 
 from .conftest import RUN_ID, ps_config
 

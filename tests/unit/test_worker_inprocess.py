@@ -23,7 +23,7 @@ from pscluster.runtime.emitter import MetricsEmitter, sign_batch
 from pscluster.runtime.protocol import mac
 from pscluster.runtime.optim import resolve_optimizer
 from pscluster.runtime.plan import TrainPlan, describe_variables
-from pscluster.runtime.ps import wait_until
+from pscluster.runtime.waiting import wait_until
 from pscluster.runtime.steps import batch_accuracy
 from pscluster.runtime.member import log_line
 from pscluster.runtime.worker import build_model, run_worker
