@@ -44,9 +44,8 @@ def __getattr__(name):
     if name in ("datasets", "evaluate"):  # modules of torch, loaded on first use
         return importlib.import_module(f".{name}", __name__)
     if name == "compare":
-        from .compare import compare
+        from .comparison import compare
 
-        globals()["compare"] = compare  # importing the submodule set the attribute to the module
         return compare
     raise AttributeError(f"module 'pscluster' has no attribute {name!r}")
 

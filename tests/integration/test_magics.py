@@ -6,6 +6,7 @@ import urllib.request
 
 import pytest
 from IPython.core.error import UsageError
+from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 
 from pscluster.cluster.reaper import alive
@@ -45,7 +46,7 @@ def wait_for(read, timeout: float = 60.0):
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = start_ipython()
+    shell = start_ipython() or get_ipython()  # one shell a process: another module's (tests/docs) may have started it
     shell.run_line_magic("load_ext", "pscluster")
     yield shell
     magics = shell.magics_manager.registry["PSClusterMagics"]

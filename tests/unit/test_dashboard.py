@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pscluster.compare import Comparison, compare
+from pscluster.comparison import Comparison, compare
 from pscluster.errors import ConfigError
 from pscluster.metrics import store as store_module
 from pscluster.metrics.store import RunStore
@@ -457,3 +457,10 @@ def test_a_dashboard_that_fell_behind_the_raw_window_fills_the_gap(store, dashbo
     assert x[0] == 1 and x[-1] == 5500
     # no hole where the missed rows were: rollup buckets (64 steps at the finest), thinned with the rest
     assert np.all(np.diff(x) > 0) and np.diff(x).max() <= 4 * 64
+
+
+def test_pscluster_compare_is_the_function_once_its_module_is_imported():
+    """Importing ``pscluster.comparison`` (this module did) leaves ``pscluster.compare`` the function."""
+    import pscluster
+
+    assert pscluster.compare is compare

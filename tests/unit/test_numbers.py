@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from pscluster.compare import compare
+from pscluster.comparison import compare
 from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
 from pscluster.widgets import figure_specs, figures, panels, task_table
