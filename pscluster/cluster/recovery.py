@@ -18,7 +18,6 @@ where that fails (its host unreachable) it is fenced off: a lost worker's sessio
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Protocol
 
 from ..runtime import checkpoint
@@ -33,9 +32,9 @@ WORKERS_END_S = 10.0  # how long the workers of a failed attempt get to end befo
 
 
 class RecoveringRun(Protocol):
-    """What recovery needs of a run's owner (``supervisor.Supervisor``): its tasks and plan, which recovery
-    replaces; its workers' results, one per worker by index; its checkpoints; recording events; following a
-    new attempt's workers."""
+    """What recovery needs of a run's owner (``supervisor.Supervisor``): its tasks, plan, workers' results (one
+    per worker by index) and checkpoints, to read; recording events; and the changes it decides, which the owner
+    makes: a task on a new engine, a worker started again, a new attempt and its workers."""
 
     spec: ClusterSpec
     plan: TrainPlan
@@ -49,7 +48,11 @@ class RecoveringRun(Protocol):
 
     def commit_checkpoints(self) -> list: ...
 
-    def restart(self, async_results) -> None: ...
+    def replace_task(self, task: TaskSpec) -> None: ...
+
+    def launch_worker(self, index: int, *, join: bool) -> None: ...
+
+    def restart(self) -> None: ...
 
 
 class Tasks(Protocol):
@@ -107,10 +110,8 @@ def _replace_workers(run: RecoveringRun, tasks: Tasks, lost: list[TaskSpec]) -> 
         result = run.worker_results[t.index]
         if result.ready() and result.successful():
             continue  # it had finished its part
-        run.spec = tasks.replace_task("worker", t.index)
-        new = run.spec.task("worker", t.index)
-        run.note("replaced", f"worker:{t.index}", {"pid": new.pid, "engine": new.engine_id, "host": new.host})
-        run.worker_results[t.index] = tasks.launch_worker(run.spec, t.index, run, join=True)
+        run.replace_task(t)
+        run.launch_worker(t.index, join=True)
 
 
 def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[TaskSpec],
@@ -135,15 +136,12 @@ def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[Tas
     run.commit_checkpoints()  # shards of the failed attempt that all ps had written
     assembled = run.checkpoints.rescue(run.plan, len(run.spec.ps))
     for t in [*lost_ps, *lost_workers]:
-        run.spec = tasks.replace_task(t.role, t.index)
-        new = run.spec.task(t.role, t.index)
-        run.note("replaced", f"{t.role}:{t.index}", {"pid": new.pid, "engine": new.engine_id, "host": new.host})
-    run.plan = replace(run.plan, attempt=run.plan.attempt + 1, restore=True)
-    detail = {"attempt": run.plan.attempt, "from_step": _restorable_step(run)}
+        run.replace_task(t)
+    detail = {"attempt": run.plan.attempt + 1, "from_step": _restorable_step(run)}
     if assembled is not None and detail["from_step"] == assembled.step:
         detail["sources"] = [s.to_dict() for s in assembled.sources]
     run.note("restarting", "controller", detail)
-    run.restart([tasks.launch_worker(run.spec, i, run) for i in range(len(run.spec.workers))])
+    run.restart()
 
 
 def _tell_survivors(run: RecoveringRun, survivors: list[int], request) -> None:

@@ -15,11 +15,9 @@ it grows and shrinks with the workers (at least 1). A new worker draws its batch
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from typing import Callable, Protocol
 
 from ..errors import RuntimeTimeout
-from ..metrics.store import RunStore
 from ..runtime.client import PSClient
 from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec
@@ -32,33 +30,31 @@ JOIN_PAUSE_S = 1.0
 
 
 class ScaledRun(RecoveringRun, Protocol):
-    """What scaling needs of a run's owner (``supervisor.Supervisor``) besides what recovery does: its run
-    store, and the results of the workers it removed."""
+    """What scaling needs of a run's owner (``supervisor.Supervisor``) besides what recovery does: taking a spec
+    with another number of workers, and setting aside the results of those it removed."""
 
-    store: RunStore
-    retired_results: list
+    def take_workers(self, spec: ClusterSpec, replicas_to_aggregate: int) -> None: ...
+
+    def retire_workers(self, count: int) -> None: ...
 
 
 def _resize(run: ScaledRun, spec: ClusterSpec) -> None:
     """Tell every ps the run's new worker count first (a ps lost meanwhile fails this before anything changed),
-    then take ``spec`` as the run's."""
+    then have the run take ``spec``."""
     n = len(spec.workers)
     replicas = max(1, run.plan.replicas_to_aggregate + n - run.plan.num_workers)
     with PSClient(run.spec, run_id=run.id, timeout=RESIZE_TIMEOUT_S) as client:
         client.resize(n, replicas)
-    run.plan = replace(run.plan, num_workers=n, replicas_to_aggregate=replicas)
-    run.spec = spec
-    run.store.set_spec(run.id, spec.public_dict())
-    run.note("scaled", "controller", {"workers": n, "replicas_to_aggregate": replicas})
+    run.take_workers(spec, replicas)
 
 
-def grow(run: ScaledRun, tasks: Tasks, spec: ClusterSpec) -> None:
+def grow(run: ScaledRun, spec: ClusterSpec) -> None:
     """``spec`` has more workers than ``run``, the new ones on new engines: start them, joining the run. The
     caller (``Supervisor.resize``) holds ``run.membership``."""
     old = len(run.spec.workers)
     _resize(run, spec)
     for i in range(old, len(spec.workers)):
-        run.worker_results.append(tasks.launch_worker(spec, i, run, join=True))
+        run.launch_worker(i, join=True)
 
 
 def shrink(run: ScaledRun, tasks: Tasks, spec: ClusterSpec) -> None:
@@ -73,8 +69,7 @@ def shrink(run: ScaledRun, tasks: Tasks, spec: ClusterSpec) -> None:
         for task, result in zip(removed, results):
             if not result.ready() and not tasks.lost(task):
                 tasks.kill_task(task)
-    run.retired_results += results
-    del run.worker_results[workers:]
+    run.retire_workers(workers)
 
 
 class ScaleRequest:

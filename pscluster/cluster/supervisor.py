@@ -34,7 +34,7 @@ from ..runtime.client import PSClient
 from ..runtime.network import bind_in_range
 from ..runtime.plan import TrainPlan, assemble, state_dict_of
 from ..runtime.waiting import wait_until
-from ..spec import ClusterSpec
+from ..spec import ClusterSpec, TaskSpec
 from . import recovery, scaling
 from .checkpoint_commits import CheckpointCoordinator
 
@@ -145,11 +145,6 @@ class Supervisor:
             self.store.add_event(self.id, "controller", "start", {"workers": len(self.worker_results)})
         threading.Thread(target=self._monitor, name=f"pscluster-{self.name}", daemon=True).start()
 
-    def restart(self, async_results) -> None:
-        """Follow the workers of a new attempt instead of those of the last one (recovery, under membership)."""
-        self.worker_results = list(async_results)
-        self._workers_done.clear()
-
     def resize(self, new_spec: Callable[[], ClusterSpec], then: Callable[[ClusterSpec], None]) -> None:
         """Under the membership: take the workers of ``spec = new_spec()`` (more: the new ones, on new engines,
         join; fewer: the highest-numbered end), then ``then(spec)``. A run that has ended keeps its workers
@@ -157,10 +152,45 @@ class Supervisor:
         with self.membership:
             spec = new_spec()
             if not self.closed and len(spec.workers) > len(self.spec.workers):
-                scaling.grow(self, self.tasks, spec)
+                scaling.grow(self, spec)
             elif not self.closed and len(spec.workers) < len(self.spec.workers):
                 scaling.shrink(self, self.tasks, spec)
             then(spec)
+
+    # --- membership: the changes recovery and scaling decide, made here under ``membership`` ---------
+    def replace_task(self, task: TaskSpec) -> None:
+        """``task`` (lost) on a new engine of the cluster, recorded."""
+        self.spec = self.tasks.replace_task(task.role, task.index)
+        new = self.spec.task(task.role, task.index)
+        self.note("replaced", f"{task.role}:{task.index}", {"pid": new.pid, "engine": new.engine_id, "host": new.host})
+
+    def launch_worker(self, index: int, *, join: bool) -> None:
+        """Start worker ``index`` of the spec (``join``: into the attempt under way) and follow it."""
+        result = self.tasks.launch_worker(self.spec, index, self, join=join)
+        if index < len(self.worker_results):
+            self.worker_results[index] = result
+        else:
+            self.worker_results.append(result)
+
+    def restart(self) -> None:
+        """A new attempt that restores the newest state there is, its workers started and followed instead of
+        those of the last one."""
+        self.plan = replace(self.plan, attempt=self.plan.attempt + 1, restore=True)
+        self._workers_done.clear()
+        self.worker_results = [self.tasks.launch_worker(self.spec, i, self) for i in range(len(self.spec.workers))]
+
+    def take_workers(self, spec: ClusterSpec, replicas_to_aggregate: int) -> None:
+        """``spec``, with another number of workers than the run's, as the run's (every ps told already)."""
+        n = len(spec.workers)
+        self.plan = replace(self.plan, num_workers=n, replicas_to_aggregate=replicas_to_aggregate)
+        self.spec = spec
+        self.store.set_spec(self.id, spec.public_dict())
+        self.note("scaled", "controller", {"workers": n, "replicas_to_aggregate": replicas_to_aggregate})
+
+    def retire_workers(self, count: int) -> None:
+        """Keep the results of the workers past the first ``count`` apart (removed: they no longer end the run)."""
+        self.retired_results += self.worker_results[count:]
+        del self.worker_results[count:]
 
     def _monitor(self) -> None:
         next_eval, next_check = self.eval_every, 0.0
