@@ -3,7 +3,7 @@
 Each page holds a marker line that this hook replaces at build time:
 
 - ``<!-- magics -->`` (``reference/magics.md``): each ``%pscluster`` command's ``--help`` text, from the argparse
-  parsers the magics parse their lines with (``pscluster.magics._parsers``);
+  parsers the magics parse their lines with (``pscluster.magics.parsers``);
 - ``<!-- options -->`` (``reference/options.md``): every option of a run, its default, its magic's flag and the
   entries that take it, from ``pscluster.runtime.options.OPTIONS``, where each option is defined once;
 - ``<!-- launch -->`` (``reference/scripts.md``): ``pscluster launch --help``.
@@ -42,18 +42,18 @@ def _code(text: str) -> str:
 
 def magics_markdown() -> str:
     """Each command's heading, whether it is a line or a cell magic, and its ``--help`` text."""
-    from pscluster.magics import _parsers
+    from pscluster.magics.parsers import parsers
 
     with _columns(WIDTH):
-        parsers = _parsers()
-        missing = set(parsers) - set(MAGICS)
+        by_command = parsers()
+        missing = set(by_command) - set(MAGICS)
         if missing:  # a command added to the magics must be placed on the page
             raise RuntimeError(f"magics reference: place {sorted(missing)} in MAGICS of {__file__}")
         sections = []
         for name in MAGICS:
             prefix = "%%pscluster" if name in CELL_MAGICS else "%pscluster"
             kind = "cell magic: the options on its line, the code in its cell" if name in CELL_MAGICS else "line magic"
-            sections.append(f"## `{prefix} {name}`\n\n*{kind}*\n\n{_code(parsers[name].format_help())}")
+            sections.append(f"## `{prefix} {name}`\n\n*{kind}*\n\n{_code(by_command[name].format_help())}")
     return "\n".join(sections)
 
 

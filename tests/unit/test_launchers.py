@@ -20,7 +20,7 @@ from pscluster.cluster.launchers import (LOCAL_HB_PERIOD_MS, BatchLauncher, IPyP
 from pscluster.cluster.launchers import base as launcher_base
 from pscluster.cluster.roles import EngineInfo, assign_roles, host_gpus
 from pscluster.errors import ConfigError
-from pscluster.magics import _parsers
+from pscluster.magics.parsers import parsers
 from pscluster.runtime.network import bind_in_range, ephemeral_ports, route_address
 
 from ..ports import quiet_port_range
@@ -157,15 +157,15 @@ def test_route_address_is_this_machines_address_towards_a_target():
 
 
 def test_start_magic_takes_the_launcher_options():
-    args = _parsers()["start"].parse_args(
+    args = parsers()["start"].parse_args(
         ["--launcher", "slurm", "--partition", "gpu", "--account", "a", "--time-limit", "01:00:00",
          "--sbatch-arg=--nodes=2", "--ports", "40000-40100", "--interface", "10.0.0.1", "--encrypt"])
     assert (args.launcher, args.partition, args.time_limit, args.sbatch_args) == ("slurm", "gpu", "01:00:00",
                                                                                   ["--nodes=2"])
-    assert args.encrypt and not _parsers()["start"].parse_args([]).encrypt
+    assert args.encrypt and not parsers()["start"].parse_args([]).encrypt
     with pytest.raises(ConfigError, match="launcher 'nfs': use one of local, ssh, mpi, slurm, .*pbs"):
-        _parsers()["start"].parse_args(["--launcher", "nfs"])
-    args = _parsers()["start"].parse_args(["--launcher", "pbs", "--launcher-opt", "queue=long"])
+        parsers()["start"].parse_args(["--launcher", "nfs"])
+    args = parsers()["start"].parse_args(["--launcher", "pbs", "--launcher-opt", "queue=long"])
     assert (args.launcher, args.launcher_opts) == ("pbs", [("queue", "long")])
 
 
@@ -222,7 +222,7 @@ def test_a_third_party_launcher_by_registration_or_entry_point(monkeypatch):
     with pytest.raises(ConfigError, match="namespace are k8s launcher options, and this cluster uses mpi"):
         Launcher("mpi", namespace="ml")
     assert "k8s" in launchers.names()
-    args = _parsers()["start"].parse_args(["--launcher", "k8s", "--launcher-opt", "namespace=ml"])
+    args = parsers()["start"].parse_args(["--launcher", "k8s", "--launcher-opt", "namespace=ml"])
     assert args.launcher_opts == [("namespace", "ml")]
     monkeypatch.delitem(launcher_base._REGISTERED, "k8s")
     point = EntryPoint(name="k8s", value=f"{__name__}:FakeKubernetes", group=launcher_base.ENTRY_POINTS)

@@ -8,7 +8,9 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from pscluster.magics import USAGE, PSClusterMagics, _defined_names
+from pscluster.magics import PSClusterMagics
+from pscluster.magics.cells import defined_names
+from pscluster.magics.parsers import USAGE
 
 
 class RunningCluster:
@@ -248,8 +250,8 @@ def test_status_without_cluster(shell, magics, capsys):
     ("try:\n    model = A()\nexcept ImportError:\n    model = B()", {"model"}),
 ], ids=["assign", "tuple-and-annotated", "def-and-class", "with", "if", "only-reads", "syntax-error", "imports",
         "import-as", "try"])
-def test_defined_names(cell, names):
-    assert _defined_names(cell) == names
+def testdefined_names(cell, names):
+    assert defined_names(cell) == names
 
 
 @pytest.mark.parametrize("line, fragments", [

@@ -12,7 +12,7 @@ import pytest
 from pscluster.cluster.handle import Cluster
 from pscluster.cluster.script_run import train_from_environment
 from pscluster.errors import ConfigError
-from pscluster.magics import _parsers
+from pscluster.magics.parsers import parsers
 from pscluster.runtime import options
 from pscluster.runtime.options import OPTIONS
 from pscluster.runtime.plan import PLAN_OPTIONS, TrainPlan
@@ -70,7 +70,7 @@ def test_a_user_s_loop_takes_its_options_by_name_with_their_defaults(entry, call
 
 @pytest.mark.parametrize("command, entry", [("train", options.TRAIN), ("run", options.RUN)])
 def test_a_magic_s_flags_are_its_entry_s_options_with_their_defaults(command, entry):
-    parser = _parsers()[command]
+    parser = parsers()[command]
     flags = {a.dest: a.default for a in parser._actions if a.dest not in MAGIC_ONLY}
     assert sorted(flags) == sorted(options.names(entry))
     for name, default in flags.items():
@@ -81,7 +81,7 @@ def test_a_magic_s_flags_are_its_entry_s_options_with_their_defaults(command, en
 
 
 def test_flags_give_each_kind_of_option():
-    parser = _parsers()["train"]
+    parser = parsers()["train"]
     args = parser.parse_args(["--mode", "ssp", "--steps", "30", "--max-grad-norm", "0.5", "--no-overlap",
                               "--pin-memory", "--resume", "--partition", "emb=2", "--partition", "head=3",
                               "--placement", "greedy", "--checkpoint-secs", "60"])
