@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.plan import TrainPlan
+from ..runtime.policies import policy_for
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,19 @@ def create_run(store: RunStore, plan: TrainPlan, *, name: str | None, cluster: s
     chosen = checkpoint_dir or (resumed.checkpoint_dir if resumed else None)
     if chosen is not None and plan.restore:
         checkpoint.check_fits(chosen, plan.variables)
-    run_id = store.create_run(name=name, cluster=cluster, mode=plan.mode, config=plan.settings(), spec=spec,
+    run_id = store.create_run(name=name, cluster=cluster, mode=plan.mode, config=_config(plan), spec=spec,
                               code=code)
     directory = chosen or (_unused(Path(default_dir(run_id))) if own_default else default_dir(run_id))
     plan = replace(plan, run_id=run_id, checkpoint_dir=str(directory))
-    store.set_config(run_id, plan.settings())
+    store.set_config(run_id, _config(plan))
     store.record_placement(run_id, plan.variables)
     return plan, resumed
+
+
+def _config(plan: TrainPlan) -> dict:
+    """What the store keeps of a run's settings: the plan's, and what its mode means for the views (which do not
+    import the runtime): ``aggregates_steps``, whether each global step waits for the workers' gradients."""
+    return {**plan.settings(), "aggregates_steps": policy_for(plan).aggregates_steps}
 
 
 def _unused(directory: Path) -> Path:

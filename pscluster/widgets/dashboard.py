@@ -93,7 +93,6 @@ class Dashboard:
         if self.record is None:
             self._store.close()
             raise ConfigError(f"no run {run_id} in the run store {self._store.path}: see pscluster.runs()")
-        self.mode = self.record["mode"]
         self._reader = RunReader(run_id)
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -108,7 +107,7 @@ class Dashboard:
 
         started = self.record["started"]
         self.panels = {"speed": panels.Speed(start=started, live=not self.final), "convergence": panels.Convergence()}
-        if self.mode == "sync":
+        if (self.record["config"] or {}).get("aggregates_steps"):
             self.panels["waiting"] = ps_panels.Waiting(self._num_workers(), start=started)
         else:
             self.panels["staleness"] = panels.Staleness()

@@ -39,7 +39,8 @@ class Writer:
         self.store = store
         self.step_metrics, self.lr, self.accuracy = step_metrics, lr, accuracy
         config = {"mode": mode, "steps": 100, "batch_size": 8, "optimizer": optimizer, "optimizer_kwargs": {},
-                  "replicas_to_aggregate": 2, "num_workers": 2, "seed": 0, "log_every": 10}
+                  "replicas_to_aggregate": 2, "num_workers": 2, "seed": 0, "log_every": 10,
+                  "aggregates_steps": mode == "sync"}  # as the control plane records it (run_records)
         self.run_id = store.create_run(name=f"{mode}-run", cluster="c", mode=mode, config=config, spec=SPEC)
         store.record_placement(self.run_id, VARIABLES)
         store.set_status(self.run_id, "training")

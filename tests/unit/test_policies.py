@@ -3,6 +3,9 @@ the package asks of a policy, and each policy's decisions on a sequence of pushe
 the policy interface (``Server``, ``Push``: our own narrow protocol); the ps's implementation of that interface is
 checked against it, and a real ps runs each policy."""
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,6 +25,24 @@ def test_the_modes_of_a_run_are_the_registered_policies_in_order():
     assert list(POLICIES) == ["sync", "async", "ssp"] and options.MODES == tuple(POLICIES)
     assert [POLICIES[name].name for name in POLICIES] == list(POLICIES)
     assert all(issubclass(policy, Policy) for policy in POLICIES.values())
+
+
+def mode_tests(path: Path) -> list[int]:
+    """The lines of ``path`` that compare something with a mode's name (``mode == "sync"``, ``in ("async",)``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            words = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
+            if any(w in POLICIES for w in words if isinstance(w, str)):
+                found.append(node.lineno)
+    return found
+
+
+def test_nothing_outside_the_policies_tests_the_mode_by_its_name():
+    package = Path(__file__).resolve().parents[2] / "pscluster"
+    tests = {str(p.relative_to(package)): lines for p in sorted(package.rglob("*.py"))
+             if p.name != "policies.py" and (lines := mode_tests(p))}
+    assert not tests, f"ask runtime.policies.policy_for(mode) what the mode means instead: {tests}"
 
 
 def test_policy_for_takes_a_mode_or_anything_with_one():
