@@ -31,7 +31,7 @@ from ..runtime import options as run_options
 from ..runtime.options import DEFAULTS
 from ..runtime.plan import TrainPlan, describe_variables
 from ..runtime.steps import check_step
-from ..runtime.worker import build_model
+from ..runtime.seeding import build_model
 from ..spec import ClusterSpec, TaskSpec
 from . import reaper, registry, run_records, scaling
 from .checkpoint_commits import CheckpointCoordinator

@@ -26,7 +26,7 @@ from ..runtime.evaluation import evaluate
 from ..runtime.plan import TrainPlan
 from ..runtime.policies import policy_for
 from ..runtime.steps import traceable_inputs
-from ..runtime.worker import build_model
+from ..runtime.seeding import build_model
 from ..spec import ClusterSpec
 from . import recovery
 from .checkpoint_commits import CheckpointCoordinator

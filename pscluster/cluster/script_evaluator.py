@@ -25,7 +25,7 @@ from ..metrics.tensorboard import EventWriter, run_logdir
 from ..runtime import checkpoint, standalone
 from ..runtime.evaluation import evaluate
 from ..runtime.plan import TrainPlan
-from ..runtime.worker import build_model
+from ..runtime.seeding import build_model
 from ..spec import ClusterSpec
 
 POLL_S = 0.5  # how often the checkpoint folder and the ps tasks are looked at

@@ -34,7 +34,8 @@ from ..runtime.client import PSClient
 from ..runtime.data import first_batch
 from ..runtime.options import DEFAULTS
 from ..runtime.steps import check_step
-from ..runtime.worker import build_model, run_worker
+from ..runtime.seeding import build_model
+from ..runtime.worker import run_worker
 from ..task_config import from_environment
 from . import run_records
 from .checkpoint_commits import CheckpointCoordinator

@@ -1,5 +1,6 @@
-"""Each worker its own random streams: torch's, NumPy's and Python's ``random`` generators seeded from the run's seed,
-the worker's index and the attempt it trains in (a run restarted after a lost ps draws new numbers).
+"""The seed of a run: the model's initial values (``build_model``), and each worker's own random streams: torch's,
+NumPy's and Python's ``random`` generators seeded from the run's seed, the worker's index and the attempt it trains
+in (a run restarted after a lost ps draws new numbers).
 
 ``worker_seed(seed, 0, 0) == seed``: the chief of a run's first attempt draws what a plain single-process loop seeded
 with ``seed`` draws, so a one-worker run is that loop's equal. Every other (worker, attempt) gets a stream of its own.
@@ -7,10 +8,13 @@ with ``seed`` draws, so a one-worker run is that loop's equal. Every other (work
 
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy
 import torch
+
+from ..errors import ConfigError
 
 _WORKER_STRIDE = 1_000_003  # primes: distinct (worker, attempt) pairs give distinct seeds for any run seed
 _ATTEMPT_STRIDE = 7_919
@@ -30,3 +34,14 @@ def seed_worker(seed: int, worker: int, attempt: int = 0) -> int:
     random.seed(mine)
     numpy.random.seed(mine % 2**32)
     return mine
+
+
+def build_model(model_fn, seed: int) -> torch.nn.Module:
+    """A fresh model: a copy of ``model_fn`` if it is a module, else ``model_fn()`` under ``seed``."""
+    torch.manual_seed(seed)
+    if isinstance(model_fn, torch.nn.Module):
+        return copy.deepcopy(model_fn)
+    model = model_fn()
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model_fn returned {type(model).__name__}: it must build a torch.nn.Module")
+    return model

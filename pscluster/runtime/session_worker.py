@@ -21,7 +21,7 @@ from ..spec import ClusterSpec
 from .context import run_loop
 from .plan import TrainPlan
 from .steps import batch_accuracy, compute, metric_values
-from .worker import build_model
+from .seeding import build_model
 
 _ENDED = object()  # what the loop's outbox holds once it returned or failed
 

@@ -29,7 +29,8 @@ from .optim import OptimizerSpec, check, named_groups
 from .options import DEFAULTS
 from .plan import TrainPlan
 from .ps import ParameterServer
-from .worker import build_model, run_worker
+from .seeding import build_model
+from .worker import run_worker
 
 PS_QUIET_S = 60.0
 DISCOVER_POLL_S = 0.2

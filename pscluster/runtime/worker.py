@@ -8,12 +8,11 @@ ps on the same host (``PSClient.share``).
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError
+from ..errors import NonFiniteError
 from ..spec import ClusterSpec
 from . import seeding
 from .data import worker_batches
@@ -21,17 +20,6 @@ from .overlap import EarlyPush
 from .plan import TrainPlan
 from .staging import GradientStaging
 from .steps import Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
-
-
-def build_model(model_fn, seed: int) -> torch.nn.Module:
-    """A fresh model: a copy of ``model_fn`` if it is a module, else ``model_fn()`` under ``seed``."""
-    torch.manual_seed(seed)
-    if isinstance(model_fn, torch.nn.Module):
-        return copy.deepcopy(model_fn)
-    model = model_fn()
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model_fn returned {type(model).__name__}: it must build a torch.nn.Module")
-    return model
 
 
 MAX_SKIPS = 100  # on_nonfinite="skip": batches in a row a worker may leave out before it fails anyway
@@ -95,7 +83,7 @@ def library_loop(model_fn, dataset, loss_fn, step_fn=None, collate_fn=None):
     (``ctx._settle``)."""
     def train_fn(ctx) -> None:
         plan = ctx._plan
-        model = ctx.model(build_model(model_fn, plan.seed).to(ctx.device))
+        model = ctx.model(seeding.build_model(model_fn, plan.seed).to(ctx.device))
         seeding.seed_worker(plan.seed, ctx.worker_index, plan.attempt)
         batches = worker_batches(dataset, ctx.worker_index, plan.num_workers, plan.batch_size, plan.seed, plan.loader,
                                  collate_fn, ctx.device)

@@ -7,7 +7,8 @@ import torch
 from pscluster.errors import NonFiniteError
 from pscluster.runtime.overlap import MIN_BYTES, EarlyPush
 from pscluster.runtime.plan import TrainPlan, describe_variables
-from pscluster.runtime.worker import build_model, run_worker
+from pscluster.runtime.seeding import build_model
+from pscluster.runtime.worker import run_worker
 
 from .test_worker_inprocess import RUN_ID, SEED, dataset, plain_batches, run_workers  # noqa: F401 - a fixture
 

@@ -26,7 +26,8 @@ from pscluster.runtime.plan import TrainPlan, describe_variables
 from pscluster.runtime.waiting import wait_until
 from pscluster.runtime.steps import batch_accuracy
 from pscluster.runtime.member import log_line
-from pscluster.runtime.worker import build_model, run_worker
+from pscluster.runtime.seeding import build_model
+from pscluster.runtime.worker import run_worker
 
 RUN_ID = 7  # the run id the conftest clients use
 SEED = 3
