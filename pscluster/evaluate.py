@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import ConfigError, PSClusterError
+from .errors import ConfigError
 from .runtime import evaluation
-from .runtime.steps import describe
 
 __all__ = ["auc", "evaluate"]
 
@@ -26,25 +25,7 @@ def evaluate(model: torch.nn.Module, dataset, loss_fn=None, *, step_fn=None, bat
     if step_fn is None and not callable(loss_fn):
         raise ConfigError("evaluate needs loss_fn, e.g. torch.nn.CrossEntropyLoss(), or step_fn=f(model, batch) -> "
                           "loss")
-    try:
-        return evaluation.evaluate(model, dataset, loss_fn, step_fn=step_fn, batch_size=batch_size,
-                                   collate_fn=collate_fn)
-    except PSClusterError:
-        raise
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        fix = ("fix the model or step_fn to fit its batches" if step_fn is not None else
-               "fix the model or loss_fn to fit its batches, or give step_fn=f(model, batch) -> loss")
-        raise ConfigError(f"evaluate fails on the dataset (items: {_item_of(dataset)}): {type(e).__name__}: {first} "
-                          f"— {fix}") from e
-
-
-def _item_of(dataset) -> str:
-    """What the dataset's first item looks like, for the error message."""
-    try:
-        return describe(dataset[0])
-    except Exception:  # an iterable dataset, or one that fails itself: the error says the rest
-        return type(dataset).__name__
+    return evaluation.evaluate(model, dataset, loss_fn, step_fn=step_fn, batch_size=batch_size, collate_fn=collate_fn)
 
 
 def auc(scores, labels) -> float:
