@@ -129,7 +129,7 @@ def shell():
     from IPython import get_ipython
     from IPython.testing.globalipapp import start_ipython
 
-    return start_ipython() or get_ipython()  # one shell a process: another module's may have started it
+    return get_ipython() or start_ipython()  # one shell a process: another module (test_magics, unit) may have made it
 
 
 def _stop_clusters(shell) -> list[int]:

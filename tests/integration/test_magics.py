@@ -46,7 +46,7 @@ def wait_for(read, timeout: float = 60.0):
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = start_ipython() or get_ipython()  # one shell a process: another module's (tests/docs) may have started it
+    shell = get_ipython() or start_ipython()  # one shell a process: another module (tests/docs, unit) may have made it
     shell.run_line_magic("load_ext", "pscluster")
     yield shell
     magics = shell.magics_manager.registry["PSClusterMagics"]
