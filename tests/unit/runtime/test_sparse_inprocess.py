@@ -10,7 +10,8 @@ from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime.plan import TrainPlan, assemble, describe_variables
 from pscluster.runtime.waiting import wait_until
-from pscluster.runtime.worker import build_model, run_worker
+from pscluster.runtime.seeding import build_model
+from pscluster.runtime.worker import run_worker
 
 from .test_worker_inprocess import RUN_ID, mlp, plain_batches
 

@@ -11,7 +11,7 @@ from pscluster.runtime import host_copies, lanes
 from pscluster.runtime.lanes import Lane, LaneError
 from pscluster.runtime.protocol import Flag, Message, Op
 
-from .conftest import RUN_ID, ps_config
+from ..conftest import RUN_ID, ps_config
 from .rawpeer import RawPeer
 from .test_ps_server import LR, assert_values
 

@@ -13,7 +13,7 @@ from pscluster.runtime.client import Pending
 from pscluster.runtime.protocol import Flag, Limits, Message, Op
 from pscluster.runtime.waiting import wait_until
 
-from .conftest import RUN_ID, ps_config
+from ..conftest import RUN_ID, ps_config
 
 KEY = bytes(range(32))
 MB = 2**20

@@ -23,7 +23,7 @@ from pscluster.errors import ConfigError
 from pscluster.magics.parsers import parsers
 from pscluster.runtime.network import bind_in_range, ephemeral_ports, route_address
 
-from ..ports import quiet_port_range
+from ...ports import quiet_port_range
 
 
 @pytest.mark.parametrize("kwargs, fix", [

@@ -26,7 +26,7 @@ from pscluster.runtime.router import REJECTED
 from pscluster.runtime.waiting import wait_until
 from pscluster.runtime.worker import run_worker
 
-from .conftest import RUN_ID, make_spec
+from ..conftest import RUN_ID, make_spec
 from .rawpeer import RawPeer
 from .test_worker_inprocess import make_plan, mlp
 

@@ -13,9 +13,9 @@ import zmq
 from pscluster.runtime import protocol
 from pscluster.runtime.client import PSClient
 
-from .conftest import RUN_ID, make_spec, ps_config
+from ..conftest import RUN_ID, make_spec, ps_config
 from .rawpeer import RawPeer
-from .test_control import rss_mib, zmtp_frame_declaring
+from ..cluster.test_control import rss_mib, zmtp_frame_declaring
 
 LR = 0.1
 

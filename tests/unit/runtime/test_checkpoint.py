@@ -17,7 +17,8 @@ from pscluster.cluster import recovery
 from pscluster.errors import CheckpointError
 from pscluster.runtime import checkpoint
 from pscluster.runtime.plan import assemble
-from pscluster.runtime.worker import build_model, run_worker
+from pscluster.runtime.seeding import build_model
+from pscluster.runtime.worker import run_worker
 
 from .test_sparse_inprocess import BagModel, make_plan
 from .test_sparse_inprocess import bags as bags  # noqa: F401  (the fixture)

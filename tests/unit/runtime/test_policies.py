@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import pscluster
 from pscluster.errors import ConfigError
 from pscluster.runtime import options
 from pscluster.runtime.overlap import EarlyPush
@@ -16,7 +17,7 @@ from pscluster.runtime.plan import PsConfig, TrainPlan
 from pscluster.runtime.policies import POLICIES, SSP, Async, Policy, Push, Server, Sync, policy_for
 from pscluster.runtime.policy_handles import PushRequest, RunHandle
 
-from .conftest import ps_config
+from ..conftest import ps_config
 
 # --- the registry ----------------------------------------------------------------------------
 
@@ -39,7 +40,7 @@ def mode_tests(path: Path) -> list[int]:
 
 
 def test_nothing_outside_the_policies_tests_the_mode_by_its_name():
-    package = Path(__file__).resolve().parents[2] / "pscluster"
+    package = Path(pscluster.__file__).resolve().parent
     tests = {str(p.relative_to(package)): lines for p in sorted(package.rglob("*.py"))
              if p.name != "policies.py" and (lines := mode_tests(p))}
     assert not tests, f"ask runtime.policies.policy_for(mode) what the mode means instead: {tests}"

@@ -12,7 +12,7 @@ import zmq
 from pscluster.errors import BadSignature
 from pscluster.runtime import parts
 from pscluster.runtime.member import Shards, initialize
-from pscluster.runtime.worker import build_model
+from pscluster.runtime.seeding import build_model
 
 from .test_overlap import Wide, plan_for
 from .test_worker_inprocess import RUN_ID, SEED, dataset, plain_batches  # noqa: F401 - a fixture

@@ -16,7 +16,7 @@ from pscluster.runtime.plan import VariableSpec
 from pscluster.runtime.protocol import Flag, Op
 from pscluster.runtime.waiting import wait_until
 
-from .conftest import RUN_ID, ps_config
+from ..conftest import RUN_ID, ps_config
 
 MB = 2**20
 SHAPES = {"emb": (5 * MB // 4, 4), "w": (3 * 2**18, 4), "b": (7,)}  # 20 MiB, 12 MiB, 28 bytes

@@ -11,7 +11,7 @@ from pscluster.runtime.client import Pending
 from pscluster.runtime.protocol import CHUNK_BYTES, Message, Op
 from pscluster.runtime.waiting import wait_until
 
-from .conftest import RUN_ID, ps_config
+from ..conftest import RUN_ID, ps_config
 
 MB = 2**20
 SHAPE = (5 * MB // 4, 4)  # 20 MB of float32: payload frames of 8, 8 and 4 MB, one part each

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+import pscluster
 from pscluster.cluster.engines import EngineSet
 from pscluster.cluster.run import Run
 
-PACKAGE = Path(__file__).resolve().parents[2] / "pscluster"
+PACKAGE = Path(pscluster.__file__).resolve().parent
 # what the supervisor owns of a run
 OWNED = {"spec", "plan", "worker_results", "retired_results", "closed", "stop_requested", "results", "ps_stats",
          "error", "error_line", "finished", "state_dict", "started"}

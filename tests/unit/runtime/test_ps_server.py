@@ -20,7 +20,7 @@ from pscluster.runtime.router import REJECTED
 from pscluster.runtime.waiting import wait_until
 from pscluster.spec import ClusterSpec, TaskSpec
 
-from .conftest import RUN_ID, make_spec, ps_config
+from ..conftest import RUN_ID, make_spec, ps_config
 from .rawpeer import RawPeer
 
 LR = 0.1

@@ -6,7 +6,7 @@ import torch
 from pscluster.errors import TrainingError
 from pscluster.runtime.protocol import Flag, Op
 
-from .conftest import RUN_ID, ps_config
+from ..conftest import RUN_ID, ps_config
 
 LR, MOMENTUM, DECAY = 0.1, 0.9, 0.1
 KINDS = ["param", "buffer", "buffer", "frozen"]  # w, running mean, a step count, a frozen weight
