@@ -30,8 +30,11 @@ JOIN_PAUSE_S = 1.0
 
 
 class ScaledRun(RecoveringRun, Protocol):
-    """What scaling needs of a run's owner (``supervisor.Supervisor``) besides what recovery does: taking a spec
-    with another number of workers, and setting aside the results of those it removed."""
+    """What scaling needs of a run's owner (``supervisor.Supervisor``) besides what recovery does: the cluster's
+    tasks (to kill a removed worker that does not end), taking a spec with another number of workers, and setting
+    aside the results of those it removed."""
+
+    tasks: Tasks
 
     def take_workers(self, spec: ClusterSpec, replicas_to_aggregate: int) -> None: ...
 
@@ -57,8 +60,8 @@ def grow(run: ScaledRun, spec: ClusterSpec) -> None:
         run.launch_worker(i, join=True)
 
 
-def shrink(run: ScaledRun, tasks: Tasks, spec: ClusterSpec) -> None:
-    """End the workers of ``run`` past those of ``spec`` at their next request (killed through ``tasks``, on
+def shrink(run: ScaledRun, spec: ClusterSpec) -> None:
+    """End the workers of ``run`` past those of ``spec`` at their next request (killed through ``run.tasks``, on
     whichever host, if they do not end within ``RETIRE_S``); their engines may go then. The caller
     (``Supervisor.resize``) holds ``run.membership``."""
     workers = len(spec.workers)
@@ -67,8 +70,8 @@ def shrink(run: ScaledRun, tasks: Tasks, spec: ClusterSpec) -> None:
     results = run.worker_results[workers:]
     if not wait_until(lambda: all(r.ready() for r in results), RETIRE_S):
         for task, result in zip(removed, results):
-            if not result.ready() and not tasks.lost(task):
-                tasks.kill_task(task)
+            if not result.ready() and not run.tasks.lost(task):
+                run.tasks.kill_task(task)
     run.retire_workers(workers)
 
 

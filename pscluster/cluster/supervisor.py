@@ -154,7 +154,7 @@ class Supervisor:
             if not self.closed and len(spec.workers) > len(self.spec.workers):
                 scaling.grow(self, spec)
             elif not self.closed and len(spec.workers) < len(self.spec.workers):
-                scaling.shrink(self, self.tasks, spec)
+                scaling.shrink(self, spec)
             then(spec)
 
     # --- membership: the changes recovery and scaling decide, made here under ``membership`` ---------
