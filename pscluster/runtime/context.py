@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import replace
-from typing import Callable
 
 import torch
 
@@ -62,7 +61,8 @@ from .plan import TrainPlan
 from .policies import policy_for
 from .protocol import Flag
 from .staging import GradientStaging
-from .steps import PRECISIONS, grad_norm, metric_values, samples_in
+from .steps import PRECISIONS, grad_norm, metric_values
+from .streams import Batches
 
 MAX_NAME = 64
 
@@ -183,28 +183,6 @@ class _Planned(BaseException):
     user's code does not stop it)."""
 
 
-class _Batches:
-    """This worker's endless stream of batches from ``ctx.shard`` (the samples counted for its speed)."""
-
-    def __init__(self, ctx: "_Context", make: Callable):
-        self._ctx, self._make, self._it = ctx, make, None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self._ctx._training_call()
-        if self._it is None:
-            self._it = self._make()
-        batch = next(self._it)
-        self._ctx._samples += samples_in(batch)
-        return batch
-
-    def close(self) -> None:
-        if self._it is not None:
-            self._it.close()
-
-
 class _Context:
     """What ``train_fn(ctx)`` is given; ``ProbeContext`` and ``WorkerContext`` are its two kinds."""
 
@@ -214,7 +192,7 @@ class _Context:
         self._run_seed = run_seed
         self._modules = ModuleSet()
         self._optimizers = Optimizers()
-        self._streams: list[_Batches] = []
+        self._streams: list[Batches] = []
         self._samples = 0
         self._overlap = False  # pushes during backward, host copies of GPU gradients (``optimizer(overlap=True)``)
         self._syncing = True  # False under ``no_sync()``
@@ -261,14 +239,17 @@ class _Context:
         return optimizer
 
     def shard(self, dataset, batch_size: int | None = None, *, collate_fn=None, loader_workers: int = 0,
-              prefetch_factor: int | None = None, pin_memory: bool = False) -> _Batches:
+              prefetch_factor: int | None = None, pin_memory: bool = False) -> Batches:
         """This worker's endless stream of batches of ``dataset`` (a map-style dataset, an IterableDataset, or a
         DataLoader taken apart as ``Cluster.train`` takes it): its shard of each epoch, reshuffled every epoch, in
-        ``loader_workers`` loader processes. ``batch_size``: per worker (default 64, or the DataLoader's)."""
+        ``loader_workers`` loader processes. ``batch_size``: per worker (default 64, or the DataLoader's). The next
+        batches are read while ``optimizer.step()`` waits for the new values, unless reading them draws random
+        numbers (``streams``)."""
         dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
                                                                  prefetch_factor, pin_memory)
-        stream = _Batches(self, lambda: worker_batches(dataset, self.worker_index, self.num_workers, batch_size,
-                                                        self._run_seed, loader, collate_fn, self.device))
+        stream = Batches(lambda: worker_batches(dataset, self.worker_index, self.num_workers, batch_size,
+                                                self._run_seed, loader, collate_fn, self.device),
+                         begin=self._training_call, counted=self._count)
         self._streams.append(stream)
         return stream
 
@@ -288,6 +269,9 @@ class _Context:
 
     def _training_call(self) -> None:
         pass
+
+    def _count(self, samples: int) -> None:
+        self._samples += samples
 
 
 class ProbeContext(_Context):
@@ -522,6 +506,8 @@ class WorkerContext(_Context):
         self._push(computed_on, k, meta=meta or None)
         self._sent_options[k] = groups
         if not plan.pipeline:
+            for stream in self._streams:
+                stream.read_ahead()  # while the push-pull is in flight, as the library's loop reads its next batch
             self._settle()
         return True
 

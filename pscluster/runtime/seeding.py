@@ -36,6 +36,32 @@ def seed_worker(seed: int, worker: int, attempt: int = 0) -> int:
     return mine
 
 
+def generator_states() -> tuple:
+    """The states of the generators ``seed_worker`` seeds (and CUDA's, once initialized): what ``same_states``
+    compares and ``set_generator_states`` puts back."""
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
+    return torch.get_rng_state(), numpy.random.get_state(legacy=False), random.getstate(), cuda
+
+
+def same_states(a: tuple, b: tuple) -> bool:
+    """Whether two ``generator_states()`` are the same: nothing drew from those generators in between."""
+    (torch_a, numpy_a, random_a, cuda_a), (torch_b, numpy_b, random_b, cuda_b) = a, b
+    return (random_a == random_b and numpy_a["state"]["pos"] == numpy_b["state"]["pos"]
+            and numpy_a["has_gauss"] == numpy_b["has_gauss"] and torch.equal(torch_a, torch_b)
+            and numpy.array_equal(numpy_a["state"]["key"], numpy_b["state"]["key"])
+            and len(cuda_a) == len(cuda_b) and all(torch.equal(x, y) for x, y in zip(cuda_a, cuda_b)))
+
+
+def set_generator_states(states: tuple) -> None:
+    """Put back what ``generator_states()`` returned."""
+    torch_state, numpy_state, random_state, cuda = states
+    torch.set_rng_state(torch_state)
+    numpy.random.set_state(numpy_state)
+    random.setstate(random_state)
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def build_model(model_fn, seed: int) -> torch.nn.Module:
     """A fresh model: a copy of ``model_fn`` if it is a module, else ``model_fn()`` under ``seed``."""
     torch.manual_seed(seed)
