@@ -95,10 +95,12 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-# Every fault on every role at every bad moment (tests/faults, about 15 minutes on 2 cores): reports/faults.json.
+# Every fault on every role at every bad moment (tests/faults, about 15 minutes on 2 cores): reports/faults.json;
+# then the fuzz tests of the servers with ten times their examples.
 faults: $(STAMP)
 	mkdir -p reports
 	PSCLUSTER_FAULT_MATRIX=1 PSCLUSTER_REPORT_DIR=$(CURDIR)/reports IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest tests/faults
+	PSCLUSTER_FUZZ_SCALE=10 $(BIN)/python -m pytest -m fuzz tests/unit tests/labserver
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache dist pscluster/labextension labextension/lib labextension/node_modules

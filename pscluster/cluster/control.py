@@ -113,18 +113,25 @@ class ControlServer:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     continue
-                self._sock.send_json(self._reply(frames))
+                self._sock.send(self._encoded_reply(frames))
         finally:
             self._sock.close(linger=0)
 
+    def _encoded_reply(self, frames: list[bytes]) -> bytes:
+        """The answer to one request as JSON bytes, whatever arrived: never raises, so that no request can stop
+        the loop (nor leave the REP socket waiting for a reply it cannot send)."""
+        try:
+            return json.dumps(self._reply(frames)).encode()
+        except Exception as e:  # a reply that does not encode: a bug, said to the caller
+            return json.dumps({"ok": False, "kind": "invalid", "error": f"reply failed: {type(e).__name__}"}).encode()
+
     def _reply(self, frames: list[bytes]) -> dict:
-        """The answer to one request, whatever arrived: never raises, so one bad request cannot stop the loop."""
         if len(frames) != 1:
             return {"ok": False, "kind": "invalid", "error": f"{len(frames)} frames: send one JSON object"}
         try:
             message = json.loads(frames[0])
-        except ValueError:  # not UTF-8, not JSON
-            return {"ok": False, "kind": "invalid", "error": "not JSON"}
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, nested deeper than the parser goes
+            return {"ok": False, "kind": "invalid", "error": "not JSON, or nested too deeply: send one JSON object"}
         try:
             return self._answer(message)
         except Exception as e:  # a bug in an action: the caller hears of it, the server goes on

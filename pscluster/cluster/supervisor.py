@@ -111,18 +111,23 @@ class Supervisor:
 
     # --- the workers' metrics --------------------------------------------------------------
     def _on_batch(self, events: list[dict]) -> None:
+        """The collector's callback: a batch of the workers' events recorded (the store and the event files skip
+        a malformed event, and so does this)."""
         self.store.add_batch(self.id, events)
         self.event_files.add_events(events)
         for event in events:
-            if event.get("kind") == "step":
-                self.latest_step = max(self.latest_step, event.get("global_step", 0))
-            elif event.get("kind") == "done" and event.get("attempt", self.plan.attempt) == self.plan.attempt:
+            kind, task = event.get("kind"), event.get("task")
+            if not isinstance(task, str):
+                continue
+            if kind == "step" and isinstance(step := event.get("global_step"), int):
+                self.latest_step = max(self.latest_step, step)
+            elif kind == "done" and event.get("attempt", self.plan.attempt) == self.plan.attempt:
                 summary = {k: v for k, v in event.items() if k not in ("kind", "task", "time", "attempt")}
-                self._workers_done[event.get("task")] = (time.monotonic(), summary)
-            elif event.get("kind") == "left":
-                self._workers_left[event.get("task")] = (event.get("attempt"), str(event.get("error")))
-            elif event.get("kind") == "log":
-                self._log(f"[{event['task']}] {event['line']}")
+                self._workers_done[task] = (time.monotonic(), summary)
+            elif kind == "left":
+                self._workers_left[task] = (event.get("attempt"), str(event.get("error")))
+            elif kind == "log" and isinstance(line := event.get("line"), str):
+                self._log(f"[{task}] {line}")
 
     def _log(self, line: str) -> None:
         self.logs.append(line)

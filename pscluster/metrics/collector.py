@@ -3,12 +3,13 @@
 Runtime tasks send signed JSON event batches (see ``pscluster.runtime.emitter``); the collector
 checks each batch's signature and freshness, and hands the events of every accepted batch (a list
 of event dicts) to a callback. A refused batch never reaches the callback: it is counted in
-``rejected`` by reason (unsigned, bad_signature, replayed, malformed). JSON only: nothing received
-is unpickled.
+``rejected`` by reason (unsigned, bad_signature, replayed, malformed); one the callback fails on is
+counted as ``unrecorded``, and the collector goes on. JSON only: nothing received is unpickled.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 
@@ -18,6 +19,7 @@ from ..errors import ProtocolError
 from ..runtime.emitter import BATCH_FRAMES, MAX_BATCH_BYTES, BatchReceiver
 from ..runtime.protocol import receive
 
+log = logging.getLogger("pscluster.metrics")
 
 class Collector:
     """Receives event batches on ``address`` and calls ``on_batch(events)`` for each."""
@@ -64,8 +66,13 @@ class Collector:
             self.rejected[e.counter] += 1
             return
         events = [e for e in batch if isinstance(e, dict)]
-        if events:
+        if not events:
+            return
+        try:
             self._on_batch(events)
+        except Exception:  # a signed batch whose events could not be recorded: counted, and the loop goes on
+            self.rejected["unrecorded"] += 1
+            log.warning("a metrics batch of %d events could not be recorded", len(events), exc_info=True)
 
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()

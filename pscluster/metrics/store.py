@@ -9,6 +9,7 @@ writer, which is the controller's collector thread.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import threading
@@ -136,6 +137,7 @@ METRIC_COLUMNS = ("worker", "time", "local_step", "global_step", "loss", "accura
                    "comm_s", "bytes_sent", "bytes_received", "staleness", "dropped")
 _PS_COLUMNS = ("ps", "time", "step", "pushes", "pulls", "applied", "dropped_stale", "late", "bytes_in",
                "bytes_out", "waiting_for")
+_REQUIRED_METRICS = ("time", "local_step", "global_step")  # NOT NULL in the metrics table
 ROLLED = METRIC_COLUMNS[4:]  # the metrics of a raw row that rollups hold in columns of their own (schema 5)
 RAW_WINDOW = 100_000  # the newest metric rows of a run kept raw; older ones live on in the rollups only
 RAW_SLACK = RAW_WINDOW // 10  # rows past the window before the oldest are deleted, in one go
@@ -182,6 +184,18 @@ def default_path() -> str:
 
 def _task_index(task: str) -> int:
     return int(task.rsplit(":", 1)[1])
+
+
+_SQL_INTEGERS = range(-2**63, 2**63)
+
+
+def _number(value, required: bool = False):
+    """``value`` as SQLite stores a metric: a number (an integer SQLite holds), or None (NaN) unless ``required``;
+    TypeError otherwise (the event that carries it is skipped)."""
+    if isinstance(value, float) and (not required or math.isfinite(value)) or \
+            isinstance(value, int) and value in _SQL_INTEGERS or value is None and not required:
+        return value
+    raise TypeError(f"not a {'finite ' if required else ''}number: {value!r:.40}")
 
 
 def _numbers(values) -> np.ndarray:
@@ -384,16 +398,20 @@ class RunStore:
             kind = e.get("kind")
             try:
                 if kind == "step":
-                    steps.append((run_id, _task_index(e["task"]), *(e.get(c) for c in METRIC_COLUMNS[1:]),
-                                  json.dumps(e["metrics"]) if e.get("metrics") else None))
-                    extras.append(e.get("metrics"))
+                    metrics = e.get("metrics") or None
+                    if metrics is not None and not isinstance(metrics, dict):
+                        raise TypeError("metrics: not an object")
+                    numbers = (_number(e.get(c), c in _REQUIRED_METRICS) for c in METRIC_COLUMNS[1:])
+                    steps.append((run_id, _task_index(e["task"]), *numbers, json.dumps(metrics) if metrics else None))
+                    extras.append(metrics)
                 elif kind == "ps":
-                    ps_rows.append((run_id, _task_index(e["task"]), *(e.get(c, 0) for c in _PS_COLUMNS[1:-1]),
-                                    json.dumps(e.get("waiting_for", [])), e.get("lr")))
+                    numbers = (_number(e.get(c, 0), True) for c in _PS_COLUMNS[1:-1])
+                    ps_rows.append((run_id, _task_index(e["task"]), *numbers, json.dumps(e.get("waiting_for", [])),
+                                    _number(e.get("lr"))))
                 else:
                     detail = {k: v for k, v in e.items() if k not in ("kind", "task", "time")}
-                    other.append((run_id, e["time"], e["task"], str(kind), json.dumps(detail)))
-            except (KeyError, ValueError, IndexError, TypeError):
+                    other.append((run_id, _number(e["time"], True), str(e["task"]), str(kind), json.dumps(detail)))
+            except (KeyError, ValueError, IndexError, TypeError, AttributeError, RecursionError):
                 continue  # a malformed event is skipped, never fatal
         with self._lock, self._db:
             if steps:

@@ -14,8 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pscluster.cluster import control
+
+from ...fuzz import ENCODINGS, JSON_VALUES, NESTED, encoded, fuzz_settings
 
 SERVER = """
 import json, sys, time
@@ -133,3 +137,36 @@ def test_a_message_without_an_envelope_leaves_the_socket_serving_and_closable():
         server.close()
     assert not server._thread.is_alive(), "the control thread outlived close()"
     assert time.monotonic() - began < 2
+
+
+@pytest.fixture(scope="module")
+def one_server():
+    """The registry entry of one control server in a child process, for every example of a fuzz test."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield {"name": "c", "control": json.loads(proc.stdout.readline())}
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+# requests as the token holder would send them, with any action and arguments ("token" is replaced by the real one)
+TOKENED = st.builds(lambda action, args: {"token": "token", "action": action, "args": args},
+                    st.sampled_from(list(control.ACTIONS)) | st.text(max_size=12), JSON_VALUES)
+REQUESTS = st.one_of(
+    st.lists(st.binary(max_size=512), min_size=1, max_size=3),  # any frames
+    NESTED.map(lambda doc: [doc]),  # nesting past the JSON parser's depth (a RecursionError once stopped the socket)
+    st.builds(lambda value, encoding: [encoded(value, encoding)], JSON_VALUES | TOKENED, ENCODINGS),  # encodings
+    TOKENED.map(lambda request: [request]),
+)
+
+
+@pytest.mark.fuzz
+@fuzz_settings(examples=150)
+@given(frames=REQUESTS)
+def test_no_request_stops_the_control_socket(one_server, frames):
+    token = one_server["control"]["token"]
+    frames = [json.dumps({**f, "token": token}).encode() if isinstance(f, dict) else f for f in frames]
+    reply = ask(one_server, frames)
+    assert reply["ok"] is False and reply["kind"] in {"invalid", "forbidden", "conflict", "not_found"}, reply
+    still_serves(one_server)
