@@ -205,13 +205,19 @@ def _scheduler_name(scheduler) -> str:
 
 # --- values as JSON ------------------------------------------------------------------------------
 def _encode(value, what: str):
-    """``value`` as JSON data, tuples, Counters and tensors tagged so that ``_decode`` gives them back."""
+    """``value`` as JSON data, tuples, Counters and tensors tagged so that ``_decode`` gives them back.
+    ConfigError for a NaN or an infinity: an option that is not finite makes every value it updates NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{what}={value}: give a finite number (a NaN or infinite option turns the values it "
+                          "updates into NaN)")
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, torch.Tensor):
         if value.numel() > _MAX_TENSOR_ELEMENTS or value.is_complex():
             raise ConfigError(f"{what}: a {tuple(value.shape)} {value.dtype} tensor; give a real tensor of at most "
                               f"{_MAX_TENSOR_ELEMENTS} elements, or a number")
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ConfigError(f"{what}: a tensor with NaN or infinite elements; give finite values")
         return {"$tensor": {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
                             "data": value.detach().cpu().flatten().tolist()}}
     if isinstance(value, tuple):
@@ -464,24 +470,32 @@ def _scheduler(optimizer: torch.optim.Optimizer, spec: OptimizerSpec) -> lr_sche
 
 def group_options(optimizer: torch.optim.Optimizer) -> list[dict]:
     """The numeric options of each of ``optimizer``'s param groups (its learning rate, betas...): what a push of a
-    user's loop carries for the ps's update (``PsOptimizer.set_options``)."""
-    return [{k: v for k, v in g.items() if k in optimizer.defaults and numeric_option(v)}
-            for g in optimizer.param_groups]
+    user's loop carries for the ps's update (``PsOptimizer.set_options``). ConfigError for one the loop made NaN
+    or infinite (the ps would refuse it, and the loop's lr would be lost)."""
+    groups = [{k: v for k, v in g.items() if k in optimizer.defaults and numeric_option(v, finite=False)}
+              for g in optimizer.param_groups]
+    for i, options in enumerate(groups):
+        for key, value in options.items():
+            if not numeric_option(value):
+                raise ConfigError(f"param group {i} of {type(optimizer).__name__} has {key}={value}: the loop (or "
+                                  "its scheduler) set it; give a finite number")
+    return groups
 
 
-def numeric_option(value) -> bool:
-    """A finite number (not a bool), or a tuple or list of them: a group option a loop may change per step."""
+def numeric_option(value, finite: bool = True) -> bool:
+    """A number (not a bool), or a tuple or list of them, each finite where ``finite``: a group option a loop may
+    change per step."""
     if isinstance(value, list | tuple):
-        return bool(value) and all(_number(v) for v in value)
-    return _number(value)
+        return bool(value) and all(_number(v, finite) for v in value)
+    return _number(value, finite)
 
 
 def _length(value) -> int | None:
     return len(value) if isinstance(value, list | tuple) else None
 
 
-def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+def _number(value, finite: bool = True) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and (math.isfinite(value) or not finite)
 
 
 def spec_of(optimizer: torch.optim.Optimizer, named_parameters) -> OptimizerSpec:

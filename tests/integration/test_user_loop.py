@@ -275,13 +275,19 @@ def test_what_a_loop_gets_wrong_is_one_line_before_any_worker_starts(one_worker)
     def fails_early(ctx):
         raise ValueError("no data here\nsecond line")
 
+    def nan_lr(ctx):
+        model = ctx.model(mlp())
+        ctx.optimizer(torch.optim.SGD(model.parameters(), lr=float("nan")))
+
     for train_fn, says in ((no_optimizer, "ctx.optimizer"), (misses_a_parameter, "2.weight is trainable"),
-                           (fails_early, "ValueError: no data here")):
+                           (fails_early, "ValueError: no data here"), (nan_lr, "lr=nan: give a finite number")):
         with pytest.raises(ConfigError, match=says) as e:
             one_worker.run(train_fn, steps=5)
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="unknown option 'batch_size'"):
         one_worker.run(record_random, steps=5, batch_size=3)
+    with pytest.raises(ConfigError, match="optimizer option lr=nan: give a finite number"):
+        one_worker.train(mlp, pscluster.datasets.digits("train"), torch.nn.CrossEntropyLoss(), lr=float("nan"), steps=5)
     assert one_worker.active_run is None
 
 

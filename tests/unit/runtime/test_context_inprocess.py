@@ -11,8 +11,8 @@ from pscluster.errors import ConfigError
 from pscluster.runtime.context import loop_plan, probe, run_loop
 
 from .test_overlap import Wide, plain_wide, trained
-from .test_worker_inprocess import (BATCH, LR, RUN_ID, SEED, dataset, delayed_local_training, mlp,  # noqa: F401
-                                    plain_batches)
+from .test_worker_inprocess import (BATCH, LR, RUN_ID, SEED, dataset, delayed_local_training,  # noqa: F401
+                                    local_training, mlp, plain_batches)
 
 
 def user_loop(data, seen: list | None = None):
@@ -170,3 +170,29 @@ def test_a_gpu_user_loop_with_overlap_copies_its_gradients_to_the_host_during_ba
     got = trained(local_ps, spec, plan)
     for name, value in plain_wide(dataset, steps, device="cuda").items():
         assert (got[name].to(value.dtype) - value.cpu()).abs().max() <= 1e-4, name
+
+
+def test_a_loop_that_sets_a_nan_lr_fails_that_step_and_the_ps_keeps_the_values_before_it(local_ps, dataset):
+    spec = local_ps.start(num_ps=1, num_workers=1)
+
+    def train_fn(ctx):
+        torch.manual_seed(SEED)
+        model = ctx.model(mlp())
+        optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=LR))
+        for k, (x, y) in enumerate(ctx.shard(dataset, batch_size=BATCH)):
+            if k == 2:
+                optimizer.param_groups[0]["lr"] = float("nan")  # a schedule gone wrong
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            if ctx.should_stop():
+                break
+
+    plan = plan_of(train_fn, spec, mode="sync", steps=10)
+    with pytest.raises(ConfigError, match="param group 0 of SGD has lr=nan: the loop"):
+        run_loop(spec, 0, plan, train_fn)
+    reply = local_ps.client(spec, run_id=RUN_ID).pull()
+    assert reply.step == 2
+    held = {plan.variables[i].name: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
+    for name, value in local_training(dataset, 2).state_dict().items():
+        assert (held[name] - value).abs().max() <= 1e-6, name

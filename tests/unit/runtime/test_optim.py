@@ -686,3 +686,26 @@ def test_a_torch_optimizer_becomes_the_spec_a_ps_builds_again():
     assert [len(g["params"]) for g in dense.param_groups] == [2, 1, 0] and dense.defaults.get("fused") is None
     with pytest.raises(ConfigError, match="group 0 of the optimizer holds no trainable parameter"):
         optim.spec_of(torch.optim.SGD([net[2].weight], lr=0.1), list(net.named_parameters()))
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(kwargs={"lr": float("nan")}), "optimizer option lr=nan: give a finite number"),
+    (dict(optimizer="adam", kwargs={"lr": 0.1, "betas": (0.9, float("inf"))}), "optimizer option betas=inf"),
+    (dict(groups=[{"params": ["*.bias"], "lr": float("-inf")}]), "group 0 option lr=-inf: give a finite number"),
+    (dict(kwargs={"lr": torch.tensor(float("nan"))}), "optimizer option lr: a tensor with NaN"),
+    (dict(scheduler="StepLR", scheduler_options={"step_size": 1, "gamma": float("nan")}),
+     "scheduler option gamma=nan"),
+])
+def test_a_non_finite_option_is_refused_where_the_spec_is_made(spec, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        OptimizerSpec(**spec)
+
+
+def test_a_non_finite_option_set_by_a_loop_is_refused_before_it_is_pushed():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.5}], lr=0.1)
+    assert optim.group_options(optimizer) == [{"lr": 0.1, "momentum": 0, "dampening": 0, "weight_decay": 0},
+                                              {"lr": 0.5, "momentum": 0, "dampening": 0, "weight_decay": 0}]
+    optimizer.param_groups[1]["lr"] = float("nan")
+    with pytest.raises(ConfigError, match="param group 1 of SGD has lr=nan: the loop .* give a finite number"):
+        optim.group_options(optimizer)
