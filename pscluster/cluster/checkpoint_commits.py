@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, RuntimeTimeout, TrainingError
+from ..errors import CheckpointError, ConfigError, RuntimeTimeout, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import checkpoint, rescue
 from ..runtime.client import PSClient
@@ -59,10 +59,14 @@ class CheckpointCoordinator:
         'checkpoint' event that names each shard's source."""
         if not plan.checkpoint_dir:
             return None
-        assembled = rescue.assemble(plan.checkpoint_dir, num_ps=num_ps, run_id=plan.run_id, attempt=plan.attempt,
-                                    variables=list(plan.variables), optimizer=plan.optimizer,
-                                    optimizer_kwargs=plan.optimizer_kwargs, keep=self.keep,
-                                    state_keys=plan.state_keys)
+        try:
+            assembled = rescue.assemble(plan.checkpoint_dir, num_ps=num_ps, run_id=plan.run_id, attempt=plan.attempt,
+                                        variables=list(plan.variables), optimizer=plan.optimizer,
+                                        optimizer_kwargs=plan.optimizer_kwargs, keep=self.keep,
+                                        state_keys=plan.state_keys)
+        except CheckpointError as e:  # a copy of diverged values: the run goes back to its latest checkpoint
+            self.store.add_event(plan.run_id, "controller", "checkpoint_refused", {"error": str(e)})
+            return None
         if assembled is not None:
             self.store.add_event(plan.run_id, "controller", "checkpoint",
                                  {"step": assembled.step, "path": str(assembled.path),

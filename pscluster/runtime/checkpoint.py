@@ -272,11 +272,26 @@ def split_state(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     return values, {name: decode_state(e) for name, e in entries.items()}
 
 
+def non_finite(tensors: dict[str, torch.Tensor | Pieces]) -> str | None:
+    """The key of the first floating-point tensor of ``tensors`` that holds a NaN or an infinity, or None."""
+    for key, t in tensors.items():
+        for piece in t.pieces if isinstance(t, Pieces) else (t,):
+            if piece.is_floating_point() and not torch.isfinite(piece).all():
+                return key
+    return None
+
+
 def write_shard(directory, step: int, ps: int, tensors: dict[str, torch.Tensor], *, run_id: int,
                 attempt: int = 0, schedule: dict | None = None) -> dict:
     """Write ps ``ps``'s shard of step ``step`` and then its receipt; returns the receipt. ``attempt``
     counts the restarts of the run (after a ps was lost): only receipts of one attempt form a checkpoint.
-    ``schedule``: the learning-rate schedule's state (JSON, the same on every ps; see ``optim``)."""
+    ``schedule``: the learning-rate schedule's state (JSON, the same on every ps; see ``optim``).
+    CheckpointError, nothing written, when a value or an optimizer slot is not finite: no checkpoint ever holds
+    a diverged state."""
+    bad = non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(f"ps {ps}'s shard of step {step} was not written: {bad} holds NaN or infinite values "
+                              "(the run diverged: lower the learning rate, or clip with max_grad_norm=...)")
     folder = step_dir(directory, step)
     folder.mkdir(parents=True, exist_ok=True)
     size, sha = write_tensors(folder / f"ps-{ps}.tensors", tensors)
@@ -417,6 +432,15 @@ class Checkpoint:
             ckpt._verify(shard)
         return ckpt
 
+    def check_finite(self) -> None:
+        """CheckpointError when a shard holds a NaN or an infinity (a checkpoint written before they were refused,
+        see ``write_shard``)."""
+        for shard in self.shards:
+            bad = non_finite(read_tensors(self.path.parent / shard["file"]))
+            if bad is not None:
+                raise CheckpointError(f"checkpoint of step {self.step} holds NaN or infinite values ({bad} in "
+                                      f"{shard['file']}): a diverged state is never restored")
+
     def _verify(self, shard: dict) -> None:
         file = self.path.parent / shard["file"]
         try:
@@ -468,14 +492,16 @@ def _join(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def latest(directory, *, on_refused=None) -> Checkpoint | None:
-    """The newest checkpoint in ``directory`` that passes its checks, or None. Each refused one is
-    reported to ``on_refused(error_message)``, leaves the committed set (its manifest is renamed
-    ``*.refused``: a later commit of the same step is a new checkpoint, not refused again) and the previous
-    one is tried."""
+    """The newest checkpoint in ``directory`` that passes its checks (every shard there, its checksum, its values
+    finite), or None. Each refused one is reported to ``on_refused(error_message)``, leaves the committed set (its
+    manifest is renamed ``*.refused``: a later commit of the same step is a new checkpoint, not refused again) and
+    the previous one is tried."""
     for step in reversed(committed_steps(directory)):
         path = manifest_path(directory, step)
         try:
-            return Checkpoint.load(path)
+            found = Checkpoint.load(path)
+            found.check_finite()
+            return found
         except CheckpointError as e:
             try:
                 os.replace(path, path.with_name(path.name + ".refused"))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from ..errors import CheckpointError
 from . import checkpoint, protocol
 from .emitter import MetricsEmitter
 from .optim import OptimizerSpec, PsOptimizer, build
@@ -192,7 +193,7 @@ class RunState:
         try:
             checkpoint.write_shard(self.checkpoint_dir, self.step, index, tensors, run_id=self.run_id,
                                    attempt=self.attempt, schedule=self.optimizer.schedule_state())
-        except OSError as e:
+        except (OSError, CheckpointError) as e:  # a full disk; a diverged state, never written
             self.checkpoint_errors += 1
             if self.emitter is not None:
                 self.emitter.emit("checkpoint_failed", step=self.step, error=f"{type(e).__name__}: {e}")

@@ -1,6 +1,7 @@
 """Sharded checkpoints: files, commit, refusal of damaged ones, restore onto another number of ps, export."""
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -263,3 +264,31 @@ def test_a_restart_after_a_lost_ps_names_the_step_it_restores_not_a_damaged_one(
     (tmp_path / "step-000000010" / "ps-1.tensors").unlink()
     assert recovery._restorable_step(run) is None  # from the initial values, and said so: not "from step 20"
     assert len(notes) == 2 and "is missing" in notes[1][2]
+
+
+def test_a_shard_holding_a_nan_or_an_infinity_is_not_written(tmp_path):
+    for tensors in ({"w": torch.tensor([1.0, float("nan")])},
+                    {"w": torch.ones(2), "w#exp_avg": checkpoint.Pieces((torch.ones(2), torch.tensor([float("inf")])),
+                                                                          (3,))}):
+        with pytest.raises(CheckpointError, match="ps 0's shard of step 5 was not written: w.* holds NaN or infinite"):
+            checkpoint.write_shard(tmp_path, 5, 0, tensors, run_id=RUN_ID)
+        assert not list(checkpoint.step_dir(tmp_path, 5).glob("ps-0*"))
+    receipt = checkpoint.write_shard(tmp_path, 5, 0, {"w": torch.ones(2), "steps": torch.tensor([3])}, run_id=RUN_ID)
+    assert receipt["step"] == 5  # finite floats and integers are written
+
+
+def test_a_committed_checkpoint_holding_a_nan_is_refused_and_the_previous_is_restored(local_ps, bags, tmp_path):
+    # a checkpoint of a diverged run, as a pscluster that did not refuse them wrote it
+    train(local_ps, bags, num_ps=2, partition=None, steps=20, directory=tmp_path, every=10)
+    manifest_path = checkpoint.manifest_path(tmp_path, 20)
+    manifest = json.loads(manifest_path.read_text())
+    shard = manifest["shards"][1]
+    tensors = checkpoint.read_tensors(tmp_path / shard["file"])
+    name = next(k for k, t in tensors.items() if t.is_floating_point())
+    tensors[name].view(-1)[0] = float("nan")
+    shard["bytes"], shard["sha256"] = checkpoint.write_tensors(tmp_path / shard["file"], tensors)
+    manifest_path.write_text(json.dumps(manifest))
+    refused = []
+    assert checkpoint.latest(tmp_path, on_refused=refused.append).step == 10
+    assert refused == [f"checkpoint of step 20 holds NaN or infinite values ({name} in {shard['file']}): a diverged "
+                       "state is never restored"]
