@@ -11,6 +11,7 @@ after ``SINCE`` (a ``time.time()``; an older file is a stale one of an earlier c
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -50,6 +51,9 @@ def main(argv: list[str]) -> None:
     from ipyparallel.engine.app import main as engine
 
     os.environ["IPP_CONNECTION_INFO"] = json.dumps(connection_info(path, since))
+    # what is loaded so far lives as long as the engines: out of the garbage collector's sight, so that no
+    # collection in a fork walks (and copies) the shared pages of torch's objects
+    gc.freeze()
     for _ in range(copies - 1):
         if os.fork() == 0:  # a child is one more engine; the parent forks the rest
             # its own process group: an engine that shuts down or is interrupted signals every process of
