@@ -44,6 +44,8 @@ def connection_info(path: str, since: float, timeout: float = WAIT_S) -> dict:
 def main(argv: list[str]) -> None:
     copies, path, since = int(argv[1]), argv[2], float(argv[3])
     del argv[1:4]  # the rest is ipengine's
+    # no nanny process beside each engine: a local engine is watched and killed by its pid
+    argv.append("--IPEngine.enable_nanny=False")
     import pscluster.runtime.remote  # noqa: F401  (loaded once, shared by the forks)
     from pscluster.runtime import optim
 

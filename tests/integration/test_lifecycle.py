@@ -148,6 +148,9 @@ def test_stop_leaves_no_process(start_cluster):
     # every task runs torch with the threads it was given (more would spin against the other tasks)
     assert [cluster._engines.view(e).apply_sync(torch.get_num_threads) for e in engine_ids] == [1, 1]
     assert all(alive(p) for p in pids)
+    # a local engine is watched by its pid: no nanny process beside it
+    commands = [" ".join(psutil.Process(p).cmdline()) for p in pids]
+    assert not [c for c in commands if "nanny" in c], commands
     cluster.stop()
     assert [p for p in pids if alive(p)] == []
     cluster.stop()  # stopping twice is harmless
