@@ -23,7 +23,7 @@ import ipyparallel.client.client as ipp_client
 
 from ..errors import ClusterStateError
 from . import reaper
-from .launchers import Launcher
+from .launchers import ORPHAN_DEADLINE_S, Launcher
 from .roles import EngineInfo
 
 RECOUNT_S = 2.0  # how often a start that waits for engines compares the client's count with the hub's
@@ -126,8 +126,7 @@ class EngineSet:
         except BaseException:
             self.stop()
             raise
-        if not self.launcher.local:
-            self.client[[e.engine_id for e in engines]].apply_sync(_watch_controller, *self._controller_endpoint())
+        self._end_with_controller([e.engine_id for e in engines])
         local = [e.pid for e in engines] if self.launcher.local else []
         self.pids = reaper.with_descendants(local + [self._ipp.controller.pid])
         self.engines = {e.engine_id: e.pid for e in engines}
@@ -167,11 +166,15 @@ class EngineSet:
         return [EngineInfo(engine_id=e, host=i["host"], pid=i["pid"], address=i["address"], gpus=i["gpus"],
                            job=i.get("job")) for e, i in zip(engine_ids, (a.get(self.timeout) for a in asked))]
 
-    def _controller_endpoint(self) -> tuple[str, int]:
-        """The controller's registration address, as its engines reach it."""
+    def _end_with_controller(self, engine_ids: list[int]) -> None:
+        """Have these remote engines end themselves once they cannot reach the controller (its registration
+        address, as they reach it) for ``launchers.ORPHAN_DEADLINE_S``; local engines end with it already."""
+        if self.launcher.local:
+            return
         with open(self._ipp.controller.connection_files["engine"]) as f:
             info = json.load(f)
-        return info["interface"].rpartition("/")[2], info["registration"]
+        self.client[engine_ids].apply_sync(_watch_controller, info["interface"].rpartition("/")[2],
+                                           info["registration"], ORPHAN_DEADLINE_S)
 
     def _hint(self) -> str:
         return self.launcher.hint()
@@ -225,8 +228,7 @@ class EngineSet:
                                             "check the machine's load")
                 time.sleep(0.05)
         info = self._describe([min(new)])[0]
-        if not self.launcher.local:
-            self.client[info.engine_id].apply_sync(_watch_controller, *self._controller_endpoint())
+        self._end_with_controller([info.engine_id])
         if self.launcher.local:
             self.pids = list(dict.fromkeys(self.pids + reaper.with_descendants([info.pid])))
         self.engines[info.engine_id] = info.pid
@@ -323,8 +325,9 @@ class EngineSet:
             self._reaper = None
 
 
-def _watch_controller(host, port):
-    """On a remote engine: end once the controller is unreachable (``runtime.remote.watch_controller``), and at
+def _watch_controller(host, port, deadline_s):
+    """On a remote engine: end once the controller is unreachable for ``deadline_s``
+    (``runtime.remote.watch_controller``), and at
     once on SIGTERM. ipyparallel's engine takes SIGTERM as a request to stop after the call in progress, and a
     worker's call is its whole training: a batch system that cancels or preempts the engine's job (scancel) would
     otherwise see it train on until its kill wait (Slurm: 30 s) ends in SIGKILL."""
@@ -333,7 +336,7 @@ def _watch_controller(host, port):
 
     from pscluster.runtime.remote import watch_controller
 
-    watch_controller(host, port)
+    watch_controller(host, port, deadline_s)
     try:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
     except ValueError:  # not the engine's main thread: its own handler stays

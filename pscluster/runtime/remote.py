@@ -31,19 +31,19 @@ def describe(controller_ip: str | None = None) -> dict:
             "address": route_address(controller_ip) if controller_ip else None}
 
 
-def watch_controller(host: str, port: int, period_s: float = 1.5, misses: int = 10) -> None:
-    """End this engine process once the controller at ``host:port`` has refused or not answered ``misses``
-    connection attempts in a row, ``period_s`` apart: a remote engine ends with its cluster (a controller
-    stopped or killed with its kernel, a link cut) instead of serving forever."""
+def watch_controller(host: str, port: int, deadline_s: float, period_s: float = 1.0) -> None:
+    """End this engine process once the controller at ``host:port`` has accepted no connection for ``deadline_s``
+    (an attempt every ``period_s``): a remote engine ends with its cluster (a controller stopped or killed with
+    its kernel, a link cut) instead of serving forever."""
     def watch():
-        missed = 0
-        while missed < misses:
+        reached = time.monotonic()
+        while time.monotonic() - reached < deadline_s:
             time.sleep(period_s)
             try:
                 socket.create_connection((host, port), timeout=period_s).close()
-                missed = 0
+                reached = time.monotonic()
             except OSError:
-                missed += 1
+                pass
         os._exit(3)
 
     threading.Thread(target=watch, name="pscluster-controller-watch", daemon=True).start()

@@ -37,7 +37,19 @@ def ssh_cluster(hosts):
         deadline = time.monotonic() + 30  # the engines on the hosts end too (one cut off ends on its own)
         while (left := set(h.processes()) - sshd) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not left, f"engine processes left on the hosts after stop(): {sorted(left)}"
+        assert not left, f"processes left on the hosts after stop(): {described(left)}"
+
+
+def described(pids) -> list[str]:
+    """``pid: command line (status)`` of each process, for a failure's message."""
+    lines = []
+    for pid in sorted(pids):
+        try:
+            p = psutil.Process(pid)
+            lines.append(f"{pid}: {' '.join(p.cmdline())[:200]} ({p.status()})")
+        except psutil.Error:
+            lines.append(f"{pid}: gone")
+    return lines
 
 
 def train(cluster, dataset, **kwargs):

@@ -14,8 +14,8 @@ entry point group ``pscluster.launchers``.
 """
 
 from .base import (CONTROLLER_HB_MISSES, DEFAULT, HB_PERIOD_MS, HEARTBEAT_DEADLINE_S, LOCAL_HB_MISSES,
-                   LOCAL_HB_PERIOD_MS, LOOPBACK, Launcher, find, host_name, names, parse_hosts, parse_ports,
-                   register)
+                   LOCAL_HB_PERIOD_MS, LOOPBACK, ORPHAN_DEADLINE_S, Launcher, find, host_name, names, parse_hosts,
+                   parse_ports, register)
 from .ipp import BatchLauncher, IPyParallelLauncher
 from .local import LocalLauncher
 from .mpi import MPILauncher
@@ -26,6 +26,6 @@ for _name, _cls in (("local", LocalLauncher), ("ssh", SSHLauncher), ("mpi", MPIL
     register(_name, _cls)
 
 __all__ = ["CONTROLLER_HB_MISSES", "DEFAULT", "HB_PERIOD_MS", "HEARTBEAT_DEADLINE_S", "LOCAL_HB_MISSES",
-           "LOCAL_HB_PERIOD_MS", "LOOPBACK", "BatchLauncher", "IPyParallelLauncher", "Launcher", "LocalLauncher",
-           "MPILauncher", "SSHLauncher", "SlurmLauncher", "find", "host_name", "names", "parse_hosts",
-           "parse_ports", "register"]
+           "LOCAL_HB_PERIOD_MS", "LOOPBACK", "ORPHAN_DEADLINE_S", "BatchLauncher", "IPyParallelLauncher", "Launcher",
+           "LocalLauncher", "MPILauncher", "SSHLauncher", "SlurmLauncher", "find", "host_name", "names",
+           "parse_hosts", "parse_ports", "register"]

@@ -56,6 +56,9 @@ LOOPBACK = "127.0.0.1"
 # IPEngine.max_heartbeat_misses check never runs under ipykernel 7.)
 HEARTBEAT_DEADLINE_S = 4.0
 HB_PERIOD_MS = 1000
+# A remote engine that reaches no controller for this long ends itself: a controller still running has counted it
+# lost (HEARTBEAT_DEADLINE_S) and replaced it by then.
+ORPHAN_DEADLINE_S = 2 * HEARTBEAT_DEADLINE_S
 CONTROLLER_HB_MISSES = round(HEARTBEAT_DEADLINE_S * 1000 / HB_PERIOD_MS)
 # The controller counts an engine registered one heartbeat after the first one it answers: ipyparallel's
 # default period (3 s) makes every start wait 3 to 6 s for nothing. A local engine that dies is seen at once by
