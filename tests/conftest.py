@@ -26,6 +26,9 @@ def _leftovers() -> list[psutil.Process]:
 def reap_leftover_processes():
     """Kill (and report) any child process the tests left behind."""
     yield
+    from pscluster.cluster import forkserver
+
+    forkserver.stop()  # it serves every local cluster of the session
     left = _leftovers()
     for p in left:
         try:

@@ -41,15 +41,19 @@ def connection_info(path: str, since: float, timeout: float = WAIT_S) -> dict:
         time.sleep(0.05)
 
 
-def main(argv: list[str]) -> None:
-    copies, path, since = int(argv[1]), argv[2], float(argv[3])
-    del argv[1:4]  # the rest is ipengine's
-    # no nanny process beside each engine: a local engine is watched and killed by its pid
-    argv.append("--IPEngine.enable_nanny=False")
+def preload() -> None:
+    """Import what every task runs: torch, the ps server, the first optimizer's imports, ipyparallel's engine."""
     import pscluster.runtime.remote  # noqa: F401  (loaded once, shared by the forks)
     from pscluster.runtime import optim
 
     optim.preload()
+    import ipyparallel.engine.app  # noqa: F401
+
+
+def become_engines(copies: int, path: str, since: float, engine_args: list[str]) -> None:
+    """Turn this process (``preload``-ed) into ``copies`` engines of the controller whose connection file is
+    ``path``: it forks the others, then each runs ipyparallel's engine with ``engine_args``. Returns when the
+    engine this process became ends."""
     from ipyparallel.engine.app import main as engine
 
     os.environ["IPP_CONNECTION_INFO"] = json.dumps(connection_info(path, since))
@@ -62,7 +66,15 @@ def main(argv: list[str]) -> None:
             # its group (ipykernel does), and the parent's group would hold the other engines
             os.setpgid(0, 0)
             break
+    # no nanny process beside each engine: a local engine is watched and killed by its pid
+    sys.argv = [sys.argv[0], *engine_args, "--IPEngine.enable_nanny=False"]
     engine()
+
+
+def main(argv: list[str]) -> None:
+    copies, path, since = int(argv[1]), argv[2], float(argv[3])
+    preload()
+    become_engines(copies, path, since, argv[4:])  # the rest is ipengine's
 
 
 if __name__ == "__main__":

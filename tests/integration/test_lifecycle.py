@@ -16,6 +16,7 @@ import torch
 
 import pscluster
 from pscluster import Cluster
+from pscluster.cluster import forkserver
 from pscluster.cluster.engines import EngineSet
 from pscluster.cluster.reaper import alive
 from pscluster.errors import ClusterStateError, TrainingError
@@ -73,10 +74,13 @@ def test_cluster_dies_with_its_owner_process():
     try:
         pids, cluster_file = json.loads(owner.stdout.readline())
         assert os.path.exists(cluster_file)
-        assert len(pids) >= 3 and all(alive(p) for p in pids)  # engines, nannies, controller and its schedulers
+        assert len(pids) >= 3 and all(alive(p) for p in pids)  # engines, controller and its schedulers
+        # the process the owner's local engines are forked from serves no cluster of another owner
+        forking = [p.pid for p in psutil.Process(owner.pid).children() if forkserver.__name__ in p.cmdline()]
+        assert len(forking) == 1
         os.kill(owner.pid, signal.SIGKILL)  # a kernel that dies without cleaning up
         owner.wait(10)
-        assert wait_dead(pids, timeout=20) == []
+        assert wait_dead(pids + forking, timeout=20) == []
         deadline = time.monotonic() + 5
         while os.path.exists(cluster_file) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -91,7 +95,7 @@ def test_a_cluster_dies_with_its_owner_killed_while_it_starts():
     try:
         assert json.loads(owner.stdout.readline()) == owner.pid
         started = [p.pid for p in psutil.Process(owner.pid).children(recursive=True)]
-        assert len(started) >= 5  # the controller and its schedulers, the engines, their nannies, the reaper
+        assert len(started) >= 5  # the controller and its schedulers, the forkserver and its engines, the reaper
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait(10)
         assert wait_dead(started, timeout=20) == []
@@ -101,7 +105,7 @@ def test_a_cluster_dies_with_its_owner_killed_while_it_starts():
 
 
 def test_removing_the_engine_the_others_were_forked_from_stops_that_one_alone():
-    # local engines fork from one process (engine_main), so the others are its children: removing that
+    # local engines fork from one of them (engine_main), so the others are its children: removing that
     # engine (a worker scaled away) must not take the ps and the chief down with it
     engines = EngineSet(3, f"pscluster-forked-{os.getpid()}")
     pids = {e.engine_id: e.pid for e in engines.start()}

@@ -120,6 +120,7 @@ class Engines(Protocol):
 
     cluster_id: str
     since: float  # when the controller started: its connection file is newer
+    detached: bool  # whether the cluster outlives the process that started it
     client: "ipyparallel.Client"  # connected once the first engines were launched
     engines: dict[int, int]  # engine id -> pid, of the engines in use
     info: dict[int, "EngineInfo"]  # engine id -> what the engine reported, of the engines in use

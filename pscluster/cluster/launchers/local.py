@@ -1,5 +1,6 @@
-"""Engines on this machine: one process, launched by ipyparallel's local launcher, forks into all of them
-(``engine_main``: torch imported once); watched and killed by pid."""
+"""Engines on this machine, forked by this process's forkserver (``forkserver``: torch imported once for every
+cluster it starts) or, for a detached cluster, by one process launched for them (``engine_main``); watched and
+killed by pid."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from ...errors import ConfigError
-from .. import engine_main
+from .. import engine_main, forkserver
 from .base import LOOPBACK, Engines, Launcher
 
 if TYPE_CHECKING:
@@ -43,7 +44,10 @@ class LocalLauncher(Launcher):
 
     def _fork(self, engines: Engines, n: int) -> None:
         path = engines.cluster.controller.connection_files["engine"]
-        engines.launch(1, engine_cmd=engine_main.command(n, path, engines.since))
+        # a detached cluster outlives this process, and so would its owner's forkserver: its engines import
+        # torch in a process of their own
+        fork = engine_main.command if engines.detached else forkserver.command
+        engines.launch(1, engine_cmd=fork(n, path, engines.since))
 
     def start(self, engines: Engines, n: int, num_ps: int, num_workers: int) -> None:
         self._fork(engines, n)

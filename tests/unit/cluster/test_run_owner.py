@@ -69,8 +69,10 @@ def test_a_runs_handle_cannot_change_its_run(attribute):
 
 # Processes are signalled where the engines' pids are kept, and by the launchers that started them (which alone
 # know how one of theirs is killed: by pid, through its nanny, by cancelling its job), nowhere else: the rest of the
-# package names a task by its engine (EngineSet.kill, .lost, .remove_engines), whatever host it runs on.
+# package names a task by its engine (EngineSet.kill, .lost, .remove_engines), whatever host it runs on. The
+# forkserver local engines come from, and the launched process standing for them, signal what they forked.
 SIGNALLERS = {"cluster/engines.py", "cluster/reaper.py", "launch.py",  # launch.py: the processes it started itself
+              "cluster/forkserver.py", "cluster/fork_request.py",
               *(f"cluster/launchers/{m}.py" for m in ("base", "local", "ssh", "mpi", "slurm", "ipp"))}
 SIGNALLING_CALLS = {("os", "kill"), ("os", "killpg"), ("reaper", "kill_all"), ("psutil", "Process")}
 
