@@ -18,7 +18,6 @@ after ``IDLE_S`` without a request, leaving its engines running.
 from __future__ import annotations
 
 import atexit
-import gc
 import json
 import os
 import select
@@ -46,7 +45,6 @@ def serve(path: str, owner: int) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(16)
-    gc.freeze()  # as engine_main: no collection in a fork walks the pages of what is loaded
     asked = time.monotonic()
     while os.getppid() == owner and time.monotonic() - asked < IDLE_S:
         _reap()
