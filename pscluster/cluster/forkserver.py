@@ -12,12 +12,14 @@ file descriptors) where their output goes. It forks a child that becomes the eng
 answers its pid. A request it cannot read is answered with an error and the loop goes on.
 
 It ends with its owner, killing the engines forked since (a detached cluster's engines do not come from it), or
-after ``IDLE_S`` without a request, leaving its engines running.
+after ``IDLE_S`` without a request, leaving its engines running. It is their subreaper: an engine whose parent
+(the first engine of its set) ended first is still its descendant then, not init's.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import select
@@ -37,10 +39,15 @@ IDLE_S = 600.0  # a forkserver no cluster asked for this long ends (its torch st
 POLL_S = 0.2  # how often it looks at its owner and its ended children
 REQUEST_BYTES = 1 << 20  # the largest request: an environment and arguments
 REQUEST_S = 5.0  # for a connected asker to send its request (fork_request sends it at once)
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 def serve(path: str, owner: int) -> None:
     """The forkserver's loop (see the module's docstring)."""
+    # the reaper's SIGTERM to a set's first engine (through fork_request) can end it before this loop sees its
+    # owner gone: the engines it forked come to this process then, to be killed with the rest
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
     engine_main.preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)

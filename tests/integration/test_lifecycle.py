@@ -96,8 +96,16 @@ def test_a_cluster_dies_with_its_owner_killed_while_it_starts():
         assert json.loads(owner.stdout.readline()) == owner.pid
         started = [p.pid for p in psutil.Process(owner.pid).children(recursive=True)]
         assert len(started) >= 5  # the controller and its schedulers, the forkserver and its engines, the reaper
+        server = next(p for p in psutil.Process(owner.pid).children() if forkserver.__name__ in p.cmdline())
+        firsts = server.children()  # the first engine of each set: it forked the others
+        assert sum(len(f.children()) for f in firsts) >= 1
+        # the reaper's SIGTERM (through fork_request) ends the first engines before the forkserver sees the owner
+        # gone: the engines they forked must not be left to init
+        server.suspend()
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait(10)
+        assert wait_dead([f.pid for f in firsts], timeout=20) == []
+        server.resume()
         assert wait_dead(started, timeout=20) == []
     finally:
         owner.kill()
