@@ -5,7 +5,8 @@
 - ``serve_run``: a ps that serves one run, and returns once its supervisor (the chief's) has closed it, or
   ``PS_QUIET_S`` after its end without a request (a chief that died).
 - ``script_plan``: the run's plan, which every task derives alike from the same arguments (placement is a
-  pure function of the model), so no coordinator hands it out.
+  pure function of the model), so no coordinator hands it out; ``check_options`` checks its optimizer options
+  as ``train()`` does (the chief, at once; another task only while it waits for a run: see ``started_run``).
 - ``join_run``: a worker other than the chief: it learns the run's id, attempt, metrics address and checkpoint
   folder from the ps tasks (``started_run``) once the chief has started the run there, then trains; it
   follows the run to a new one (a chief started again) or a new attempt (a lost ps recovered).
@@ -34,6 +35,10 @@ from .worker import run_worker
 
 PS_QUIET_S = 60.0
 DISCOVER_POLL_S = 0.2
+# a task waiting this long for the chief's run checks the run's optimizer options itself: an error there is what
+# stops the chief (the same script, the same arguments), said on every task; a task whose run starts sooner
+# builds no optimizer (whose first one costs about 1.5 s of CPU: torch._dynamo)
+CHECK_OPTIONS_AFTER_S = 3.0
 
 
 def serve_ps() -> None:
@@ -77,7 +82,7 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer=DEFAULTS.opti
                 **optimizer_kwargs) -> tuple[TrainPlan, object, object]:
     """``(plan, dataset, collate_fn)`` of a run on ``spec`` (run id 1 until the chief's run store gives it
     one; the dataset and collate function as a DataLoader given for ``dataset`` unpacks into); the options
-    as ``Cluster.train``'s. Checks the model and optimizer, as ``train()`` does."""
+    as ``Cluster.train``'s. Checks the placement and the plan's options; ``check_options`` the optimizer's."""
     dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
                                                              prefetch_factor, pin_memory)
     model = build_model(model_fn, seed)
@@ -85,7 +90,6 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer=DEFAULTS.opti
                           .named_parameters())
     spec_of_optimizer = OptimizerSpec(optimizer, optimizer_kwargs, groups=groups,
                                       scheduler=scheduler, scheduler_options=scheduler_options or {})
-    check(model, spec_of_optimizer, steps=steps)
     plan = TrainPlan.for_model(model, spec_of_optimizer, num_ps=len(spec.ps), placement=placement,
                                partition=partition, run_id=1, mode=mode, steps=steps, batch_size=batch_size,
                                replicas_to_aggregate=replicas_to_aggregate or len(spec.workers),
@@ -97,6 +101,12 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer=DEFAULTS.opti
     return plan, dataset, collate_fn
 
 
+def check_options(plan: TrainPlan, model_fn) -> None:
+    """What torch refuses of ``plan``'s optimizer, its options and schedule: a one-line ConfigError, as at
+    ``train()`` (``optim.check``)."""
+    check(build_model(model_fn, plan.seed), plan.optimizer_spec, steps=plan.steps)
+
+
 def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn, *, step_fn=None,
              collate_fn=None, log=print) -> dict:
     """Train as worker ``index`` (not the chief) in the run the chief starts on the ps tasks: its summary once the
@@ -104,7 +114,7 @@ def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, 
     latest checkpoint), a lost ps a new attempt of the same run (recovery), and the worker joins it."""
     after = None  # (run id, attempt) this worker trained in last
     while True:
-        run = started_run(spec, plan.request_timeout, after=after)
+        run = started_run(spec, plan.request_timeout, after=after, waiting=lambda: check_options(plan, model_fn))
         joined = replace(plan, run_id=run["run_id"], attempt=run["attempt"], metrics_address=run["metrics_address"],
                          checkpoint_dir=run["checkpoint_dir"])
         after = (joined.run_id, joined.attempt)
@@ -148,12 +158,22 @@ def held_runs(spec: ClusterSpec, *, only: list[int] | None = None, timeout: floa
         return None
 
 
-def started_run(spec: ClusterSpec, timeout: float, *, after: tuple[int, int] | None = None) -> dict:
+def started_run(spec: ClusterSpec, timeout: float, *, after: tuple[int, int] | None = None,
+                waiting=None) -> dict:
     """The run every ps holds and has not ended (its id, attempt, metrics address and checkpoint folder), once
     the chief has started it (``after``: a run or attempt other than that ``(run id, attempt)``); RuntimeTimeout
-    after ``timeout`` s without one. It asks as no worker: a recovery fences off the sessions of the workers of
-    the failed attempt, not those of their questions."""
-    deadline = time.monotonic() + timeout
+    after ``timeout`` s without one. ``waiting()`` is called once when none has started within
+    ``CHECK_OPTIONS_AFTER_S`` (what it raises, this raises). It asks as no worker: a recovery fences off the
+    sessions of the workers of the failed attempt, not those of their questions."""
+    began = time.monotonic()
+    deadline = began + timeout
+
+    def still_waiting() -> None:
+        nonlocal waiting
+        if waiting is not None and time.monotonic() - began >= CHECK_OPTIONS_AFTER_S:
+            waiting, check_now = None, waiting
+            check_now()
+
     while True:
         try:
             with PSClient(spec, run_id=1, timeout=timeout) as client:
@@ -165,10 +185,12 @@ def started_run(spec: ClusterSpec, timeout: float, *, after: tuple[int, int] | N
                         return held[0]
                     if time.monotonic() > deadline:
                         break
+                    still_waiting()
                     time.sleep(DISCOVER_POLL_S)
         except PeerLost:  # a ps lost, and not started again yet
             if time.monotonic() > deadline:
                 break
+            still_waiting()
             time.sleep(DISCOVER_POLL_S)
     raise RuntimeTimeout(f"the chief started no run on the ps tasks within {timeout:.0f}s: start the chief's task "
                          "(TF's chief, or worker 0) with the same script, and every ps task")

@@ -321,6 +321,25 @@ def test_ps_and_workers_from_pscluster_config(estimator, tmp_path):
     assert "LOG After 100 training steps (100 global steps), loss" in outputs[1]  # a worker, its own
 
 
+def test_a_worker_says_what_torch_refuses_of_the_options_as_the_chief_does(tmp_path):
+    """Options the chief refuses (it ends before it starts the run) are refused by a worker waiting for that run
+    too, in the same words: a worker whose run starts builds no optimizer to check them."""
+    script = tmp_path / "estimator.py"
+    script.write_text(SCRIPT.replace("lr=0.1", "lr=-1.0"))
+    spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=free_port()),),
+                       workers=(TaskSpec("worker", 0), TaskSpec("worker", 1)))
+    ps = subprocess.Popen([sys.executable, "-m", "pscluster.runtime"], text=True,
+                          env={**os.environ, "PSCLUSTER_CONFIG": spec.config_for("ps", 0)})
+    try:
+        chief, worker = (start(script, 100, tmp_path, PSCLUSTER_CONFIG=spec.config_for("worker", i)) for i in range(2))
+        said = [p.communicate(timeout=120)[0].strip().splitlines()[-1] for p in (chief, worker)]
+    finally:
+        ps.terminate()
+        ps.wait(10)
+    assert chief.returncode != 0 and worker.returncode != 0
+    assert said[0] == said[1] and said[0].startswith("pscluster.errors.ConfigError: ") and "-1.0" in said[0], said
+
+
 def test_worker_config_given_to_ps_entry_point_is_a_one_line_error():
     spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=1),), workers=(TaskSpec("worker", 0),))
     env = {**os.environ, "PSCLUSTER_CONFIG": spec.config_for("worker", 0)}
