@@ -5,7 +5,7 @@ TORCH_SPEC  ?= torch==2.13.0
 BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.installed
 
-.PHONY: demo embeddings bench test docs faults install bytecode labextension dist wheel-check chromium multihost-deps slurm-deps clean
+.PHONY: demo embeddings bench bench-check test docs faults install bytecode labextension dist wheel-check chromium multihost-deps slurm-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +87,11 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP) $(LABEXT_BUILT) bytecode chromium
 	$(BIN)/python -m benchmarks.run
+
+# Every benchmark at its tiny size, to check that each runs and the tables regenerate (tests/bench/test_tiny_run.py,
+# about 2 minutes on 2 cores; CI runs it after the suite).
+bench-check: $(STAMP) $(LABEXT_BUILT) bytecode chromium
+	PSCLUSTER_BENCH_CHECK=1 IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest tests/bench/test_tiny_run.py
 
 test: $(STAMP) $(LABEXT_BUILT) bytecode chromium multihost-deps slurm-deps
 	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest

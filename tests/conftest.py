@@ -13,6 +13,8 @@ os.environ["PSCLUSTER_HOME"] = tempfile.mkdtemp(prefix="pscluster-tests-")
 collect_ignore = [] if os.environ.get("PSCLUSTER_FAULT_MATRIX") else ["faults"]
 # the wheel check has its own target too (make wheel-check): it builds a venv from nothing
 collect_ignore += [] if os.environ.get("PSCLUSTER_WHEEL") else ["packaging"]
+# and the tiny run of every benchmark (make bench-check): the benchmarks' own test, not pscluster's
+collect_ignore += [] if os.environ.get("PSCLUSTER_BENCH_CHECK") else ["bench/test_tiny_run.py"]
 
 
 def _leftovers() -> list[psutil.Process]:
