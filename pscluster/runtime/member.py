@@ -261,13 +261,17 @@ def _wait_for_chief(client: PSClient, timeout: float, attempt: int, emit):
 
 
 def _wait_for_workers(client: PSClient, num_workers: int, emit) -> None:
-    """The chief's start barrier: until every worker has pulled the initial values (``START_WAIT_S`` at most:
-    a worker that never comes is the recovery's business, not a reason to wait)."""
+    """The chief's start barrier: until every worker has pulled the initial values, or the run is stopped (a
+    stop during the start ends it at once: the workers may never pull), ``START_WAIT_S`` at most (a worker that
+    never comes is the recovery's business, not a reason to wait)."""
     if num_workers < 2:
         return
     emit("state", state="waiting for workers")
     deadline = time.monotonic() + START_WAIT_S
-    while time.monotonic() < deadline and min(len(s.get("pulled", ())) for s in client.stats()) < num_workers:
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if any(s.get("stopped") for s in stats) or min(len(s.get("pulled", ())) for s in stats) >= num_workers:
+            return
         time.sleep(MAX_POLL_S)
 
 
