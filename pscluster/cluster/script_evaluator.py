@@ -45,7 +45,7 @@ def evaluate_checkpoints(spec: ClusterSpec, plan: TrainPlan, model_fn, test_data
     evaluated: list[int] = []
     seen = -1  # the newest checkpoint step looked at, evaluated or passed over
     answered = time.monotonic()  # when the ps tasks last answered
-    run = standalone.started_run(spec, plan.request_timeout, waiting=lambda: standalone.check_options(plan, model_fn))
+    run = standalone.started_run(spec, plan.request_timeout, waiting=lambda: standalone.check_options(plan, model))
     writer = _open_run(runs, run)
     try:
         while True:

@@ -76,9 +76,10 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     if not task.is_chief:
         return standalone.join_run(spec, task.index, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
                                    collate_fn=collate_fn, log=log)
-    standalone.check_options(plan, model_fn)
+    model = build_model(model_fn, plan.seed)
+    standalone.check_options(plan, model)
     example_batch = first_batch(dataset, 2, collate_fn)
-    check_step(build_model(model_fn, plan.seed), loss_fn, step_fn, example_batch)
+    check_step(model, loss_fn, step_fn, example_batch)
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
     name = name or script.stem or "script"
     runs = RunStore(store)

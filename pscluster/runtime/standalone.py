@@ -101,10 +101,10 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer=DEFAULTS.opti
     return plan, dataset, collate_fn
 
 
-def check_options(plan: TrainPlan, model_fn) -> None:
-    """What torch refuses of ``plan``'s optimizer, its options and schedule: a one-line ConfigError, as at
-    ``train()`` (``optim.check``)."""
-    check(build_model(model_fn, plan.seed), plan.optimizer_spec, steps=plan.steps)
+def check_options(plan: TrainPlan, model: torch.nn.Module) -> None:
+    """What torch refuses of ``plan``'s optimizer, its options and schedule for ``model`` (built as the plan
+    says; only read): a one-line ConfigError, as at ``train()`` (``optim.check``)."""
+    check(model, plan.optimizer_spec, steps=plan.steps)
 
 
 def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, loss_fn, *, step_fn=None,
@@ -114,7 +114,9 @@ def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, 
     latest checkpoint), a lost ps a new attempt of the same run (recovery), and the worker joins it."""
     after = None  # (run id, attempt) this worker trained in last
     while True:
-        run = started_run(spec, plan.request_timeout, after=after, waiting=lambda: check_options(plan, model_fn))
+        # once a run has started, the chief's check passed its options
+        unchecked = None if after else lambda: check_options(plan, build_model(model_fn, plan.seed))
+        run = started_run(spec, plan.request_timeout, after=after, waiting=unchecked)
         joined = replace(plan, run_id=run["run_id"], attempt=run["attempt"], metrics_address=run["metrics_address"],
                          checkpoint_dir=run["checkpoint_dir"])
         after = (joined.run_id, joined.attempt)
