@@ -93,8 +93,12 @@ bench: $(BENCH_STAMP) $(LABEXT_BUILT) bytecode chromium
 bench-check: $(STAMP) $(LABEXT_BUILT) bytecode chromium
 	PSCLUSTER_BENCH_CHECK=1 IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest tests/bench/test_tiny_run.py
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (its module fixtures,
+# clusters and labs started once): most of a test is waiting on engines, kernels and a browser, so two at once
+# keep both cores busy.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(LABEXT_BUILT) bytecode chromium multihost-deps slurm-deps
-	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest
+	IPP_NONINTERACTIVE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The documentation site (mkdocs.yml, docs/) into site/, the docs extra installed into .venv once; a warning (a
 # broken link, a docstring mkdocstrings cannot read) fails the build.

@@ -76,10 +76,16 @@ def test_magic_session(ip, capsys):
     # the run's event files, through TensorBoard's own API: each worker's and each ps's charts
     board = ip.run_line_magic("pscluster", "tensorboard")
     assert f"TensorBoard: {board.url}" in capsys.readouterr().out
-    tags = wait_for(lambda: json.loads(urllib.request.urlopen(board.url + "data/plugin/scalars/tags").read()))
     folder = f"run-{run.id}"  # an unnamed run's folder: its default name, run-<id>
     assert run.name == folder
-    assert {"loss", "accuracy"} <= set(tags[f"{folder}/worker_0"]) and "lr" in tags[f"{folder}/ps_0"]
+    tags = {}
+
+    def charted():  # TensorBoard loads each event file in its own time: one folder's tags may come first
+        tags.update(json.loads(urllib.request.urlopen(board.url + "data/plugin/scalars/tags").read()))
+        worker, ps = tags.get(f"{folder}/worker_0", {}), tags.get(f"{folder}/ps_0", {})
+        return {"loss", "accuracy"} <= set(worker) and "lr" in ps
+
+    assert wait_for(charted), f"TensorBoard's scalar tags: {tags}"
     # and the model's graph, traced on a batch of the dataset, in the chief's folder
     graphs = wait_for(lambda: json.loads(urllib.request.urlopen(board.url + "data/plugin/graphs/info").read()).get(
         f"{folder}/worker_0"))
