@@ -10,6 +10,7 @@ stopped through the client (shutdown), then the launcher's ``stop``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 import ipyparallel as ipp
 import ipyparallel.client.client as ipp_client
@@ -66,11 +68,14 @@ SHUTDOWN_S = 2.0  # how long stop() waits for engines to end when asked (a clien
 class EngineSet:
     """An ipyparallel controller with ``n`` engines started by ``launcher`` for ``roles`` (``(num_ps,
     num_workers)``, default: 1 ps and the rest workers), and a reaper that kills the local processes if this
-    process dies without stopping them (``detached``: if the controller dies; this process may end first)."""
+    process dies without stopping them (``detached``: if the controller dies; this process may end first), and
+    then deletes the cluster's files: ipyparallel's cluster file, the controller's connection files and
+    ``files`` (the cluster's registry entry). ``stop()`` deletes the connection files too."""
 
     def __init__(self, n: int, cluster_id: str, *, timeout: float = 90.0, detached: bool = False,
-                 launcher: Launcher | None = None, roles: tuple[int, int] | None = None):
+                 launcher: Launcher | None = None, roles: tuple[int, int] | None = None, files: Sequence[str] = ()):
         self.n = n
+        self.files = list(files)
         self.cluster_id = cluster_id
         self.timeout = timeout
         self.detached = detached
@@ -202,6 +207,11 @@ class EngineSet:
     def cluster_file(self) -> str:
         return self._ipp.cluster_file
 
+    def _connection_files(self) -> list[str]:
+        """The controller's connection files (``ipcontroller-<cluster id>-client.json`` and ``-engine.json``)."""
+        controller = self._ipp.controller if self._ipp is not None else None
+        return list(controller.connection_files.values()) if controller is not None else []
+
     def _watch(self) -> None:
         """(Re)start the reaper on the current process list."""
         if self._reaper is not None:
@@ -210,7 +220,7 @@ class EngineSet:
         owner = self.controller_pid if self.detached else os.getpid()
         self._reaper = subprocess.Popen(
             [sys.executable, "-m", "pscluster.cluster.reaper", str(owner), *map(str, self.pids),
-             "--remove", self._ipp.cluster_file],
+             "--remove", self._ipp.cluster_file, *self._connection_files(), *self.files],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
 
@@ -306,6 +316,7 @@ class EngineSet:
             self.client.close()
             self.client = None
         if self._ipp is not None:
+            connection_files = self._connection_files()
             try:
                 self.launcher.stop(self)
             except Exception as e:  # the controller and the local processes are ended below all the same
@@ -315,6 +326,9 @@ class EngineSet:
             except Exception:
                 pass
             self._ipp = None
+            for path in connection_files:  # ipcontroller leaves them behind
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         reaper.kill_all(self.pids, grace=SHUTDOWN_S)
         deadline = time.monotonic() + 5
         while self.alive_pids() and time.monotonic() < deadline:

@@ -129,7 +129,7 @@ class Cluster:
         optim.preload_in_background()  # for train()'s optimizer check, while the engines start
         launcher = self.launcher
         engines = EngineSet(self.num_ps + self.num_workers, self.name, detached=self.detached, launcher=launcher,
-                            roles=(self.num_ps, self.num_workers))
+                            roles=(self.num_ps, self.num_workers), files=[registry.entry_path(self.name)])
         infos = engines.start()
         try:
             spec = assign_roles(infos, self.num_ps, self.num_workers, name=self.name,

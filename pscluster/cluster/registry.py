@@ -36,7 +36,8 @@ def directory(home: str | None = None) -> str:
     return os.path.join(home or environ.home(), DIRECTORY)
 
 
-def _path(name: str, home: str | None) -> str:
+def entry_path(name: str, home: str | None = None) -> str:
+    """The registry file of cluster ``name``."""
     if not name or os.sep in name or name.startswith("."):
         raise ValueError(f"cluster name {name!r} cannot name a registry file: use letters, digits, - and _")
     return os.path.join(directory(home), f"{name}.json")
@@ -44,7 +45,7 @@ def _path(name: str, home: str | None) -> str:
 
 def write(entry: dict, home: str | None = None) -> str:
     """Write (or replace) the entry of cluster ``entry["name"]`` atomically; returns its path."""
-    path = _path(entry["name"], home)
+    path = entry_path(entry["name"], home)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=os.path.dirname(path))
     try:
@@ -62,14 +63,14 @@ def write(entry: dict, home: str | None = None) -> str:
 def read(name: str, home: str | None = None) -> dict | None:
     """The entry of cluster ``name`` as written, whether its owner lives or not; None if there is none."""
     try:
-        with open(_path(name, home)) as f:
+        with open(entry_path(name, home)) as f:
             return json.load(f)
     except (FileNotFoundError, ValueError):
         return None
 
 
 def _payload_path(name: str, run_id: int, home: str | None) -> str:
-    return _path(name, home)[:-len(".json")] + f".run-{int(run_id)}.payload"
+    return entry_path(name, home)[:-len(".json")] + f".run-{int(run_id)}.payload"
 
 
 def write_payload(name: str, run_id: int, payload: bytes, home: str | None = None) -> None:
@@ -97,7 +98,7 @@ def remove_payload(name: str, run_id: int, home: str | None = None) -> None:
 def remove(name: str, home: str | None = None) -> None:
     """Remove the entry of cluster ``name`` (nothing happens when there is none)."""
     try:
-        os.unlink(_path(name, home))
+        os.unlink(entry_path(name, home))
     except FileNotFoundError:
         pass
 

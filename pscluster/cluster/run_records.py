@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..metrics.store import RunStore
+from ..metrics.store import UNENDED, RunStore
 from ..runtime import checkpoint
 from ..runtime.plan import TrainPlan
 from ..runtime.policies import policy_for
@@ -105,7 +105,7 @@ def end_orphans(store: RunStore, plan: TrainPlan) -> list[int]:
     Their ids."""
     runs = store.runs()
     ended = []
-    for run_id in runs[runs["status"].isin(("starting", "training"))]["id"]:
+    for run_id in runs[runs["status"].isin(UNENDED) | runs["owner_lost"].notna()]["id"]:
         config = store.run(int(run_id))["config"] or {}
         if int(run_id) != plan.run_id and config.get("checkpoint_dir") == plan.checkpoint_dir:
             error = f"its chief was lost: run {plan.run_id} continues it from its latest checkpoint"

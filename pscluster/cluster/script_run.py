@@ -9,7 +9,9 @@ with TF's Estimator and ``MonitoredTrainingSession``. The cluster and this proce
   (on the chief's address and port as the config lists them), it commits the checkpoints the ps tasks write,
   evaluates ``test_dataset``, and starts from the latest checkpoint in ``checkpoint_dir`` when there is one:
   the whole job started again resumes where it stopped (the run it continues, whose chief died, is marked
-  ``failed``). It returns the ``Run``.
+  ``failed``). It returns the ``Run``. SIGTERM (what a scheduler sends to preempt a job) stops the run as
+  ``Run.stop()`` does, status ``stopped`` with its final checkpoint, releases the workers, and then ends the
+  chief by that signal.
 - Any other worker learns the run from the ps tasks once the chief has started it there, trains, and returns
   its summary (``runtime.standalone.join_run``).
 - The evaluator, when the cluster lists one, evaluates ``test_dataset`` on each checkpoint the run commits
@@ -23,8 +25,11 @@ run, and starting the job again resumes it from its latest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -95,10 +100,35 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
               checkpoints=CheckpointCoordinator(runs, every_s=checkpoint_secs or None, keep=keep_checkpoints),
               metrics_host=task.host, metrics_port=task.port, example_batch=example_batch)
     run.supervisor.start(lambda supervisor: [tasks.launch_worker(spec, t.index, supervisor) for t in spec.workers])
+    with _stopped_on_sigterm(run):
+        try:
+            return run.wait(verbose=log is not None)
+        finally:
+            close_run(spec, run.id)
+
+
+@contextlib.contextmanager
+def _stopped_on_sigterm(run: Run):
+    """While the chief follows ``run``: SIGTERM (a scheduler's preemption, ``scancel``, ``kill``) stops the run
+    cleanly, as ``Run.stop()`` does (the final checkpoint, status ``stopped``, every worker released), and then
+    ends this process by the same signal, through the handler that was there before."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may take signals
+        yield
+        return
+    terminated = threading.Event()
+
+    def stop(*_):
+        if not terminated.is_set():
+            terminated.set()
+            threading.Thread(target=run.supervisor.stop, name="pscluster-sigterm", daemon=True).start()
+
+    before = signal.signal(signal.SIGTERM, stop)
     try:
-        return run.wait(verbose=log is not None)
+        yield
     finally:
-        close_run(spec, run.id)
+        signal.signal(signal.SIGTERM, before)
+        if terminated.is_set():
+            signal.raise_signal(signal.SIGTERM)
 
 
 def close_run(spec, run_id: int) -> None:

@@ -37,6 +37,7 @@ from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec, TaskSpec
 from . import recovery, scaling
 from .checkpoint_commits import CheckpointCoordinator
+from .lease import Lease
 
 RESULT_GRACE_S = 2.0  # how long a worker's ipyparallel result may trail its "done" event before the event stands in
 
@@ -62,6 +63,7 @@ class Supervisor:
         self.plan = plan
         self.store = store
         self.name = store.run(plan.run_id)["name"]
+        self.lease = Lease(store, plan.run_id, self)
         self.tasks = tasks
         self.payload = payload
         self.checkpoints = checkpoints or CheckpointCoordinator(store)
@@ -231,6 +233,7 @@ class Supervisor:
             self.finished = self.finished or time.time()
             self.store.set_status(self.id, "failed")
         finally:
+            self.lease.release()
             self.event_files.close()
             self.ended.set()
 

@@ -131,7 +131,16 @@ MIGRATIONS = [
         PRIMARY KEY (run_id, axis, level, worker, bucket, name)
     );
     """,
+    # 6: the run's owner (the process that follows it: "pid N on host") and when its lease runs out; the owner
+    # renews it while the run has not ended (``Lease``)
+    """
+    ALTER TABLE runs ADD COLUMN owner TEXT;
+    ALTER TABLE runs ADD COLUMN lease_until REAL;
+    """,
 ]
+
+LEASE_S = 8.0  # a run not ended whose owner has not renewed its lease for this long has lost its owner
+UNENDED = ("starting", "training")
 
 METRIC_COLUMNS = ("worker", "time", "local_step", "global_step", "loss", "accuracy", "compute_s", "wait_s",
                    "comm_s", "bytes_sent", "bytes_received", "staleness", "dropped")
@@ -175,6 +184,15 @@ def _since(run_id: int, after_row: int | None) -> tuple[str, tuple]:
     if not after_row:
         return "run_id = ?", (int(run_id),)
     return "rowid > ? AND +run_id = ?", (int(after_row), int(run_id))
+
+
+def _owner_lost(status: str, owner: str | None, lease_until: float | None, now: float) -> str | None:
+    """Why a run that has not ended has no owner any more (its lease ran out at ``now``), or None: it is held,
+    it has ended, or it was never leased (a store older than leases)."""
+    if status not in UNENDED or lease_until is None or not lease_until < now:  # NaN: never leased
+        return None
+    renewed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lease_until - LEASE_S))
+    return f"owner lost: {owner} renewed its lease last at {renewed}"
 
 
 def default_path() -> str:
@@ -375,6 +393,12 @@ class RunStore:
                              "summary = COALESCE(?, summary) WHERE id = ?",
                              (status, ended, None if summary is None else json.dumps(summary), run_id))
 
+    def renew_lease(self, run_id: int, owner: str) -> None:
+        """``owner`` holds run ``run_id`` for ``LEASE_S`` more seconds."""
+        with self._lock, self._db:
+            self._db.execute("UPDATE runs SET owner = ?, lease_until = ? WHERE id = ?",
+                             (owner, time.time() + LEASE_S, run_id))
+
     def record_placement(self, run_id: int, variables) -> None:
         """One row per variable or shard: name, ps task, shape, dtype, bytes, rows, part, sparse
         (VariableSpec-like objects)."""
@@ -478,13 +502,23 @@ class RunStore:
 
     def runs(self) -> pd.DataFrame:
         """One row per run, newest first: id, name, cluster, mode, status, started, ended, wall_s (to its end, or
-        to now while it has none, as ``speed.phases`` counts it)."""
-        df = self._frame("SELECT id, name, cluster, mode, status, started, ended FROM runs ORDER BY id DESC")
-        df["wall_s"] = df["ended"].fillna(time.time()) - df["started"]
-        return df
+        to now while it has none, as ``speed.phases`` counts it), owner, owner_lost. A run whose owner was lost (its
+        lease ran out before it ended) reads ``failed``, ended when its lease did, and ``owner_lost`` says who held
+        it and when it renewed last (None for every other run)."""
+        leased = "owner, lease_until" if self.schema_version >= 6 else "NULL AS owner, NULL AS lease_until"
+        df = self._frame(f"SELECT id, name, cluster, mode, status, started, ended, {leased} FROM runs "
+                         "ORDER BY id DESC")
+        now = time.time()
+        df["owner_lost"] = [_owner_lost(*row, now) for row in zip(df["status"], df["owner"], df["lease_until"])]
+        lost = df["owner_lost"].notna()
+        df["status"] = df["status"].where(~lost, "failed")
+        df["ended"] = df["ended"].astype(float).where(~lost, df["lease_until"])
+        df["wall_s"] = df["ended"].fillna(now) - df["started"]
+        return df.drop(columns="lease_until")
 
     def run(self, run_id: int) -> dict | None:
-        """A run's row with config, spec and summary decoded; None if there is no such run."""
+        """A run's row with config, spec and summary decoded; None if there is no such run. A run whose owner
+        was lost reads ``failed`` (as in ``runs``), with ``owner_lost``: when and who."""
         with self._lock:
             cur = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,))
             row = cur.fetchone()
@@ -494,6 +528,11 @@ class RunStore:
         record = dict(zip(names, row))
         for key in ("config", "spec", "summary"):
             record[key] = json.loads(record[key]) if record[key] else None
+        lease = record.pop("lease_until", None)  # a reader of a store older than leases (schema 6) has none
+        record.setdefault("owner", None)
+        record["owner_lost"] = _owner_lost(record["status"], record["owner"], lease, time.time())
+        if record["owner_lost"]:
+            record["status"], record["ended"] = "failed", lease
         return record
 
     def _table_rows(self, table: str, columns, order: str, run_id: int, after_row: int | None) -> pd.DataFrame:

@@ -16,10 +16,11 @@ import torch
 
 import pscluster
 from pscluster import Cluster
-from pscluster.cluster import forkserver
+from pscluster.cluster import forkserver, registry
 from pscluster.cluster.engines import EngineSet
 from pscluster.cluster.reaper import alive
 from pscluster.errors import ClusterStateError, TrainingError
+from pscluster.metrics.store import LEASE_S
 
 from ..ports import quiet_port_range
 from .conftest import mlp, wait_for_step
@@ -62,6 +63,18 @@ DETACHED_OWNER = textwrap.dedent("""
 """)
 
 
+TRAINING_OWNER = textwrap.dedent("""
+    import json, sys, time, torch, pscluster
+    cluster = pscluster.Cluster(ps=1, workers=1, name=sys.argv[1]).start()
+    run = cluster.train(lambda: torch.nn.Linear(64, 10), pscluster.datasets.digits("train"),
+                        torch.nn.CrossEntropyLoss(), lr=0.1, steps=10**6, batch_size=32, checkpoint_secs=None)
+    while run.global_step < 20:
+        time.sleep(0.05)
+    print(json.dumps([run.id, cluster._engines._connection_files()]), flush=True)
+    time.sleep(300)
+""")
+
+
 def wait_dead(pids, timeout) -> list[int]:
     deadline = time.monotonic() + timeout
     while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
@@ -85,6 +98,37 @@ def test_cluster_dies_with_its_owner_process():
         while os.path.exists(cluster_file) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not os.path.exists(cluster_file)  # no stale cluster left for ipyparallel to list
+    finally:
+        owner.kill()
+        owner.wait(10)
+
+
+def test_a_kernel_killed_mid_run_leaves_its_run_failed_owner_lost_and_no_file_of_its_cluster():
+    name = f"killed-{os.getpid()}"
+    owner = subprocess.Popen([sys.executable, "-c", TRAINING_OWNER, name], stdout=subprocess.PIPE, text=True)
+    try:
+        run_id, connection_files = json.loads(owner.stdout.readline())
+        entry = registry.entry_path(name)
+        assert os.path.exists(entry) and connection_files and all(map(os.path.exists, connection_files))
+        assert pscluster.open_run(run_id).status == "training"
+        os.kill(owner.pid, signal.SIGKILL)  # no stop(), no end of the run written by anyone
+        killed = time.time()
+        owner.wait(10)
+        run = pscluster.open_run(run_id)
+        deadline = time.monotonic() + LEASE_S + 30
+        while run.status == "training" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        record = run.record
+        assert record["status"] == "failed", record
+        assert record["owner_lost"].startswith(f"owner lost: pid {owner.pid} on ")
+        assert record["ended"] <= killed + LEASE_S  # when its lease ran out: at most LEASE_S after the kill
+        runs = pscluster.runs().set_index("id")
+        assert runs.loc[run_id, "status"] == "failed" and runs.loc[run_id, "owner_lost"] == record["owner_lost"]
+        deadline = time.monotonic() + 20  # the watchdog deletes the files once the engines are dead
+        while any(map(os.path.exists, [entry, *connection_files])) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [f for f in [entry, *connection_files] if os.path.exists(f)]
+        assert name not in [c["name"] for c in pscluster.clusters()]
     finally:
         owner.kill()
         owner.wait(10)
@@ -163,8 +207,11 @@ def test_stop_leaves_no_process(start_cluster):
     # a local engine is watched by its pid: no nanny process beside it
     commands = [" ".join(psutil.Process(p).cmdline()) for p in pids]
     assert not [c for c in commands if "nanny" in c], commands
+    connection_files = cluster._engines._connection_files()
+    assert connection_files and all(map(os.path.exists, connection_files))
     cluster.stop()
     assert [p for p in pids if alive(p)] == []
+    assert not [f for f in connection_files if os.path.exists(f)]  # ipcontroller's files go with it
     cluster.stop()  # stopping twice is harmless
 
 

@@ -4,6 +4,7 @@ run store, as a notebook's kernel does."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -227,6 +228,30 @@ def test_a_chief_killed_and_started_again_resumes_from_the_latest_checkpoint_and
         assert store.events(killed).query("kind == 'end'")["detail"].tolist() == [
             {"status": "failed", "error": f"its chief was lost: run {resumed} continues it from its latest checkpoint"}]
     assert chief["local_steps"] == [600 - restored] * 3
+
+
+def test_a_chief_sent_sigterm_stops_its_run_releases_its_workers_and_ends_by_that_signal(estimator, tmp_path):
+    cluster = {"ps": [f"localhost:{free_port()}"], "chief": [f"localhost:{free_port()}"],
+               "worker": [f"localhost:{free_port()}", f"localhost:{free_port()}"]}
+    secret, home = os.urandom(16).hex(), tmp_path / "home"
+    ps, chief, *workers = job = seed_000_job(estimator, 10**6, home, cluster, secret)
+    wait_for_a_checkpoint(home, job, "the chief was to be sent SIGTERM")
+    chief.terminate()  # what a scheduler sends to preempt the job
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in job]
+    finally:
+        for p in job:
+            p.kill()
+    assert chief.returncode == -signal.SIGTERM, outputs[1]
+    assert [p.returncode for p in (ps, *workers)] == [0, 0, 0], outputs  # the ps and the workers end by themselves
+    summaries = [json.loads(out.split("SUMMARY", 1)[1]) for out in (outputs[0], *outputs[2:])]
+    with RunStore(home / "runs.sqlite") as store:
+        [run] = store.runs().itertuples()
+        assert run.status == "stopped" and run.owner_lost is None
+        stopped_at = summaries[0]["global_step"]  # the ps's
+        checkpoints = [d["step"] for d in store.events(run.id).query("kind == 'checkpoint'")["detail"]]
+        assert 0 < stopped_at < 10**6 and max(checkpoints) == stopped_at  # the final checkpoint holds it
+        assert store.events(run.id).query("kind == 'end'")["detail"].tolist()[0]["status"] == "stopped"
 
 
 def test_the_whole_job_killed_mid_run_and_started_again_resumes_from_its_latest_checkpoint(estimator, tmp_path):

@@ -224,11 +224,14 @@ def test_a_schema_4_store_is_read_as_is_and_upgraded_with_its_rows_rolled_up(tmp
     make_v4_store(path, df)
     with RunStore(path, readonly=True) as reader:  # not migrated: from the raw rows
         assert reader.schema_version == 4 and reader.series_names(1) == ["loss", "accuracy", "lr"]
+        # a store older than leases (6): its runs read as stored, held by no one
+        [status] = reader.runs()["status"]
+        assert reader.run(1)["status"] == status and reader.run(1)["owner_lost"] is None
         check_latest(reader, 1, df)
         before = reader.series(1, ["loss", "lr"], max_points=100)
         assert before["count"].sum() == len(df) and before.groupby("worker").size().max() <= 100
     with RunStore(path) as store:
-        assert store.schema_version == len(MIGRATIONS) == 5 and len(store.metrics(1)) == len(df)
+        assert store.schema_version == len(MIGRATIONS) and len(store.metrics(1)) == len(df)
         check_latest(store, 1, df)
         ladder = rollup.LADDERS["step"]
         got = stored(store, 1, ladder.code, 0)

@@ -2,11 +2,12 @@
 
 import sqlite3
 import threading
+import time
 
 import pytest
 
 from pscluster.errors import ConfigError, RuntimeTimeout
-from pscluster.metrics.store import MIGRATIONS, RunStore, default_path, placement_frame
+from pscluster.metrics.store import LEASE_S, MIGRATIONS, RunStore, default_path, placement_frame
 from pscluster.runtime.plan import VariableSpec
 from pscluster.stored_run import open_run
 from pscluster.widgets.figures import placement_lines
@@ -80,6 +81,30 @@ def test_run_lifecycle_and_listing(store):
     assert record["status"] == "finished" and record["ended"] >= record["started"]
     assert record["summary"] == {"global_step": 10} and record["config"] == {"steps": 10}
     assert store.run(12345) is None
+
+
+def test_a_run_whose_owner_stops_renewing_its_lease_reads_failed_with_who_and_when(store, monkeypatch):
+    held, ended, unleased = new_run(store), new_run(store), new_run(store)
+    for run_id in (held, ended):
+        store.renew_lease(run_id, "pid 1 on host-a")
+    store.set_status(held, "training")
+    store.set_status(ended, "finished")
+    renewed = time.time()
+    assert dict(zip(store.runs()["id"], store.runs()["status"])) == {
+        held: "training", ended: "finished", unleased: "starting"}
+    later = renewed + LEASE_S + 1  # no renewal since
+    monkeypatch.setattr("pscluster.metrics.store.time.time", lambda: later)
+    runs = store.runs().set_index("id")
+    assert runs.loc[held, "status"] == "failed" and runs.loc[held, "ended"] <= renewed + LEASE_S + 0.5
+    assert runs.loc[held, "owner"] == "pid 1 on host-a" and runs.loc[held, "wall_s"] < LEASE_S + 1
+    assert runs.loc[ended, "status"] == "finished" and runs.loc[unleased, "status"] == "starting"
+    record = store.run(held)
+    assert record["status"] == "failed" and record["owner_lost"].startswith(
+        "owner lost: pid 1 on host-a renewed its lease last at ")
+    assert store.run(ended)["owner_lost"] is None and runs["owner_lost"].drop(held).isna().all()
+    assert runs.loc[held, "owner_lost"] == record["owner_lost"]
+    store.renew_lease(held, "pid 2 on host-b")  # a process that adopts the run holds it again
+    assert store.run(held)["status"] == "training" and store.run(held)["owner"] == "pid 2 on host-b"
 
 
 def test_batches_are_routed_to_their_tables(store):
