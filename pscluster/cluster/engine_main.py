@@ -56,6 +56,9 @@ def become_engines(copies: int, path: str, since: float, engine_args: list[str])
     engine this process became ends."""
     from ipyparallel.engine.app import main as engine
 
+    from .ipp_bounds import bound_sockets
+
+    bound_sockets()  # before ipyparallel's engine makes a socket
     os.environ["IPP_CONNECTION_INFO"] = json.dumps(connection_info(path, since))
     # what is loaded so far lives as long as the engines: out of the garbage collector's sight, so that no
     # collection in a fork walks (and copies) the shared pages of torch's objects

@@ -24,7 +24,7 @@ import ipyparallel as ipp
 import ipyparallel.client.client as ipp_client
 
 from ..errors import ClusterStateError
-from . import reaper
+from . import controller_main, reaper
 from .launchers import ORPHAN_DEADLINE_S, Launcher
 from .roles import EngineInfo
 
@@ -60,6 +60,12 @@ class _ClientGarbage(logging.Filter):
 
 for _logger in ("tornado.general", "asyncio"):  # pyzmq's ZMQStream logs the first, the event loop the second
     logging.getLogger(_logger).addFilter(_ClientGarbage())
+
+# ipengine's arguments for every engine of every launcher. No heartbeat monitor of the engine's own: it is the one
+# socket an engine listens on (a SUB on its 127.0.0.1), and what it is for, an engine ending itself when the
+# controller's pings stop, never runs under ipykernel 7 (remote engines end themselves through
+# runtime.remote.watch_controller, local ones with the reaper). The controller's heartbeats still find a lost engine.
+ENGINE_ARGS = ("--IPEngine.max_heartbeat_misses=0",)
 
 SHUTDOWN_S = 2.0  # how long stop() waits for engines to end when asked (a client broken by hostile traffic asks in
 # vain), then after SIGTERM, before SIGKILL: stop() ends within a few times this
@@ -105,6 +111,7 @@ class EngineSet:
     def launch(self, n: int, set_id: str | None = None, **options) -> str:
         """Start ``n`` engines through the ipyparallel cluster's engine launcher, with these options of it;
         returns the engine set's id."""
+        options["engine_args"] = [*ENGINE_ARGS, *options.get("engine_args", ())]
         return self._ipp.start_engines_sync(n, engine_set_id=set_id or self.new_set_id(), **options)
 
     def where(self) -> dict[int, dict]:
@@ -117,7 +124,7 @@ class EngineSet:
                                 shutdown_atexit=not self.detached, **self.launcher.cluster_options())
         try:
             self.since = time.time()
-            self._ipp.start_controller_sync()
+            self._ipp.start_controller_sync(controller_cmd=controller_main.command())  # its sockets bounded
             self.launcher.start(self, self.n, *self.roles)
             self._watch_launched()
             self.client = self._ipp.connect_client_sync()

@@ -23,6 +23,7 @@ import torch
 from ..errors import ConfigError, TrainingError
 from ..runtime import remote
 from ..runtime.optim import group_options
+from . import ipp_bounds
 from .run import Run
 
 SESSION_STEPS = 2**31 - 1  # a session's step target: none that a notebook reaches; close() ends it
@@ -44,6 +45,25 @@ def split(batch, parts: int) -> list:
         rebuild = (lambda items: type(batch)(*items)) if hasattr(batch, "_fields") else type(batch)
         return [rebuild(v[i] for v in cut) for i in range(parts)]
     return [batch] * parts
+
+
+def _pickled_bytes(piece) -> int:
+    """The bytes of the tensors in ``piece`` as pickling sends them: the whole storage of each, once (a slice of a
+    batch pickles the batch's)."""
+    storages = {}
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                walk(v)
+
+    walk(piece)
+    return sum(storages.values())
 
 
 def combine(outs: list[dict]) -> dict:
@@ -78,6 +98,8 @@ class Session:
         spec = self.run.spec
         groups = group_options(self.optimizer)
         slices = split(batch, len(spec.workers))
+        ipp_bounds.check(max(map(_pickled_bytes, slices)), "the batch of one worker",
+                         "give session.step() smaller batches")
         pending = [self._cluster.task_view(t).apply_async(remote.session_step, self.run.id, t.index, piece, groups,
                                                      self._timeout)
                    for t, piece in zip(spec.workers, slices)]

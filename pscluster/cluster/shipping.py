@@ -16,6 +16,7 @@ from pathlib import Path
 import cloudpickle
 
 from ..errors import ConfigError
+from . import ipp_bounds
 
 _INSTALLED = tuple(Path(p).resolve() for p in {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")})
 
@@ -36,15 +37,20 @@ def _local_modules(objs) -> list:
 
 
 def ship(*objs) -> bytes:
-    """cloudpickle bytes of ``objs`` (a tuple), local modules' code included by value."""
+    """cloudpickle bytes of ``objs`` (a tuple), local modules' code included by value; a ``ConfigError`` when they
+    would not fit one frame of ipyparallel's sockets (``ipp_bounds.MAX_FRAME_BYTES``)."""
     modules = _local_modules(objs)
     for m in modules:
         cloudpickle.register_pickle_by_value(m)
     try:
-        return cloudpickle.dumps(objs)
+        shipped = cloudpickle.dumps(objs)
     except Exception as e:
         raise ConfigError(f"cannot ship the model, dataset or loss to the engines ({e}): "
                           "define them in the notebook or an importable module") from None
     finally:
         for m in modules:
             cloudpickle.unregister_pickle_by_value(m)
+    ipp_bounds.check(len(shipped), "the model, dataset and loss shipped to the engines",
+                     "give a dataset that reads its samples from files on the engines (a torch Dataset keeping "
+                     "paths, not tensors) or a model_fn that builds the model, not a module holding its weights")
+    return shipped
