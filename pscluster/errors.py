@@ -30,6 +30,14 @@ class MalformedMessage(ProtocolError):
     """A message that does not fit the wire format or its limits, or a signed request a ps cannot serve."""
 
 
+class Refused(ProtocolError):
+    """A signed request that fits the protocol but not the moment: a checkpoint of a step the ps has passed, or
+    past the run's end (the controller's own, racing the run). Answered with an error, and never counted as a
+    rejection: nobody sent it in malice."""
+
+    counter = None
+
+
 class UnsignedMessage(ProtocolError):
     """A message without a signature frame."""
 

@@ -102,9 +102,12 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     run.supervisor.start(lambda supervisor: [tasks.launch_worker(spec, t.index, supervisor) for t in spec.workers])
     with _stopped_on_sigterm(run):
         try:
-            return run.wait(verbose=log is not None)
+            run.wait(verbose=log is not None)
         finally:
             close_run(spec, run.id)
+    if log is not None and run.status == "finished" and not any(run.local_steps):
+        log(standalone.reached_already(run.id, plan.steps))
+    return run
 
 
 @contextlib.contextmanager

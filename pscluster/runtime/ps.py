@@ -44,7 +44,7 @@ from collections import OrderedDict
 import torch
 import zmq
 
-from ..errors import MalformedMessage, ProtocolError
+from ..errors import MalformedMessage, ProtocolError, Refused
 from . import gradients, protocol, updates
 from .emitter import MetricsEmitter
 from .lanes import Lane, LaneError
@@ -316,8 +316,8 @@ class ParameterServer(Router):
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
         if run is not None:
             meta.update(run_id=run.run_id, attempt=run.attempt, metrics_address=run.metrics_address,
-                        checkpoint_dir=run.checkpoint_dir, mode=run.mode, step=run.step, stopped=run.stopped,
-                        finalized=run.finalized,
+                        checkpoint_dir=run.checkpoint_dir, mode=run.mode, step=run.step, steps=run.steps,
+                        stopped=run.stopped, finalized=run.finalized,
                         pushes=run.pushes, pulls=run.pulls, pulled=sorted(run.pulled), applied=run.applied,
                         dropped_stale=run.dropped_stale, late=run.late, **run.policy.stats(),
                         variables=run.names, lanes=len(self._lanes))
@@ -377,12 +377,12 @@ class ParameterServer(Router):
         step = (msg.meta or {}).get("step")
         step = run.step if step is None else int(step)
         if step > run.steps:
-            raise ProtocolError(f"step {step} is beyond the run's {run.steps} steps")
+            raise Refused(f"step {step} is beyond the run's {run.steps} steps")
         if step < run.step:
-            raise ProtocolError(f"step {step} {PASSED}: ps {self.index} is at step {run.step}")
+            raise Refused(f"step {step} {PASSED}: ps {self.index} is at step {run.step}")
         if step == run.step:
             if not run.save(self.index):
-                raise ProtocolError(f"ps {self.index} could not write its shard of step {step}")
+                raise Refused(f"ps {self.index} could not write its shard of step {step}")
         else:
             run.save_at.add(step)
         self._reply(identity, msg, Op.OK, value=step)

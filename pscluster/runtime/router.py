@@ -14,7 +14,7 @@ served.
 A subclass gives ``_HANDLERS`` (op -> method), ``_reply`` (how a request is answered), and may override
 ``_limits``, ``_streamed``, ``_tick`` (run every ``TICK_S``) and ``_closing`` (before the socket closes).
 A handler that raises ProtocolError, KeyError, TypeError or ValueError refuses its request with an ERROR reply
-(counted as malformed); any other exception is counted in ``failed_requests`` and answered the same way: a bad
+(counted as malformed; ``Refused``, a fair request at the wrong moment, is answered the same way uncounted); any other exception is counted in ``failed_requests`` and answered the same way: a bad
 request never takes the server down.
 """
 
@@ -27,7 +27,7 @@ from collections import Counter
 
 import zmq
 
-from ..errors import FencedOff, MalformedMessage, ProtocolError
+from ..errors import FencedOff, MalformedMessage, ProtocolError, Refused
 from . import curve, parts, protocol
 from .protocol import Flag, Message, Op
 
@@ -169,6 +169,8 @@ class Router(ABC):
             if handler is None:
                 raise MalformedMessage(f"op {msg.op.name} is not a request")
             handler(self, identity, msg)
+        except Refused as e:  # a fair request at the wrong moment: answered, not counted
+            self._error(identity, msg, str(e))
         except (ProtocolError, KeyError, TypeError, ValueError) as e:  # the request does not fit: refused
             self.rejected["malformed"] += 1
             self._error(identity, msg, f"{msg.op.name} refused: {e}" if not isinstance(e, ProtocolError) else str(e))

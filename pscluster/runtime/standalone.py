@@ -129,10 +129,17 @@ def join_run(spec: ClusterSpec, index: int, plan: TrainPlan, model_fn, dataset, 
             note = f"run {joined.run_id} lost a ps ({type(e).__name__}): joining its next attempt"
         else:
             if summary["global_step"] >= joined.steps or _ended(spec, after, joined.request_timeout):
+                if not summary["local_steps"] and log is not None:
+                    log(reached_already(joined.run_id, joined.steps))
                 return summary
             note = f"run {joined.run_id} stopped attempt {joined.attempt}: joining the next"
         if log is not None:
             log(note)
+
+
+def reached_already(run_id: int, steps: int) -> str:
+    """What a task of a job started again after it finished says: nothing was left to train."""
+    return f"run {run_id}: the target step {steps} is reached already (its latest checkpoint): nothing to train"
 
 
 def _ended(spec: ClusterSpec, attempt: tuple[int, int], timeout: float) -> bool:
@@ -148,6 +155,12 @@ def _ended(spec: ClusterSpec, attempt: tuple[int, int], timeout: float) -> bool:
             return False
         time.sleep(DISCOVER_POLL_S)
     return True
+
+
+def _at_target(held: dict) -> bool:
+    """Whether the run a ps holds (its STATS) is at its target step: a job started again after it finished,
+    whose chief restored that step. Its workers join it and end at once."""
+    return isinstance(held.get("steps"), int) and held.get("step", 0) >= held["steps"]
 
 
 def held_runs(spec: ClusterSpec, *, only: list[int] | None = None, timeout: float = 10.0) -> list[dict] | None:
@@ -183,7 +196,7 @@ def started_run(spec: ClusterSpec, timeout: float, *, after: tuple[int, int] | N
                     held = client.stats()
                     ids = {(s.get("run_id"), s.get("attempt")) for s in held}
                     if (len(ids) == 1 and None not in next(iter(ids)) and ids != {after}
-                            and not any(s.get("stopped") for s in held)):
+                            and not any(s.get("stopped") and not _at_target(s) for s in held)):
                         return held[0]
                     if time.monotonic() > deadline:
                         break

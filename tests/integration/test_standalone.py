@@ -166,6 +166,16 @@ def test_seed_000s_tf_config_job_trains_into_the_run_store_and_resumes_when_star
         assert store.evaluations(resumed)["accuracy"].iloc[-1] >= 0.93
     assert list(pscluster.runs(home / "runs.sqlite")["status"]) == ["finished", "finished"]
 
+    # and once more to 400: the target is reached already; every task says so and ends by itself, as TF's
+    # StopAtStepHook does, none waiting for steps that will not come
+    (ps, chief, *workers, evaluator), outputs = finish(seed_000_job(estimator, 400, home, cluster, secret),
+                                                       timeout=120)
+    assert ps["global_step"] == chief["global_step"] == 400 and chief["local_steps"] == [0, 0, 0]
+    assert [w["local_steps"] for w in workers] == [0, 0]
+    said = f"run {chief['run_id']}: the target step 400 is reached already"
+    assert all(said in out for out in outputs[1:4]), outputs
+    assert list(pscluster.runs(home / "runs.sqlite")["status"]) == ["finished"] * 3
+
 
 def assert_evaluator_charts(home, name: str, run_id: int, steps: list[int]) -> None:
     """TensorBoard's own reader finds the evaluator's accuracy at each of ``steps`` in the run's eval folder."""

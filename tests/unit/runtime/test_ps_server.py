@@ -15,7 +15,7 @@ from pscluster.metrics.collector import Collector
 from pscluster.runtime import protocol
 from pscluster.runtime.client import PSClient
 from pscluster.runtime.protocol import Flag, Message, Op
-from pscluster.runtime.ps import ParameterServer
+from pscluster.runtime.ps import PASSED, ParameterServer
 from pscluster.runtime.router import REJECTED
 from pscluster.runtime.waiting import wait_until
 from pscluster.spec import ClusterSpec, TaskSpec
@@ -598,6 +598,24 @@ def test_a_signed_request_that_does_not_fit_is_refused_without_touching_the_opti
     assert_values(run.values(run.client()), run.initial, tol=0)
     worker = run.client(task=0)  # and it goes on serving real workers
     assert worker.push_pull(0, run.split(grads(2, run.initial))).step == 1
+
+
+def test_a_checkpoint_asked_of_a_step_passed_or_past_the_end_is_refused_and_not_counted_as_hostile(local_ps,
+                                                                                                  tmp_path):
+    # the controller's own requests, racing the run (it asks for the next step as the ps moves past it)
+    spec = local_ps.start(num_workers=1)
+    config = {**ps_config(["w"], mode="async", steps=10), "checkpoint_dir": str(tmp_path)}
+    local_ps.client(spec).init(RUN_ID, {0: ([0], [torch.zeros(3)])}, [config])
+    worker = local_ps.client(spec, 0, run_id=RUN_ID)
+    for step in range(3):
+        worker.push_pull(step, {0: ([0], [torch.ones(3)])})
+    controller = local_ps.client(spec, run_id=RUN_ID)
+    with pytest.raises(TrainingError, match=f"step 1 {PASSED}: ps 0 is at step 3"):
+        controller.checkpoint(1)
+    with pytest.raises(TrainingError, match="step 11 is beyond the run's 10 steps"):
+        controller.checkpoint(11)
+    controller.checkpoint(3)  # and the step it is at is written
+    assert local_ps.servers[-1].rejected == dict.fromkeys(REJECTED, 0)
 
 
 @pytest.fixture
