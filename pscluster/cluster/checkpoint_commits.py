@@ -21,6 +21,7 @@ from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec
 
 REQUEST_ATTEMPTS = 6  # steps ahead: 1, 4, 16, ... 1024
+START_POLL_S = 0.05  # how often a request asks whether every ps holds a run that is starting
 
 
 class CheckpointCoordinator:
@@ -80,29 +81,38 @@ class CheckpointCoordinator:
     def due(self) -> bool:
         return self.every_s is not None and time.monotonic() - self._last_request >= self.every_s
 
-    def request(self, spec: ClusterSpec, plan: TrainPlan, *, timeout: float = 10.0) -> int:
+    def request(self, spec: ClusterSpec, plan: TrainPlan, *, timeout: float = 10.0, start_s: float = 0.0) -> int:
         """Ask every ps to write its shard of a coming global step (or of the last one, at the step target);
         returns that step. The step is chosen from the ps tasks' steps a moment ago: when a ps has passed it
         meanwhile (a fast async run), it is asked again further ahead, ``REQUEST_ATTEMPTS`` times at most (a ps
-        that took the passed step writes a shard no manifest commits)."""
+        that took the passed step writes a shard no manifest commits). A ps that does not hold the run yet (it is
+        starting: ``run.checkpoint()`` right after ``train()``) is waited for up to ``start_s`` s."""
         if not plan.checkpoint_dir:
             raise ConfigError("this run has no checkpoint directory: train with checkpoint_dir=...")
         self._last_request = time.monotonic()
-        ahead = 1
-        for attempt in range(REQUEST_ATTEMPTS):
+        deadline = time.monotonic() + start_s
+        ahead, passed = 1, 0
+        while True:
             with PSClient(spec, run_id=plan.run_id, timeout=timeout) as client:
-                steps = [s.get("step", 0) for s in client.stats()]
-                step = min(max(steps) + ahead, plan.steps)
-                if step <= max(steps):
-                    return step
-                try:
-                    client.checkpoint(step)
-                    return step
-                except TrainingError as e:
-                    if PASSED not in str(e) or attempt == REQUEST_ATTEMPTS - 1:
-                        raise
-            ahead *= 4
-        raise AssertionError("unreachable")
+                held = client.stats()
+                if all(s.get("run_id") == plan.run_id for s in held):
+                    steps = [s["step"] for s in held]
+                    step = min(max(steps) + ahead, plan.steps)
+                    if step <= max(steps):
+                        return step
+                    try:
+                        if client.checkpoint(step):
+                            return step
+                    except TrainingError as e:
+                        passed += 1
+                        if PASSED not in str(e) or passed == REQUEST_ATTEMPTS:
+                            raise
+                        ahead *= 4
+                        continue
+            if time.monotonic() >= deadline:
+                raise RuntimeTimeout(f"run {plan.run_id} had not started on every ps within {start_s:.0f}s: no "
+                                     "checkpoint asked; see the run's events (run.events())")
+            time.sleep(START_POLL_S)
 
     def wait_for(self, plan: TrainPlan, step: int, timeout: float, done) -> Path:
         """The manifest of ``step`` once committed (``done()``: the run ended, stop waiting)."""

@@ -322,8 +322,9 @@ class Supervisor:
         if self.ended.is_set():
             self.commit_checkpoints()
             return self.latest_checkpoint_path()
-        step = self.checkpoints.request(self.spec, self.plan)
-        return self.checkpoints.wait_for(self.plan, step, timeout, self.ended.is_set)
+        began = time.monotonic()
+        step = self.checkpoints.request(self.spec, self.plan, start_s=timeout)
+        return self.checkpoints.wait_for(self.plan, step, timeout - (time.monotonic() - began), self.ended.is_set)
 
     # --- parameters and evaluation -----------------------------------------------------------
     def pull_parameters(self, timeout: float = 30.0) -> tuple[int, dict[str, torch.Tensor]]:

@@ -436,9 +436,10 @@ class PSClient:
         highest step a ps parked at: ``stop(at_step=that)`` ends every ps on it."""
         return max(m.value for m in self.request(Op.STOP, meta={"hold": True}))
 
-    def checkpoint(self, step: int | None = None) -> None:
-        """Every ps writes its shard of ``step`` when it gets there (None: now, at its current step)."""
-        self.request(Op.CHECKPOINT, meta={"step": step})
+    def checkpoint(self, step: int | None = None) -> bool:
+        """Every ps writes its shard of ``step`` when it gets there (None: now, at its current step); False when
+        a ps does not hold the run (yet): it was asked nothing."""
+        return not any(m.op is Op.NOT_READY for m in self.request(Op.CHECKPOINT, meta={"step": step}))
 
     def lost_workers(self, workers: list[int]) -> None:
         """Tell every ps that ``workers`` are lost: sync and SSP stop waiting for them."""
