@@ -164,7 +164,9 @@ class Run:
 
     @property
     def local_steps(self) -> list[int] | None:
-        return None if self.results is None else [r["local_steps"] for r in self.results]
+        """Each worker's local steps once the run is over, over every attempt of the run (a lost ps restarts it)."""
+        return None if self.results is None else [r["local_steps"] + self.supervisor.earlier_local_steps(r["task"])
+                                                  for r in self.results]
 
     @property
     def wall_s(self) -> float:

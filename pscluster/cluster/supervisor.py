@@ -92,6 +92,7 @@ class Supervisor:
         self.ended = threading.Event()
         self._workers_done: dict[str, tuple[float, dict]] = {}  # task: (when, summary) of its "done" event
         self._workers_left: dict[str, tuple] = {}  # task: (attempt, error) of its "left" event (it failed)
+        self._steps_left: dict[tuple[str, int], int] = {}  # (task, attempt): the local steps it left that attempt with
         self.event_files = EventWriter(run_logdir(store.path, self.name, plan.run_id))
         self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port, run_id=plan.run_id)
                           if metrics_port or not metrics_ports else
@@ -128,6 +129,9 @@ class Supervisor:
                 self._workers_done[task] = (time.monotonic(), summary)
             elif kind == "left":
                 self._workers_left[task] = (event.get("attempt"), str(event.get("error")))
+                attempt, steps = event.get("attempt"), event.get("local_steps")
+                if isinstance(attempt, int) and isinstance(steps, int):
+                    self._steps_left[(task, attempt)] = steps
             elif kind == "log" and isinstance(line := event.get("line"), str):
                 self._log(f"[{task}] {line}")
 
@@ -244,6 +248,12 @@ class Supervisor:
             return True
         done = self._workers_done.get(f"worker:{i}")
         return done is not None and time.monotonic() - done[0] > RESULT_GRACE_S
+
+    def earlier_local_steps(self, i: int) -> int:
+        """The local steps worker ``i`` took in the attempts before the current one (from its "left" events: a
+        worker killed outright says nothing, and its replacement counts from 0)."""
+        return sum(n for (task, attempt), n in self._steps_left.items()
+                   if task == f"worker:{i}" and attempt < self.plan.attempt)
 
     def reported(self, i: int) -> bool:
         """Whether worker ``i`` has sent its "done" event (its summary) in the current attempt."""

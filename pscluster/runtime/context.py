@@ -601,7 +601,8 @@ class WorkerContext(_Context):
     def failed(self, error: Exception) -> None:
         """On the way out of a failed loop: this worker's copy of the values it holds (see ``member.leave``)."""
         if self._reply is not None:
-            leave(self._shards, self._plan, self.worker_index, self._reply.step, self._emitter.emit, error)
+            leave(self._shards, self._plan, self.worker_index, self._reply.step, self._local_steps, self._emitter.emit,
+                  error)
 
     def close(self) -> None:
         super().close()
