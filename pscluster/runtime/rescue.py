@@ -104,8 +104,9 @@ def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: li
 
 
 def _own_shards(directory: Path, run_id: int, attempt: int) -> dict[int, dict]:
-    """Each ps's newest shard receipt written in ``attempt`` of run ``run_id`` (committed or not)."""
-    newest: dict[int, dict] = {}
+    """Each ps's newest shard receipt written in ``attempt`` of run ``run_id`` (committed or not) whose file reads
+    back as written: a damaged one is passed over for that ps's next newest."""
+    written: dict[int, list[dict]] = {}
     for entry in directory.iterdir() if directory.is_dir() else ():
         if not (entry.is_dir() and re.fullmatch(r"step-\d{9}", entry.name)):
             continue
@@ -116,11 +117,24 @@ def _own_shards(directory: Path, run_id: int, attempt: int) -> dict[int, dict]:
                 receipt = json.loads(receipt_path.read_text())
             except (OSError, ValueError):
                 continue
-            if receipt.get("run_id") == run_id and receipt.get("attempt") == attempt:
-                ps = receipt.get("ps")
-                if ps not in newest or receipt["step"] > newest[ps]["step"]:
-                    newest[ps] = receipt
+            if receipt.get("run_id") == run_id and receipt.get("attempt") == attempt and isinstance(
+                    receipt.get("step"), int):
+                written.setdefault(receipt.get("ps"), []).append(receipt)
+    newest = {}
+    for ps, receipts in written.items():
+        intact = (r for r in sorted(receipts, key=lambda r: r["step"], reverse=True)
+                  if _intact(directory / str(r.get("file")), r))
+        if (receipt := next(intact, None)) is not None:
+            newest[ps] = receipt
     return newest
+
+
+def _intact(file: Path, receipt: dict) -> bool:
+    """Whether ``file`` holds what its receipt says was written: its size and SHA-256."""
+    try:
+        return file.stat().st_size == receipt["bytes"] and checkpoint.file_sha256(file) == receipt["sha256"]
+    except (OSError, KeyError):
+        return False
 
 
 def _worker_copies(directory: Path, run_id: int, attempt: int) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
@@ -133,7 +147,7 @@ def _worker_copies(directory: Path, run_id: int, attempt: int) -> dict[int, tupl
             if receipt.get("run_id") != run_id or receipt.get("attempt") != attempt:
                 continue
             file = receipt_path.with_suffix(".tensors")
-            if file.stat().st_size != receipt["bytes"] or checkpoint.file_sha256(file) != receipt["sha256"]:
+            if not _intact(file, receipt):
                 continue  # overwritten or damaged since
             copies[int(receipt["worker"])] = (int(receipt["step"]), checkpoint.read_tensors(file))
         except (OSError, ValueError, KeyError, TypeError, CheckpointError):

@@ -90,3 +90,17 @@ def test_a_damaged_worker_copy_is_passed_over(tmp_path):
     assert {s.ps: s.origin for s in assembled.sources} == {0: "ps 0", 1: "worker 1"}
     restored, _ = checkpoint.reshard(checkpoint.latest(tmp_path), VARIABLES)
     assert torch.equal(restored[1], values(3.0)["w1"])
+
+
+def test_a_damaged_shard_of_a_survivor_is_passed_over_and_never_linked_into_the_checkpoint(tmp_path):
+    write_own_shard(tmp_path, 0, 600, 1.0)
+    write_own_shard(tmp_path, 0, 705, 2.0)  # the survivor's shard at its stop, damaged on disk since
+    damaged = checkpoint.step_dir(tmp_path, 705) / "ps-0.tensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    rescue.write_copy(tmp_path, 0, 703, values(3.0), run_id=RUN_ID, attempt=ATTEMPT)
+    assembled = assemble(tmp_path)
+    assert assembled.step == 703 and {s.ps: s.origin for s in assembled.sources} == {0: "worker 0", 1: "worker 0"}
+    restored, _ = checkpoint.reshard(checkpoint.latest(tmp_path), VARIABLES)  # it loads: every shard verifies
+    assert torch.equal(restored[0], values(3.0)["w0"])
