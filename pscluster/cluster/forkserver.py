@@ -12,7 +12,10 @@ file descriptors) where their output goes. It forks a child that becomes the eng
 answers its pid. A request it cannot read is answered with an error and the loop goes on.
 
 It ends with its owner, killing the engines forked since (a detached cluster's engines do not come from it), or
-after ``IDLE_S`` without a request, leaving its engines running. It is their subreaper: an engine whose parent
+when its owner stops it after ``IDLE_S`` in which no cluster asked for engines, leaving its engines running. The
+owner decides that, under the lock it hands out the forkserver's socket with: a forkserver that timed itself out
+could end between the owner's check that it runs and the request of the engine set the owner started (that set's
+engines never came, and the cluster's start waited 90 s for them). It is their subreaper: an engine whose parent
 (the first engine of its set) ended first is still its descendant then, not init's.
 """
 
@@ -30,12 +33,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import engine_main
 
-IDLE_S = 600.0  # a forkserver no cluster asked for this long ends (its torch stays in memory until then)
+IDLE_S = 600.0  # a forkserver no cluster asked for this long is stopped (its torch stays in memory until then)
 POLL_S = 0.2  # how often it looks at its owner and its ended children
 REQUEST_BYTES = 1 << 20  # the largest request: an environment and arguments
 REQUEST_S = 5.0  # for a connected asker to send its request (fork_request sends it at once)
@@ -52,18 +55,15 @@ def serve(path: str, owner: int) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(16)
-    asked = time.monotonic()
-    while os.getppid() == owner and time.monotonic() - asked < IDLE_S:
+    while os.getppid() == owner:
         _reap()
         if select.select([listener], [], [], POLL_S)[0]:
             connection, _ = listener.accept()
             connection.settimeout(REQUEST_S)
             with connection:
                 _answer(connection, listener)
-            asked = time.monotonic()
     listener.close()
-    if os.getppid() != owner:  # the owner is gone: so are the clusters it started
-        _kill_descendants()
+    _kill_descendants()  # the owner is gone: so are the clusters it started
 
 
 def _answer(connection: socket.socket, listener: socket.socket) -> None:
@@ -140,6 +140,7 @@ class _Server:
     owner: int
     process: subprocess.Popen
     folder: str
+    used: float = field(default_factory=time.monotonic)  # when a cluster last asked it for engines
 
     @property
     def path(self) -> str:
@@ -181,7 +182,21 @@ def _running() -> _Server:
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
             _server = _Server(os.getpid(), process, folder)
             atexit.register(_server.stop)
+            threading.Thread(target=_stop_when_idle, args=(_server,), name="pscluster-forkserver-idle",
+                             daemon=True).start()
+        _server.used = time.monotonic()  # under the lock the idle stop takes: it cannot stop a server handed out now
         return _server
+
+
+def _stop_when_idle(server: _Server) -> None:
+    """Stop ``server`` once no cluster has asked it for engines for ``IDLE_S`` (its engines run on)."""
+    global _server
+    while server.running():
+        time.sleep(min(POLL_S * 10, IDLE_S))
+        with _starting:
+            if _server is server and time.monotonic() - server.used > IDLE_S:
+                server.stop()
+                _server = None
 
 
 def stop() -> None:

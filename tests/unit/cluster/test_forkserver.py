@@ -54,3 +54,18 @@ def test_an_asker_that_sends_nothing_holds_it_up_for_a_moment_only(server_path):
         silent.connect(server_path)
         assert "error" in ask(server_path, b"{}", (1, 2))  # answered once the silent one's time is up
         assert "error" in json.loads(silent.recv(65536))
+
+
+def test_its_owner_stops_it_when_no_cluster_asked_for_a_while_and_a_later_cluster_gets_a_new_one(monkeypatch):
+    # the owner decides, under the lock it hands the socket out with: a forkserver that timed itself out could end
+    # between the owner's look at it and the request of a cluster starting (its engines never came)
+    forkserver.stop()
+    first = forkserver._running()
+    monkeypatch.setattr(forkserver, "IDLE_S", 0.5)
+    deadline = time.monotonic() + 30
+    while first.process.poll() is None:
+        assert time.monotonic() < deadline, "an idle forkserver was not stopped"
+        time.sleep(0.1)
+    assert not os.path.exists(first.folder)
+    assert forkserver._running() is not first and forkserver._running().running()
+    forkserver.stop()
