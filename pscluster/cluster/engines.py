@@ -333,7 +333,7 @@ class EngineSet:
             except Exception:
                 pass
             self._ipp = None
-            for path in connection_files:  # ipcontroller leaves them behind
+            for path in connection_files:  # a controller that had to be killed leaves them behind
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         reaper.kill_all(self.pids, grace=SHUTDOWN_S)

@@ -14,8 +14,9 @@ served.
 A subclass gives ``_HANDLERS`` (op -> method), ``_reply`` (how a request is answered), and may override
 ``_limits``, ``_streamed``, ``_tick`` (run every ``TICK_S``) and ``_closing`` (before the socket closes).
 A handler that raises ProtocolError, KeyError, TypeError or ValueError refuses its request with an ERROR reply
-(counted as malformed; ``Refused``, a fair request at the wrong moment, is answered the same way uncounted); any other exception is counted in ``failed_requests`` and answered the same way: a bad
-request never takes the server down.
+(counted as malformed; ``Refused``, a fair request at the wrong moment, is answered the same way uncounted); any
+other exception is counted in ``failed_requests`` and answered the same way: a bad request never takes the server
+down.
 """
 
 from __future__ import annotations
