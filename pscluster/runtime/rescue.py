@@ -7,11 +7,13 @@ state of the run is still nearly all there:
 - every worker of the failed attempt leaves, on its way out, its copy of the dense variables it last pulled
   (``write_copy``: ``copies/worker-<i>.tensors`` in the checkpoint directory, and its receipt).
 
-``assemble`` takes for each ps the newest of these sources (its own shard first on a tie: it carries the
-optimizer state) and commits them as the checkpoint of the newest step among them, when that is newer than
-the newest committed one. A ps rebuilt from a worker's copy restarts with its optimizer state reset (the
-manifest's ``rescued`` entry and the returned sources say so); a lost ps that held a sparse variable cannot be
-rebuilt that way (a worker holds only the rows it touched), and then nothing is assembled.
+``assemble`` commits the newest step for which every ps has a source of that same step (its own shard first:
+it carries the optimizer state; else a worker's copy), when that is newer than the newest committed checkpoint:
+every ps of the restarted run holds one step, never a mix. A ps rebuilt from a worker's copy restarts with its
+optimizer state reset (the manifest's ``rescued`` entry and the returned sources say so). A lost ps that held a
+sparse variable cannot be rebuilt that way (a worker holds only the rows it touched): its only sources are its
+own shards, so unless the others have sources of its newest one, nothing is assembled and every ps rolls back
+to the latest committed checkpoint.
 """
 
 from __future__ import annotations
@@ -68,29 +70,29 @@ class Assembled:
 
 def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: list[VariableSpec], optimizer: str,
              optimizer_kwargs: dict, keep: int | None = None, state_keys=()) -> Assembled | None:
-    """Commit the newest state of attempt ``attempt`` of run ``run_id`` (see the module docstring); None when
-    some ps has no source of its own, or the result is not newer than the newest committed checkpoint."""
+    """Commit the newest state of attempt ``attempt`` of run ``run_id`` that every ps has at one step (see the
+    module docstring); None when there is none newer than the newest committed checkpoint."""
     directory = Path(directory)
     shards = _own_shards(directory, run_id, attempt)
     copies = _worker_copies(directory, run_id, attempt)
-    chosen: dict[int, tuple[Source, dict | None, dict | None]] = {}  # ps -> (source, its receipt, or values)
+    committed = checkpoint.committed_steps(directory)
+    # ps -> step -> its sources of that step, best first: (source, its receipt, or its values)
+    candidates: dict[int, dict[int, list[tuple[Source, dict | None, dict | None]]]] = {}
     for ps in range(num_ps):
         held = [v for v in variables if v.ps == ps]
-        candidates = []
-        if ps in shards:
-            candidates.append((Source(ps, shards[ps]["step"], f"ps {ps}", True), shards[ps], None))
+        by_step = candidates[ps] = {}
+        for receipt in shards.get(ps, ()):  # its own shard before a copy: it carries the optimizer state
+            by_step.setdefault(receipt["step"], []).append((Source(ps, receipt["step"], f"ps {ps}", True), receipt,
+                                                            None))
         if not any(v.sparse for v in held):
-            for worker, (step, values) in copies.items():
+            for worker, (step, values) in sorted(copies.items()):
                 if all(v.name in values for v in held):
-                    candidates.append((Source(ps, step, f"worker {worker}", False), None,
-                                       {v.name: values[v.name] for v in held}))
-        if not candidates:
-            return None
-        chosen[ps] = max(candidates, key=lambda c: (c[0].step, c[0].optimizer_state))
-    step = max(source.step for source, _, _ in chosen.values())
-    committed = checkpoint.committed_steps(directory)
-    if committed and committed[-1] >= step:
+                    by_step.setdefault(step, []).append((Source(ps, step, f"worker {worker}", False), None,
+                                                         {v.name: values[v.name] for v in held}))
+    chosen = _newest_common(candidates, directory, after=committed[-1] if committed else -1)
+    if chosen is None:
         return None
+    step = next(iter(chosen.values()))[0].step
     folder = checkpoint.step_dir(directory, step)
     folder.mkdir(parents=True, exist_ok=True)
     found = []
@@ -103,9 +105,30 @@ def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: li
     return Assembled(step=step, path=path, sources=sources)
 
 
-def _own_shards(directory: Path, run_id: int, attempt: int) -> dict[int, dict]:
-    """Each ps's newest shard receipt written in ``attempt`` of run ``run_id`` (committed or not) whose file reads
-    back as written: a damaged one is passed over for that ps's next newest."""
+def _newest_common(candidates: dict, directory: Path, after: int) -> dict | None:
+    """Each ps's best source at the newest step past ``after`` at which every ps has one, or None. A ps's own
+    shard is read back (size, SHA-256) before it is taken: a damaged one is never a source (that ps's next source
+    of the step is tried, or the step given up)."""
+    while True:
+        common = set.intersection(*(set(by_step) for by_step in candidates.values())) if candidates else set()
+        newer = [s for s in common if s > after]
+        if not newer:
+            return None
+        step = max(newer)
+        damaged = [ps for ps, by_step in candidates.items()
+                   if (receipt := by_step[step][0][1]) is not None
+                   and not _intact(directory / str(receipt.get("file")), receipt)]
+        if not damaged:
+            return {ps: by_step[step][0] for ps, by_step in candidates.items()}
+        for ps in damaged:
+            del candidates[ps][step][0]
+            if not candidates[ps][step]:
+                del candidates[ps][step]
+
+
+def _own_shards(directory: Path, run_id: int, attempt: int) -> dict[int, list[dict]]:
+    """Each ps's shard receipts written in ``attempt`` of run ``run_id`` (committed or not; not yet read back,
+    see ``_newest_common``)."""
     written: dict[int, list[dict]] = {}
     for entry in directory.iterdir() if directory.is_dir() else ():
         if not (entry.is_dir() and re.fullmatch(r"step-\d{9}", entry.name)):
@@ -120,13 +143,7 @@ def _own_shards(directory: Path, run_id: int, attempt: int) -> dict[int, dict]:
             if receipt.get("run_id") == run_id and receipt.get("attempt") == attempt and isinstance(
                     receipt.get("step"), int):
                 written.setdefault(receipt.get("ps"), []).append(receipt)
-    newest = {}
-    for ps, receipts in written.items():
-        intact = (r for r in sorted(receipts, key=lambda r: r["step"], reverse=True)
-                  if _intact(directory / str(r.get("file")), r))
-        if (receipt := next(intact, None)) is not None:
-            newest[ps] = receipt
-    return newest
+    return written
 
 
 def _intact(file: Path, receipt: dict) -> bool:

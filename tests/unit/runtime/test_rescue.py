@@ -30,7 +30,7 @@ def assemble(directory):
                            optimizer="adam", optimizer_kwargs={"lr": 0.01}, keep=5)
 
 
-def test_a_lost_ps_comes_back_from_the_freshest_worker_copy_and_the_survivor_keeps_its_optimizer_state(tmp_path):
+def test_a_lost_ps_and_the_survivor_come_back_from_one_step_never_a_mix(tmp_path):
     write_own_shard(tmp_path, 0, 600, 0.0)
     write_own_shard(tmp_path, 1, 600, 0.0)
     checkpoint.commit_ready(tmp_path, num_ps=2, run_id=RUN_ID, attempt=ATTEMPT, variables=VARIABLES,
@@ -42,20 +42,50 @@ def test_a_lost_ps_comes_back_from_the_freshest_worker_copy_and_the_survivor_kee
 
     assembled = assemble(tmp_path)
 
-    assert assembled.step == 705
-    sources = {s.ps: s for s in assembled.sources}
-    assert (sources[0].origin, sources[0].step, sources[0].optimizer_state) == ("ps 0", 705, True)
-    assert (sources[1].origin, sources[1].step, sources[1].optimizer_state) == ("worker 1", 704, False)
+    # the lost ps has no source of step 705: both come from the newest step each has, 704, the freshest copy
+    assert assembled.step == 704
+    assert {(s.ps, s.origin, s.step, s.optimizer_state) for s in assembled.sources} == {
+        (0, "worker 1", 704, False), (1, "worker 1", 704, False)}
     ckpt = checkpoint.latest(tmp_path)
-    assert ckpt.step == 705
+    assert ckpt.step == 704
     restored, states = checkpoint.reshard(ckpt, VARIABLES)
+    for v in VARIABLES:
+        assert torch.equal(restored[v.id], values(300.0)[v.name])
+        assert states[v.id] == {}
+
+
+def test_a_survivor_keeps_its_optimizer_state_when_its_own_shard_is_of_the_rescued_step(tmp_path):
+    write_own_shard(tmp_path, 0, 705, 100.0)
+    rescue.write_copy(tmp_path, 1, 705, values(300.0), run_id=RUN_ID, attempt=ATTEMPT)
+    assembled = assemble(tmp_path)
+    assert assembled.step == 705
+    assert {(s.ps, s.origin) for s in assembled.sources} == {(0, "ps 0"), (1, "worker 1")}
+    restored, states = checkpoint.reshard(checkpoint.latest(tmp_path), VARIABLES)
     assert torch.equal(restored[0], values(100.0)["w0"])  # the survivor's own values
-    assert torch.equal(restored[1], values(300.0)["w1"])  # the newest worker copy
-    assert torch.equal(restored[3], values(300.0)["table/part_1"])
+    assert torch.equal(restored[1], values(300.0)["w1"])
     assert torch.equal(states[0]["exp_avg"], torch.full((4, 3), -100.0))
     assert states[1] == {}
     # a table split across the survivor and the rebuilt ps restarts its optimizer state whole, not in part
     assert states[2] == {} and states[3] == {}
+
+
+def test_a_lost_ps_with_a_sparse_table_rolls_every_ps_back_to_its_own_newest_shard(tmp_path):
+    sparse = [VariableSpec(**{**v.__dict__, "sparse": v.name == "table/part_1"}) for v in VARIABLES]
+    for ps in (0, 1):
+        write_own_shard(tmp_path, ps, 800, 1.0)
+    write_own_shard(tmp_path, 0, 913, 2.0)  # the survivor, stopped at 913; ps 1 was lost at 913
+    rescue.write_copy(tmp_path, 0, 912, values(3.0), run_id=RUN_ID, attempt=ATTEMPT)
+
+    assembled = rescue.assemble(tmp_path, num_ps=2, run_id=RUN_ID, attempt=ATTEMPT, variables=sparse,
+                                optimizer="adam", optimizer_kwargs={})
+
+    # the lost ps's table is only in its step-800 shard: every ps comes back from step 800, with its own state
+    assert assembled.step == 800
+    assert {(s.ps, s.origin) for s in assembled.sources} == {(0, "ps 0"), (1, "ps 1")}
+    restored, states = checkpoint.reshard(checkpoint.latest(tmp_path), sparse)
+    for v in sparse:
+        assert torch.equal(restored[v.id], values(1.0)[v.name])
+        assert torch.equal(states[v.id]["exp_avg"], torch.full(v.shape, -1.0))
 
 
 def test_nothing_is_assembled_when_the_committed_checkpoint_is_as_new(tmp_path):
@@ -86,10 +116,10 @@ def test_a_damaged_worker_copy_is_passed_over(tmp_path):
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    assembled = assemble(tmp_path)
-    assert {s.ps: s.origin for s in assembled.sources} == {0: "ps 0", 1: "worker 1"}
+    assembled = assemble(tmp_path)  # not step 705 from the damaged copy and ps 0's shard: 702, from worker 1's
+    assert assembled.step == 702 and {s.ps: s.origin for s in assembled.sources} == {0: "worker 1", 1: "worker 1"}
     restored, _ = checkpoint.reshard(checkpoint.latest(tmp_path), VARIABLES)
-    assert torch.equal(restored[1], values(3.0)["w1"])
+    assert torch.equal(restored[0], values(3.0)["w0"]) and torch.equal(restored[1], values(3.0)["w1"])
 
 
 def test_a_damaged_shard_of_a_survivor_is_passed_over_and_never_linked_into_the_checkpoint(tmp_path):
