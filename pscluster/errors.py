@@ -64,6 +64,11 @@ class TrainingError(PSClusterError, RuntimeError):
     """Training failed on a worker or ps task."""
 
 
+class NonFiniteUpdate(TrainingError):
+    """An update a ps refused, nothing of it applied: it would have made a value or an optimizer slot NaN or
+    infinite (see ``runtime.update_guard``)."""
+
+
 class CheckpointError(PSClusterError, RuntimeError):
     """A checkpoint is missing, damaged, or does not fit the model."""
 

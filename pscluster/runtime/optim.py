@@ -42,6 +42,7 @@ import torch
 from torch.optim import lr_scheduler
 
 from ..errors import ConfigError
+from . import update_guard
 
 # What the ps can apply sparse gradients with (Adam and AdamW as the lazy SparseAdam)
 SPARSE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam, torch.optim.AdamW)
@@ -599,14 +600,16 @@ class PsOptimizer:
 
     def step(self, global_step: int) -> None:
         """The update from ``global_step`` to the next, with the gradients set on the variables: the schedule
-        set to ``global_step``, then each optimizer's ``step()``."""
+        set to ``global_step``, then each optimizer's ``step()``; NonFiniteUpdate, every value and slot as it was,
+        when one would be NaN or infinite (``update_guard.kept``)."""
         self._advance(global_step)
         chunked = [c for c in self._chunks.values() if c.param.grad is not None]
         for c in chunked:
             c.set_grads(c.param.grad)
         try:
-            for optimizer in self.optimizers:
-                optimizer.step()
+            with update_guard.kept(self.optimizers):
+                for optimizer in self.optimizers:
+                    optimizer.step()
         finally:
             for c in chunked:
                 c.set_grads(None)
@@ -646,12 +649,14 @@ class PsOptimizer:
 
     def step_chunk(self, global_step: int, param: torch.Tensor, k: int, grad: torch.Tensor) -> None:
         """The update from ``global_step`` of chunk ``k`` of ``param`` alone, with ``grad`` (1-D, that chunk's
-        gradient); every chunk updated once is the variable updated once, as by ``step``."""
+        gradient); every chunk updated once is the variable updated once, as by ``step``. NonFiniteUpdate, the
+        chunk as it was, as for ``step``."""
         self._advance(global_step)
         view = self._chunks[param].views[k]
         view.grad = grad
         try:
-            self.optimizers[0].step()
+            with update_guard.kept(self.optimizers[:1]):
+                self.optimizers[0].step()
         finally:
             view.grad = None
 

@@ -33,6 +33,7 @@ from .plan import TrainPlan, VariableSpec
 from .policies import policy_for
 from . import protocol
 from .protocol import Op
+from .update_guard import all_finite
 
 BUCKET_BYTES = 2 << 20  # a part leaves once this much of the push is ready, in order
 MIN_BYTES = 2 * BUCKET_BYTES  # a smaller push goes whole after backward: one message costs less than parts
@@ -121,7 +122,7 @@ class EarlyPush:
             v = push.order[push.next]
             tensor = self._shards.exchanged(v, self._wire_dtype)
             if v.kind == "param":
-                if not _finite(tensor):
+                if not all_finite(tensor):
                     self._open, self._checked_ids = {}, set()  # every push of this step stops here; the step's
                     return                                # own check fails the step after backward
                 self._checked_ids.add(v.id)
@@ -171,9 +172,3 @@ def _first_order(vs: list[VariableSpec]) -> list[VariableSpec]:
     """Buffers, then the trained variables in the reverse of the model's order."""
     return [v for v in vs if v.kind != "param"] + [v for v in reversed(vs) if v.kind == "param"]
 
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every value of ``t`` is finite (a norm first: one pass without a temporary of ``t``'s size)."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return True
-    return bool(torch.isfinite(torch.linalg.vector_norm(t))) or bool(torch.isfinite(t).all())

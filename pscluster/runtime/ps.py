@@ -30,6 +30,9 @@ fenced): a worker that wakes up never trains beside its replacement. A request t
 run is initialized its requests are held to the sizes of its own variables (``protocol.Limits``). The counters
 reach the run store as "rejected" events (``_report``) and are in the STATS reply.
 
+An update that would make a value or an optimizer slot NaN or infinite is refused whole (``update_guard``): the
+run fails at the step it had reached, every worker request from then on answered ERROR with the cause.
+
 Same host: a worker may map a shared-memory lane for its session (SHARE, see ``lanes``); its pushes then
 leave their dense gradients in the lane and the parameters of its replies are written there. A run keeps
 at most ``MAX_LANES`` lanes (least recently mapped first out); a new run's INIT drops them all.
@@ -44,7 +47,7 @@ from collections import OrderedDict
 import torch
 import zmq
 
-from ..errors import MalformedMessage, ProtocolError, Refused
+from ..errors import MalformedMessage, NonFiniteUpdate, ProtocolError, Refused
 from . import gradients, protocol, updates
 from .emitter import MetricsEmitter
 from .lanes import Lane, LaneError
@@ -134,6 +137,8 @@ class ParameterServer(Router):
     def _reply(self, identity: bytes, req: Message, op: Op, *, flags=Flag.NONE, value: int = 0,
                wait_us: int = 0, with_params: bool = False, meta: dict | None = None) -> None:
         run = self.run
+        if run is not None and run.refused_update and req.op in _WORKER_OPS and req.run_id == run.run_id:
+            op, flags, with_params, meta = Op.ERROR, Flag.NONE, False, {"error": run.refused_update}
         reply = Message(op=op, flags=flags, run_id=req.run_id, request_id=req.request_id, nonce=req.nonce,
                         step=run.step if run else 0, value=value, wait_us=wait_us, meta=meta)
         if run is not None and run.stopped:
@@ -417,7 +422,11 @@ class ParameterServer(Router):
     def _apply(self, run: RunState, grads: list, count: int, *, counts: bool = True) -> None:
         """One update with the mean of ``count`` summed gradients (see ``updates.apply``). ``counts``: the update
         is a global step (a user's loop with several optimizers: its first one's)."""
-        updates.apply(run, grads, count)
+        try:
+            updates.apply(run, grads, count)
+        except NonFiniteUpdate as e:
+            self.refuse_update(run, e)
+            return
         run.applied += 1
         if not counts:
             return
@@ -429,6 +438,17 @@ class ParameterServer(Router):
         elif run.step in run.save_at or any(every and run.step % every == 0
                                             for every in (run.checkpoint_every, run.eval_every)):
             run.save(self.index)
+
+    def refuse_update(self, run: RunState, error: NonFiniteUpdate) -> None:
+        """An update refused, nothing of it applied: the run fails at its current step. The held worker requests
+        are answered with the cause now, every later one too (``_reply``); the values stay those of that step,
+        which the final shard holds."""
+        if run.refused_update is None:
+            run.refused_update = (f"ps {self.index} refused the update from global step {run.step}: {error}, so "
+                                  "nothing of it was applied (lower the learning rate, or clip with "
+                                  "max_grad_norm=...)")
+            self._report(now=True)
+        self._release_waiting()
 
     def _release_waiting(self, ready=None) -> None:
         """Answer the held requests (those that ``ready(request)`` accepts), with the current parameters."""

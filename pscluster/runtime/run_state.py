@@ -71,6 +71,8 @@ class RunState:
     parked: list = field(default_factory=list)  # (identity, push) held while parked
     parked_since: float = 0.0
     reported_rejected: dict = field(default_factory=dict)  # the counters last sent to the collector
+    value_bound: float | None = None  # plain SGD: a bound of every |value| (see update_guard.sgd_step)
+    refused_update: str | None = None  # why an update was refused: every later worker request is answered so
 
     def __post_init__(self):
         # fixed for the run: looked up on every request

@@ -28,23 +28,26 @@ from __future__ import annotations
 
 import torch
 
-from . import protocol
+from ..errors import NonFiniteUpdate
+from . import protocol, update_guard
 from .protocol import Flag, Message, Op
 
 
 def apply_chunk(run, i: int, k: int, grad: torch.Tensor) -> None:
     """Update chunk ``k`` of variable ``i`` of ``run`` with ``grad`` (its 1-D gradient, which the optimizer may
-    change), with the learning rate of the run's current step."""
+    change), with the learning rate of the run's current step; NonFiniteUpdate, the chunk as it was, when it would
+    make a value or a slot NaN or infinite (the chunks of the push taken before it stay: async is lock-free)."""
     run.release_sent()  # the replies that send the variables without a copy are done before they change
     run.snapshot = None  # and the next reply tags the values anew
     param = run.params[i]
     lr = run.optimizer.plain_sgd_rate(run.step)
+    run.value_bound = None  # the ps's bound of its values (``update_guard.sgd_step``) is measured again
     with torch.no_grad():
         if lr is None:
             run.optimizer.step_chunk(run.step, param, k, grad)
         else:
             start, end = run.optimizer.chunk_bounds(param)[k]
-            param.detach().view(-1)[start:end].add_(grad, alpha=-lr)
+            update_guard.sgd_step([param.detach().view(-1)[start:end]], [grad], lr, None)
 
 
 class ChunkSums:
@@ -124,14 +127,17 @@ class StreamedPush:
         """Take chunk ``chunk`` (1-D ``values``, alive during this call only) of the gradient at ``position`` in the
         push: async, applied; sync, summed into its step's (see ``ChunkSums``)."""
         run = self._run
-        if self._server.run is not run or run.stopped:
+        if self._server.run is not run or run.stopped or run.refused_update:
             return
         i = self.positions[position]
         if run.policy.aggregates_steps:
             if run.step == self._step:
                 run.chunk_sums.add(run, i, chunk, values)
             return
-        apply_chunk(run, i, chunk, values if values.dtype == run.params[i].dtype else values.float())
+        try:
+            apply_chunk(run, i, chunk, values if values.dtype == run.params[i].dtype else values.float())
+        except NonFiniteUpdate as e:
+            self._server.refuse_update(run, e)
 
 
 def streamed_push(server, run, head: Message) -> StreamedPush | None:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from . import update_guard
+
 
 def apply(run, grads: list, count: int) -> None:
     """One optimizer step of ``run`` (a ``run_state.RunState``) with the mean of ``count`` summed gradients (of the
     variables this ps owns; sparse ones as lists of (rows, values) parts; a dense one on the meta device was applied
     as it arrived, see ``streamed``; None: a variable of another of a user's optimizers, left as it is), then its
-    buffers from the latest pushed values."""
+    buffers from the latest pushed values. NonFiniteUpdate, nothing of it applied, when it would make a value or an
+    optimizer slot NaN or infinite (``update_guard``)."""
     run.release_sent()
     kept = [(p, g) for p, g in zip(run.trained_params, grads)
             if g is not None and not (isinstance(g, torch.Tensor) and g.is_meta)]
@@ -22,7 +25,7 @@ def apply(run, grads: list, count: int) -> None:
         with torch.no_grad():
             if count > 1:
                 torch._foreach_div_(grads, count)
-            torch._foreach_add_(params, grads, alpha=-lr)
+            run.value_bound = update_guard.sgd_step(params, grads, lr, run.value_bound)
     elif lr is not None:  # this ps holds no trained variable: buffers or frozen ones only
         pass
     else:
@@ -31,9 +34,11 @@ def apply(run, grads: list, count: int) -> None:
                 p.grad = g.div_(count) if count > 1 else g
             else:
                 p.grad = _sparse_grad(p, g, count)
-        run.optimizer.step(run.step)
-        for p in run.trained_params:
-            p.grad = None
+        try:
+            run.optimizer.step(run.step)
+        finally:
+            for p in run.trained_params:
+                p.grad = None
     _keep_buffers(run)
 
 

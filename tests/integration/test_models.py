@@ -517,17 +517,20 @@ def test_optimizer_options_torch_refuses_fail_at_train(cluster_2ps_1w, digits_tr
 
 # --- failures say what happened -------------------------------------------------------------------
 class Poisoned(Dataset):
-    """The digits with one sample turned to NaN: the batch holding it has a NaN loss."""
+    """The digits with one sample turned to NaN (or, given ``scale``, multiplied by it): the batch holding it has a
+    NaN loss (or a finite one with huge gradients)."""
 
-    def __init__(self, bad_index):
-        self.base, self.bad = pscluster.datasets.digits("train"), bad_index
+    def __init__(self, bad_index, scale=None):
+        self.base, self.bad, self.scale = pscluster.datasets.digits("train"), bad_index, scale
 
     def __len__(self):
         return len(self.base)
 
     def __getitem__(self, i):
         x, y = self.base[i]
-        return (torch.full_like(x, float("nan")) if i == self.bad else x), y
+        if i != self.bad:
+            return x, y
+        return (torch.full_like(x, float("nan")) if self.scale is None else x * self.scale), y
 
 
 def first_batch_holding(dataset, index, batch=BATCH) -> int:
@@ -565,6 +568,26 @@ def test_a_nan_loss_fails_the_run_at_that_step_and_keeps_what_was_trained(cluste
                           lr=0.1)
     assert_same_state(state, expected.state_dict())
     assert run.evaluate(pscluster.datasets.digits("test"))["accuracy"] > 0.1
+
+
+def test_an_update_that_would_overflow_is_refused_by_the_ps_and_what_was_trained_stays(cluster_2ps_1w):
+    """A sample -1e25 times as large (its class then predicted wrong): the loss and gradients stay finite, Adam's
+    squared gradient would not. The ps refuses that update whole; the run fails with the cause and keeps the
+    parameters of the step before."""
+    data = Poisoned(bad_index=700, scale=-1e25)
+    bad_step = first_batch_holding(data, 700)
+    trained_on_ps0 = {"2.weight": 0, "2.bias": 0, "0.weight": 1, "0.bias": 1}  # one ps refuses the whole step
+    run = cluster_2ps_1w.train(frozen_stem, data, nn.CrossEntropyLoss(), mode="sync", steps=60, batch_size=BATCH,
+                               seed=SEED, optimizer="adam", lr=0.01, placement=trained_on_ps0, checkpoint_secs=None)
+    with pytest.raises(TrainingError) as failure:
+        run.wait(timeout=120, verbose=False)
+    line = str(failure.value)
+    assert run.status == "failed" and "\n" not in line
+    assert f"ps 0 refused the update from global step {bad_step}: the optimizer slot 'exp_avg_sq'" in line, line
+    assert "nothing of it was applied" in line
+    expected = plain_loop(frozen_stem, pscluster.datasets.digits("train"), bad_step, optimizer=torch.optim.Adam,
+                          loss_fn=nn.CrossEntropyLoss(), lr=0.01)
+    assert_same_state(run.state_dict(), expected.state_dict())
 
 
 def test_a_nan_loss_can_skip_its_batch(cluster_2ps_1w):

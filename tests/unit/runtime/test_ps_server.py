@@ -317,6 +317,67 @@ def test_a_push_carries_the_learning_rate_of_its_update(start_run, values):
         assert_values(run.values(client), expected, tol=1e-5)
 
 
+def huge(like, scale: float) -> list[torch.Tensor]:
+    return [torch.full_like(t, scale) for t in like]
+
+
+@pytest.mark.parametrize("mode, optimizer, lr, scale", [("async", "sgd", 10.0, 1e38), ("sync", "adam", 0.01, 1e30)])
+def test_an_update_that_would_leave_a_non_finite_value_is_refused_whole_and_ends_the_run(start_run, values, mode,
+                                                                                        optimizer, lr, scale):
+    """Finite gradients whose update overflows: SGD's value (1 - 10 * 1e38), Adam's squared gradient (1e60). The
+    ps applies none of it; every worker request from then on gets the cause; the controller's still answered."""
+    run = start_run(values, mode=mode, optimizer=optimizer, lr=lr, replicas=2)
+    w0, w1 = run.client(task=0), run.client(task=1)
+    for client in (w0, w1):
+        client.push(0, run.split(grads(1, run.initial)))  # one good step
+    ps = run.servers[0].run
+    step = ps.step  # sync: 1, async: 2
+    before = [p.clone() for p in ps.params]
+    state_before = {k: v.clone() for k, v in ps.optimizer.state(ps.params[0]).items()}
+    plain = [p.clone() for p in before]  # what torch's own step would make of it
+    reference = getattr(torch.optim, {"sgd": "SGD", "adam": "Adam"}[optimizer])(
+        [torch.nn.Parameter(p) for p in plain], lr=lr)
+    assert not all(torch.isfinite(t).all() for t in _stepped(reference, huge(run.initial, scale)))
+
+    held = {}
+    waiting = threading.Thread(target=lambda: held.setdefault("error", _error(lambda: w0.push_pull(
+        1, run.split(huge(run.initial, scale))))))
+    waiting.start()
+    if mode == "sync":
+        assert wait_until(lambda: len(ps.waiting) == 1, 10)  # the first push held
+        error = _error(lambda: w1.push_pull(1, run.split(huge(run.initial, scale))))
+    waiting.join(10)
+    errors = [held["error"]] + ([error] if mode == "sync" else [])
+    for e in errors:
+        assert isinstance(e, TrainingError) and f"ps 0 refused the update from global step {step}" in str(e), e
+        assert "lower the learning rate" in str(e)
+    for p, b in zip(ps.params, before):
+        assert torch.equal(p, b)  # nothing of it applied
+    for k, v in ps.optimizer.state(ps.params[0]).items():
+        assert torch.equal(v, state_before[k]), k
+    assert ps.step == step
+    with pytest.raises(TrainingError, match="refused the update"):
+        w1.pull()
+    assert run.client().stats()[0]["step"] == step  # the controller is still answered
+
+
+def _stepped(optimizer, gradients) -> list[torch.Tensor]:
+    """The values and state after one step of ``optimizer`` with ``gradients``."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p, g in zip(params, gradients):
+        p.grad = g
+    optimizer.step()
+    return params + [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+
+
+def _error(call) -> Exception | None:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test looks at what it was
+        return e
+    return None
+
+
 @pytest.mark.parametrize("groups", [[{"lr": "fast"}], [{"lr": float("nan")}], [{"params": 1.0}], [{"nope": 1.0}],
                                     [{"lr": 0.1}] * 5, "lr", [{"momentum": [0.9, 0.9]}], [[0.1]], 7])
 def test_bad_group_options_in_a_push_are_refused_and_the_server_goes_on(start_run, values, groups):

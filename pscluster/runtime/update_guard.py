@@ -1,0 +1,127 @@
+"""No update leaves a NaN or an infinity on a ps: one that would is refused whole (``NonFiniteUpdate``), every
+value and optimizer slot as it was before it.
+
+Plain SGD (the ps's own ``p -= lr * g``, see ``updates``) is decided by a bound, at the cost of one read of the
+gradients: with every |g| ≤ G (that read also finds a NaN or an infinity in them) and every |p| ≤ P, no value can
+leave the dtype's range while P + |lr|·G stays below half its largest finite value. P is carried from update to
+update (it grows by |lr|·G each time) and measured again only when the sum nears that limit; past it, the update
+is refused.
+
+Every other update (an optimizer's ``step``, whose state may overflow where the values do not: Adam's squared
+gradient of a float32 gradient above 1.8e19) runs under ``kept``: the values it may change and their optimizer
+slots are copied first (for a sparse gradient, its rows only), checked after, and put back when one is not finite.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+
+from ..errors import NonFiniteUpdate
+
+
+def largest(tensors: list[torch.Tensor]) -> float:
+    """The largest magnitude of any element of ``tensors`` (0 for none): NaN when one is NaN, inf when one is
+    infinite."""
+    if not tensors:
+        return 0.0
+    return float(torch.stack(torch._foreach_norm(tensors, math.inf)).max())
+
+
+def limit(tensors: list[torch.Tensor]) -> float:
+    """Half the largest finite value of the narrowest floating dtype among ``tensors``."""
+    return min((torch.finfo(t.dtype).max for t in tensors if t.is_floating_point()), default=math.inf) / 2
+
+
+def sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor], lr: float, bound: float | None) -> float:
+    """``p -= lr * g`` for each pair, or NonFiniteUpdate with nothing changed when a gradient is not finite or a
+    value could leave its dtype's range. ``bound``: a known upper bound of every |p| (None: not known); returns
+    one for the values after the update."""
+    if not params:
+        return 0.0
+    growth = abs(lr) * largest(grads)
+    if not math.isfinite(growth):
+        raise NonFiniteUpdate(f"a gradient (times lr={lr}) is NaN or infinite")
+    ceiling = limit(params)
+    if bound is None or bound + growth >= ceiling:
+        bound = largest(params)
+    if bound + growth >= ceiling:
+        raise NonFiniteUpdate(f"a value would reach {bound + growth:.3g}, past the range of "
+                              f"{min(p.dtype.itemsize for p in params) * 8}-bit floats")
+    torch._foreach_add_(params, grads, alpha=-lr)
+    return bound + growth
+
+
+@contextmanager
+def kept(optimizers: list[torch.optim.Optimizer]):
+    """Run the block (an update of the parameters of ``optimizers`` whose ``.grad`` is set) with those values and
+    their optimizer state kept: when any of them is NaN or infinite after it, every one is put back as it was and
+    NonFiniteUpdate raised."""
+    saved = [_Kept(opt, p) for opt in optimizers for group in opt.param_groups for p in group["params"]
+             if p.grad is not None]
+    yield
+    bad = next((k for k in saved if not k.finite()), None)
+    if bad is not None:
+        for k in saved:
+            k.restore()
+        raise NonFiniteUpdate(f"the {bad.what} of a {tuple(bad.param.shape)} variable would be NaN or infinite")
+
+
+class _Kept:
+    """One parameter's values and optimizer slots before an update: whole, or the rows of its sparse gradient."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param: torch.Tensor):
+        self.optimizer, self.param, self.what = optimizer, param, "value"
+        grad = param.grad
+        self.rows = grad.coalesce().indices()[0] if grad.is_sparse else None
+        self.had_state = param in optimizer.state
+        self.values = self._part(param.detach())
+        self.state = {k: self._part(v) if self._per_row(v) else v.clone() if isinstance(v, torch.Tensor) else v
+                      for k, v in optimizer.state.get(param, {}).items()}
+
+    def _per_row(self, v) -> bool:
+        return isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == self.param.shape
+
+    def _part(self, t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, self.rows) if self.rows is not None else t.clone()
+
+    def _current(self, t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, self.rows) if self.rows is not None else t
+
+    def finite(self) -> bool:
+        if not all_finite(self._current(self.param.detach())):
+            return False
+        for k, v in self.optimizer.state.get(self.param, {}).items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and \
+                    not all_finite(self._current(v) if self._per_row(v) else v):
+                self.what = f"optimizer slot {k!r}"
+                return False
+        return True
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            self._put(self.param.detach(), self.values)
+            if not self.had_state:
+                self.optimizer.state.pop(self.param, None)
+                return
+            state = self.optimizer.state[self.param]
+            for k, v in self.state.items():
+                if self._per_row(state.get(k)):
+                    self._put(state[k], v)
+                else:
+                    state[k] = v
+
+    def _put(self, target: torch.Tensor, kept: torch.Tensor) -> None:
+        if self.rows is not None:
+            target.index_copy_(0, self.rows, kept)
+        else:
+            target.copy_(kept)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite (a norm first: one pass without a temporary of ``t``'s size)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.linalg.vector_norm(t))) or bool(torch.isfinite(t).all())

@@ -1,0 +1,75 @@
+"""An update that would leave a NaN or an infinity is refused whole: the values and optimizer slots stay as they
+were (``runtime.update_guard``)."""
+
+import math
+
+import pytest
+import torch
+
+from pscluster.errors import NonFiniteUpdate
+from pscluster.runtime import update_guard
+
+
+def test_plain_sgd_takes_a_finite_update_and_carries_a_bound_of_the_values():
+    params, grads = [torch.tensor([1.0, -2.0])], [torch.tensor([0.5, 4.0])]
+    bound = update_guard.sgd_step(params, grads, 0.5, None)
+    assert torch.equal(params[0], torch.tensor([0.75, -4.0]))
+    assert bound >= params[0].abs().max()
+    assert update_guard.sgd_step(params, grads, 0.5, bound) >= params[0].abs().max()
+
+
+@pytest.mark.parametrize("value, grad, lr", [(3e38, -1.0, 1e38), (1.0, math.inf, 0.1), (1.0, math.nan, 0.1),
+                                             (6e4, -1e4, 1.0)])
+def test_plain_sgd_refuses_an_update_past_the_range_and_changes_nothing(value, grad, lr):
+    dtype = torch.float16 if value == 6e4 else torch.float32
+    params, grads = [torch.tensor([value, 1.0], dtype=dtype)], [torch.tensor([grad, 0.0], dtype=dtype)]
+    before = params[0].clone()
+    assert not torch.isfinite(before - lr * grads[0]).all()  # torch's own step would leave an inf or a NaN
+    with pytest.raises(NonFiniteUpdate):
+        update_guard.sgd_step(params, grads, lr, None)
+    assert torch.equal(params[0], before)
+
+
+def step_kept(optimizer, param, grad):
+    param.grad = grad
+    try:
+        with update_guard.kept([optimizer]):
+            optimizer.step()
+    finally:
+        param.grad = None
+
+
+def test_an_optimizer_step_whose_state_would_overflow_is_put_back_whole():
+    """Adam's squared gradient of 1e30 overflows float32 while the value it moves stays finite."""
+    param = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    optimizer = torch.optim.Adam([param], lr=0.01)
+    step_kept(optimizer, param, torch.tensor([0.1, 0.2]))  # one good step: the state exists
+    before = param.detach().clone()
+    state = {k: v.clone() for k, v in optimizer.state[param].items()}
+    with pytest.raises(NonFiniteUpdate, match="optimizer slot 'exp_avg_sq'"):
+        step_kept(optimizer, param, torch.tensor([1e30, 0.2]))
+    assert torch.equal(param.detach(), before)
+    for k, v in optimizer.state[param].items():
+        assert torch.equal(v, state[k]), k
+    step_kept(optimizer, param, torch.tensor([0.1, 0.2]))  # and the next finite update is taken as usual
+    assert int(optimizer.state[param]["step"]) == 2
+
+
+def test_a_first_step_refused_leaves_no_optimizer_state():
+    param = torch.nn.Parameter(torch.tensor([1.0]))
+    optimizer = torch.optim.Adam([param], lr=0.01)
+    with pytest.raises(NonFiniteUpdate):
+        step_kept(optimizer, param, torch.tensor([1e30]))
+    assert param not in optimizer.state and torch.equal(param.detach(), torch.tensor([1.0]))
+
+
+def test_a_sparse_update_keeps_and_puts_back_only_its_rows():
+    table = torch.nn.Parameter(torch.arange(10.0).view(5, 2))
+    optimizer = torch.optim.Adagrad([table], lr=0.1)
+    rows = torch.tensor([[1, 3]])
+    step_kept(optimizer, table, torch.sparse_coo_tensor(rows, torch.ones(2, 2), (5, 2)))
+    before, total = table.detach().clone(), optimizer.state[table]["sum"].clone()
+    with pytest.raises(NonFiniteUpdate):
+        step_kept(optimizer, table, torch.sparse_coo_tensor(rows, torch.full((2, 2), 1e30), (5, 2)))
+    assert torch.equal(table.detach(), before)
+    assert torch.equal(optimizer.state[table]["sum"], total)
