@@ -95,13 +95,7 @@ class EngineSet:
         self.since = 0.0  # when the controller started (its connection file is newer)
         self._sets = 0  # engine sets launched
         self._reaper: subprocess.Popen | None = None
-        self._adding = threading.Lock()  # held while one engine is started (see add_engine)
-        self.spares: list[EngineInfo] = []  # engines started and registered, in no task's use yet
-        self._spares_wanted = 0
-        self._spare_lock = threading.Lock()  # over ``spares``
-        self._spare_needed = threading.Event()
-        self._closing = threading.Event()
-        self._spare_thread: threading.Thread | None = None
+        self._adding = threading.Lock()  # held while one engine is added (see add_engine)
 
     # --- what launchers use (see launchers.Launcher) ---------------------------------------------
     @property
@@ -238,69 +232,25 @@ class EngineSet:
             stderr=subprocess.DEVNULL)
 
     def add_engine(self, task=None, live=()) -> EngineInfo:
-        """One more engine in use (for ``task``: in place of its lost one, or a new worker): a spare at once when
-        one is ready (another is started in the background, see ``keep_spares``), else one started now (the
-        launcher may place it near ``live``, the tasks whose engines still answer) once it registered."""
-        info = self._take_spare()
-        if info is None:
-            with self._adding:
-                info = self._take_spare() or self._start_engine(task, live)  # one may have come meanwhile
-        self.engines[info.engine_id] = info.pid
-        self.info[info.engine_id] = info
-        self._spare_needed.set()
-        return info
-
-    def keep_spares(self, n: int) -> None:
-        """From now on keep ``n`` engines started beyond those in use, for ``add_engine`` to hand out at once:
-        a lost task's replacement, or an added worker. They start in the background, one at a time."""
-        self._spares_wanted = n
-        if n and self._spare_thread is None:
-            self._spare_thread = threading.Thread(target=self._keep_spares, name=f"pscluster-spares-{self.cluster_id}",
-                                                  daemon=True)
-            self._spare_thread.start()
-        self._spare_needed.set()
-
-    def _keep_spares(self) -> None:
-        while not self._closing.is_set():
-            self._spare_needed.wait()
-            self._spare_needed.clear()
-            while not self._closing.is_set() and len(self.spares) < self._spares_wanted:
-                with self._adding:
-                    if self._closing.is_set():
-                        return
-                    try:
-                        info = self._start_engine(None, ())
-                    except Exception as e:  # the cluster trains on without a spare: a replacement starts anew
-                        log.warning("no spare engine for cluster %s: %s", self.cluster_id, e)
-                        return
-                with self._spare_lock:
-                    self.spares.append(info)
-
-    def _take_spare(self) -> EngineInfo | None:
-        """A spare that is still alive, or None."""
-        with self._spare_lock:
-            while self.spares:
-                info = self.spares.pop(0)
-                if info.engine_id in self.registered() and (not self.launcher.local or reaper.alive(info.pid)):
-                    return info
-        return None
-
-    def _start_engine(self, task, live) -> EngineInfo:
-        """Start one engine and wait for it to register; under ``_adding``: a scale, a recovery and the spares
-        that start engines together would otherwise all take the first to come."""
-        known = set(self.client.ids)
-        self.launcher.add(self, task, live)
-        deadline = time.monotonic() + self.timeout
-        while not (new := {e for e in set(self.client.ids) - known if self._addressable(e)}):
-            if time.monotonic() > deadline:
-                raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
-                                        "check the machine's load")
-            time.sleep(0.05)
+        """Start one more engine (for ``task``: in place of its lost one, or a new worker; the launcher may place
+        it near ``live``, the tasks whose engines still answer) and wait for it to register. One at a time: a
+        scale and a recovery that start engines together would otherwise both take the first to come."""
+        with self._adding:
+            known = set(self.client.ids)
+            self.launcher.add(self, task, live)
+            deadline = time.monotonic() + self.timeout
+            while not (new := {e for e in set(self.client.ids) - known if self._addressable(e)}):
+                if time.monotonic() > deadline:
+                    raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
+                                            "check the machine's load")
+                time.sleep(0.05)
         info = self._describe([min(new)])[0]
         self._end_with_controller([info.engine_id])
         if self.launcher.local:
             self.pids = list(dict.fromkeys(self.pids + reaper.with_descendants([info.pid])))
-            self._watch()
+        self.engines[info.engine_id] = info.pid
+        self.info[info.engine_id] = info
+        self._watch()
         return info
 
     def _addressable(self, engine_id: int) -> bool:
@@ -363,13 +313,6 @@ class EngineSet:
 
     def stop(self) -> None:
         """Shut engines down through the client (quietly), stop the cluster, kill survivors."""
-        self._closing.set()
-        self._spare_needed.set()
-        if self._spare_thread is not None:  # a spare starting now is waited for: it is stopped with the rest
-            self._spare_thread.join(self.timeout)
-        with self._spare_lock:
-            self.engines.update({s.engine_id: s.pid for s in self.spares})
-            self.spares = []
         # listed before ipyparallel stops the process local engines fork from: they are its children until then
         self.pids = reaper.with_descendants(self.pids)
         if self.client is not None:

@@ -74,11 +74,6 @@ class Cluster:
     ``encrypt``: the data plane runs over ZeroMQ CURVE encryption (keys derived from the cluster's secret), not
     only signed.
 
-    ``spares``: engines kept started beyond the tasks', so that a lost task's replacement (or a worker added by
-    ``scale``) takes one at once instead of waiting for a new engine to start and register; each one taken is
-    started again in the background. Default: 1 with local engines, 0 with a remote launcher (a spare holds a
-    host's slot or a batch allocation). A cluster taken over by ``attach`` keeps none.
-
     ``detached``: the cluster (and a run in progress) outlives the process that started it, until
     ``stop()``; a later process takes it over with ``Cluster.attach(name)``. Otherwise every process of
     the cluster dies with the process that started it.
@@ -86,12 +81,10 @@ class Cluster:
 
     def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None,
                  store: str | os.PathLike | None = None, threads: int | None = None, detached: bool = False,
-                 launcher: str | Launcher = launchers.DEFAULT, encrypt: bool = False, spares: int | None = None,
-                 **launcher_options):
+                 launcher: str | Launcher = launchers.DEFAULT, encrypt: bool = False, **launcher_options):
         self.num_ps = _count("ps", ps, 1)
         self.num_workers = _count("workers", workers, 1)
         self.launcher = launcher if isinstance(launcher, Launcher) else Launcher(launcher, **launcher_options)
-        self.spares = self.launcher.default_spares if spares is None else _count("spares", spares, 0)
         self.launcher.check_tasks(self.num_ps, self.num_workers)
         if detached and not self.launcher.local:
             raise ConfigError(f"detached=True works with local engines only, not {self.launcher.kind}: "
@@ -157,7 +150,6 @@ class Cluster:
             engines.stop()
             raise
         self._engines = engines
-        engines.keep_spares(self.spares)  # in the background, once the tasks are up
         self._registration = registry.Registration(self)  # listed in the side panel from now on
         return self
 

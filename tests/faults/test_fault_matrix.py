@@ -211,12 +211,9 @@ def test_a_fault_at_a_bad_moment(cluster, data, undisturbed, fault, role, phase)
     # the replacement's own first step, from when its engine was ready (the 'replaced' event)
     own = metrics[(metrics["time"] > replaced_at) & (metrics["worker"] == int(victim_index))] \
         if victim_role == "worker" else metrics.iloc[:0]
-    # from the loss (declared) to the replacement's first step: a worker's own, or the restarted run's after a ps
-    recovery_s = (own["time"].min() if len(own) else training_again) - lost_at
     record(f"{fault} {role} {phase}", {
         "fault_step": int(hit_step), "lost_s": round(lost_at - hit_at, 2), "replaced_s": round(replaced_at - hit_at, 2),
         "training_again_s": round(training_again - hit_at, 2), "accuracy": round(got, 4),
-        "recovery_s": round(recovery_s, 2), "load": round(os.getloadavg()[0], 1),
         "replacement_first_step_s": round(own["time"].min() - replaced_at, 2) if len(own) else None,
         "undisturbed_accuracy": round(undisturbed, 4), "attempts": int(run.plan.attempt) + 1,
         "restored_from": [d.get("from_step") for d in events(run, "restarting")["detail"]]})
