@@ -76,10 +76,14 @@ class EngineSet:
     num_workers)``, default: 1 ps and the rest workers), and a reaper that kills the local processes if this
     process dies without stopping them (``detached``: if the controller dies; this process may end first), and
     then deletes the cluster's files: ipyparallel's cluster file, the controller's connection files and
-    ``files`` (the cluster's registry entry). ``stop()`` deletes the connection files too."""
+    ``files`` (the cluster's registry entry). ``stop()`` deletes the connection files too.
+
+    It also keeps ``spares`` engines started and registered, in no task's use, for ``add_engine`` to hand out at
+    once; local ones start with the first engines, remote ones (and each one handed out) in the background."""
 
     def __init__(self, n: int, cluster_id: str, *, timeout: float = 90.0, detached: bool = False,
-                 launcher: Launcher | None = None, roles: tuple[int, int] | None = None, files: Sequence[str] = ()):
+                 launcher: Launcher | None = None, roles: tuple[int, int] | None = None, files: Sequence[str] = (),
+                 spares: int = 0):
         self.n = n
         self.files = list(files)
         self.cluster_id = cluster_id
@@ -95,7 +99,13 @@ class EngineSet:
         self.since = 0.0  # when the controller started (its connection file is newer)
         self._sets = 0  # engine sets launched
         self._reaper: subprocess.Popen | None = None
-        self._adding = threading.Lock()  # held while one engine is added (see add_engine)
+        self._adding = threading.Lock()  # held while one engine is started (see _start_engine)
+        self.spares_wanted = spares
+        self.spares: list[EngineInfo] = []  # started and registered, in no task's use
+        self._spare_lock = threading.Lock()  # over ``spares``
+        self._spare_needed = threading.Event()
+        self._closing = threading.Event()
+        self._spare_thread: threading.Thread | None = None
 
     # --- what launchers use (see launchers.Launcher) ---------------------------------------------
     @property
@@ -125,25 +135,32 @@ class EngineSet:
         try:
             self.since = time.time()
             self._ipp.start_controller_sync(controller_cmd=controller_main.command())  # its sockets bounded
-            self.launcher.start(self, self.n, *self.roles)
+            # local engines are alike: the spares fork with the tasks' (a remote launcher places engines by role)
+            first = self.n + self.spares_wanted if self.launcher.local else self.n
+            self.launcher.start(self, first, *self.roles)
             self._watch_launched()
             self.client = self._ipp.connect_client_sync()
-            self._wait_for_engines()
-            engines = self._describe(self.client.ids)
+            self._wait_for_engines(first)
+            started = self._describe(sorted(self.client.ids))
         except (TimeoutError, ipp.error.TimeoutError):
             registered = len(self.client.ids) if self.client is not None else 0
             self.stop()
-            raise ClusterStateError(f"{self.n} engines did not register within {self.timeout:.0f}s (only "
+            raise ClusterStateError(f"{first} engines did not register within {self.timeout:.0f}s (only "
                                     f"{registered} did): {self._hint()}") from None
         except BaseException:
             self.stop()
             raise
-        self._end_with_controller([e.engine_id for e in engines])
-        local = [e.pid for e in engines] if self.launcher.local else []
+        self._end_with_controller([e.engine_id for e in started])
+        local = [e.pid for e in started] if self.launcher.local else []
         self.pids = reaper.with_descendants(local + [self._ipp.controller.pid])
+        engines, self.spares = started[:self.n], started[self.n:]
         self.engines = {e.engine_id: e.pid for e in engines}
         self.info = {e.engine_id: e for e in engines}
         self._watch()
+        if self.spares_wanted:
+            self._spare_thread = threading.Thread(target=self._keep_spares, daemon=True,
+                                                  name=f"pscluster-spares-{self.cluster_id}")
+            self._spare_thread.start()
         return engines
 
     def _watch_launched(self) -> None:
@@ -153,14 +170,14 @@ class EngineSet:
         self.pids = [self._ipp.controller.pid, *self.launcher.launched_pids(self)]
         self._watch()
 
-    def _wait_for_engines(self) -> None:
+    def _wait_for_engines(self, n: int) -> None:
         """Until the client counts ``n`` engines. It learns of engines from the hub's list when it connects,
         then from the hub's notifications, so it misses one that registers between the two (local engines
         start while it connects): a client that counts fewer engines than the hub connects again."""
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                self.client.wait_for_engines(self.n, timeout=min(RECOUNT_S, max(0.0, deadline - time.monotonic())),
+                self.client.wait_for_engines(n, timeout=min(RECOUNT_S, max(0.0, deadline - time.monotonic())),
                                              interactive=False)
                 return
             except (TimeoutError, ipp.error.TimeoutError):
@@ -232,25 +249,61 @@ class EngineSet:
             stderr=subprocess.DEVNULL)
 
     def add_engine(self, task=None, live=()) -> EngineInfo:
-        """Start one more engine (for ``task``: in place of its lost one, or a new worker; the launcher may place
-        it near ``live``, the tasks whose engines still answer) and wait for it to register. One at a time: a
-        scale and a recovery that start engines together would otherwise both take the first to come."""
-        with self._adding:
-            known = set(self.client.ids)
-            self.launcher.add(self, task, live)
-            deadline = time.monotonic() + self.timeout
-            while not (new := {e for e in set(self.client.ids) - known if self._addressable(e)}):
-                if time.monotonic() > deadline:
-                    raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
-                                            "check the machine's load")
-                time.sleep(0.05)
+        """One more engine in use, for ``task`` (in place of its lost one, or a new worker): a spare at once when
+        one is ready (the next one starts in the background), else one started now, once it registered (the
+        launcher may place it near ``live``, the tasks whose engines still answer)."""
+        info = self._take_spare()
+        if info is None:
+            with self._adding:
+                info = self._take_spare() or self._start_engine(task, live)  # a spare may have come meanwhile
+        self.engines[info.engine_id] = info.pid
+        self.info[info.engine_id] = info
+        self._spare_needed.set()
+        return info
+
+    def _keep_spares(self) -> None:
+        """The background thread that starts spares, one at a time, until ``spares_wanted`` are ready."""
+        while not self._closing.is_set():
+            with self._adding:
+                if self._closing.is_set():
+                    return
+                if len(self.spares) < self.spares_wanted:
+                    try:
+                        info = self._start_engine(None, ())
+                    except Exception as e:  # the cluster goes on without: a replacement starts its own engine
+                        log.warning("cluster %s keeps no spare engine: %s", self.cluster_id, e)
+                        return
+                    with self._spare_lock:
+                        self.spares.append(info)
+                    continue
+            self._spare_needed.wait()
+            self._spare_needed.clear()
+
+    def _take_spare(self) -> EngineInfo | None:
+        """A ready spare whose engine is still alive (one that died is dropped), or None."""
+        with self._spare_lock:
+            while self.spares:
+                info = self.spares.pop(0)
+                if info.engine_id in self.registered() and not (self.launcher.local and not reaper.alive(info.pid)):
+                    return info
+        return None
+
+    def _start_engine(self, task, live) -> EngineInfo:
+        """Start one engine and wait for it to register; under ``_adding``: a scale, a recovery and the spares'
+        thread that start engines together would otherwise all take the first to come."""
+        known = set(self.client.ids)
+        self.launcher.add(self, task, live)
+        deadline = time.monotonic() + self.timeout
+        while not (new := {e for e in set(self.client.ids) - known if self._addressable(e)}):
+            if time.monotonic() > deadline:
+                raise ClusterStateError(f"a new engine did not register within {self.timeout:.0f}s: "
+                                        "check the machine's load")
+            time.sleep(0.05)
         info = self._describe([min(new)])[0]
         self._end_with_controller([info.engine_id])
         if self.launcher.local:
             self.pids = list(dict.fromkeys(self.pids + reaper.with_descendants([info.pid])))
-        self.engines[info.engine_id] = info.pid
-        self.info[info.engine_id] = info
-        self._watch()
+            self._watch()
         return info
 
     def _addressable(self, engine_id: int) -> bool:
@@ -313,6 +366,13 @@ class EngineSet:
 
     def stop(self) -> None:
         """Shut engines down through the client (quietly), stop the cluster, kill survivors."""
+        self._closing.set()
+        self._spare_needed.set()
+        if self._spare_thread is not None:  # a spare starting now is waited for, and stopped with the rest
+            self._spare_thread.join(self.timeout)
+        with self._spare_lock:
+            self.engines.update({s.engine_id: s.pid for s in self.spares})
+            self.spares = []
         # listed before ipyparallel stops the process local engines fork from: they are its children until then
         self.pids = reaper.with_descendants(self.pids)
         if self.client is not None:

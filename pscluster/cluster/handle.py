@@ -74,6 +74,11 @@ class Cluster:
     ``encrypt``: the data plane runs over ZeroMQ CURVE encryption (keys derived from the cluster's secret), not
     only signed.
 
+    ``spares``: engines kept started beyond the tasks', so that a lost task's replacement (or a worker added by
+    ``scale``) takes one at once instead of waiting for a new engine to start and register; each one taken is
+    started again in the background. Default: 1 with local engines, 0 with a remote launcher (a spare holds a
+    host's slot or a batch allocation). A cluster taken over by ``attach`` keeps none.
+
     ``detached``: the cluster (and a run in progress) outlives the process that started it, until
     ``stop()``; a later process takes it over with ``Cluster.attach(name)``. Otherwise every process of
     the cluster dies with the process that started it.
@@ -81,10 +86,12 @@ class Cluster:
 
     def __init__(self, ps: int = 1, workers: int = 2, *, gpus: int | None = None, name: str | None = None,
                  store: str | os.PathLike | None = None, threads: int | None = None, detached: bool = False,
-                 launcher: str | Launcher = launchers.DEFAULT, encrypt: bool = False, **launcher_options):
+                 launcher: str | Launcher = launchers.DEFAULT, encrypt: bool = False, spares: int | None = None,
+                 **launcher_options):
         self.num_ps = _count("ps", ps, 1)
         self.num_workers = _count("workers", workers, 1)
         self.launcher = launcher if isinstance(launcher, Launcher) else Launcher(launcher, **launcher_options)
+        self.spares = self.launcher.default_spares if spares is None else _count("spares", spares, 0)
         self.launcher.check_tasks(self.num_ps, self.num_workers)
         if detached and not self.launcher.local:
             raise ConfigError(f"detached=True works with local engines only, not {self.launcher.kind}: "
@@ -129,7 +136,8 @@ class Cluster:
         optim.preload_in_background()  # for train()'s optimizer check, while the engines start
         launcher = self.launcher
         engines = EngineSet(self.num_ps + self.num_workers, self.name, detached=self.detached, launcher=launcher,
-                            roles=(self.num_ps, self.num_workers), files=[registry.entry_path(self.name)])
+                            roles=(self.num_ps, self.num_workers), files=[registry.entry_path(self.name)],
+                            spares=self.spares)
         infos = engines.start()
         try:
             spec = assign_roles(infos, self.num_ps, self.num_workers, name=self.name,
@@ -266,7 +274,7 @@ class Cluster:
               name: str | None = DEFAULTS.name, code: str | None = None, test_dataset=None,
               eval_every: int | None = DEFAULTS.eval_every, placement=DEFAULTS.placement,
               partition: dict | None = DEFAULTS.partition, staleness_bound: int = DEFAULTS.staleness_bound,
-              checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
+              max_lead: float | None = DEFAULTS.max_lead, checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
               checkpoint_every: int = DEFAULTS.checkpoint_every,
               checkpoint_secs: float | None = DEFAULTS.checkpoint_secs,
               keep_checkpoints: int = DEFAULTS.keep_checkpoints, restore: bool = DEFAULTS.restore,
@@ -317,7 +325,10 @@ class Cluster:
         ``test_dataset``: evaluated in this process every ``eval_every`` global steps (default:
         a tenth of ``steps``) and at the end; results go to the run store and the dashboard.
         ``mode``: ``sync``, ``async`` or ``ssp`` (bounded staleness: no worker runs more than
-        ``staleness_bound`` steps ahead of the slowest). ``placement``: ``"round_robin"``,
+        ``staleness_bound`` steps ahead of the slowest). ``max_lead`` (async): a worker pushes at most this
+        fraction more than the slowest live one (a few steps more at the start), so one the OS gives less CPU
+        still trains on its share of the data; None lets workers of different speeds each go at its own.
+        ``placement``: ``"round_robin"``,
         ``"greedy"`` (TF's), ``"largest_first"``, a ``{variable: ps}`` dict or a strategy from
         ``pscluster.placement``;
         ``partition``: ``{variable name or prefix: shard count or partitioner}`` splits variables
@@ -376,7 +387,8 @@ class Cluster:
         run_plan = TrainPlan.for_model(model, optimizer_spec, num_ps=self.num_ps, placement=placement,
                                        partition=partition, run_id=1, mode=mode, steps=steps, batch_size=batch_size,
                                        replicas_to_aggregate=replicas, num_workers=self.num_workers,
-                                       staleness_bound=staleness_bound, seed=seed, log_every=log_every,
+                                       staleness_bound=staleness_bound, max_lead=max_lead, seed=seed,
+                                       log_every=log_every,
                                        request_timeout=request_timeout, checkpoint_every=checkpoint_every,
                                        restore=restore, shared_memory=shared_memory, pipeline=pipeline,
                                        overlap=overlap,

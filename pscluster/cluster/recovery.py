@@ -28,7 +28,7 @@ from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec, TaskSpec
 from .checkpoint_commits import CheckpointCoordinator
 
-HEALTH_S = 0.25
+HEALTH_S = 0.1
 WORKERS_END_S = 10.0  # how long the workers of a failed attempt get to end before they are killed
 
 
@@ -52,6 +52,9 @@ class RecoveringRun(Protocol):
     def replace_task(self, task: TaskSpec) -> None: ...
 
     def launch_worker(self, index: int, *, join: bool) -> None: ...
+
+    def left(self, index: int) -> str | None:
+        """Why worker ``index`` failed out of the current attempt (its "left" event), or None."""
 
     def restart(self) -> None: ...
 
@@ -122,9 +125,10 @@ def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[Tas
     _tell_survivors(run, survivors, lambda client: client.stop(attempt=run.plan.attempt))
     gone = {t.index for t in lost_workers}
     live = [(i, r) for i, r in enumerate(run.worker_results) if i not in gone]
-    if not wait_until(lambda: all(r.ready() for _, r in live), WORKERS_END_S):
+    # out of the attempt: its result came, or (often sooner) its "left" event; its engine runs the next call after
+    if not wait_until(lambda: all(r.ready() or run.left(i) is not None for i, r in live), WORKERS_END_S):
         for i, r in live:  # a worker that does not end is killed and replaced too
-            if not r.ready():
+            if not (r.ready() or run.left(i) is not None):
                 task = run.spec.task("worker", i)
                 try:
                     tasks.kill_task(task)
@@ -138,9 +142,11 @@ def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[Tas
     assembled = run.checkpoints.rescue(run.plan, len(run.spec.ps))
     for t in [*lost_ps, *lost_workers]:
         run.replace_task(t)
-    detail = {"attempt": run.plan.attempt + 1, "from_step": _restorable_step(run)}
-    if assembled is not None and detail["from_step"] == assembled.step:
-        detail["sources"] = [s.to_dict() for s in assembled.sources]
+    if assembled is not None:  # newer than any committed checkpoint, each of its sources read back just now
+        detail = {"attempt": run.plan.attempt + 1, "from_step": assembled.step,
+                  "sources": [s.to_dict() for s in assembled.sources]}
+    else:
+        detail = {"attempt": run.plan.attempt + 1, "from_step": _restorable_step(run)}
     run.note("restarting", "controller", detail)
     run.restart()
 

@@ -57,7 +57,8 @@ class PSClusterMagics(Magics):
         launcher_options = {k: v for k in LAUNCHER_OPTIONS if (v := getattr(args, k))}
         launcher_options.update(args.launcher_opts)
         cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads,
-                          detached=args.detached, launcher=args.launcher, encrypt=args.encrypt, **launcher_options)
+                          detached=args.detached, launcher=args.launcher, encrypt=args.encrypt, spares=args.spares,
+                          **launcher_options)
         where = ("local engines" if cluster.launcher.local else
                  f"engines started by the {cluster.launcher.kind} launcher")
         print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on {where}...", flush=True)

@@ -73,6 +73,9 @@ def parsers() -> dict[str, Parser]:
                             "%%pscluster attach NAME")
     start.add_argument("--threads", type=int, default=None,
                        help="torch threads per task (default: the cores shared out among the tasks)")
+    start.add_argument("--spares", type=int, default=None,
+                       help="engines kept started for a lost task's replacement or an added worker (default: 1 "
+                            "with local engines, 0 with a remote launcher)")
     start.add_argument("--encrypt", action="store_true",
                        help="run the data plane over ZeroMQ CURVE encryption (it is always signed)")
     start.add_argument("--launcher", type=launcher_name, default=CLUSTER_DEFAULTS["launcher"],

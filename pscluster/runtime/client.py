@@ -29,7 +29,9 @@ from .protocol import Flag, Message, Op
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
-CONNECT_RETRIES = 20  # refused connection attempts (100 ms apart) before a ps counts as lost
+# refused connection attempts (100 ms apart) before a ps counts as lost: a listening port never refuses, so one that
+# does is of a ps that died (before this client connected: no connection to drop), and its run's recovery waits on it
+CONNECT_RETRIES = 3
 _LANE_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 _HANDSHAKE_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 

@@ -130,6 +130,10 @@ OPTIONS: dict[str, Option] = _options(
            EVERY, float, least=0, above=True, fix="a number of seconds > 0"),
     Option("staleness_bound", 2, "ssp: how many steps a worker may run ahead of the slowest", LOOPS, int, least=0,
            fix="an integer >= 0 (steps a worker may run ahead of the slowest)"),
+    Option("max_lead", 0.25, "async: how much more a worker may push than the slowest live one, as a fraction of "
+           "the slowest's pushes (0.25: a quarter more), so that a worker the OS gives less CPU still trains on its "
+           "share of the data; None: no bound (workers of different speeds)", LOOPS, float, least=0, optional=True,
+           fix="a fraction >= 0 (0.25: a quarter more pushes than the slowest worker), or None for no bound"),
     Option("placement", "round_robin", "which ps task holds each variable: round_robin (in model order), greedy "
            "(each to the least loaded ps, as TF's GreedyLoadBalancingStrategy), largest_first (the same, largest "
            "first), a {variable: ps} dict or a strategy from pscluster.placement", EVERY, None,

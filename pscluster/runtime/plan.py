@@ -160,6 +160,7 @@ class TrainPlan:
     metrics_address: str | None = None
     request_timeout: float = DEFAULTS.request_timeout
     staleness_bound: int = DEFAULTS.staleness_bound
+    max_lead: float | None = DEFAULTS.max_lead
     checkpoint_dir: str | None = None  # where the ps tasks write their shards (None: no checkpoints)
     checkpoint_every: int = DEFAULTS.checkpoint_every
     eval_every: int = 0  # global steps between the checkpoints the controller evaluates (0: no evaluation)
@@ -278,6 +279,7 @@ class PsConfig:
     more_optimizers: tuple[dict, ...] = ()  # a user's loop with several: the others' specs (``TrainPlan``)
     optimizer_of: tuple[int, ...] = ()  # per variable: the optimizer that trains it (0 for all when empty)
     staleness_bound: int = DEFAULTS.staleness_bound
+    max_lead: float | None = DEFAULTS.max_lead
     buffers: str = DEFAULTS.buffers
     precision: str = DEFAULTS.precision  # bf16 / fp16: the gradients of fp32 variables arrive in that dtype
     metrics_address: str | None = None
@@ -324,7 +326,8 @@ class PsConfig:
                    num_workers=plan.num_workers, optimizer=plan.optimizer_spec.to_dict(),
                    more_optimizers=plan.more_optimizers, optimizer_of=tuple(v.optimizer for v in mine),
                    names=tuple(v.name for v in mine), sparse=tuple(v.sparse for v in mine),
-                   kinds=tuple(v.kind for v in mine), staleness_bound=plan.staleness_bound, buffers=plan.buffers,
+                   kinds=tuple(v.kind for v in mine), staleness_bound=plan.staleness_bound, max_lead=plan.max_lead,
+                   buffers=plan.buffers,
                    precision=plan.precision,
                    metrics_address=plan.metrics_address, checkpoint_dir=plan.checkpoint_dir,
                    checkpoint_every=plan.checkpoint_every, eval_every=plan.eval_every, attempt=plan.attempt)

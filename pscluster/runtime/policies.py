@@ -12,10 +12,13 @@ to behaviour. The rest of the package asks the policy class what it needs to kno
   every two of its own): worker i's quota is an even share, the lower-numbered workers taking the remainder, and a
   push short of its quota is answered at once, on the same step.
 - **async** (``Async``): each gradient is applied on arrival; its staleness (the current step minus the step it was
-  computed on) is counted.
-- **ssp** (``SSP``, bounded staleness): as async, but the answer to a worker's push is held while that worker has
-  pushed more than ``staleness_bound`` times more than the slowest live worker, so no worker runs more than the
-  bound ahead.
+  computed on) is counted. The answer to a worker's push is held while that worker has pushed more than
+  ``max_lead`` (a fraction) times more than the slowest live worker, and more than ``LEAD_SLACK`` times more: on a
+  busy machine the OS can give one worker half the CPU of another (the one that shares a core with another
+  process) for as long as the run lasts, and that worker's data shard would be trained on half as much. None: no
+  bound (workers of different speeds, each at its own).
+- **ssp** (``SSP``, bounded staleness): as async, but the answer is held while that worker has pushed more than
+  ``staleness_bound`` times more than the slowest live worker, so no worker runs more than the bound ahead.
 
 The interface, after ps-lite's request handle: a policy sees the ps through ``Server`` and each push through
 ``Push``, the few operations a policy needs (read the step and the members, apply an update, release held
@@ -35,6 +38,7 @@ Everything runs in the ps's one thread: a policy needs no lock.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import Counter
 from typing import AbstractSet, Callable, ClassVar, Protocol
@@ -133,7 +137,8 @@ class Policy(ABC):
 
     allows_pipeline: ClassVar[bool] = False
     """A worker may compute its next gradient while its push is in flight (``TrainPlan.pipeline``): the gradient,
-    one step older than the values it is applied to, is applied, not dropped, and no answer is held for it."""
+    one step older than the values it is applied to, is applied, not dropped, and no answer is held for its
+    staleness."""
 
     def __init__(self, server: Server, config):
         """``config``: the run's ``plan.PsConfig``."""
@@ -237,8 +242,12 @@ class Sync(Policy):
         return {"staleness": {}, "waiting_on": sorted(set(self.contributors))}
 
 
+LEAD_SLACK = 8  # pushes any worker may run ahead of the slowest under async's max_lead: its start, a short run
+
+
 class Async(Policy):
-    """See the module."""
+    """See the module. A worker that joins (a replacement, or one added) starts level with the slowest of the
+    others."""
 
     name = "async"
     counts_staleness = True
@@ -247,6 +256,8 @@ class Async(Policy):
     def __init__(self, server: Server, config):
         super().__init__(server, config)
         self.staleness: Counter = Counter()  # pushes applied, by staleness
+        self.clocks: Counter = Counter()  # pushes per worker
+        self.lead = config.max_lead
 
     def push(self, push: Push) -> None:
         staleness = self.server.step - push.step
@@ -254,40 +265,21 @@ class Async(Policy):
         # applied before the request's frames are let go: no copy (they are writable memory of this message
         # alone, so an optimizer that changes a gradient in place changes nothing else)
         self.server.apply(push.take(), 1, counts=push.optimizer == 0)
-        self.answer(push, staleness)
-
-    def answer(self, push: Push, staleness: int) -> None:
-        push.reply(staleness)
-
-    def heard_from_lost(self, worker: int) -> None:
-        self.server.join(worker)  # no step waits for a worker: live again at once
-
-    def stats(self) -> dict:
-        return {"staleness": {str(k): v for k, v in sorted(self.staleness.items())}, "waiting_on": []}
-
-
-class SSP(Async):
-    """See the module. A worker that joins (a replacement, or one added) starts level with the slowest of the
-    others."""
-
-    name = "ssp"
-    allows_pipeline = False
-
-    def __init__(self, server: Server, config):
-        super().__init__(server, config)
-        self.bound = config.staleness_bound
-        self.clocks: Counter = Counter()  # pushes per worker
-
-    def answer(self, push: Push, staleness: int) -> None:
         self.clocks[push.worker] += 1
-        if self.ahead(push.worker) > self.bound and not self.server.stopped:
+        if self.ahead(push.worker) > self.allowed() and not self.server.stopped:
             push.hold(staleness)
         else:
             push.reply(staleness)
         self._release_within_bound()
 
+    def allowed(self) -> float:
+        """How many pushes a worker may be ahead of the slowest live worker before its answer is held."""
+        if self.lead is None:
+            return math.inf
+        return max(LEAD_SLACK, self.lead * self.slowest())
+
     def heard_from_lost(self, worker: int) -> None:
-        self.server.join(worker)
+        self.server.join(worker)  # no step waits for a worker: live again at once
         self.clocks[worker] = min((self.clocks[w] for w in self.server.live() if w != worker), default=0)
 
     def members_changed(self) -> None:
@@ -296,19 +288,41 @@ class SSP(Async):
         self._release_within_bound()
 
     def _release_within_bound(self) -> None:
-        self.server.release(lambda worker: self.ahead(worker) <= self.bound)
+        if self.server.holding:
+            allowed = self.allowed()
+            self.server.release(lambda worker: self.ahead(worker) <= allowed)
+
+    def slowest(self) -> int:
+        """The pushes of the slowest live worker."""
+        return min(self.clocks[w] for w in self.server.live())
 
     def ahead(self, worker: int) -> int:
         """How many pushes ``worker`` is ahead of the slowest live worker."""
-        return self.clocks[worker] - min(self.clocks[w] for w in self.server.live())
+        return self.clocks[worker] - self.slowest()
 
     def waiting_for(self) -> list[int]:
         """The slowest workers, while some worker is held for them."""
         if not self.server.holding:
             return []
-        live = self.server.live()
-        slowest = min(self.clocks[w] for w in live)
-        return [w for w in live if self.clocks[w] == slowest]
+        slowest = self.slowest()
+        return [w for w in self.server.live() if self.clocks[w] == slowest]
+
+    def stats(self) -> dict:
+        return {"staleness": {str(k): v for k, v in sorted(self.staleness.items())}, "waiting_on": []}
+
+
+class SSP(Async):
+    """See the module."""
+
+    name = "ssp"
+    allows_pipeline = False
+
+    def __init__(self, server: Server, config):
+        super().__init__(server, config)
+        self.bound = config.staleness_bound
+
+    def allowed(self) -> float:
+        return self.bound
 
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Sync, Async, SSP)}

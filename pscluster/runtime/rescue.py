@@ -45,7 +45,8 @@ def write_copy(directory, worker: int, step: int, values: dict[str, torch.Tensor
     folder.mkdir(parents=True, exist_ok=True)
     size, sha = checkpoint.write_tensors(folder / f"worker-{worker}.tensors", values)
     checkpoint.write_json(folder / f"worker-{worker}.json", {"worker": worker, "step": step, "run_id": run_id,
-                                                             "attempt": attempt, "bytes": size, "sha256": sha})
+                                                             "attempt": attempt, "bytes": size, "sha256": sha,
+                                                             "variables": sorted(values)})
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,15 @@ class Assembled:
     sources: tuple[Source, ...]
 
 
+@dataclass(frozen=True)
+class _Candidate:
+    """A source of one ps's part at one step, not read yet: a file and the receipt it must match."""
+
+    source: Source
+    file: Path
+    receipt: dict
+
+
 def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: list[VariableSpec], optimizer: str,
              optimizer_kwargs: dict, keep: int | None = None, state_keys=()) -> Assembled | None:
     """Commit the newest state of attempt ``attempt`` of run ``run_id`` that every ps has at one step (see the
@@ -76,48 +86,57 @@ def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: li
     shards = _own_shards(directory, run_id, attempt)
     copies = _worker_copies(directory, run_id, attempt)
     committed = checkpoint.committed_steps(directory)
-    # ps -> step -> its sources of that step, best first: (source, its receipt, or its values)
-    candidates: dict[int, dict[int, list[tuple[Source, dict | None, dict | None]]]] = {}
+    # ps -> step -> its sources of that step, best first
+    candidates: dict[int, dict[int, list[_Candidate]]] = {}
     for ps in range(num_ps):
-        held = [v for v in variables if v.ps == ps]
+        held = {v.name for v in variables if v.ps == ps}
         by_step = candidates[ps] = {}
         for receipt in shards.get(ps, ()):  # its own shard before a copy: it carries the optimizer state
-            by_step.setdefault(receipt["step"], []).append((Source(ps, receipt["step"], f"ps {ps}", True), receipt,
-                                                            None))
-        if not any(v.sparse for v in held):
-            for worker, (step, values) in sorted(copies.items()):
-                if all(v.name in values for v in held):
-                    by_step.setdefault(step, []).append((Source(ps, step, f"worker {worker}", False), None,
-                                                         {v.name: values[v.name] for v in held}))
-    chosen = _newest_common(candidates, directory, after=committed[-1] if committed else -1)
+            by_step.setdefault(receipt["step"], []).append(
+                _Candidate(Source(ps, receipt["step"], f"ps {ps}", True), directory / str(receipt.get("file")),
+                           receipt))
+        if not any(v.sparse for v in variables if v.ps == ps):
+            for worker, (file, receipt) in sorted(copies.items()):
+                if held <= set(receipt["variables"]):
+                    by_step.setdefault(receipt["step"], []).append(
+                        _Candidate(Source(ps, receipt["step"], f"worker {worker}", False), file, receipt))
+    chosen = _newest_common(candidates, after=committed[-1] if committed else -1)
     if chosen is None:
         return None
-    step = next(iter(chosen.values()))[0].step
+    step = next(iter(chosen.values())).source.step
     folder = checkpoint.step_dir(directory, step)
     folder.mkdir(parents=True, exist_ok=True)
-    found = []
-    for ps, (_, receipt, values) in chosen.items():
-        found.append(_place_shard(directory, receipt, step, attempt) if receipt is not None else
-                     checkpoint.write_shard(directory, step, ps, values, run_id=run_id, attempt=attempt))
-    sources = tuple(source for source, _, _ in chosen.values())
+    found, read = [], {}  # read: a copy's values, by file (one copy may serve every ps)
+    for ps, candidate in chosen.items():
+        if candidate.source.optimizer_state:
+            found.append(_place_shard(directory, candidate.receipt, step, attempt))
+            continue
+        if candidate.file not in read:
+            read[candidate.file] = checkpoint.read_tensors(candidate.file)
+        values = read[candidate.file]
+        found.append(checkpoint.write_shard(directory, step, ps, {v.name: values[v.name] for v in variables
+                                                                  if v.ps == ps}, run_id=run_id, attempt=attempt))
+    sources = tuple(candidate.source for candidate in chosen.values())
     path = checkpoint.commit(directory, step, run_id, variables, optimizer, optimizer_kwargs, found, keep=keep,
                              state_keys=state_keys, rescued=[s.to_dict() for s in sources])
     return Assembled(step=step, path=path, sources=sources)
 
 
-def _newest_common(candidates: dict, directory: Path, after: int) -> dict | None:
-    """Each ps's best source at the newest step past ``after`` at which every ps has one, or None. A ps's own
-    shard is read back (size, SHA-256) before it is taken: a damaged one is never a source (that ps's next source
-    of the step is tried, or the step given up)."""
+def _newest_common(candidates: dict[int, dict[int, list[_Candidate]]], after: int) -> dict[int, _Candidate] | None:
+    """Each ps's best source at the newest step past ``after`` at which every ps has one, or None. A source's
+    file is read back (size, SHA-256) before it is taken, once however many ps it serves: a damaged one is never
+    a source (that ps's next source of the step is tried, or the step given up)."""
+    intact: dict[Path, bool] = {}
     while True:
         common = set.intersection(*(set(by_step) for by_step in candidates.values())) if candidates else set()
         newer = [s for s in common if s > after]
         if not newer:
             return None
         step = max(newer)
-        damaged = [ps for ps, by_step in candidates.items()
-                   if (receipt := by_step[step][0][1]) is not None
-                   and not _intact(directory / str(receipt.get("file")), receipt)]
+        for best in (by_step[step][0] for by_step in candidates.values()):
+            if best.file not in intact:
+                intact[best.file] = _intact(best.file, best.receipt)
+        damaged = [ps for ps, by_step in candidates.items() if not intact[by_step[step][0].file]]
         if not damaged:
             return {ps: by_step[step][0] for ps, by_step in candidates.items()}
         for ps in damaged:
@@ -154,20 +173,18 @@ def _intact(file: Path, receipt: dict) -> bool:
         return False
 
 
-def _worker_copies(directory: Path, run_id: int, attempt: int) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
-    """The workers' copies of ``attempt`` of run ``run_id`` that read back whole: worker -> (step, values)."""
+def _worker_copies(directory: Path, run_id: int, attempt: int) -> dict[int, tuple[Path, dict]]:
+    """The workers' copies of ``attempt`` of run ``run_id`` (not yet read back, see ``_newest_common``): worker ->
+    (its file, its receipt)."""
     copies = {}
     folder = copies_dir(directory)
     for receipt_path in sorted(folder.glob("worker-*.json")) if folder.is_dir() else ():
         try:
             receipt = json.loads(receipt_path.read_text())
-            if receipt.get("run_id") != run_id or receipt.get("attempt") != attempt:
-                continue
-            file = receipt_path.with_suffix(".tensors")
-            if not _intact(file, receipt):
-                continue  # overwritten or damaged since
-            copies[int(receipt["worker"])] = (int(receipt["step"]), checkpoint.read_tensors(file))
-        except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+            if (receipt.get("run_id") == run_id and receipt.get("attempt") == attempt
+                    and isinstance(receipt.get("step"), int) and isinstance(receipt.get("variables"), list)):
+                copies[int(receipt["worker"])] = (receipt_path.with_suffix(".tensors"), receipt)
+        except (OSError, ValueError, KeyError, TypeError):
             continue
     return copies
 

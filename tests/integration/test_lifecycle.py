@@ -39,8 +39,8 @@ OWNER_KILLED_WHILE_STARTING = textwrap.dedent("""
     import json, os, time, pscluster
     from pscluster.cluster.engines import EngineSet
 
-    def registered_then_stuck(self):  # the owner dies after the engines registered, before start() returns
-        self.client.wait_for_engines(self.n, timeout=60)
+    def registered_then_stuck(self, n):  # the owner dies after the engines registered, before start() returns
+        self.client.wait_for_engines(n, timeout=60)
         print(json.dumps(os.getpid()), flush=True)
         time.sleep(300)
 

@@ -11,6 +11,7 @@ from pscluster.errors import ConfigError, RuntimeTimeout
 from pscluster.evaluate import evaluate
 from pscluster.cluster.reaper import alive
 from pscluster.runtime import checkpoint
+from pscluster.runtime.waiting import wait_until
 
 from .conftest import events, mlp, wait_for_step
 
@@ -74,6 +75,29 @@ def test_a_lost_worker_is_replaced_and_the_run_reaches_its_target(own_cluster, d
     assert c.spec.task(role, int(index)).pid != old_pid
     assert not alive(old_pid)
     assert run.local_steps[int(index)] > 0, run.local_steps  # the replacement trained
+
+
+def test_a_lost_task_takes_the_spare_engine_and_a_new_spare_starts(own_cluster, digits_train):
+    c = own_cluster(ps=1, workers=2)  # one spare, the default on this machine, started with the tasks'
+    engines = c._engines
+    [spare] = engines.spares
+    assert spare.engine_id not in {t.engine_id for t in (*c.spec.ps, *c.spec.workers)}
+    assert spare.pid in c.pids  # stopped with the cluster, killed by the reaper with this process
+    run = c.train(mlp, digits_train, LOSS, lr=0.1, mode="async", steps=3 * STEPS, batch_size=32, checkpoint_secs=None)
+    wait_for_step(run, 100)
+    c.kill("worker:1")
+    run.wait(timeout=180, verbose=False)
+    assert run.status == "finished" and run.global_step == 3 * STEPS
+    replacement = c.spec.task("worker", 1)
+    assert (replacement.engine_id, replacement.pid) == (spare.engine_id, spare.pid)  # taken, not started
+    assert list(events(run, "replaced")["task"]) == ["worker:1"]
+    assert wait_until(lambda: len(engines.spares) == 1, 60), "the spare taken was not started again"
+    assert engines.spares[0].engine_id != spare.engine_id
+
+
+def test_a_cluster_asked_for_no_spare_keeps_none(own_cluster):
+    c = own_cluster(ps=1, workers=1, spares=0)
+    assert c._engines.spares == [] and len(c._engines.registered()) == 2
 
 
 def test_a_worker_lost_between_two_runs_is_replaced_when_the_next_run_starts(own_cluster, digits_train):

@@ -67,12 +67,12 @@ def test_workers_added_during_a_sync_run_join_it_and_removed_ones_end(own_cluste
 
 def test_a_scale_that_outlasts_its_run_changes_the_cluster_and_records_nothing_for_the_run(own_cluster,
                                                                                           digits_train):
-    c = own_cluster(ps=1, workers=2)
+    c = own_cluster(ps=1, workers=2, spares=0)  # no engine ready for the new worker
     run = c.train(mlp, digits_train, torch.nn.CrossEntropyLoss(), lr=0.1, mode="async", steps=10**6, batch_size=32,
                   checkpoint_secs=None)
     wait_for_step(run, 50)
     request = c.scale(3)
-    run.stop()  # a moment, where the new engine takes seconds to start
+    run.stop()  # a moment, where the new engine takes a second or more to start
     assert request.wait(timeout=120) is c.spec and len(c.spec.workers) == 3 and c.num_workers == 3
     assert run.status == "stopped"
     assert events(run, "scaled").empty and events(run, "end")["time"].max() == run.store.events(run.id)["time"].max()

@@ -198,6 +198,6 @@ def test_a_short_async_run_on_fresh_engines_is_shared_by_every_worker(start_clus
     run.wait(timeout=120, verbose=False)
     assert run.status == "finished" and run.global_step == 600
     mean = sum(run.local_steps) / len(run.local_steps)
-    assert min(run.local_steps) >= 0.6 * mean, run.local_steps
+    assert min(run.local_steps) >= 0.8 * mean, run.local_steps  # max_lead
     states = run.events().query("kind == 'state' and task == 'worker:0'")["detail"].map(lambda d: d["state"])
     assert "waiting for workers" in list(states)

@@ -177,6 +177,9 @@ class Launcher(metaclass=_ByKind):
     ipp_class: ClassVar[str | type | None] = None  # ipyparallel's engine set launcher (an entry point name)
     default_interface: ClassVar[str | None] = None  # where the controller listens without ``interface``
     hosts_fix: ClassVar[str | None] = None  # what to do instead of ``hosts=`` (the ssh launcher's option)
+    # engines a cluster keeps started beyond its tasks' without ``spares=`` (a remote one holds a host's slot or
+    # a batch allocation: asked for, not assumed)
+    default_spares: ClassVar[int] = 0
 
     # --- options ------------------------------------------------------------------------------
     @classmethod

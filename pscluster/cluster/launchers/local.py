@@ -28,6 +28,7 @@ class LocalLauncher(Launcher):
     ipp_class: ClassVar[str] = "local"
     default_interface: ClassVar[str] = LOOPBACK
     hosts_fix: ClassVar[str] = "use launcher='ssh' to start engines on other hosts"
+    default_spares: ClassVar[int] = 1
 
     def __post_init__(self):
         super().__post_init__()

@@ -63,9 +63,9 @@ def test_its_owner_stops_it_when_no_cluster_asked_for_a_while_and_a_later_cluste
     first = forkserver._running()
     monkeypatch.setattr(forkserver, "IDLE_S", 0.5)
     deadline = time.monotonic() + 30
-    while first.process.poll() is None:
-        assert time.monotonic() < deadline, "an idle forkserver was not stopped"
+    # its process ends a moment before the stop that waits for it removes its folder
+    while first.process.poll() is None or os.path.exists(first.folder):
+        assert time.monotonic() < deadline, "an idle forkserver was not stopped, or its folder was left"
         time.sleep(0.1)
-    assert not os.path.exists(first.folder)
     assert forkserver._running() is not first and forkserver._running().running()
     forkserver.stop()

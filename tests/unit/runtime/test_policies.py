@@ -14,7 +14,7 @@ from pscluster.errors import ConfigError
 from pscluster.runtime import options
 from pscluster.runtime.overlap import EarlyPush
 from pscluster.runtime.plan import PsConfig, TrainPlan
-from pscluster.runtime.policies import POLICIES, SSP, Async, Policy, Push, Server, Sync, policy_for
+from pscluster.runtime.policies import LEAD_SLACK, POLICIES, SSP, Async, Policy, Push, Server, Sync, policy_for
 from pscluster.runtime.policy_handles import PushRequest, RunHandle
 
 from ..conftest import ps_config
@@ -223,6 +223,36 @@ def test_async_applies_each_push_alone_and_counts_its_staleness():
     assert answers == [[("reply", 1, 0)], [("reply", 2, 1)], [("reply", 3, 0)]]
     assert server.updates == [([0.0], 1, True), ([1.0], 1, True), ([0.0], 1, True)]
     assert policy.waiting_for() == [] and policy.stats() == {"staleness": {"0": 2, "1": 1}, "waiting_on": []}
+
+
+def test_async_holds_a_worker_that_pushed_a_quarter_more_than_the_slowest_and_a_few_pushes_more():
+    # beside another process the OS can give one worker half the CPU of the other for the whole run
+    server = FakeServer(workers=2, replicas=1)
+    policy = Async(server, config(mode="async"))  # max_lead 0.25 by default
+    for _ in range(LEAD_SLACK):
+        assert pushed(policy, server, 0, server.step).answers != []  # the start: a few pushes ahead, not held
+    held = pushed(policy, server, 0, server.step)
+    assert held.answers == [] and len(server.updates) == LEAD_SLACK + 1  # applied; its answer held
+    assert policy.waiting_for() == [1]
+    for _ in range(LEAD_SLACK):
+        pushed(policy, server, 1, server.step)
+    assert held.answers[0][0] == "released"
+    policy.clocks.update({0: 100 - policy.clocks[0], 1: 100 - policy.clocks[1]})  # later: a quarter is the bound
+    assert [pushed(policy, server, 0, server.step).answers != [] for _ in range(26)] == [True] * 25 + [False]
+    server.lost.add(1)  # the slow one lost: the others are not held for it
+    policy.members_changed()
+    assert server.held == [] and policy.waiting_for() == []
+
+
+def test_async_without_a_lead_bound_never_holds_and_a_joining_worker_starts_level():
+    server = FakeServer(workers=2, replicas=1)
+    policy = Async(server, config(mode="async", max_lead=None))
+    assert all(pushed(policy, server, 0, server.step).answers for _ in range(10 * LEAD_SLACK))
+    bounded = Async(server, config(mode="async"))
+    bounded.clocks.update({0: 100, 1: 100})
+    server.lost.add(2), setattr(server, "num_workers", 3)
+    bounded.heard_from_lost(2)  # a replacement, or a worker added: level with the slowest, nobody held for it
+    assert bounded.clocks[2] == 100 and pushed(bounded, server, 0, server.step).answers != []
 
 
 def test_ssp_holds_a_worker_ahead_of_the_slowest_by_more_than_the_bound():

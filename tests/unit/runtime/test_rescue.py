@@ -108,6 +108,18 @@ def test_a_lost_ps_that_held_a_sparse_table_is_not_rebuilt_from_worker_copies(tm
     assert checkpoint.committed_steps(tmp_path) == []
 
 
+def test_a_rescue_reads_back_one_copy_for_every_ps_it_serves(tmp_path, monkeypatch):
+    # the lost ps's recovery waits on this: the workers' copies of one step are alike, one is read (and checked)
+    for worker in range(3):
+        rescue.write_copy(tmp_path, worker, 704, values(300.0), run_id=RUN_ID, attempt=ATTEMPT)
+    checked = []
+    sha256 = checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda path: checked.append(path.name) or sha256(path))
+    assembled = assemble(tmp_path)
+    assert assembled.step == 704 and {s.origin for s in assembled.sources} == {"worker 0"}
+    assert checked == ["worker-0.tensors"]
+
+
 def test_a_damaged_worker_copy_is_passed_over(tmp_path):
     write_own_shard(tmp_path, 0, 705, 1.0)
     rescue.write_copy(tmp_path, 0, 705, values(2.0), run_id=RUN_ID, attempt=ATTEMPT)
