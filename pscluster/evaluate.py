@@ -8,6 +8,7 @@ import torch
 
 from .errors import ConfigError
 from .runtime import evaluation
+from .runtime.steps import check_loss
 
 __all__ = ["auc", "evaluate"]
 
@@ -22,9 +23,7 @@ def evaluate(model: torch.nn.Module, dataset, loss_fn=None, *, step_fn=None, bat
     replaces it. A model, loss or dataset that do not fit each other raise ConfigError naming what to fix (the
     error of the failing batch chained to it), not the error of whichever torch call failed first.
     """
-    if step_fn is None and not callable(loss_fn):
-        raise ConfigError("evaluate needs loss_fn, e.g. torch.nn.CrossEntropyLoss(), or step_fn=f(model, batch) -> "
-                          "loss")
+    check_loss(loss_fn, step_fn)
     return evaluation.evaluate(model, dataset, loss_fn, step_fn=step_fn, batch_size=batch_size, collate_fn=collate_fn)
 
 

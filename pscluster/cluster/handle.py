@@ -30,7 +30,7 @@ from ..runtime import optim
 from ..runtime import options as run_options
 from ..runtime.options import DEFAULTS
 from ..runtime.plan import TrainPlan, describe_variables
-from ..runtime.steps import check_step
+from ..runtime.steps import check_loss, check_step
 from ..runtime.seeding import build_model
 from ..spec import ClusterSpec, TaskSpec
 from . import reaper, registry, run_records, scaling
@@ -368,9 +368,8 @@ class Cluster:
             raise ConfigError("model_fn must be a torch.nn.Module or a function that builds one")
         if step_fn is not None and not callable(step_fn):
             raise ConfigError("step_fn must be a function f(model, batch) -> loss or (loss, {'metric': value})")
-        if step_fn is None and not callable(loss_fn):
-            raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss(), or give "
-                              "step_fn=f(model, batch) -> loss")
+        check_loss(loss_fn, step_fn)
+        optim.check_keywords(optimizer, optimizer_kwargs, of=self.train, caller="train()")
         dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
                                                                  prefetch_factor, pin_memory)
         if precision == "fp16" and not all(t.device.startswith("cuda") for t in spec.workers):
@@ -460,9 +459,7 @@ class Cluster:
                                     "wait for it (run.wait()) or stop it (run.stop())")
         if self.detached:
             raise ConfigError("a session follows the notebook's loop: start the cluster without detached=True")
-        if step_fn is None and not callable(loss_fn):
-            raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss(), or give "
-                              "step_fn=f(model, batch) -> loss")
+        check_loss(loss_fn, step_fn)
         model = build_model(model_fn, seed)
         local = build_optimizer(optimizer, model, optimizer_kwargs)
         optimizer_spec = optim.spec_of(local, list(model.named_parameters()))

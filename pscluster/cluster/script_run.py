@@ -32,9 +32,9 @@ import sys
 import threading
 from pathlib import Path
 
-from ..errors import ConfigError
 from ..metrics.store import RunStore
 from ..runtime import standalone
+from ..runtime.steps import check_loss
 from ..runtime.client import PSClient
 from ..runtime.data import first_batch
 from ..runtime.options import DEFAULTS
@@ -70,9 +70,7 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     spec, task = from_environment()
     if task.role == "ps":
         return standalone.serve_run(spec, task)
-    if step_fn is None and not callable(loss_fn):
-        raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss(), or give "
-                          "step_fn=f(model, batch) -> loss")
+    check_loss(loss_fn, step_fn)
     plan, dataset, collate_fn = standalone.script_plan(spec, model_fn, dataset, collate_fn=options.pop(
         "collate_fn", None), **options)
     if task.role == "evaluator":

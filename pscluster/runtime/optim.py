@@ -26,6 +26,7 @@ ps tasks agree.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
 import importlib
@@ -150,6 +151,28 @@ def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
     if not _is_optimizer(obj):
         raise ConfigError(f"{name!r} is not an optimizer: give a torch.optim.Optimizer subclass")
     return obj
+
+
+def check_keywords(optimizer, kwargs: dict, *, of, caller: str) -> None:
+    """A one-line ConfigError for a keyword argument that function ``of`` (``caller``) passes on to the optimizer
+    (a class, or a name ``resolve_optimizer`` takes) and the optimizer does not take, naming the closest of both
+    their keywords: a misspelt ``steps`` is the caller's, not an option the optimizer refuses. Optimizers that take
+    any keyword pass."""
+    options = [name for name, p in inspect.signature(of).parameters.items() if p.kind is p.KEYWORD_ONLY
+               or p.kind is p.POSITIONAL_OR_KEYWORD]
+    try:
+        cls = optimizer if _is_optimizer(optimizer) else resolve_optimizer(optimizer)
+        parameters = inspect.signature(cls).parameters
+    except (ConfigError, TypeError, ValueError):  # not resolvable here: built, and refused, where it is built
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    takes = [name for name in parameters if name != "params"]
+    for name in kwargs:
+        if name not in takes:
+            close = difflib.get_close_matches(name, [*options, *takes], n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"use one of {cls.__name__}'s: {', '.join(takes)}"
+            raise ConfigError(f"{caller} got unknown option {name!r}, neither its own nor {cls.__name__}'s: {hint}")
 
 
 def optimizer_name(optimizer) -> str:

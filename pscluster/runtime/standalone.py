@@ -26,7 +26,7 @@ from ..spec import ClusterSpec, TaskSpec
 from ..task_config import from_environment
 from .client import PSClient
 from .data import training_input
-from .optim import OptimizerSpec, check, named_groups
+from .optim import OptimizerSpec, check, check_keywords, named_groups
 from .options import DEFAULTS
 from .plan import TrainPlan
 from .ps import ParameterServer
@@ -84,6 +84,7 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer=DEFAULTS.opti
     """``(plan, dataset, collate_fn)`` of a run on ``spec`` (run id 1 until the chief's run store gives it
     one; the dataset and collate function as a DataLoader given for ``dataset`` unpacks into); the options
     as ``Cluster.train``'s. Checks the placement and the plan's options; ``check_options`` the optimizer's."""
+    check_keywords(optimizer, optimizer_kwargs, of=script_plan, caller="train_from_environment()")
     dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
                                                              prefetch_factor, pin_memory)
     model = build_model(model_fn, seed)

@@ -258,6 +258,18 @@ def nonfinite(computed: Computed, norm: torch.Tensor, model: torch.nn.Module) ->
     return None
 
 
+def check_loss(loss_fn, step_fn) -> None:
+    """A one-line ConfigError unless the default step has a loss to call (``step_fn`` given: it computes its own):
+    a loss class (``torch.nn.CrossEntropyLoss``) is not one, its instance is."""
+    if step_fn is not None:
+        return
+    if isinstance(loss_fn, type):
+        raise ConfigError(f"loss_fn={loss_fn.__name__} is a class: pass an instance, loss_fn={loss_fn.__name__}()")
+    if not callable(loss_fn):
+        raise ConfigError("loss_fn must be callable, e.g. torch.nn.CrossEntropyLoss(), or give "
+                          "step_fn=f(model, batch) -> loss")
+
+
 def check_step(model: torch.nn.Module, loss_fn, step_fn, batch) -> None:
     """Run the training step once on ``batch`` (a couple of the dataset's items, on the controller's own copy of
     the model, at ``train()``): a ConfigError that keeps the cause and names what to fix, instead of a failure

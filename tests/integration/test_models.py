@@ -357,6 +357,19 @@ def test_a_batch_the_default_step_cannot_take_is_refused_at_train(cluster_2ps_1w
     assert cluster_2ps_1w.active_run is None
 
 
+def test_a_misspelt_option_or_a_loss_class_is_refused_at_train_naming_the_fix(cluster_2ps_1w, digits_train):
+    with pytest.raises(ConfigError, match=r"^train\(\) got unknown option 'stpes', neither its own nor SGD's: did "
+                                          r"you mean 'steps'\?$"):
+        cluster_2ps_1w.train(frozen_stem, digits_train, nn.CrossEntropyLoss(), stpes=20)
+    with pytest.raises(ConfigError, match=r"^train\(\) got unknown option 'momentun', neither its own nor Adam's: "
+                                          r"use one of Adam's: lr, betas, "):  # Adam has no momentum
+        cluster_2ps_1w.train(frozen_stem, digits_train, nn.CrossEntropyLoss(), optimizer="adam", momentun=0.9)
+    with pytest.raises(ConfigError, match=r"^loss_fn=CrossEntropyLoss is a class: pass an instance, "
+                                          r"loss_fn=CrossEntropyLoss\(\)$"):
+        cluster_2ps_1w.train(frozen_stem, digits_train, nn.CrossEntropyLoss, steps=20)
+    assert cluster_2ps_1w.active_run is None
+
+
 # --- the input pipeline: a DataLoader with loader processes, an IterableDataset ---------------------
 def features(items):
     """A collate_fn that builds the two inputs of TwoInputs from (image, label) items, as a loader would."""

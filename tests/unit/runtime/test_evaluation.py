@@ -34,6 +34,12 @@ def test_data_that_does_not_fit_the_model_is_a_one_line_config_error(evaluate):
     assert isinstance(caught.value.__cause__, RuntimeError)  # torch's error, chained
 
 
+def test_a_loss_class_is_refused_asking_for_an_instance():
+    with pytest.raises(ConfigError, match=r"^loss_fn=CrossEntropyLoss is a class: pass an instance, "
+                                          r"loss_fn=CrossEntropyLoss\(\)$"):
+        pscluster.evaluate.evaluate(torch.nn.Linear(4, 3), data(), torch.nn.CrossEntropyLoss)
+
+
 def test_a_failing_step_fn_names_the_step_fn():
     def step(model, batch):
         raise ValueError("no such field")

@@ -709,3 +709,22 @@ def test_a_non_finite_option_set_by_a_loop_is_refused_before_it_is_pushed():
     optimizer.param_groups[1]["lr"] = float("nan")
     with pytest.raises(ConfigError, match="param group 1 of SGD has lr=nan: the loop .* give a finite number"):
         optim.group_options(optimizer)
+
+
+def test_a_keyword_neither_the_caller_nor_the_optimizer_takes_names_the_closest_of_both():
+    def train(model, *, steps=1, mode="sync", **optimizer_kwargs):
+        pass
+
+    optim.check_keywords("sgd", {"lr": 0.1, "momentum": 0.9}, of=train, caller="train()")  # SGD's own: fine
+    with pytest.raises(ConfigError, match=r"^train\(\) got unknown option 'stpes', neither its own nor SGD's: did "
+                                          r"you mean 'steps'\?$"):
+        optim.check_keywords(torch.optim.SGD, {"stpes": 3}, of=train, caller="train()")
+    with pytest.raises(ConfigError, match=r"did you mean 'momentum'\?$"):
+        optim.check_keywords("sgd", {"momentun": 0.9}, of=train, caller="train()")
+
+    class AnyOption(torch.optim.SGD):
+        def __init__(self, params, lr=0.1, **extra):
+            super().__init__(params, lr=lr)
+
+    optim.check_keywords(AnyOption, {"stpes": 3}, of=train, caller="train()")  # it takes any keyword
+    optim.check_keywords("no such optimizer", {"stpes": 3}, of=train, caller="train()")  # refused where it is built
