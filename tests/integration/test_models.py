@@ -520,9 +520,9 @@ def test_an_optimizer_class_and_a_warmup_of_the_notebooks_own_with_parameter_gro
 
 
 def test_optimizer_options_torch_refuses_fail_at_train(cluster_2ps_1w, digits_train):
-    with pytest.raises(ConfigError, match=r"optimizer SGD refused momentun=0.9: .*unexpected keyword argument "
-                                          r"'momentun' — pass the optimizer's own options"):
-        cluster_2ps_1w.train(WithAux, digits_train, aux_loss, optimizer="SGD", lr=0.1, momentun=0.9)
+    with pytest.raises(ConfigError, match=r"optimizer SGD refused momentum=-0.5: Invalid momentum value: -0.5 — "
+                                          r"pass the optimizer's own options"):  # a misspelt name: test_a_misspelt_option_...
+        cluster_2ps_1w.train(WithAux, digits_train, aux_loss, optimizer="SGD", lr=0.1, momentum=-0.5)
     with pytest.raises(ConfigError, match=r"group 0 pattern '\*\.bais' matches no trainable parameter"):
         cluster_2ps_1w.train(WithAux, digits_train, aux_loss, lr=0.1, param_groups=[{"params": ["*.bais"]}])
     assert cluster_2ps_1w.active_run is None
