@@ -148,7 +148,8 @@ def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list
     ``Optimizers``): each trained variable says which optimizer updates it; sync aggregates every worker's gradients
     unless ``replicas_to_aggregate`` says otherwise. With several optimizers, no
     shared-memory lanes (a lane carries every variable, a push only one optimizer's) and, in sync mode, no backup
-    workers (each optimizer's step waits for every worker)."""
+    workers (each optimizer's step waits for every worker). No ``max_lead``: a loop of the user's may stop pushing
+    for its own reasons (its data ends, it evaluates) while it still counts as live, and would hold the others."""
     first, *more = optimizers
     settings = {**settings, "replicas_to_aggregate": settings.get("replicas_to_aggregate") or settings["num_workers"]}
     if more and policy_for(settings.get("mode", DEFAULTS.mode)).aggregates_steps and \
@@ -161,7 +162,7 @@ def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list
     if more:
         settings = {**settings, "shared_memory": False}
     plan = TrainPlan.for_model(model, first, num_ps=num_ps, placement=placement, partition=partition,
-                               batch_size=None, modules=modules,
+                               batch_size=None, modules=modules, max_lead=None,
                                more_optimizers=tuple(spec.to_dict() for spec in more), **settings)
     if not more:
         return plan

@@ -132,7 +132,7 @@ OPTIONS: dict[str, Option] = _options(
            fix="an integer >= 0 (steps a worker may run ahead of the slowest)"),
     Option("max_lead", 0.25, "async: how much more a worker may push than the slowest live one, as a fraction of "
            "the slowest's pushes (0.25: a quarter more), so that a worker the OS gives less CPU still trains on its "
-           "share of the data; None: no bound (workers of different speeds)", LOOPS, float, least=0, optional=True,
+           "share of the data; None: no bound (workers of different speeds)", TRAINS, float, least=0, optional=True,
            fix="a fraction >= 0 (0.25: a quarter more pushes than the slowest worker), or None for no bound"),
     Option("placement", "round_robin", "which ps task holds each variable: round_robin (in model order), greedy "
            "(each to the least loaded ps, as TF's GreedyLoadBalancingStrategy), largest_first (the same, largest "

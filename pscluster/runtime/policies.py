@@ -246,8 +246,8 @@ LEAD_SLACK = 8  # pushes any worker may run ahead of the slowest under async's m
 
 
 class Async(Policy):
-    """See the module. A worker that joins (a replacement, or one added) starts level with the slowest of the
-    others."""
+    """See the module. A worker counts from its first push, level with the slowest of the others then (one slow to
+    start holds no one), and so does one that joins (a replacement, or one added)."""
 
     name = "async"
     counts_staleness = True
@@ -265,6 +265,8 @@ class Async(Policy):
         # applied before the request's frames are let go: no copy (they are writable memory of this message
         # alone, so an optimizer that changes a gradient in place changes nothing else)
         self.server.apply(push.take(), 1, counts=push.optimizer == 0)
+        if push.worker not in self.clocks:
+            self.clocks[push.worker] = self._start_clock(push.worker)
         self.clocks[push.worker] += 1
         if self.ahead(push.worker) > self.allowed() and not self.server.stopped:
             push.hold(staleness)
@@ -280,7 +282,19 @@ class Async(Policy):
 
     def heard_from_lost(self, worker: int) -> None:
         self.server.join(worker)  # no step waits for a worker: live again at once
-        self.clocks[worker] = min((self.clocks[w] for w in self.server.live() if w != worker), default=0)
+        self.clocks[worker] = self._level(worker)
+
+    def _level(self, worker: int) -> int:
+        """The pushes of the slowest of the other live workers that count (0: none)."""
+        return min((self.clocks[w] for w in self.server.live() if w != worker and self._counts(w)), default=0)
+
+    def _counts(self, worker: int) -> bool:
+        """Whether ``worker`` is among those the slowest is looked for in: from its first push on."""
+        return worker in self.clocks
+
+    def _start_clock(self, worker: int) -> int:
+        """Where a worker's count starts at its first push."""
+        return self._level(worker)
 
     def members_changed(self) -> None:
         for w in [w for w in self.clocks if w >= self.server.num_workers]:  # removed by scaling
@@ -293,8 +307,8 @@ class Async(Policy):
             self.server.release(lambda worker: self.ahead(worker) <= allowed)
 
     def slowest(self) -> int:
-        """The pushes of the slowest live worker."""
-        return min(self.clocks[w] for w in self.server.live())
+        """The pushes of the slowest live worker that counts (0: none)."""
+        return min((self.clocks[w] for w in self.server.live() if self._counts(w)), default=0)
 
     def ahead(self, worker: int) -> int:
         """How many pushes ``worker`` is ahead of the slowest live worker."""
@@ -305,14 +319,15 @@ class Async(Policy):
         if not self.server.holding:
             return []
         slowest = self.slowest()
-        return [w for w in self.server.live() if self.clocks[w] == slowest]
+        return [w for w in self.server.live() if self._counts(w) and self.clocks[w] == slowest]
 
     def stats(self) -> dict:
         return {"staleness": {str(k): v for k, v in sorted(self.staleness.items())}, "waiting_on": []}
 
 
 class SSP(Async):
-    """See the module."""
+    """See the module. Every live worker counts from the start (one slow to start holds the others, by the bound),
+    a worker that joins from the slowest of the others."""
 
     name = "ssp"
     allows_pipeline = False
@@ -323,6 +338,12 @@ class SSP(Async):
 
     def allowed(self) -> float:
         return self.bound
+
+    def _counts(self, worker: int) -> bool:
+        return True
+
+    def _start_clock(self, worker: int) -> int:
+        return 0
 
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Sync, Async, SSP)}
