@@ -284,7 +284,7 @@ class EngineSet:
         with self._spare_lock:
             while self.spares:
                 info = self.spares.pop(0)
-                if info.engine_id in self.registered() and not (self.launcher.local and not reaper.alive(info.pid)):
+                if info.engine_id in self.registered() and (not self.launcher.local or reaper.alive(info.pid)):
                     return info
         return None
 

@@ -142,11 +142,11 @@ def _restart_from_checkpoint(run: RecoveringRun, tasks: Tasks, lost_ps: list[Tas
     assembled = run.checkpoints.rescue(run.plan, len(run.spec.ps))
     for t in [*lost_ps, *lost_workers]:
         run.replace_task(t)
+    detail = {"attempt": run.plan.attempt + 1}
     if assembled is not None:  # newer than any committed checkpoint, each of its sources read back just now
-        detail = {"attempt": run.plan.attempt + 1, "from_step": assembled.step,
-                  "sources": [s.to_dict() for s in assembled.sources]}
+        detail.update(from_step=assembled.step, sources=[s.to_dict() for s in assembled.sources])
     else:
-        detail = {"attempt": run.plan.attempt + 1, "from_step": _restorable_step(run)}
+        detail.update(from_step=_restorable_step(run))
     run.note("restarting", "controller", detail)
     run.restart()
 

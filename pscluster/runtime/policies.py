@@ -268,17 +268,18 @@ class Async(Policy):
         if push.worker not in self.clocks:
             self.clocks[push.worker] = self._start_clock(push.worker)
         self.clocks[push.worker] += 1
-        if self.ahead(push.worker) > self.allowed() and not self.server.stopped:
+        slowest = self.slowest()
+        if self.clocks[push.worker] - slowest > self.allowed(slowest) and not self.server.stopped:
             push.hold(staleness)
         else:
             push.reply(staleness)
-        self._release_within_bound()
+        if self.server.holding:
+            self._release_within_bound(slowest)
 
-    def allowed(self) -> float:
-        """How many pushes a worker may be ahead of the slowest live worker before its answer is held."""
-        if self.lead is None:
-            return math.inf
-        return max(LEAD_SLACK, self.lead * self.slowest())
+    def allowed(self, slowest: int) -> float:
+        """How many pushes a worker may be ahead of the slowest live worker (``slowest`` pushes) before its answer
+        is held."""
+        return math.inf if self.lead is None else max(LEAD_SLACK, self.lead * slowest)
 
     def heard_from_lost(self, worker: int) -> None:
         self.server.join(worker)  # no step waits for a worker: live again at once
@@ -299,20 +300,16 @@ class Async(Policy):
     def members_changed(self) -> None:
         for w in [w for w in self.clocks if w >= self.server.num_workers]:  # removed by scaling
             del self.clocks[w]
-        self._release_within_bound()
-
-    def _release_within_bound(self) -> None:
         if self.server.holding:
-            allowed = self.allowed()
-            self.server.release(lambda worker: self.ahead(worker) <= allowed)
+            self._release_within_bound(self.slowest())
+
+    def _release_within_bound(self, slowest: int) -> None:
+        allowed = self.allowed(slowest)
+        self.server.release(lambda worker: self.clocks[worker] - slowest <= allowed)
 
     def slowest(self) -> int:
         """The pushes of the slowest live worker that counts (0: none)."""
         return min((self.clocks[w] for w in self.server.live() if self._counts(w)), default=0)
-
-    def ahead(self, worker: int) -> int:
-        """How many pushes ``worker`` is ahead of the slowest live worker."""
-        return self.clocks[worker] - self.slowest()
 
     def waiting_for(self) -> list[int]:
         """The slowest workers, while some worker is held for them."""
@@ -336,7 +333,7 @@ class SSP(Async):
         super().__init__(server, config)
         self.bound = config.staleness_bound
 
-    def allowed(self) -> float:
+    def allowed(self, slowest: int) -> float:
         return self.bound
 
     def _counts(self, worker: int) -> bool:
