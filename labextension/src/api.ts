@@ -39,6 +39,13 @@ export interface ClusterList {
   skipped: SkippedCluster[];
 }
 
+export interface Failure {
+  cause: string;
+  task: string | null;
+  step: number | null;
+  traceback: string | null;
+}
+
 export interface RunInfo {
   id: number;
   store: string;
@@ -56,6 +63,7 @@ export interface RunInfo {
   final: Record<string, number | null>;
   hyperparameters: Record<string, string | number | boolean>;
   sparkline: number[];
+  failure: Failure | null;
 }
 
 export interface RunList {

@@ -24,9 +24,14 @@ export function duration(seconds: number | null): string {
   return s >= 3600 ? `${Math.floor(s / 3600)}:${mm}:${ss}` : `${mm}:${ss}`;
 }
 
-/** A run's hyperparameters as `key=value` words (numbers with 4 significant digits). */
+/** `value` as a person writes a setting: a whole number in full (steps=1000000), others with 4 significant digits. */
+export function setting(value: number): string {
+  return Number.isSafeInteger(value) ? String(value) : sig(value);
+}
+
+/** A run's hyperparameters as `key=value` words (numbers by `setting`). */
 export function settings(hyperparameters: Record<string, string | number | boolean>): string {
   return Object.entries(hyperparameters)
-    .map(([k, v]) => `${k}=${typeof v === 'number' ? sig(v) : v}`)
+    .map(([k, v]) => `${k}=${typeof v === 'number' ? setting(v) : v}`)
     .join(' ');
 }

@@ -18,6 +18,7 @@ import {
   runPath
 } from './api';
 import { sparkline } from './charts';
+import { failureNode, failureWhere } from './failure';
 import { duration, settings, sig } from './format';
 import { loadPlotly } from './plotly';
 import { PollingWidget } from './polling';
@@ -201,16 +202,43 @@ export class ClusterPanel extends PollingWidget {
       }
       this.updateRun(row, run);
       this.runsBody.append(row); // keeps the server's order: newest first
+      this.showFailure(key, run);
     }
     for (const [key, row] of this.runRows) {
       if (!seen.has(key)) {
         row.remove();
+        this.failureRows.get(key)?.remove();
+        this.failureRows.delete(key);
         this.runRows.delete(key);
         this.runs.delete(key);
         this.checked.delete(key);
       }
     }
     this.updateCompare();
+  }
+
+  /** Under the row of a run that failed, a row as wide as the table with its cause (the whole cause on hover). */
+  private showFailure(key: string, run: RunInfo): void {
+    let row = this.failureRows.get(key);
+    if (!run.failure) {
+      row?.remove();
+      this.failureRows.delete(key);
+      return;
+    }
+    if (!row) {
+      row = document.createElement('tr');
+      row.className = 'jp-pscluster-run-failure';
+      row.dataset.runId = String(run.id);
+      row.dataset.store = run.store;
+      const cell = el('td');
+      cell.colSpan = this.runRows.get(key)!.cells.length;
+      row.append(cell);
+      this.failureRows.set(key, row);
+    }
+    row.cells[0].replaceChildren(failureNode(run.failure, false));
+    row.title = `${failureWhere(run.failure)}: ${run.failure.cause}`;
+    row.onclick = () => this.openRuns([run]);
+    this.runsBody.append(row);
   }
 
   private updateCompare(): void {
@@ -301,6 +329,7 @@ export class ClusterPanel extends PollingWidget {
   private readonly runsTable = el('table', 'jp-pscluster-runs');
   private readonly runsBody = document.createElement('tbody');
   private readonly runRows = new Map<string, HTMLTableRowElement>();
+  private readonly failureRows = new Map<string, HTMLTableRowElement>(); // by runKey: of the runs that failed
   private readonly runs = new Map<string, RunInfo>(); // by runKey: the latest listed
   private readonly checked = new Set<string>(); // runKeys
   private readonly compareButton = el('button', 'jp-Button jp-mod-styled jp-mod-accept jp-pscluster-compare');

@@ -11,6 +11,7 @@
 
 import { ApiError, Columns, RunInfo, SeriesData, apiUrl, requestAPI, runPath } from './api';
 import { ChartSpec, Charts, Line } from './charts';
+import { failureNode } from './failure';
 import { duration, settings, sig } from './format';
 import { PlotlyStatic, loadPlotly } from './plotly';
 import { PollingWidget } from './polling';
@@ -47,7 +48,7 @@ function headerLine(run: RunInfo, node: HTMLElement): void {
   });
   const line = el('div', 'jp-pscluster-settings', settings(run.hyperparameters));
   line.append(...links);
-  node.replaceChildren(el('div', '', text), line);
+  node.replaceChildren(el('div', '', text), line, ...(run.failure ? [failureNode(run.failure, true)] : []));
 }
 
 /** Each worker's local steps/s between consecutive points. */

@@ -60,6 +60,7 @@ class Run:
         self._rates, self._rates_row = speed.RunRates(), 0  # from the store's metric rows up to that row
         self._rates_lock = threading.Lock()
         self._dashboards = []  # those run.dashboard() displayed: wait() returns once they show the end
+        self._displays: list[threading.Thread] = []  # each shows this run's end in an output that showed it live
         evaluator = None if test_dataset is None else lambda state: self._evaluate_state(state, test_dataset)
         self.supervisor = Supervisor(spec, plan, store, tasks=tasks, checkpoints=checkpoints, payload=payload,
                                      evaluator=evaluator, eval_every=eval_every, summarize=self.summary,
@@ -122,6 +123,12 @@ class Run:
     def error_line(self) -> str | None:
         """Why the run failed, in one line."""
         return self.supervisor.error_line
+
+    @property
+    def failure(self) -> dict | None:
+        """Why the run failed, as the run store keeps it: ``cause`` (``error_line``), ``task`` (the first task
+        that failed), ``step`` (the global step it failed at) and ``traceback`` (``error``); None unless it failed."""
+        return self.supervisor.failure
 
     @property
     def started(self) -> float:
@@ -190,8 +197,8 @@ class Run:
                                          "call run.wait() again, or run.stop() to end it")
             if bar is not None:
                 bar.update(self.global_step, self.rates().run(live=False), force=True)
-            for dashboard in self._dashboards:  # else its final update lands in the output of a later cell
-                dashboard.join(DASHBOARD_END_S if deadline is None else max(0.0, deadline - time.monotonic()))
+            for view in [*self._dashboards, *self._displays]:  # else its final update lands in a later cell's output
+                view.join(DASHBOARD_END_S if deadline is None else max(0.0, deadline - time.monotonic()))
         finally:
             self._print_pending(verbose, bar)
             if bar is not None:
@@ -328,11 +335,35 @@ class Run:
                 f"/{self.plan.steps}, local steps {self.local_steps}>")
 
     def _repr_html_(self) -> str:
+        """Its summary as a table (and a failed run's cause); while it trains, one line that says so."""
+        if not self.done:
+            return (f"<div>{html.escape(self.name)} is training ({html.escape(self.mode)}, {len(self.spec.ps)} ps, "
+                    f"{len(self.spec.workers)} workers): its summary shows here when it ends</div>")
         s = self.summary()
+        if self.failure is not None:
+            s["cause"] = self.failure["cause"]
         rows = "".join(f"<tr><th style='text-align:left'>{html.escape(str(k))}</th>"
                        f"<td style='text-align:left'>{html.escape(_fmt(v))}</td></tr>"
                        for k, v in s.items() if k != "staleness" or v)
         return f"<table>{rows}</table>"
+
+    def _ipython_display_(self) -> None:
+        """Displayed (a cell's value, ``display(run)``): ``_repr_html_``, shown again when a run that trains ends,
+        so that an output never keeps a snapshot of a run that went on."""
+        from IPython.display import display
+
+        def bundle() -> dict:
+            return {"text/html": self._repr_html_(), "text/plain": repr(self)}
+
+        handle = display(bundle(), raw=True, display_id=True)
+        if not self.done:
+            def show_end():
+                self.supervisor.ended.wait()
+                handle.update(bundle(), raw=True)
+
+            self._displays.append(threading.Thread(target=show_end, name=f"pscluster-{self.name}-display",
+                                                   daemon=True))
+            self._displays[-1].start()
 
 
 def _number(v: float) -> float | None:

@@ -109,7 +109,8 @@ def end_orphans(store: RunStore, plan: TrainPlan) -> list[int]:
         config = store.run(int(run_id))["config"] or {}
         if int(run_id) != plan.run_id and config.get("checkpoint_dir") == plan.checkpoint_dir:
             error = f"its chief was lost: run {plan.run_id} continues it from its latest checkpoint"
-            store.set_status(int(run_id), "failed")
+            store.set_status(int(run_id), "failed", failure={"cause": error, "task": "chief", "step": None,
+                                                             "traceback": None})
             store.add_event(int(run_id), "controller", "end", {"status": "failed", "error": error})
             ended.append(int(run_id))
     return ended

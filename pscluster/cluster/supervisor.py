@@ -78,7 +78,7 @@ class Supervisor:
         self.worker_results = []  # one per worker of the spec, by index
         self.retired_results = []  # of workers removed by scaling
         self.stop_requested = False
-        self.started = time.time()
+        self.started = store.run(plan.run_id)["started"]  # the run's one clock: the store's start, and end (_finish)
         self.logs: list[str] = []
         self.pending_logs: queue.Queue = queue.Queue()  # lines not yet printed by Run.wait
         self.latest_step = 0  # the latest global step a worker reported
@@ -87,11 +87,12 @@ class Supervisor:
         self.ps_stats: list[dict] | None = None
         self.error: str | None = None  # why the run failed: each failed worker's whole traceback
         self.error_line: str | None = None  # the same in one line, with the last frame of each traceback
+        self.failure: dict | None = None  # the same as the run store keeps it (``RunStore.set_status``)
         self.finished: float | None = None
         self.state_dict: dict[str, torch.Tensor] | None = None
         self.ended = threading.Event()
         self._workers_done: dict[str, tuple[float, dict]] = {}  # task: (when, summary) of its "done" event
-        self._workers_left: dict[str, tuple] = {}  # task: (attempt, error) of its "left" event (it failed)
+        self._workers_left: dict[str, tuple] = {}  # task: (attempt, error, global step) of its "left" event
         self._steps_left: dict[tuple[str, int], int] = {}  # (task, attempt): the local steps it left that attempt with
         self.event_files = EventWriter(run_logdir(store.path, self.name, plan.run_id))
         self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port, run_id=plan.run_id)
@@ -128,7 +129,7 @@ class Supervisor:
                 summary = {k: v for k, v in event.items() if k not in ("kind", "task", "time", "attempt")}
                 self._workers_done[task] = (time.monotonic(), summary)
             elif kind == "left":
-                self._workers_left[task] = (event.get("attempt"), str(event.get("error")))
+                self._workers_left[task] = (event.get("attempt"), str(event.get("error")), event.get("global_step"))
                 attempt, steps = event.get("attempt"), event.get("local_steps")
                 if isinstance(attempt, int) and isinstance(steps, int):
                     self._steps_left[(task, attempt)] = steps
@@ -149,9 +150,7 @@ class Supervisor:
         """Follow the workers ``launch(self)`` starts (one per worker of the spec, by index; ``adopted``: they
         train already, started by another process) until the run ends."""
         self.worker_results = list(launch(self))
-        if adopted:
-            self.started = self.store.run(self.id)["started"]
-        else:
+        if not adopted:
             self.store.set_status(self.id, "training")
             self.store.add_event(self.id, "controller", "start", {"workers": len(self.worker_results)})
         threading.Thread(target=self._monitor, name=f"pscluster-{self.name}", daemon=True).start()
@@ -232,10 +231,10 @@ class Supervisor:
                 time.sleep(0.05)
             self._finish()
         except Exception as e:  # finalizing failed (ps gone...): the run still ends, with the reason
-            self.error_line = self.error_line or f"{self.name} could not be finalized: {one_line(e)}"
-            self.error = self.error or self.error_line
+            if self.failure is None:
+                self._failed(f"{self.name} could not be finalized: {one_line(e)}", "controller", _traceback(e))
             self.finished = self.finished or time.time()
-            self.store.set_status(self.id, "failed")
+            self.store.set_status(self.id, "failed", failure=self.failure, ended=self.finished)
         finally:
             self.lease.release()
             self.event_files.close()
@@ -261,7 +260,7 @@ class Supervisor:
 
     def left(self, i: int) -> str | None:
         """Why worker ``i`` failed out of the current attempt (its "left" event), or None."""
-        attempt, error = self._workers_left.get(f"worker:{i}", (None, None))
+        attempt, error, _ = self._workers_left.get(f"worker:{i}", (None, None, None))
         return error if attempt == self.plan.attempt else None
 
     def reported_summary(self, i: int) -> dict:
@@ -374,23 +373,33 @@ class Supervisor:
         self.event_files.add_evaluation(step, result["loss"], result["accuracy"])
 
     # --- the end -----------------------------------------------------------------------------
+    def _failed(self, cause: str, task: str, traceback_text: str, step: int | None = None) -> None:
+        """The run failed: ``cause`` in one line, first seen on ``task`` at global ``step`` (None: the latest
+        step a worker reported, if any), with the whole ``traceback_text``."""
+        self.error_line, self.error = cause, traceback_text
+        self.failure = {"cause": cause, "task": task, "step": (self.latest_step or None) if step is None else step,
+                        "traceback": traceback_text}
+
     def _finish(self) -> None:
-        errors, tracebacks, results = [], [], []
+        errors, tracebacks, results, first = [], [], [], None
         for i, ar in enumerate(self.worker_results):
             try:
                 results.append(ar.get(0) if ar.ready() else self.reported_summary(i))
             except Exception as e:  # a RemoteError: its one-line form, and the whole remote traceback
                 errors.append(f"worker {i} failed: {one_line(e)}{_last_frame(e)}")
                 tracebacks.append(f"worker {i}:\n{_traceback(e)}")
+                first = f"worker:{i}" if first is None else first
         results += [r.get(0) for r in self.retired_results if r.ready() and r.successful()]
         if errors:  # before ``finished``: ``status`` never reads "finished" on its way to "failed"
-            self.error_line = "; ".join(errors) + ": fix the cause and train again"
-            self.error = "\n".join(tracebacks)
+            self._failed("; ".join(errors) + ": fix the cause and train again", first, "\n".join(tracebacks))
         self.finished = time.time()
         self.commit_checkpoints()  # the final one
         # a worker's last metrics batch may still be in flight when its result arrives
         wait_until(lambda: len(self._workers_done) >= len(results), timeout=2.0)
         self.collector.close()
+        attempt, _, step = self._workers_left.get(first, (None, None, None))
+        if errors and attempt == self.plan.attempt and isinstance(step, int):  # where it failed, said on its way out
+            self.failure["step"] = step
         self.ps_stats = self.read_ps_stats(timeout=10.0)
         if not errors:
             self.results = results
@@ -399,7 +408,7 @@ class Supervisor:
                 self._record_evaluation(step, self.state_dict)
         else:
             self.state_dict = self._last_state()
-        self.store.set_status(self.id, self.status, self.summarize())
+        self.store.set_status(self.id, self.status, self.summarize(), failure=self.failure, ended=self.finished)
         self.store.add_event(self.id, "controller", "end", {"status": self.status, "error": self.error_line,
                                                              "traceback": self.error})
 

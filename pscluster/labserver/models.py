@@ -53,13 +53,26 @@ class ClusterList:
 
 
 @dataclass
+class Failure:
+    """Why a run failed (``RunStore.set_status``): ``cause`` in one line that says what to do, the ``task`` that
+    failed first (``worker:1``; ``controller`` or ``chief`` for the process that followed the run), the global
+    ``step`` it failed at (null: unknown), its whole ``traceback`` (null: none)."""
+
+    cause: str
+    task: str | None
+    step: int | None
+    traceback: str | None
+
+
+@dataclass
 class RunInfo:
     """A run of the run store at path ``store`` (ids are unique within one store), summarized from its rollups
     (never all its metric rows): ``global_step`` reached of ``steps``; ``steps_per_s`` the run's global steps/s as
     ``metrics.speed.rate`` defines it (its last seconds while it trains, all its rows once it ended);
     ``wall_s`` from its start to its end (to now while it trains); ``loss`` the last loss reported,
     ``final`` the last value of each of its metrics; ``hyperparameters`` the optimizer, its arguments and the
-    run's settings from its config; ``sparkline`` the loss over the run (at most 40 points)."""
+    run's settings from its config; ``sparkline`` the loss over the run (at most 40 points); ``failure`` why it
+    failed (or was lost), null for any other run."""
 
     id: int
     store: str
@@ -77,6 +90,7 @@ class RunInfo:
     final: dict[str, float | None]
     hyperparameters: dict[str, str | float | int | bool]
     sparkline: list[float]
+    failure: Failure | None
 
 
 @dataclass
@@ -123,7 +137,7 @@ class ErrorReply:
     error: str
 
 
-PAYLOADS = (TaskInfo, ClusterInfo, SkippedCluster, ClusterList, RunInfo, RunList, SeriesData, ActionResult,
+PAYLOADS = (TaskInfo, ClusterInfo, SkippedCluster, ClusterList, Failure, RunInfo, RunList, SeriesData, ActionResult,
             ErrorReply)
 
 

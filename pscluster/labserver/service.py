@@ -18,7 +18,8 @@ import pandas as pd
 from ..cluster import control, registry
 from ..metrics import speed
 from ..metrics.store import RAW_WINDOW, RunStore, default_path
-from .models import ActionResult, ClusterInfo, ClusterList, RunInfo, RunList, SeriesData, SkippedCluster, TaskInfo
+from .models import (ActionResult, ClusterInfo, ClusterList, Failure, RunInfo, RunList, SeriesData, SkippedCluster,
+                     TaskInfo)
 
 ENDED = ("finished", "failed", "stopped")
 LOCK_WAIT_S = 1.0      # a query waits this long for another process's lock before the answer is 503
@@ -128,10 +129,14 @@ class LabService:
         key = (store.path, int(row.id))
         if key in self._ended:
             return self._ended[key]
-        config = (store.run(row.id) or {}).get("config") or {}
+        record = store.run(row.id) or {}
+        config, failure = record.get("config") or {}, record.get("failure")
         status = row.status
         if status not in ENDED and row.cluster not in live:
             status = "lost"  # its kernel is gone: nobody will finish it
+            failure = {"cause": f"the kernel of cluster {row.cluster} is gone, so nothing follows this run: train "
+                                "it again (resume='latest' goes on from its latest checkpoint)",
+                       "task": "controller", "step": None, "traceback": None}
         ended = None if pd.isna(row.ended) else float(row.ended)
         names = store.series_names(row.id)
         spark = store.series(row.id, tuple(names), max_points=SUMMARY_POINTS)
@@ -141,7 +146,8 @@ class LabService:
                        steps_per_s=_speed(store, row.id, spark, live=status not in (*ENDED, "lost")),
                        wall_s=speed.phases(float(row.started), ended, None, now=time.time())["wall_s"],
                        loss=_final(spark, "loss"), final={n: _final(spark, n) for n in names},
-                       hyperparameters=_hyperparameters(config), sparkline=_sparkline(spark))
+                       hyperparameters=_hyperparameters(config), sparkline=_sparkline(spark),
+                       failure=Failure(**failure) if failure else None)
         if status in ENDED:
             self._ended[key] = info
         return info

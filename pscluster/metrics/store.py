@@ -137,6 +137,10 @@ MIGRATIONS = [
     ALTER TABLE runs ADD COLUMN owner TEXT;
     ALTER TABLE runs ADD COLUMN lease_until REAL;
     """,
+    # 7: why a failed run failed (JSON, see ``RunStore.set_status``)
+    """
+    ALTER TABLE runs ADD COLUMN failure TEXT;
+    """,
 ]
 
 LEASE_S = 8.0  # a run not ended whose owner has not renewed its lease for this long has lost its owner
@@ -386,12 +390,18 @@ class RunStore:
         with self._lock, self._db:
             self._db.execute("UPDATE runs SET spec = ? WHERE id = ?", (json.dumps(spec), run_id))
 
-    def set_status(self, run_id: int, status: str, summary: dict | None = None) -> None:
-        ended = time.time() if status in ("finished", "failed", "stopped") else None
+    def set_status(self, run_id: int, status: str, summary: dict | None = None,
+                   failure: dict | None = None, ended: float | None = None) -> None:
+        """The run's status now; an ended one (finished, failed, stopped) ends at ``ended`` (default: now).
+        ``failure``, of a failed run: ``cause`` (one line that says what to do), ``task`` (the task that failed:
+        ``worker:1``, or ``controller`` when finalizing failed), ``step`` (the global step it failed at, or None)
+        and ``traceback`` (the whole of it, or None)."""
+        ended = (ended or time.time()) if status in ("finished", "failed", "stopped") else None
         with self._lock, self._db:
             self._db.execute("UPDATE runs SET status = ?, ended = COALESCE(?, ended), "
-                             "summary = COALESCE(?, summary) WHERE id = ?",
-                             (status, ended, None if summary is None else json.dumps(summary), run_id))
+                             "summary = COALESCE(?, summary), failure = COALESCE(?, failure) WHERE id = ?",
+                             (status, ended, None if summary is None else json.dumps(summary),
+                              None if failure is None else json.dumps(failure), run_id))
 
     def renew_lease(self, run_id: int, owner: str) -> None:
         """``owner`` holds run ``run_id`` for ``LEASE_S`` more seconds."""
@@ -502,11 +512,14 @@ class RunStore:
 
     def runs(self) -> pd.DataFrame:
         """One row per run, newest first: id, name, cluster, mode, status, started, ended, wall_s (to its end, or
-        to now while it has none, as ``speed.phases`` counts it), owner, owner_lost. A run whose owner was lost (its
-        lease ran out before it ended) reads ``failed``, ended when its lease did, and ``owner_lost`` says who held
-        it and when it renewed last (None for every other run)."""
-        leased = "owner, lease_until" if self.schema_version >= 6 else "NULL AS owner, NULL AS lease_until"
-        df = self._frame(f"SELECT id, name, cluster, mode, status, started, ended, {leased} FROM runs "
+        to now while it has none, as ``speed.phases`` counts it), cause (why a failed run failed, in one line; None
+        for every other run), owner, owner_lost. A run whose owner was lost (its lease ran out before it ended)
+        reads ``failed``, ended when its lease did, and ``owner_lost`` (its cause too) says who held it and when it
+        renewed last (None for every other run)."""
+        version = self.schema_version
+        leased = "owner, lease_until" if version >= 6 else "NULL AS owner, NULL AS lease_until"
+        failure = "failure" if version >= 7 else "NULL AS failure"
+        df = self._frame(f"SELECT id, name, cluster, mode, status, started, ended, {failure}, {leased} FROM runs "
                          "ORDER BY id DESC")
         now = time.time()
         df["owner_lost"] = [_owner_lost(*row, now) for row in zip(df["status"], df["owner"], df["lease_until"])]
@@ -514,11 +527,14 @@ class RunStore:
         df["status"] = df["status"].where(~lost, "failed")
         df["ended"] = df["ended"].astype(float).where(~lost, df["lease_until"])
         df["wall_s"] = df["ended"].fillna(now) - df["started"]
-        return df.drop(columns="lease_until")
+        causes = [json.loads(f)["cause"] if isinstance(f, str) else None for f in df["failure"]]
+        df.insert(df.columns.get_loc("failure"), "cause", df["owner_lost"].where(lost, pd.Series(causes, dtype=object)))
+        return df.drop(columns=["lease_until", "failure"])
 
     def run(self, run_id: int) -> dict | None:
-        """A run's row with config, spec and summary decoded; None if there is no such run. A run whose owner
-        was lost reads ``failed`` (as in ``runs``), with ``owner_lost``: when and who."""
+        """A run's row with config, spec, summary and failure (see ``set_status``) decoded; None if there is no
+        such run. A run whose owner was lost reads ``failed`` (as in ``runs``), with ``owner_lost``: when and who,
+        which is its failure's cause too."""
         with self._lock:
             cur = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,))
             row = cur.fetchone()
@@ -526,13 +542,15 @@ class RunStore:
         if row is None:
             return None
         record = dict(zip(names, row))
-        for key in ("config", "spec", "summary"):
+        record.setdefault("failure", None)  # a store older than schema 7 has none
+        for key in ("config", "spec", "summary", "failure"):
             record[key] = json.loads(record[key]) if record[key] else None
         lease = record.pop("lease_until", None)  # a reader of a store older than leases (schema 6) has none
         record.setdefault("owner", None)
         record["owner_lost"] = _owner_lost(record["status"], record["owner"], lease, time.time())
         if record["owner_lost"]:
             record["status"], record["ended"] = "failed", lease
+            record["failure"] = {"cause": record["owner_lost"], "task": "controller", "step": None, "traceback": None}
         return record
 
     def _table_rows(self, table: str, columns, order: str, run_id: int, after_row: int | None) -> pd.DataFrame:

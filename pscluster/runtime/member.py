@@ -278,15 +278,17 @@ def _wait_for_workers(client: PSClient, num_workers: int, emit) -> None:
 def leave(shards: Shards, plan: TrainPlan, index: int, step: int, local_steps: int, emit, error: Exception) -> None:
     """On the way out of a failed attempt: this worker's copy of the parameters it last pulled (of global step
     ``step``), from which recovery rebuilds a lost ps (``rescue``), and a "left" event with the ``local_steps`` it
-    took in the attempt, so that the run's supervisor learns at once that this worker is out of the attempt (a
-    script's worker is a process of its own, with no ipyparallel result to tell it), and counts those steps."""
+    took in the attempt and that ``global_step``, so that the run's supervisor learns at once that this worker is
+    out of the attempt (a script's worker is a process of its own, with no ipyparallel result to tell it), counts
+    those steps and knows where it failed."""
     if plan.checkpoint_dir:
         try:
             rescue.write_copy(plan.checkpoint_dir, index, step, shards.dense_values(), run_id=plan.run_id,
                               attempt=plan.attempt)
         except OSError:
             pass  # the checkpoints on disk remain
-    emit("left", attempt=plan.attempt, local_steps=local_steps, error=f"{type(error).__name__}: {error}")
+    emit("left", attempt=plan.attempt, local_steps=local_steps, global_step=step,
+         error=f"{type(error).__name__}: {error}")
 
 
 def join_run(client: PSClient, shards: Shards, plan: TrainPlan, is_chief: bool, join: bool, emit):

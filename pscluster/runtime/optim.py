@@ -176,11 +176,11 @@ def check_keywords(optimizer, kwargs: dict, *, of, caller: str) -> None:
 
 
 def optimizer_name(optimizer) -> str:
-    """The spec's name for an optimizer given as a class or a name: a ``torch.optim`` class by its name,
-    another class as ``module:Class`` (registered in this process, see ``shipped``)."""
+    """The spec's name for an optimizer given as a class or a name: a ``torch.optim`` class by its name as torch
+    spells it (``sgd``: ``SGD``), another class as ``module:Class`` (registered in this process, see ``shipped``)."""
     if isinstance(optimizer, str):
-        resolve_optimizer(optimizer)
-        return optimizer
+        cls = resolve_optimizer(optimizer)
+        return optimizer if ":" in optimizer else cls.__name__
     if _is_optimizer(optimizer):
         if getattr(torch.optim, optimizer.__name__, None) is optimizer:
             return optimizer.__name__
@@ -363,8 +363,8 @@ class OptimizerSpec:
         optimizer = self.optimizer
         if not isinstance(optimizer, str):
             optimizer = optimizer_name(optimizer)
-        elif ":" not in optimizer:  # a torch name: checked now; other names are resolved where they are built
-            resolve_optimizer(optimizer)
+        elif ":" not in optimizer:  # a torch name, checked now and spelt as torch does; others resolve where built
+            optimizer = resolve_optimizer(optimizer).__name__
         kwargs = _options(self.kwargs, "optimizer option")
         if "params" in kwargs:
             raise ConfigError("optimizer option 'params': each ps gives the optimizer its own variables; choose "

@@ -203,6 +203,7 @@ class TrainPlan:
             raise ConfigError("pipeline=True with sparse embeddings: their rows are pulled during forward; build "
                               "them with sparse=False, or train without pipeline")
         spec = self.optimizer_spec  # checks the options, and holds them as JSON data from here on
+        object.__setattr__(self, "optimizer", spec.optimizer)  # a torch name as torch spells it: one name everywhere
         object.__setattr__(self, "optimizer_kwargs", spec.kwargs)
         object.__setattr__(self, "optimizer_groups", spec.groups)
         object.__setattr__(self, "scheduler_options", spec.scheduler_options)

@@ -31,12 +31,26 @@ from .task_table import FINAL, roles_frame, task_states
 
 REFRESH_S = 0.4  # 2.5 refreshes per second
 MAX_FAILURES = 10  # consecutive failed refreshes before the thread gives up
-STATUS_COLORS = {"training": "#2a7", "finished": "#36c", "failed": "#c33", "stopped": "#c80"}
+STATUS_COLORS = {"training": "#1a7f37", "finished": "#36c", "failed": "#c33", "stopped": "#b35900"}  # 4.5:1 on white
 MAX_BUSY_RATIO = 4  # the poller waits at least this many times as long as a refresh takes (on average)
 
 def figures_html(shown) -> str:
     """Static HTML of ``shown`` (specs), each drawing itself with plotly.js loaded once per page."""
     return "\n".join(live.static_html(s) for s in shown)
+
+
+def failure_html(record: dict) -> str:
+    """Why a failed run (a run store record) failed: its cause, task and step in one line, its traceback folded
+    under it; '' for any other run."""
+    failure = record.get("failure")
+    if record["status"] != "failed" or not failure:
+        return ""
+    where = " ".join([f"on {failure['task']}"] * bool(failure.get("task")) +
+                     [f"at global step {failure['step']}"] * (failure.get("step") is not None))
+    traceback = (f"<details><summary>traceback</summary><pre style='font-size: 11px; white-space: pre-wrap'>"
+                 f"{html.escape(failure['traceback'])}</pre></details>" if failure.get("traceback") else "")
+    return (f"<div class='pscluster-failure' style='color: {STATUS_COLORS['failed']}'><b>failed{' ' * bool(where)}"
+            f"{html.escape(where)}:</b> {html.escape(failure['cause'])}{traceback}</div>")
 
 
 def widget_bundle(box: widgets.Widget, static_html: str, **kwargs) -> dict:
@@ -270,7 +284,7 @@ class Dashboard:
                  "style='width: 8em; vertical-align: middle'></progress>",
                  elapsed,
                  f"{len(spec.get('ps', []))} ps, {len(spec.get('worker', []))} workers"]
-        self.header.value = f"<div style='font-size: 14px'>{' · '.join(parts)}</div>{error}"
+        self.header.value = f"<div style='font-size: 14px'>{' · '.join(parts)}</div>{failure_html(record)}{error}"
 
     # --- display ----------------------------------------------------------------------------
     def static_html(self) -> str:

@@ -31,14 +31,22 @@ NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 ROOT = Path(__file__).resolve().parents[2]
 REPORTS = ROOT / "reports"
 SCREENSHOT = REPORTS / "side_panel.png"
+MODEL = ("model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))\n"
+         "loss_fn = torch.nn.CrossEntropyLoss()\n"
+         "dataset = pscluster.datasets.digits('train')")
 CELLS = [
     "%load_ext pscluster\nimport torch\nimport pscluster",
     "%pscluster start --ps 1 --workers 2 --name lab-demo",
+    # a run that diverges (a squared error at lr 50: its loss NaN within a few dozen steps), then one that trains
+    # until the panel stops it
+    "%%pscluster train --mode sync --steps 3000 --batch-size 64 --lr 50 --name diverging\n" + MODEL +
+    "\ndef loss_fn(out, y):\n    return torch.nn.functional.mse_loss(out, torch.nn.functional.one_hot(y, 10).float())",
+    "try:\n    _.wait(verbose=False)\nexcept pscluster.PSClusterError as e:\n    print(e)",
     "%%pscluster train --mode sync --steps 1000000 --batch-size 64 --lr 0.1 --log-every 100000 --name digits-mlp\n"
-    "model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))\n"
-    "loss_fn = torch.nn.CrossEntropyLoss()\n"
-    "dataset = pscluster.datasets.digits('train')",
+    + MODEL,
 ]
+CAUSE = re.compile(r"failed on worker:\d at global step \d+: worker \d failed: NonFiniteError: worker \d computed a "
+                   r"non-finite loss")
 
 
 # the time from the click on a run to its loss chart drawn with data, measured in the page
@@ -93,9 +101,11 @@ def global_step(row) -> int:
     return int(re.match(r"\d+", row.locator(".jp-pscluster-run-step").inner_text()).group())
 
 
-def header_step(header) -> int:
-    """The global step a dashboard's header shows."""
-    return int(re.search(r"global step (\d+) /", header.inner_text()).group(1))
+def header_step(header) -> int | None:
+    """The global step a dashboard's header shows; None while it shows none (a cell JupyterLab has not drawn yet,
+    out of view in its windowed notebook, reads empty)."""
+    found = re.search(r"global step (\d+) /", header.inner_text())
+    return int(found.group(1)) if found else None
 
 
 def api_requests(page, seconds: float) -> list[str]:
@@ -135,19 +145,43 @@ def test_a_notebook_trains_with_its_dashboard_and_the_panel_follows_and_stops_it
     assert cluster.locator(".jp-pscluster-restart").count() == 3  # one per role row
     assert set(cluster.locator(".jp-pscluster-task").first.locator("td").all_inner_texts()) >= {
         "127.0.0.1", "cpu", "running"}
+    # the diverging run: its cause under its row, in its dashboard (the traceback folded) and its run's value
+    failed = panel.locator(".jp-pscluster-run", has_text="diverging")
+    failed.get_by_text("failed").wait_for(timeout=90_000)
+    failed_id = failed.get_attribute("data-run-id")
+    cause = panel.locator(f'.jp-pscluster-run-failure[data-run-id="{failed_id}"]')
+    assert CAUSE.search(cause.inner_text()) and CAUSE.search(cause.get_attribute("title"))
+    assert cause.bounding_box()["width"] <= failed.bounding_box()["width"]  # the cause never widens the table
+    failed_dashboard = notebook.locator(".pscluster-dashboard", has_text="diverging")
+    failed_dashboard.locator(".pscluster-failure").wait_for(timeout=30_000)
+    assert CAUSE.search(failed_dashboard.locator(".pscluster-failure").inner_text())
+    failed_dashboard.locator(".pscluster-failure summary").click()
+    assert "Traceback" in failed_dashboard.locator(".pscluster-failure pre").inner_text()
+    notebook.locator("th", has_text=re.compile("^cause$")).wait_for(timeout=30_000)  # the Run's table, at its end
+    failed.locator(".jp-pscluster-run-name").click()
+    failed_view = page.locator(f'.jp-pscluster-runview[data-run-id="{failed_id}"]')
+    failed_view.locator('[data-status="failed"]').wait_for()
+    assert CAUSE.search(failed_view.locator(".jp-pscluster-failure").inner_text())
+    REPORTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(REPORTS / "run_failed.png"))
+    failed_view.locator(".jp-pscluster-failure summary").click()
+    assert "Traceback" in failed_view.locator(".jp-pscluster-failure pre").inner_text()
+    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="train_digits.ipynb").click()  # back to it
+
     row = panel.locator(".jp-pscluster-run", has_text="digits-mlp")
     row.get_by_text("training").wait_for(timeout=60_000)
     first = global_step(row)
     eventually(lambda: global_step(row) > first)
     row.locator(".jp-pscluster-sparkline path").wait_for()
 
-    dashboard = notebook.locator(".jp-OutputArea-output", has=page.locator(".js-plotly-plot"))
+    dashboard = notebook.locator(".jp-OutputArea-output", has=page.locator(".js-plotly-plot")).filter(
+        has_text="digits-mlp")
     dashboard.locator(".js-plotly-plot").nth(2).wait_for(timeout=120_000)  # ipywidgets + plotly render
     header = dashboard.locator(".widget-html").first  # run name, mode, status, global step...
     header.get_by_text("training", exact=True).wait_for()
     dashboard.scroll_into_view_if_needed()
-    shown = header_step(header)
-    eventually(lambda: header_step(header) > shown)  # a live update of the dashboard
+    shown = eventually(lambda: header_step(header))
+    eventually(lambda: (header_step(header) or 0) > shown)  # a live update of the dashboard
     SCREENSHOT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOT))
 
@@ -155,7 +189,7 @@ def test_a_notebook_trains_with_its_dashboard_and_the_panel_follows_and_stops_it
     confirm(page, "Stop run digits-mlp?")
     row.get_by_text("stopped").wait_for(timeout=60_000)
     # the notebook's dashboard saw it too, and became its static copy: the final figures, drawn
-    static = notebook.locator(".pscluster-dashboard")
+    static = notebook.locator(".pscluster-dashboard", has_text="digits-mlp")
     static.get_by_text("stopped", exact=True).first.wait_for(timeout=30_000)
     static.locator(".js-plotly-plot").nth(5).wait_for(timeout=30_000)
 
@@ -293,16 +327,18 @@ def test_the_view_of_a_training_run_follows_it(page, lab, home):
     registry.write({"name": "live", "owner_pid": os.getpid(), "tasks": []})  # its kernel: this process
     try:
         with RunStore() as store:
-            run = store.create_run(name="live-run", cluster="live", mode="async", config={"steps": 10_000}, spec={})
+            run = store.create_run(name="live-run", cluster="live", mode="async", config={"steps": 10_000_000},
+                                   spec={})
             store.set_status(run, "training")
             store.add_batch(run, steps_now(1, 100))
             panel = open_panel(page)
             panel.locator(f'.jp-pscluster-run[data-run-id="{run}"] .jp-pscluster-run-name').click()
             header = page.locator(f'.jp-pscluster-runview[data-run-id="{run}"] .jp-pscluster-runview-header')
-            header.get_by_text("global step 100/10000").wait_for(timeout=10_000)
+            header.get_by_text("global step 100/10000000").wait_for(timeout=10_000)
+            assert "steps=10000000" in header.inner_text()  # a whole number in full, never 1.000e+7
             store.add_batch(run, steps_now(101, 250))
             began = time.monotonic()
-            header.get_by_text("global step 250/10000").wait_for(timeout=10_000)  # the series asked again
+            header.get_by_text("global step 250/10000000").wait_for(timeout=10_000)  # the series asked again
             print(f"a training run's view showed its new steps {time.monotonic() - began:.1f} s after they were stored")
     finally:
         registry.remove("live")

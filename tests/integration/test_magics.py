@@ -8,6 +8,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
+from IPython.utils.capture import capture_output
 
 from pscluster.cluster.reaper import alive
 from pscluster.widgets import figures
@@ -118,9 +119,19 @@ def test_magic_session(ip, capsys):
         ip.run_cell_magic("pscluster", "train", TRAIN_CELL)
 
 
-def test_placement_magic_lists_shards(ip, capsys):
+def test_placement_magic_lists_shards_and_a_cell_that_does_not_wait_shows_its_run_s_end(ip, capsys):
     cluster = ip.run_line_magic("pscluster", "start --ps 2 --workers 1")
     try:
+        # a train cell without --wait: its value, the Run, says it trains, and shows its summary once it ends
+        with capture_output() as shown:
+            ip.run_cell("%%pscluster train --steps 30 --batch-size 16\n" + TRAIN_CELL)
+            started = cluster.runs[-1]
+            started.wait(timeout=120, verbose=False)
+        of_run = ("is training", f">{started.name}</td>")  # the Run's line while it trains, its table after
+        outputs = [o for o in shown.outputs if any(mark in o.data.get("text/html", "") for mark in of_run)]
+        assert "is training" in outputs[0].data["text/html"] and not outputs[0].update
+        assert outputs[-1].update and outputs[-1].transient == outputs[0].transient, outputs  # the same output
+        assert "finished" in outputs[-1].data["text/html"] and ">30<" in outputs[-1].data["text/html"]
         run = ip.run_cell_magic("pscluster", "train --steps 4 --batch-size 16 --log-every 2 --placement greedy "
                                 "--partition 0.weight=2 --wait", TRAIN_CELL)
         assert run.global_step == 4

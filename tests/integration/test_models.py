@@ -5,6 +5,7 @@ a step_fn with its own metrics, an LSTM language model with clipping, a non-fini
 One worker in sync mode sees exactly the batches of the plain loop (same sampler order), so the whole state
 (parameters and buffers) must agree within 1e-5; two ps tasks place the state across both."""
 
+import html
 import inspect
 import math
 import threading
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import pscluster
 from pscluster.errors import ConfigError, TrainingError
+from pscluster.widgets.dashboard import Dashboard
 
 from .conftest import events, wait_for_step
 
@@ -576,6 +578,18 @@ def test_a_nan_loss_fails_the_run_at_that_step_and_keeps_what_was_trained(cluste
     assert f"worker 0 failed: NonFiniteError: worker 0 computed a non-finite loss nan at global step {bad_step}" in line
     assert "on_nonfinite='skip'" in line and "(at worker.py:" in line  # the last frame of the traceback
     assert "Traceback" in run.error and "NonFiniteError" in run.error and "_Steps.gradients" in run.error
+    # the cause, where it failed and the traceback: in the run store, pscluster.runs(), the run's final dashboard
+    assert run.failure == {"cause": line, "task": "worker:0", "step": bad_step, "traceback": run.error}
+    assert run.store.run(run.id)["failure"] == run.failure
+    assert pscluster.runs(run.store.path).set_index("id").loc[run.id, "cause"] == line
+    dashboard = Dashboard(run.store.path, run.id)
+    dashboard.refresh()
+    page = dashboard.static_html()
+    dashboard.close()
+    assert f"<b>failed on worker:0 at global step {bad_step}:</b> {html.escape(line)}" in page
+    assert "<details><summary>traceback</summary>" in page and html.escape("_Steps.gradients") in page
+    assert f"<th style='text-align:left'>cause</th><td style='text-align:left'>{html.escape(line)}</td>" in \
+        run._repr_html_()
     state = run.state_dict()  # the last good parameters: those of the plain loop after bad_step steps
     expected = plain_loop(frozen_stem, pscluster.datasets.digits("train"), bad_step, loss_fn=nn.CrossEntropyLoss(),
                           lr=0.1)

@@ -35,6 +35,12 @@ def test_sync_global_step_is_local_steps_over_replicas(cluster_1ps_2w, digits_tr
     assert s["steps_per_s"] > 0 and s["steps_per_s"] == pytest.approx(s["worker_steps_per_s"][0], rel=0.1)
     assert set(s["worker_steps_per_s"]) == {0, 1}
     assert s["startup_s"] > 0 and 0 < s["training_s"] < s["wall_s"] - s["startup_s"]
+    # one wall time: the summary's, the run store's (the dashboard's and the panel's), the one samples/s divides by
+    record, listed = run.store.run(run.id), run.store.runs().set_index("id").loc[run.id]
+    assert s["wall_s"] == pytest.approx(record["ended"] - record["started"], rel=1e-9)
+    assert s["wall_s"] == pytest.approx(listed["wall_s"], rel=1e-9) == pytest.approx(run.wall_s, rel=1e-9)
+    assert s["samples_per_sec"] == pytest.approx(sum(r["samples"] for r in run.results) / s["wall_s"])
+    assert record["config"]["optimizer"] == "SGD"  # as torch spells it, whatever case it was given in
     assert len(run.logs) == 6 and run.logs[0].startswith("[worker:")
     assert "After 40 training steps (40 global steps), loss" in " ".join(run.logs)
     last = run.metrics().groupby("worker")["local_step"].max()

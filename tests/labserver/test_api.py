@@ -78,6 +78,18 @@ async def test_runs_newest_first_with_step_speed_loss_and_sparkline(api, home):
     assert len(first["sparkline"]) == SPARK_POINTS and first["sparkline"][0] > first["sparkline"][-1]
     # training, but its cluster is in no registry: nobody will finish it
     assert second["status"] == "lost" and second["global_step"] == 10
+    assert "the kernel of cluster gone-cluster is gone" in second["failure"]["cause"] and first["failure"] is None
+
+
+async def test_a_failed_run_says_why_where_and_its_traceback(api, home):
+    failure = {"cause": "worker 1 failed: NonFiniteError: ...: fix the cause and train again", "task": "worker:1",
+               "step": 37, "traceback": "Traceback (most recent call last):\n  ..."}
+    with RunStore() as store:
+        run = new_run(store)
+        store.add_batch(run, steps(0, 1, 37))
+        store.set_status(run, "failed", failure=failure)
+    status, body = await api("GET", "runs")
+    assert status == 200 and body["runs"][0]["status"] == "failed" and body["runs"][0]["failure"] == failure
 
 
 async def test_a_training_run_s_speed_is_that_of_its_last_seconds(api, home):

@@ -73,6 +73,9 @@ def test_a_chief_started_again_ends_the_unended_runs_of_its_folder_only(store, p
     assert [store.run(p.run_id)["status"] for p in (done, killed, elsewhere, again)] == [
         "finished", "failed", "training", "starting"]
     assert f"run {again.run_id} continues it" in store.events(killed.run_id)["detail"].iloc[-1]["error"]
+    assert store.run(killed.run_id)["failure"] == {"cause": f"its chief was lost: run {again.run_id} continues it "
+                                                            "from its latest checkpoint", "task": "chief",
+                                                   "step": None, "traceback": None}
 
 
 def test_a_store_made_again_at_the_same_path_never_takes_the_old_runs_checkpoints(store, plan, tmp_path):

@@ -102,9 +102,38 @@ def test_a_run_whose_owner_stops_renewing_its_lease_reads_failed_with_who_and_wh
     assert record["status"] == "failed" and record["owner_lost"].startswith(
         "owner lost: pid 1 on host-a renewed its lease last at ")
     assert store.run(ended)["owner_lost"] is None and runs["owner_lost"].drop(held).isna().all()
-    assert runs.loc[held, "owner_lost"] == record["owner_lost"]
+    assert runs.loc[held, "owner_lost"] == record["owner_lost"] == runs.loc[held, "cause"]
+    assert record["failure"] == {"cause": record["owner_lost"], "task": "controller", "step": None, "traceback": None}
     store.renew_lease(held, "pid 2 on host-b")  # a process that adopts the run holds it again
     assert store.run(held)["status"] == "training" and store.run(held)["owner"] == "pid 2 on host-b"
+
+
+def test_a_failed_run_keeps_its_cause_task_step_and_traceback(store):
+    failed, finished = new_run(store), new_run(store)
+    failure = {"cause": "worker 0 failed: ValueError: bad: fix the cause and train again", "task": "worker:0",
+               "step": 12, "traceback": "Traceback...\nValueError: bad"}
+    store.set_status(failed, "training")
+    store.set_status(failed, "failed", {"global_step": 12}, failure=failure)
+    store.set_status(finished, "finished", {"global_step": 10})
+    assert store.run(failed)["failure"] == failure and store.run(failed)["summary"] == {"global_step": 12}
+    assert store.run(finished)["failure"] is None
+    runs = store.runs().set_index("id")
+    assert runs.loc[failed, "cause"] == failure["cause"] and runs.loc[finished, "cause"] is None
+    assert "failure" not in runs.columns  # the whole of it (the traceback) is the run's record's
+
+
+def test_a_store_older_than_failures_reads_none(tmp_path):
+    path = tmp_path / "old.sqlite"
+    db = sqlite3.connect(path)
+    for migration in MIGRATIONS[:6]:  # a store written before schema 7
+        db.executescript(migration)
+    db.execute("PRAGMA user_version = 6")
+    db.execute("INSERT INTO runs (name, cluster, mode, status, started, ended, config, spec) "
+               "VALUES ('old', 'c', 'sync', 'failed', 1.0, 2.0, '{}', '{}')")
+    db.commit()
+    db.close()
+    with RunStore(path, readonly=True) as old:
+        assert old.run(1)["failure"] is None and old.runs()["cause"].tolist() == [None]
 
 
 def test_batches_are_routed_to_their_tables(store):

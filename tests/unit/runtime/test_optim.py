@@ -101,11 +101,12 @@ def test_resolve_optimizer_refuses_what_is_not_an_optimizer(name):
         resolve_optimizer(name)
 
 
-@pytest.mark.parametrize("given, name", [(torch.optim.SGD, "SGD"), ("adam", "adam"),
+@pytest.mark.parametrize("given, name", [(torch.optim.SGD, "SGD"), ("adam", "Adam"), ("ADAMW", "AdamW"),
                                          (MyOptimizer, f"{__name__}:MyOptimizer")])
-def test_optimizer_name(given, name):
-    assert optimizer_name(given) == name
-    assert resolve_optimizer(name) is (given if isinstance(given, type) else torch.optim.Adam)
+def test_optimizer_name_is_one_spelling_of_each(given, name):
+    """A torch name in any case is spelt as torch does, so one optimizer reads the same everywhere it shows."""
+    assert optimizer_name(given) == OptimizerSpec(given).optimizer == name
+    assert resolve_optimizer(name) is (given if isinstance(given, type) else getattr(torch.optim, name))
 
 
 @pytest.mark.parametrize("given", [42, torch.nn.Linear, "bogus"])
