@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ipyparallel as ipp
 import ipyparallel.client.client as ipp_client
@@ -29,6 +29,7 @@ from .launchers import ORPHAN_DEADLINE_S, Launcher
 from .roles import EngineInfo
 
 RECOUNT_S = 2.0  # how often a start that waits for engines compares the client's count with the hub's
+PROGRESS_S = 0.5  # how often it tells how many are up
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")  # no progress bars from ipyparallel itself
 
 log = logging.getLogger("pscluster.engines")
@@ -83,8 +84,9 @@ class EngineSet:
 
     def __init__(self, n: int, cluster_id: str, *, timeout: float = 90.0, detached: bool = False,
                  launcher: Launcher | None = None, roles: tuple[int, int] | None = None, files: Sequence[str] = (),
-                 spares: int = 0):
+                 spares: int = 0, progress: Callable[[str], None] = lambda stage: None):
         self.n = n
+        self.progress = progress  # told each stage of start(): "engines up 2 of 4"...
         self.files = list(files)
         self.cluster_id = cluster_id
         self.timeout = timeout
@@ -134,6 +136,7 @@ class EngineSet:
                                 shutdown_atexit=not self.detached, **self.launcher.cluster_options())
         try:
             self.since = time.time()
+            self.progress("starting the controller")
             self._ipp.start_controller_sync(controller_cmd=controller_main.command())  # its sockets bounded
             # local engines are alike: the spares fork with the tasks' (a remote launcher places engines by role)
             first = self.n + self.spares_wanted if self.launcher.local else self.n
@@ -141,6 +144,7 @@ class EngineSet:
             self._watch_launched()
             self.client = self._ipp.connect_client_sync()
             self._wait_for_engines(first)
+            self.progress(f"engines up {first} of {first}, asking where each runs")
             started = self._describe(sorted(self.client.ids))
         except (TimeoutError, ipp.error.TimeoutError):
             registered = len(self.client.ids) if self.client is not None else 0
@@ -175,14 +179,19 @@ class EngineSet:
         then from the hub's notifications, so it misses one that registers between the two (local engines
         start while it connects): a client that counts fewer engines than the hub connects again."""
         deadline = time.monotonic() + self.timeout
+        recount = time.monotonic() + RECOUNT_S
         while True:
+            self.progress(f"engines up {len(self.client.ids)} of {n}")
             try:
-                self.client.wait_for_engines(n, timeout=min(RECOUNT_S, max(0.0, deadline - time.monotonic())),
+                self.client.wait_for_engines(n, timeout=min(PROGRESS_S, max(0.0, deadline - time.monotonic())),
                                              interactive=False)
                 return
             except (TimeoutError, ipp.error.TimeoutError):
                 if time.monotonic() >= deadline:
                     raise
+            if time.monotonic() < recount:
+                continue
+            recount = time.monotonic() + RECOUNT_S
             if sum(isinstance(k, int) for k in self.client.queue_status()) > len(self.client.ids):
                 self.client.close()
                 self.client = self._ipp.connect_client_sync()

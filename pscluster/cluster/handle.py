@@ -38,6 +38,7 @@ from .checkpoint_commits import CheckpointCoordinator
 from .engines import EngineSet
 from . import launchers
 from .launchers import Launcher
+from .progress import StartProgress, in_kernel
 from .roles import assign_roles, host_gpus, worker_devices
 from .run import Run
 from .script_tasks import PeerWorker
@@ -126,8 +127,9 @@ class Cluster:
     def running(self) -> bool:
         return self.spec is not None
 
-    def start(self) -> "Cluster":
-        """Start the engines, assign roles, start the ps servers. Returns self."""
+    def start(self, *, progress: bool | None = None) -> "Cluster":
+        """Start the engines, assign roles, start the ps servers. Returns self. ``progress``: show each stage
+        (engines up n of N, roles assigned, ps serving n of P) in one line as it goes; None: in a kernel only."""
         if self.running:
             raise ClusterStateError(f"cluster {self.name} is already running: stop() it first")
         if self.detached and registry.find(self.name) is not None:
@@ -135,9 +137,13 @@ class Cluster:
                                     f"(Cluster.attach({self.name!r})) or pick another name")
         optim.preload_in_background()  # for train()'s optimizer check, while the engines start
         launcher = self.launcher
+        where = "local engines" if launcher.local else f"engines of the {launcher.kind} launcher"
+        shown = progress if progress is not None else in_kernel()
+        show = StartProgress(f"{self.name}: {self.num_ps} ps + {self.num_workers} workers on {where}") if shown \
+            else (lambda stage: None)
         engines = EngineSet(self.num_ps + self.num_workers, self.name, detached=self.detached, launcher=launcher,
                             roles=(self.num_ps, self.num_workers), files=[registry.entry_path(self.name)],
-                            spares=self.spares)
+                            spares=self.spares, progress=show)
         infos = engines.start()
         try:
             spec = assign_roles(infos, self.num_ps, self.num_workers, name=self.name,
@@ -145,6 +151,7 @@ class Cluster:
                                 ps_machines=launcher.ps_machines(engines, infos, self.num_ps, self.num_workers),
                                 bind_host=lambda e: launcher.bind_host(e.address))
             spec = replace(spec, encrypt=self.encrypt)
+            show(f"roles assigned, starting {self.num_ps} ps")
             # all sent at once: an engine runs its calls in order, so each ps starts after its configure_task
             configured = [engines.view(t.engine_id).apply_async(remote.configure_task, t.device, self.threads)
                           for t in [*spec.ps, *spec.workers]]
@@ -153,12 +160,17 @@ class Cluster:
                      for t in spec.ps]
             for c in configured:
                 c.get(timeout=60)
-            self.spec = spec.with_ps_ports([p.get(timeout=60) for p in ports])
+            serving = []
+            for p in ports:
+                serving.append(p.get(timeout=60))
+                show(f"ps serving {len(serving)} of {self.num_ps}")
+            self.spec = spec.with_ps_ports(serving)
         except BaseException:
             engines.stop()
             raise
         self._engines = engines
         self._registration = registry.Registration(self)  # listed in the side panel from now on
+        show("ready")
         return self
 
     # --- what recovery needs (see recovery.Tasks) ------------------------------------------

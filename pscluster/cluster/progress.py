@@ -1,4 +1,5 @@
-"""A progress bar of the global step that also works in reports executed headless.
+"""Progress that also shows in reports executed headless: a bar of a run's global step (``StepProgress``) and
+the line of a cluster's start (``StartProgress``).
 
 In a kernel the bar is one display output updated in place through its display
 id, so JupyterLab shows it moving and nbconvert keeps its final state; on a
@@ -19,7 +20,8 @@ from tqdm.std import tqdm
 UPDATE_S = 0.5
 
 
-def _in_kernel() -> bool:
+def in_kernel() -> bool:
+    """Whether this process is a Jupyter kernel (where a display updates in place)."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     return shell is not None and getattr(shell, "kernel", None) is not None
@@ -43,7 +45,7 @@ class StepProgress:
         self._started = self._shown = time.monotonic()
         self._bar = None
         self._handle = None
-        if _in_kernel():
+        if in_kernel():
             from IPython.display import display
 
             self._handle = display({"text/plain": self._line()}, raw=True, display_id=True)
@@ -79,3 +81,28 @@ class StepProgress:
             self._bar.close()
         else:
             self.update(self.n, self.rate, force=True)
+
+
+class StartProgress:
+    """What the start of a cluster (``what``: its name and size) has done so far, one stage at a time (call it with
+    the stage: "engines up 2 of 4"), with the seconds since it began: in a kernel one output updated in place, on a
+    terminal one line per new stage."""
+
+    def __init__(self, what: str):
+        self.what, self._stage = what, None
+        self._started = time.monotonic()
+        self._handle = None
+        if in_kernel():
+            from IPython.display import display
+
+            self._handle = display({"text/plain": f"{what}: starting"}, raw=True, display_id=True)
+
+    def __call__(self, stage: str) -> None:
+        if stage == self._stage:
+            return
+        self._stage = stage
+        line = f"{self.what}: {stage} ({time.monotonic() - self._started:.1f} s)"
+        if self._handle is not None:
+            self._handle.update({"text/plain": line}, raw=True)
+        else:
+            print(line, flush=True)

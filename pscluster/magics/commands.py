@@ -59,10 +59,7 @@ class PSClusterMagics(Magics):
         cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads,
                           detached=args.detached, launcher=args.launcher, encrypt=args.encrypt, spares=args.spares,
                           **launcher_options)
-        where = ("local engines" if cluster.launcher.local else
-                 f"engines started by the {cluster.launcher.kind} launcher")
-        print(f"starting {cluster.num_ps} ps + {cluster.num_workers} workers on {where}...", flush=True)
-        self.cluster = cluster.start()
+        self.cluster = cluster.start(progress=True)
         return self.cluster
 
     def _attach(self, args, cell):

@@ -120,8 +120,16 @@ def test_magic_session(ip, capsys):
 
 
 def test_placement_magic_lists_shards_and_a_cell_that_does_not_wait_shows_its_run_s_end(ip, capsys):
-    cluster = ip.run_line_magic("pscluster", "start --ps 2 --workers 1")
+    cluster = ip.run_line_magic("pscluster", "start --ps 2 --workers 1 --spares 1")
     try:
+        # the start said what it did, stage by stage: 3 engines and the spare, roles, each ps serving
+        stages = [line.split(": ", 2)[2].rsplit(" (", 1)[0] for line in capsys.readouterr().out.splitlines()
+                  if line.startswith(f"{cluster.name}: 2 ps + 1 workers on local engines: ")]
+        assert stages[0] == "starting the controller" and stages[-5:] == [
+            "engines up 4 of 4, asking where each runs", "roles assigned, starting 2 ps", "ps serving 1 of 2",
+            "ps serving 2 of 2", "ready"], stages
+        counts = [int(s.split()[2]) for s in stages[1:-5]]
+        assert stages[1:-5] == [f"engines up {n} of 4" for n in counts] and counts == sorted(counts), stages
         # a train cell without --wait: its value, the Run, says it trains, and shows its summary once it ends
         with capture_output() as shown:
             ip.run_cell("%%pscluster train --steps 30 --batch-size 16\n" + TRAIN_CELL)
