@@ -251,12 +251,19 @@ export class ClusterPanel extends PollingWidget {
     row.className = 'jp-pscluster-run';
     row.dataset.runId = String(run.id);
     row.dataset.store = run.store;
+    row.tabIndex = 0; // reached by Tab; Enter opens the run as a click does
+    row.onkeydown = event => {
+      if (event.key === 'Enter' && event.target === row) {
+        row.click();
+      }
+    };
     for (const cell of ['check', 'name', 'status', 'step', 'speed', 'loss', 'wall', 'settings', 'actions']) {
       row.append(el('td', `jp-pscluster-run-${cell}`));
     }
     const check = el('input', 'jp-pscluster-run-checkbox');
     check.type = 'checkbox';
     check.title = 'Check two or more runs to compare them';
+    check.setAttribute('aria-label', `Compare ${run.name}`);
     check.onclick = event => event.stopPropagation(); // a run row opens its view on click
     check.onchange = () => {
       const key = runKey(run);
@@ -276,6 +283,7 @@ export class ClusterPanel extends PollingWidget {
     const [, name, status, step, speed, loss, wall, config, actions] = Array.from(row.cells);
     name.textContent = run.name;
     name.title = `${run.name} on ${run.cluster} (${run.mode}): open its plots`;
+    row.setAttribute('aria-label', `${run.name}, ${run.status}: Enter opens its plots`);
     status.textContent = run.status;
     status.className = `jp-pscluster-run-status jp-pscluster-status-${run.status}`;
     step.textContent = run.steps ? `${run.global_step}/${run.steps}` : String(run.global_step);

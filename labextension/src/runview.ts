@@ -122,7 +122,7 @@ export class RunView extends PollingWidget {
     const node = el('div', 'jp-pscluster-controls');
     const x = el('select', 'jp-pscluster-xmode');
     for (const mode of Object.keys(X_TITLES) as XMode[]) {
-      x.append(new Option(`x: ${X_TITLES[mode]}`, mode));
+      x.append(new Option(X_TITLES[mode], mode));
     }
     x.onchange = () => {
       this.xMode = x.value as XMode;
@@ -148,7 +148,7 @@ export class RunView extends PollingWidget {
       node.append(...children);
       return node;
     };
-    node.append(x, label('log loss ', log), label('smoothing ', slider, shown));
+    node.append(label('x axis ', x), label('log loss ', log), label('smoothing ', slider, shown));
     return node;
   }
 

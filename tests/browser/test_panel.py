@@ -55,6 +55,18 @@ CLICKED = """() => document.addEventListener('click', () => { window.psclusterCl
 # what a plotly chart draws: its y axis type and the names of its traces in the legend
 CHART = """(div) => ({yaxis: div._fullLayout.yaxis.type, xtype: div._fullLayout.xaxis.type,
     xrange: div._fullLayout.xaxis.range, legend: div._fullData.filter(t => t.showlegend).map(t => t.name)})"""
+# WCAG's contrast ratio of an element's text colour against the first opaque background behind it
+CONTRAST = """(node) => {
+    const rgb = (c) => c.match(/[\\d.]+/g).map(Number);
+    const luminance = ([r, g, b]) => [r, g, b].map(v => v / 255)
+        .map(v => v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4)
+        .reduce((sum, v, i) => sum + [0.2126, 0.7152, 0.0722][i] * v, 0);
+    let back = node;
+    while (back && (rgb(getComputedStyle(back).backgroundColor)[3] ?? 1) === 0) { back = back.parentElement; }
+    const [a, b] = [rgb(getComputedStyle(node).color), rgb(getComputedStyle(back || document.body).backgroundColor)]
+        .map(luminance).sort((x, y) => y - x);
+    return (a + 0.05) / (b + 0.05);
+}"""
 # worker 0's values and its smoothed values as drawn (null without smoothing)
 SMOOTHED = """(div) => { const raw = div.data.find(t => t.name === 'worker 0 (raw)');
     return raw ? [raw.y, div.data.find(t => t.name === 'worker 0').y] : null; }"""
@@ -303,9 +315,9 @@ def test_the_view_of_a_long_run_draws_and_runs_compare(page, lab, home):
     page.locator(f"{view} .jp-pscluster-smoothing").evaluate(
         "(s) => { s.value = '0'; s.dispatchEvent(new Event('input')); }")
     eventually(lambda: plot.evaluate(SMOOTHED) is None, 5)  # no smoothing: the values alone
-    page.locator(f"{view} .jp-pscluster-xmode").select_option("relative")
+    page.locator(view).get_by_label("x axis").select_option("relative")  # the control is labelled
     eventually(lambda: plot.evaluate(CHART)["xrange"][1] < 250, 5)  # seconds since the run started
-    page.locator(f"{view} .jp-pscluster-xmode").select_option("wall")
+    page.locator(view).get_by_label("x axis").select_option("wall")
     eventually(lambda: plot.evaluate(CHART)["xtype"] == "date", 5)
 
     for run in (long, short):
@@ -332,7 +344,12 @@ def test_the_view_of_a_training_run_follows_it(page, lab, home):
             store.set_status(run, "training")
             store.add_batch(run, steps_now(1, 100))
             panel = open_panel(page)
-            panel.locator(f'.jp-pscluster-run[data-run-id="{run}"] .jp-pscluster-run-name').click()
+            row = panel.locator(f'.jp-pscluster-run[data-run-id="{run}"]')
+            status = row.locator(".jp-pscluster-run-status")
+            status.get_by_text("training").wait_for(timeout=10_000)
+            assert status.evaluate(CONTRAST) >= 4.5  # the status colour on the panel's background
+            row.focus()  # by keyboard: a run row takes the focus, and Enter opens its view
+            page.keyboard.press("Enter")
             header = page.locator(f'.jp-pscluster-runview[data-run-id="{run}"] .jp-pscluster-runview-header')
             header.get_by_text("global step 100/10000000").wait_for(timeout=10_000)
             assert "steps=10000000" in header.inner_text()  # a whole number in full, never 1.000e+7
