@@ -39,7 +39,7 @@ function headerLine(run: RunInfo, node: HTMLElement): void {
     `${run.name} on ${run.cluster} (${run.mode}): ${run.status}, global step ${run.global_step}` +
     `${run.steps ? '/' + run.steps : ''}, ${sig(run.steps_per_s)} steps/s, loss ${sig(run.loss)}, ` +
     `wall ${duration(run.wall_s)}`;
-  const links = (['csv', 'parquet'] as const).map(kind => {
+  const links = (['csv', 'json', 'parquet'] as const).map(kind => {
     const a = el('a', 'jp-pscluster-download', kind.toUpperCase());
     a.href = apiUrl(runPath(run, `metrics.${kind}`));
     a.download = `run-${run.id}-metrics.${kind}`;

@@ -24,7 +24,7 @@ from .models import ErrorReply, to_json
 from .service import MAX_POINTS, ApiError, LabService
 
 SERIES_POINTS = 2000        # points per worker of a series when the request does not say
-CSV_CHUNK = 20_000          # rows per chunk of a streamed CSV download
+CSV_CHUNK = 20_000          # rows per chunk of a streamed CSV or JSON download
 PLOTLY_CACHE_S = 7 * 86400  # plotly.js changes with the plotly package only
 TASK = r"clusters/(?P<name>[^/]+)/tasks/(?P<role>ps|chief|worker)/(?P<index>\d+)"
 
@@ -98,6 +98,9 @@ class SeriesHandler(_Handler):
             raise web.HTTPError(400, reason=f"{name}={value!r}: give a number, or leave it out") from None
 
 
+DOWNLOAD_TYPES = {"csv": "text/csv", "json": "application/json", "parquet": "application/vnd.apache.parquet"}
+
+
 class DownloadHandler(_Handler):
     """The run's metrics as a file: raw rows, or with ``?points=N`` the whole run decimated; the header
     ``X-Pscluster-Content`` says which."""
@@ -113,16 +116,22 @@ class DownloadHandler(_Handler):
                 None, self.service.download, int(run_id), self.get_query_argument("store", None), points)
         except ApiError as e:
             raise web.HTTPError(e.status, reason=e.message) from None
-        self.set_header("Content-Type", "text/csv" if kind == "csv" else "application/vnd.apache.parquet")
+        self.set_header("Content-Type", DOWNLOAD_TYPES[kind])
         self.set_header("Content-Disposition", f'attachment; filename="run-{run_id}-metrics.{kind}"')
         self.set_header("X-Pscluster-Content", content)
         if kind == "parquet":
             self.finish(df.to_parquet(index=False))
             return
+        if kind == "json":  # an array of one object per row, NaN as null, streamed as CSV is
+            self.write("[")
         for first in range(0, max(len(df), 1), CSV_CHUNK):  # streamed: the header, then a chunk at a time
-            self.write(df.iloc[first:first + CSV_CHUNK].to_csv(index=False, header=first == 0))
+            chunk = df.iloc[first:first + CSV_CHUNK]
+            if kind == "csv":
+                self.write(chunk.to_csv(index=False, header=first == 0))
+            elif len(chunk):
+                self.write(("," if first else "") + chunk.to_json(orient="records")[1:-1])
             await self.flush()
-        self.finish()
+        self.finish("]" if kind == "json" else None)
 
 
 class PlotlyHandler(JupyterHandler, web.StaticFileHandler):
@@ -152,7 +161,7 @@ def routes(base_url: str, service: LabService) -> list:
         (TASK + r"/(?P<action>kill|restart)", TaskActionHandler),
         ("runs", RunsHandler),
         (r"runs/(?P<run_id>\d+)/series", SeriesHandler),
-        (r"runs/(?P<run_id>\d+)/metrics\.(?P<kind>csv|parquet)", DownloadHandler),
+        (r"runs/(?P<run_id>\d+)/metrics\.(?P<kind>csv|json|parquet)", DownloadHandler),
         (r"runs/(?P<run_id>\d+)/stop", StopRunHandler),
     )] + [(url_path_join(base_url, "pscluster", "static", r"(plotly\.min\.js)"), PlotlyHandler,
            {"path": str(pathlib.Path(plotly.__file__).parent / "package_data")})]

@@ -285,6 +285,8 @@ def test_the_view_of_a_long_run_draws_and_runs_compare(page, lab, home):
     print(f"run view of 200k steps x 2 workers: loss chart drawn {drawn_ms:.0f} ms after the click")  # goal: run_view
     header = page.locator(f"{view} .jp-pscluster-runview-header")
     assert "1000 steps/s" in header.inner_text() and "loss 5.000e-7" in header.inner_text()
+    assert [a.inner_text() for a in header.locator(".jp-pscluster-download").all()] == ["CSV", "JSON", "PARQUET"]
+    assert "/metrics.json" in header.get_by_text("JSON").get_attribute("href")
     page.locator(f'{view} .jp-pscluster-plot[data-chart="speed"] .scatterlayer .trace').first.wait_for(state="attached")
     plot = page.locator(loss)
     assert plot.evaluate(CHART)["legend"] == ["worker 0", "worker 1"]

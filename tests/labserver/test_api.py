@@ -196,6 +196,21 @@ async def test_download_the_metrics_as_csv(api, home, jp_fetch):
     assert {"loss_mean", "loss_min", "loss_max", "loss_last"} <= set(df.columns)
 
 
+async def test_download_the_metrics_as_json_one_object_a_row(api, home, jp_fetch):
+    with RunStore() as store:
+        run = long_run(store, 25_000)  # more rows than one streamed chunk
+        raw = store.metrics(run)
+    response = await jp_fetch("pscluster", "api", "runs", str(run), "metrics.json")
+    assert response.headers["Content-Type"].startswith("application/json")
+    rows = json.loads(response.body, parse_constant=pytest.fail)  # NaN as null: JSON.parse reads it
+    assert len(rows) == len(raw) > 20_000 and set(rows[0]) == set(raw.columns)
+    pd.testing.assert_frame_equal(pd.DataFrame(rows, columns=raw.columns).apply(pd.to_numeric),
+                                  raw.apply(pd.to_numeric), check_dtype=False)
+    with RunStore() as store:  # a run with no rows yet: an empty array
+        empty = new_run(store)
+    assert json.loads((await jp_fetch("pscluster", "api", "runs", str(empty), "metrics.json")).body) == []
+
+
 async def test_download_as_parquet_or_a_message_that_names_pyarrow(api, home, jp_fetch):
     with RunStore() as store:
         run = long_run(store, 1000)
