@@ -373,12 +373,11 @@ class Supervisor:
         self.event_files.add_evaluation(step, result["loss"], result["accuracy"])
 
     # --- the end -----------------------------------------------------------------------------
-    def _failed(self, cause: str, task: str, traceback_text: str, step: int | None = None) -> None:
-        """The run failed: ``cause`` in one line, first seen on ``task`` at global ``step`` (None: the latest
-        step a worker reported, if any), with the whole ``traceback_text``."""
+    def _failed(self, cause: str, task: str, traceback_text: str) -> None:
+        """The run failed: ``cause`` in one line, first seen on ``task``, with the whole ``traceback_text``; its
+        step, until the task says where it failed, the latest one a worker reported (None before any)."""
         self.error_line, self.error = cause, traceback_text
-        self.failure = {"cause": cause, "task": task, "step": (self.latest_step or None) if step is None else step,
-                        "traceback": traceback_text}
+        self.failure = {"cause": cause, "task": task, "step": self.latest_step or None, "traceback": traceback_text}
 
     def _finish(self) -> None:
         errors, tracebacks, results, first = [], [], [], None

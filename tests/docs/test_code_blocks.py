@@ -195,7 +195,7 @@ def magic_lines(block: Block) -> list[str]:
 def test_magic_lines_for_other_machines_build_their_cluster(shell, monkeypatch):
     found = [(b, line) for page in ALL.values() for b in page for line in magic_lines(b)]
     assert found, "no block of %pscluster lines: the multi-host examples moved, or this test is stale"
-    monkeypatch.setattr(Cluster, "start", lambda self: self)  # built and checked, never started
+    monkeypatch.setattr(Cluster, "start", lambda self, **options: self)  # built and checked, never started
     shell.run_line_magic("load_ext", "pscluster")
     magics = shell.magics_manager.registry["PSClusterMagics"]
     monkeypatch.setattr(magics, "cluster", None)
