@@ -16,7 +16,7 @@ import pathlib
 import plotly
 from nbconvert.preprocessors import Preprocessor
 
-FIGURE_MARK = "loadPlotly().then("  # in every static pscluster figure (widgets.live.static_html)
+FIGURE_MARK = "drawStatic(div, "  # in every static pscluster figure (widgets.live.STATIC_CALL)
 
 
 def plotly_script() -> str:

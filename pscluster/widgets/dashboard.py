@@ -34,9 +34,10 @@ MAX_FAILURES = 10  # consecutive failed refreshes before the thread gives up
 STATUS_COLORS = {"training": "#1a7f37", "finished": "#36c", "failed": "#c33", "stopped": "#b35900"}  # 4.5:1 on white
 MAX_BUSY_RATIO = 4  # the poller waits at least this many times as long as a refresh takes (on average)
 
-def figures_html(shown) -> str:
-    """Static HTML of ``shown`` (specs), each drawing itself with plotly.js loaded once per page."""
-    return "\n".join(live.static_html(s) for s in shown)
+def figures_html(shown, *, images: bool = True) -> str:
+    """Static HTML of ``shown`` (specs), each drawing itself with plotly.js loaded once per page; with
+    ``images``, each with its image for pages that run no script (``live.static_html``)."""
+    return "\n".join(live.static_html(s, image=images) for s in shown)
 
 
 def failure_html(record: dict) -> str:
@@ -287,20 +288,22 @@ class Dashboard:
         self.header.value = f"<div style='font-size: 14px'>{' · '.join(parts)}</div>{failure_html(record)}{error}"
 
     # --- display ----------------------------------------------------------------------------
-    def static_html(self) -> str:
-        """The header, roles table, placement lines and every figure as static HTML (no widgets)."""
+    def static_html(self, *, images: bool = True) -> str:
+        """The header, roles table, placement lines and every figure as static HTML (no widgets), the figures
+        with their images unless ``images`` is false."""
         with self._lock:
             return (f"<div class='pscluster-dashboard'>{self.header.value}"
                     f"<div style='display: flex; gap: 3em'>{self.roles.value}{self.lines.value}</div>"
-                    f"{figures_html(f.spec for f in self.figures.values())}</div>")
+                    f"{figures_html((f.spec for f in self.figures.values()), images=images)}</div>")
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
-        """The live widget and its static copy while the run trains; the static copy alone once it is over
-        (what a reopened notebook shows, with or without its kernel)."""
+        """The live widget and its static copy (without images: it stands for the moment it was displayed)
+        while the run trains; the static copy alone, images included, once it is over (what a reopened
+        notebook shows, with or without its kernel, trusted or not)."""
         if self.final:
             return {"text/html": self.static_html(), "text/plain": repr(self)}
         with self._lock:
-            return widget_bundle(self.box, self.static_html(), **kwargs)
+            return widget_bundle(self.box, self.static_html(images=False), **kwargs)
 
     def __repr__(self) -> str:
         return f"<pscluster Dashboard of run {self.run_id} ({'polling' if self.running else 'idle'})>"

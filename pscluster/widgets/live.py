@@ -12,7 +12,9 @@ change and the points after it, so a growing series costs its new points.
 
 ``static_html`` gives the same figures as HTML for outputs that outlive the kernel (nbconvert reports, a
 reopened notebook): each figure's data inline and plotly.js loaded once, from the page if a report carries
-it (``pscluster.report``), else from the server extension.
+it (``pscluster.report``), else from the server extension; the convergence figure's controls with it
+(``controls.js``); and, for a page that runs no script (an untrusted notebook, a notebook viewer, a
+repository's page), the figure's image (``still``) in its place until plotly.js draws it.
 """
 
 from __future__ import annotations
@@ -23,15 +25,20 @@ import pathlib
 import threading
 import uuid
 
+import base64
+import html
+
 import anywidget
 import numpy as np
 import plotly.io as pio
 
+from . import still
 from .figure_specs import Spec, expanded, figure
 
-_LOADER = pathlib.Path(__file__).with_name("plotly_loader.js").read_text()
-_VIEW = pathlib.Path(__file__).with_name("live.js").read_text()
+_LOADER, _CONTROLS, _VIEW = (pathlib.Path(__file__).with_name(name).read_text()
+                             for name in ("plotly_loader.js", "controls.js", "live.js"))
 CONFIG = {"displaylogo": False, "responsive": True}
+STATIC_CALL = "drawStatic(div, "  # in a static figure's script, followed by the figure as JSON ({"data", "layout"})
 
 
 def plain(value):
@@ -114,7 +121,7 @@ class LiveFigure(anywidget.AnyWidget):
     ``messages`` and ``bytes_sent`` count what it sent (the dashboard's message budget is checked on
     them)."""
 
-    _esm = _LOADER + _VIEW
+    _esm = _LOADER + _CONTROLS + _VIEW
 
     def __init__(self, spec: Spec):
         super().__init__()
@@ -158,17 +165,25 @@ class LiveFigure(anywidget.AnyWidget):
         self.send(message)
 
 
-def static_html(s: Spec) -> str:
-    """Figure ``s`` as HTML that draws itself with plotly.js, loaded once per page: the figure's data
-    inline (arrays as base64), plotly.js from the page or the server extension."""
+def static_html(s: Spec, *, image: bool = True) -> str:
+    """Figure ``s`` as HTML that draws itself with plotly.js, loaded once per page: the figure's data inline,
+    plotly.js from the page or the server extension, the controls the figure has. With
+    ``image``, its PNG (``still.png``) holds the figure's place, and stays where no script runs or plotly.js
+    cannot be loaded."""
     div = f"pscluster-{uuid.uuid4().hex[:12]}"
     height = s.layout.get("height", 300)
-    fig = json.loads(pio.to_json(figure(s), validate=False))
+    fig = figure_json(expanded(s))  # arrays as lists: the controls compute with them
 
     def js(value) -> str:
         return json.dumps(value).replace("</", "<\\/")  # no '</script>' inside the script
 
-    return (f"<div id='{div}' class='pscluster-figure' style='height: {height}px'></div>"
-            f"<script type='text/javascript'>{_LOADER}\nloadPlotly().then(Plotly => Plotly.newPlot({js(div)}, "
-            f"{js(fig['data'])}, {js(fig['layout'])}, {js(CONFIG)}))"
-            f".catch(e => {{ document.getElementById({js(div)}).textContent = e.message; }});</script>")
+    still_img = ""
+    if image:
+        title = ((expanded(s).layout.get("title") or {}).get("text") or "pscluster figure")
+        still_img = (f"<img class='pscluster-still' alt='{html.escape(title, quote=True)}' style='max-width: 100%' "
+                     f"src='data:image/png;base64,{base64.b64encode(still.png(s)).decode()}'>")
+    note = "div.appendChild(Object.assign(document.createElement('div'), { textContent: e.message }))"
+    return (f"<div><div id='{div}' class='pscluster-figure' style='min-height: {height}px'>{still_img}</div>"
+            f"<script type='text/javascript'>{_LOADER}\n{_CONTROLS}\n"
+            f"(div => {STATIC_CALL}{js(fig)}, {js(CONFIG)})"
+            f".catch(e => {{ {note}; }}))(document.getElementById({js(div)}));</script></div>")

@@ -9,6 +9,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from pscluster.widgets import live
+
 pytestmark = pytest.mark.notebook
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
@@ -65,20 +67,24 @@ def test_quickstart_runs_and_reports_both_runs(tmp_path):
     assert "training steps (" in text and "global steps), loss" in text
 
 
-def plotly_figures(nb) -> list[list[dict]]:
-    """The trace lists of every static plotly figure in the executed notebook's HTML outputs."""
+def static_figures(nb) -> list[dict]:
+    """Every static pscluster figure (its ``data`` and ``layout``) in the executed notebook's HTML outputs."""
     decoder = json.JSONDecoder()
     figures = []
     for cell in nb.cells:
         for output in cell.get("outputs", []):
             html = output.get("data", {}).get("text/html", "")
             start = 0
-            while (at := html.find("Plotly.newPlot(", start)) >= 0:
-                args = html.index(",", at) + 1  # past the div id
-                traces, end = decoder.raw_decode(html[args:].lstrip())
-                figures.append(traces)
-                start = args + end
+            while (at := html.find(live.STATIC_CALL, start)) >= 0:
+                figure, end = decoder.raw_decode(html, at + len(live.STATIC_CALL))
+                figures.append(figure)
+                start = end
     return figures
+
+
+def plotly_figures(nb) -> list[list[dict]]:
+    """The trace lists of every static pscluster figure in the executed notebook's HTML outputs."""
+    return [figure["data"] for figure in static_figures(nb)]
 
 
 def test_sync_vs_async_shows_static_figures_per_worker(tmp_path):
@@ -169,14 +175,8 @@ def test_your_model_trains_with_a_dataloader_a_schedule_and_a_step_fn(tmp_path):
             return np.frombuffer(base64.b64decode(data["bdata"]), dtype=data["dtype"]).tolist()
         return list(data)
 
-    decoder, convergence = json.JSONDecoder(), []
-    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
-    for at in (m.end() for m in re.finditer(re.escape("Plotly.newPlot("), html)):
-        args = html[html.index(",", at) + 1:].lstrip()  # past the div id
-        traces, end = decoder.raw_decode(args)
-        layout, _ = decoder.raw_decode(args[end:].lstrip().lstrip(",").lstrip())
-        if any(t.get("name") == "learning rate (ps 0)" for t in traces):
-            convergence.append((traces, layout))
+    convergence = [(f["data"], f["layout"]) for f in static_figures(nb)
+                   if any(t.get("name") == "learning rate (ps 0)" for t in f["data"])]
     assert len(convergence) == 2, "one convergence figure with the learning rate per run"
     for traces, _ in convergence:
         lr = values(next(t for t in traces if t.get("name") == "learning rate (ps 0)")["y"])

@@ -344,14 +344,14 @@ def test_display_bundle_is_the_widget_and_small_static_html_then_the_static_html
     bundle = d._repr_mimebundle_()
     assert bundle[WIDGET]["model_id"] == d.box.model_id
     html = bundle["text/html"]
-    assert html.count("Plotly.newPlot") == 6 and "plotly.js v" not in html  # the page loads plotly.js
+    assert html.count(live.STATIC_CALL) == 6 and "plotly.js v" not in html  # the page loads plotly.js
     assert "fc1.weight: /job:ps/task:0" in html and "chief" in html and "sync-run" in html
     # each figure's widget state holds no plotly.js: a few KB (a plotly FigureWidget's holds 5 MB)
     assert all(len(str(f.get_state())) < 10_000 for f in d.figures.values())
     store.set_status(run.run_id, "finished")
     d.refresh()
     final = d._repr_mimebundle_()  # a run that is over: what a reopened notebook shows, kernel or not
-    assert WIDGET not in final and "finished" in final["text/html"] and final["text/html"].count("Plotly.newPlot") == 6
+    assert WIDGET not in final and "finished" in final["text/html"] and final["text/html"].count(live.STATIC_CALL) == 6
 
 
 def test_a_writer_is_never_disturbed_by_a_polling_dashboard(store, dashboards):
@@ -407,7 +407,7 @@ def test_compare_runs_by_id_and_by_run_object(store):
     assert [t.name for t in result.figure.data][:2] == labels
     assert list(result.table["run"]) == labels and list(result.table["global steps"]) == [10, 20]
     bundle = result._repr_mimebundle_()
-    assert WIDGET in bundle and bundle["text/html"].count("Plotly.newPlot") == 1
+    assert WIDGET in bundle and bundle["text/html"].count(live.STATIC_CALL) == 1
     with pytest.raises(ConfigError, match="no run 99"):
         compare([99], store=store.path)
     with pytest.raises(ConfigError, match="Run objects or run ids"):

@@ -103,12 +103,12 @@ def test_the_dashboards_figures_patch_to_what_they_show(monkeypatch):
 
 def test_static_html_draws_with_plotly_loaded_once_and_a_report_carries_it_once():
     html = live.static_html(series(4))
-    assert "Plotly.newPlot(" in html and "plotly.js v" not in html and "</script>" in html
+    assert live.STATIC_CALL in html and "plotly.js v" not in html and "</script>" in html
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
         "display_data", data={"text/html": html + live.static_html(series(5))}) for _ in range(2)])])
     report, _ = HTMLExporter(preprocessors=[InlinePlotly]).from_notebook_node(nb)
-    assert report.count("* plotly.js v") == 1 and report.count("Plotly.newPlot(") == 4
-    assert report.index("* plotly.js v") < report.index("Plotly.newPlot(")
+    assert report.count("* plotly.js v") == 1 and report.count(live.STATIC_CALL) == 4
+    assert report.index("* plotly.js v") < report.index(live.STATIC_CALL)
     assert "plotly.js v" not in json.dumps(nb)  # the notebook itself is left as it was
 
 
