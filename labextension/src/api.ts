@@ -71,8 +71,21 @@ export interface RunList {
   message: string | null;
 }
 
-/** A worker's columns of a series: `x`, `time_last`, `local_last`, `{name}_mean`... (null for NaN). */
+/** A worker's columns of a series: `x`, `time_last`, `local_steps_per_s`, `{name}_mean`... (null for NaN). */
 export type Columns = Record<string, (number | null)[]>;
+
+export interface Evaluation {
+  global_step: number;
+  time: number;
+  loss: number | null;
+  accuracy: number | null;
+}
+
+export interface LearningRate {
+  step: number;
+  time: number;
+  lr: number;
+}
 
 export interface SeriesData {
   run: RunInfo;
@@ -83,6 +96,9 @@ export interface SeriesData {
   available: string[];
   resolution: number;
   workers: { worker: number; columns: Columns }[];
+  evaluations: Evaluation[];
+  learning_rates: LearningRate[];
+  speed_window_s: number;
 }
 
 export interface ActionResult {

@@ -81,49 +81,62 @@ export function smooth(ys: (number | null)[], weight: number): (number | null)[]
   });
 }
 
-/** A curve of a chart: its points, and optionally the band of the values each point stands for. */
+/** A curve of a chart, or its marks: its points, and a colour of its own (default: by its place). */
 export interface Line {
   name: string;
   x: number[];
   y: (number | null)[];
-  lo?: (number | null)[];
-  hi?: (number | null)[];
+  color?: string;
 }
 
 /**
  * A chart: `key` names its div among the charts; `log` makes its y axis logarithmic, `zero` starts it at 0;
- * `smoothed` smooths its lines.
+ * `smoothed` smooths its lines, `stepped` draws them as steps (a value holds until the next); `marks` are
+ * drawn as points over the lines (test-set evaluations).
  */
 export interface ChartSpec {
   key: string;
   title: string;
   lines: Line[];
+  marks?: Line[];
   log?: boolean;
   zero?: boolean;
   smoothed?: boolean;
+  stepped?: boolean;
 }
 
-/** The plotly traces of `lines`: a faint min..max band, the values, and with smoothing the smoothed values. */
-function traces(lines: Line[], weight: number): object[] {
-  return lines.flatMap((line, i) => {
-    const color = COLORS[i % COLORS.length];
+/**
+ * The plotly traces of a chart, as TensorBoard draws them: per line its values, and with smoothing the values
+ * faint under the smoothed ones (named `<line> (raw)`, out of the legend); then the marks.
+ */
+function traces(spec: ChartSpec, weight: number): object[] {
+  const lines = spec.lines.flatMap((line, i) => {
+    const color = line.color ?? COLORS[i % COLORS.length];
     const group = { legendgroup: line.name, x: line.x, type: 'scatter', mode: 'lines' };
-    const out: object[] = [];
-    if (line.lo && line.hi) {
-      const edge = { ...group, line: { width: 0, color }, showlegend: false, hoverinfo: 'skip' };
-      out.push({ ...edge, y: line.lo, name: `${line.name} min` });
-      out.push({ ...edge, y: line.hi, name: `${line.name} max`, fill: 'tonexty', opacity: 0.15 });
-    }
-    const raw = { ...group, y: line.y, name: line.name, line: { color, width: 1.5 } };
+    const shape = spec.stepped ? 'hv' : 'linear';
+    const raw = { ...group, y: line.y, name: line.name, line: { color, width: 1.5, shape } };
     if (weight <= 0) {
-      return [...out, raw];
+      return [raw];
     }
     return [
-      ...out,
       { ...raw, name: `${line.name} (raw)`, opacity: 0.3, showlegend: false },
       { ...group, y: smooth(line.y, weight), name: line.name, line: { color, width: 1.8 } }
     ];
   });
+  const marks = (spec.marks ?? []).map((mark, i) => ({
+    type: 'scatter',
+    mode: 'markers',
+    x: mark.x,
+    y: mark.y,
+    name: mark.name,
+    marker: {
+      symbol: 'diamond',
+      size: 10,
+      color: mark.color ?? COLORS[i % COLORS.length],
+      line: { width: 1.5, color: '#222' }
+    }
+  }));
+  return [...lines, ...marks];
 }
 
 /**
@@ -172,7 +185,7 @@ export class Charts {
         legend: { orientation: 'h', y: -0.3 },
         uirevision: 'keep'
       };
-      await plotly.react(div, traces(spec.lines, spec.smoothed ? weight : 0), layout, {
+      await plotly.react(div, traces(spec, spec.smoothed ? weight : 0), layout, {
         displaylogo: false,
         responsive: true
       });

@@ -4,15 +4,17 @@
  * endpoint, decimated whatever the runs' length. It shows the header and "Loading" at once; a zoom asks for
  * the zoomed range at a finer resolution; while a run trains it asks again every RUN_REFRESH_MS.
  *
- * One run: a chart per metric (loss, accuracy when it has one) with a curve and a min..max band per worker,
- * and each worker's local steps/s. Several runs: their loss curves overlaid, one per run (its workers'
- * points averaged where they share a global step).
+ * One run, as TensorBoard draws it: a chart per metric (loss, accuracy when it has one) with a smoothed line
+ * per worker over its faint raw line, the run's test-set evaluations marked, and each worker's local steps/s
+ * by the notebook's rule (computed by the server). Several runs: the metric chosen (any the runs stored, the
+ * speed, the learning rate) of each run (its workers' points averaged where they share an x), and a table of
+ * the hyperparameters that differ between them.
  */
 
-import { ApiError, Columns, RunInfo, SeriesData, apiUrl, requestAPI, runPath } from './api';
-import { ChartSpec, Charts, Line } from './charts';
+import { ApiError, RunInfo, SeriesData, apiUrl, requestAPI, runPath } from './api';
+import { COLORS, ChartSpec, Charts, Line } from './charts';
 import { failureNode } from './failure';
-import { duration, settings, sig } from './format';
+import { duration, setting, settings, sig } from './format';
 import { PlotlyStatic, loadPlotly } from './plotly';
 import { PollingWidget } from './polling';
 
@@ -23,6 +25,10 @@ const TZ_MS = new Date().getTimezoneOffset() * 60_000; // plotly draws dates as 
 
 type XMode = 'step' | 'wall' | 'relative';
 const X_TITLES: Record<XMode, string> = { step: 'global step', wall: 'wall time', relative: 'seconds since start' };
+const SPEED = 'speed'; // a compared metric besides the stored ones: local_steps_per_s of the series' columns
+const LR = 'lr'; // another: the learning rate of the series' learning_rates
+const EVALUATED = ['loss', 'accuracy'] as const; // the metrics a test-set evaluation has
+const TEST_COLOR = '#222';
 
 function el<K extends keyof HTMLElementTagNameMap>(tag: K, className = '', text = ''): HTMLElementTagNameMap[K] {
   const node = document.createElement(tag);
@@ -51,29 +57,34 @@ function headerLine(run: RunInfo, node: HTMLElement): void {
   node.replaceChildren(el('div', '', text), line, ...(run.failure ? [failureNode(run.failure, true)] : []));
 }
 
-/** Each worker's local steps/s between consecutive points. */
-function speedLine(worker: number, c: Columns, toX: (v: number) => number): Line {
-  const x: number[] = [];
-  const y: number[] = [];
-  const t = c.time_last;
-  const local = c.local_last;
-  for (let i = 1; i < t.length; i++) {
-    const dt = (t[i] ?? NaN) - (t[i - 1] ?? NaN);
-    if (dt > 0) {
-      x.push(toX(c.x[i]!));
-      y.push(((local[i] ?? NaN) - (local[i - 1] ?? NaN)) / dt);
-    }
-  }
-  return { name: `worker ${worker}`, x, y };
+/** The title of the speed chart: the window its rates count over. */
+function speedTitle(data: SeriesData): string {
+  return `local steps/s per worker (over ${data.speed_window_s} s)`;
 }
 
-/** One curve of `name` for a whole run: its workers' points, averaged where they share an x. */
-function runLine(data: SeriesData, name: string, toX: (v: number) => number): Line {
+/** The server x (of the answer's axis) of a point at global step `step` and `time`. */
+function serverX(data: SeriesData, step: number, time: number): number {
+  return data.x === 'step' ? step : time;
+}
+
+/** The run's test-set evaluations of `name` (loss or accuracy) as marks; none when it has no such metric. */
+function evaluationMarks(data: SeriesData, name: string, toX: (v: number) => number, mark: Partial<Line>): Line[] {
+  const metric = EVALUATED.find(m => m === name);
+  const found = metric ? data.evaluations.filter(e => e[metric] !== null) : [];
+  if (!metric || !found.length) {
+    return [];
+  }
+  const x = found.map(e => toX(serverX(data, e.global_step, e.time)));
+  return [{ name: 'test', x, y: found.map(e => e[metric]), ...mark }];
+}
+
+/** One curve of column `column` for a whole run: its workers' points, averaged where they share an x. */
+function runLine(data: SeriesData, column: string, toX: (v: number) => number): Line {
   const sums = new Map<number, [number, number]>();
   for (const { columns } of data.workers) {
     columns.x.forEach((x, i) => {
-      const y = columns[`${name}_mean`][i];
-      if (x !== null && y !== null) {
+      const y = columns[column]?.[i];
+      if (x !== null && y !== null && y !== undefined) {
         const s = sums.get(x) ?? [0, 0];
         sums.set(x, [s[0] + y, s[1] + 1]);
       }
@@ -81,6 +92,45 @@ function runLine(data: SeriesData, name: string, toX: (v: number) => number): Li
   }
   const xs = [...sums.keys()].sort((a, b) => a - b);
   return { name: data.run.name, x: xs.map(toX), y: xs.map(x => sums.get(x)![0] / sums.get(x)![1]) };
+}
+
+/** Metric `metric` of a compared run as one curve: a stored metric, SPEED or LR. */
+function compareLine(data: SeriesData, metric: string, toX: (v: number) => number): Line {
+  if (metric === LR) {
+    const rates = data.learning_rates;
+    return { name: data.run.name, x: rates.map(r => toX(serverX(data, r.step, r.time))), y: rates.map(r => r.lr) };
+  }
+  return runLine(data, metric === SPEED ? 'local_steps_per_s' : `${metric}_mean`, toX);
+}
+
+/** What the compare view offers: every metric any of the runs stored, the speed, the learning rate if any has one. */
+function comparable(answers: SeriesData[]): string[] {
+  const stored = new Set(answers.flatMap(a => a.available));
+  return [...stored, SPEED, ...(answers.some(a => a.learning_rates.length) ? [LR] : [])];
+}
+
+/** A value of a hyperparameter as the header line writes it; an en dash for a run without it. */
+function hyperparameter(run: RunInfo, key: string): string {
+  const value = run.hyperparameters[key];
+  return value === undefined ? '–' : typeof value === 'number' ? setting(value) : String(value);
+}
+
+/** The hyperparameters whose values differ between `runs`: a row each, a column per run; or one line when none do. */
+function hyperparameterDiff(runs: RunInfo[]): HTMLElement {
+  const keys = [...new Set(runs.flatMap(r => Object.keys(r.hyperparameters)))];
+  const differ = keys.filter(key => new Set(runs.map(r => hyperparameter(r, key))).size > 1);
+  if (!differ.length) {
+    const same = keys.length ? `: ${settings(runs[0].hyperparameters)}` : '';
+    return el('div', 'jp-pscluster-hyperparameters', `The ${runs.length} runs have the same hyperparameters${same}.`);
+  }
+  const table = el('table', 'jp-pscluster-hyperparameters');
+  table.createCaption().textContent = 'Hyperparameters that differ';
+  table.createTHead().insertRow().append(el('th', '', 'hyperparameter'), ...runs.map(r => el('th', '', r.name)));
+  const body = table.createTBody();
+  for (const key of differ) {
+    body.insertRow().append(el('th', '', key), ...runs.map(r => el('td', '', hyperparameter(r, key))));
+  }
+  return table;
 }
 
 export class RunView extends PollingWidget {
@@ -99,7 +149,8 @@ export class RunView extends PollingWidget {
       headerLine(run, node);
       return node;
     });
-    this.node.append(...this.headers, this.controls(), this.status, this.charts.node);
+    const diff = runs.length > 1 ? [hyperparameterDiff(runs)] : [];
+    this.node.append(...this.headers, ...diff, this.controls(), this.status, this.charts.node);
     this.showStatus(`Loading the metrics of ${runs.map(r => r.name).join(', ')}…`);
   }
 
@@ -148,7 +199,17 @@ export class RunView extends PollingWidget {
       node.append(...children);
       return node;
     };
-    node.append(label('x axis ', x), label('log loss ', log), label('smoothing ', slider, shown));
+    const compared = this.runs.length > 1;
+    this.metricChooser.onchange = () => {
+      this.metric = this.metricChooser.value;
+      void this.load();
+    };
+    node.append(
+      ...(compared ? [label('metric ', this.metricChooser)] : []),
+      label('x axis ', x),
+      label(compared ? 'log scale ' : 'log loss ', log),
+      label('smoothing ', slider, shown)
+    );
     return node;
   }
 
@@ -176,18 +237,18 @@ export class RunView extends PollingWidget {
   private async load(): Promise<void> {
     const request = ++this.requests;
     const params: Record<string, string> = { x: this.xMode === 'step' ? 'step' : 'time', points: String(POINTS) };
-    if (this.runs.length > 1) {
-      params.names = 'loss';
-    }
-    const zoomed = (run: RunInfo) => {
+    // a compared run stored the metric chosen (as its last answer said): ask for it; else for the default ones
+    const names = (i: number): Record<string, string> =>
+      this.runs.length > 1 && this.answers[i]?.available.includes(this.metric) ? { names: this.metric } : {};
+    const zoomed = (run: RunInfo, i: number): Record<string, string> => {
       const [start, stop] = this.zoom?.map(v => String(this.fromX(run, v))) ?? [];
-      return this.zoom ? { ...params, start, stop } : params;
+      return { ...params, ...names(i), ...(this.zoom ? { start, stop } : {}) };
     };
     let answers: SeriesData[];
     try {
       [this.plotly, ...answers] = await Promise.all([
         loadPlotly(),
-        ...this.runs.map(run => requestAPI<SeriesData>(runPath(run, 'series', zoomed(run))))
+        ...this.runs.map((run, i) => requestAPI<SeriesData>(runPath(run, 'series', zoomed(run, i))))
       ]);
     } catch (error) {
       this.showStatus((error as ApiError).message, true);
@@ -205,34 +266,7 @@ export class RunView extends PollingWidget {
     }
     this.answers.forEach((a, i) => headerLine(a.run, this.headers[i]));
     this.showStatus(this.answers.some(a => a.workers.length) ? '' : 'No metrics yet: no step reported.');
-    let specs: ChartSpec[];
-    if (this.answers.length > 1) {
-      const lines = this.answers.map(a => runLine(a, 'loss', this.toX(a.run)));
-      specs = [{ key: 'loss', title: 'loss', lines, log: this.log, smoothed: true }];
-    } else {
-      const [data] = this.answers;
-      const toX = this.toX(data.run);
-      const band = (c: Columns, key: string) => (data.resolution > 0 ? c[key] : undefined);
-      specs = data.names.map(name => ({
-        key: name,
-        title: name,
-        log: name === 'loss' && this.log,
-        smoothed: true,
-        lines: data.workers.map(({ worker, columns: c }) => ({
-          name: `worker ${worker}`,
-          x: c.x.map(v => toX(v!)),
-          y: c[`${name}_mean`],
-          lo: band(c, `${name}_min`),
-          hi: band(c, `${name}_max`)
-        }))
-      }));
-      specs.push({
-        key: 'speed',
-        title: 'local steps/s per worker',
-        zero: true,
-        lines: data.workers.map(w => speedLine(w.worker, w.columns, toX))
-      });
-    }
+    const specs = this.answers.length > 1 ? [this.compareSpec()] : this.runSpecs(this.answers[0]);
     const xaxis: Record<string, unknown> = {
       title: { text: X_TITLES[this.xMode] },
       type: this.xMode === 'wall' ? 'date' : 'linear',
@@ -246,7 +280,60 @@ export class RunView extends PollingWidget {
     await this.charts.draw(this.plotly, specs, xaxis, this.weight);
   }
 
+  /** The charts of one run: a chart per metric, its test evaluations marked; each worker's speed. */
+  private runSpecs(data: SeriesData): ChartSpec[] {
+    const toX = this.toX(data.run);
+    const workers = (column: string): Line[] =>
+      data.workers.map(({ worker, columns: c }) => ({
+        name: `worker ${worker}`,
+        x: c.x.map(v => toX(v!)),
+        y: c[column]
+      }));
+    const specs: ChartSpec[] = data.names.map(name => ({
+      key: name,
+      title: name,
+      log: name === 'loss' && this.log,
+      smoothed: true,
+      lines: workers(`${name}_mean`),
+      marks: evaluationMarks(data, name, toX, { color: TEST_COLOR })
+    }));
+    specs.push({ key: 'speed', title: speedTitle(data), zero: true, lines: workers('local_steps_per_s') });
+    return specs;
+  }
+
+  /** The chart of the compared runs: the metric chosen, one curve per run, their test evaluations marked. */
+  private compareSpec(): ChartSpec {
+    const options = comparable(this.answers);
+    if (options.join('\n') !== Array.from(this.metricChooser.options, o => o.value).join('\n')) {
+      const titles: Record<string, string> = { [SPEED]: speedTitle(this.answers[0]), [LR]: 'learning rate' };
+      this.metricChooser.replaceChildren(...options.map(m => new Option(titles[m] ?? m, m)));
+    }
+    this.metricChooser.value = this.metric;
+    const lines: Line[] = [];
+    const marks: Line[] = [];
+    this.answers.forEach((a, i) => {
+      const toX = this.toX(a.run);
+      const color = COLORS[i % COLORS.length];
+      const line = compareLine(a, this.metric, toX);
+      if (line.x.length) {
+        lines.push({ ...line, color });
+      }
+      marks.push(...evaluationMarks(a, this.metric, toX, { name: `${a.run.name} test`, color }));
+    });
+    return {
+      key: this.metric,
+      title: this.metricChooser.selectedOptions[0]?.text ?? this.metric,
+      lines,
+      marks,
+      log: this.log,
+      zero: this.metric === SPEED,
+      smoothed: this.metric !== LR,
+      stepped: this.metric === LR
+    };
+  }
+
   private readonly headers: HTMLElement[];
+  private readonly metricChooser = el('select', 'jp-pscluster-metric');
   private readonly status = el('div', 'jp-pscluster-loading');
   private readonly charts = new Charts(el('div', 'jp-pscluster-charts'), range => {
     this.zoom = range;
@@ -257,6 +344,7 @@ export class RunView extends PollingWidget {
   private requests = 0;
   private xMode: XMode = 'step';
   private zoom: [unknown, unknown] | null = null; // the x range drawn, as plotly gives it
+  private metric = 'loss'; // the compared metric
   private log = false;
   private weight = 0.6;
 }

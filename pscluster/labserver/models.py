@@ -103,13 +103,36 @@ class RunList:
 
 
 @dataclass
+class Evaluation:
+    """A test-set evaluation of a run (``RunStore.add_evaluation``): at ``global_step`` and ``time`` (seconds since
+    the epoch), its ``loss`` and ``accuracy`` (null: none)."""
+
+    global_step: int
+    time: float
+    loss: float | None
+    accuracy: float | None
+
+
+@dataclass
+class LearningRate:
+    """The learning rate ``lr`` the ps tasks applied from global ``step`` (at ``time``, seconds since the epoch) on."""
+
+    step: int
+    time: float
+    lr: float
+
+
+@dataclass
 class SeriesData:
     """A run's metrics ``names`` decimated to at most ``points`` per worker (``RunStore.series``), by ``x``
     (``step``: global step, ``time``: seconds since the epoch) from ``start`` to ``stop`` (null: the run's
     first or last). ``workers``: per worker, its index and its ``columns`` (``x``, ``x_end``, ``time_first``,
-    ``time_last``, ``step_first``, ``step_last``, ``local_first``, ``local_last``, ``count`` and, per name,
+    ``time_last``, ``step_first``, ``step_last``, ``local_first``, ``local_last``, ``count``,
+    ``local_steps_per_s`` (by ``speed.over_time``, as the notebook's speed chart) and, per name,
     ``{name}_mean``, ``_min``, ``_max``, ``_last``; NaN as null). ``resolution``: the bucket width in x
-    units, 0 for raw rows. ``available``: every metric name the run has."""
+    units, 0 for raw rows. ``available``: every metric name the run has. ``evaluations``: every test-set
+    evaluation of the run; ``learning_rates``: where the learning rate changed (and its last sample), empty
+    when the run reported none; ``speed_window_s``: the seconds ``local_steps_per_s`` counts over."""
 
     run: RunInfo
     x: str
@@ -119,6 +142,9 @@ class SeriesData:
     available: list[str]
     resolution: float
     workers: list[dict]
+    evaluations: list[Evaluation]
+    learning_rates: list[LearningRate]
+    speed_window_s: float
 
 
 @dataclass
@@ -137,8 +163,8 @@ class ErrorReply:
     error: str
 
 
-PAYLOADS = (TaskInfo, ClusterInfo, SkippedCluster, ClusterList, Failure, RunInfo, RunList, SeriesData, ActionResult,
-            ErrorReply)
+PAYLOADS = (TaskInfo, ClusterInfo, SkippedCluster, ClusterList, Failure, RunInfo, RunList, Evaluation, LearningRate,
+            SeriesData, ActionResult, ErrorReply)
 
 
 def to_json(payload) -> dict:

@@ -18,8 +18,8 @@ import pandas as pd
 from ..cluster import control, registry
 from ..metrics import speed
 from ..metrics.store import RAW_WINDOW, RunStore, default_path
-from .models import (ActionResult, ClusterInfo, ClusterList, Failure, RunInfo, RunList, SeriesData, SkippedCluster,
-                     TaskInfo)
+from .models import (ActionResult, ClusterInfo, ClusterList, Evaluation, Failure, LearningRate, RunInfo, RunList,
+                     SeriesData, SkippedCluster, TaskInfo)
 
 ENDED = ("finished", "failed", "stopped")
 LOCK_WAIT_S = 1.0      # a query waits this long for another process's lock before the answer is 503
@@ -86,10 +86,16 @@ class LabService:
                                     f"{', '.join(available) or 'none yet'}")
             df = store.series(run_id, tuple(names), x=x, start=start, stop=stop, max_points=points)
             info = self._run_info(store, row, live)
-        workers = [{"worker": int(w), "columns": {c: _nulls(rows[c]) for c in rows.columns if c != "worker"}}
+            evaluations = [Evaluation(int(e.global_step), float(e.time), _number(e.loss), _number(e.accuracy))
+                           for e in store.evaluations(run_id).itertuples()]
+            rates = [LearningRate(int(r.step), float(r.time), float(r.lr))
+                     for r in store.learning_rates(run_id).itertuples()]
+        workers = [{"worker": int(w), "columns": {c: _nulls(rows[c]) for c in rows.columns if c != "worker"} |
+                    {"local_steps_per_s": _nulls(_local_speed(rows))}}
                    for w, rows in df.groupby("worker", sort=True)]
         return SeriesData(run=info, x=x, start=start, stop=stop, names=names, available=available,
-                          resolution=float(df.attrs.get("resolution", 0)), workers=workers)
+                          resolution=float(df.attrs.get("resolution", 0)), workers=workers, evaluations=evaluations,
+                          learning_rates=rates, speed_window_s=speed.RECENT_S)
 
     def download(self, run_id: int, store_path: str | None, points: int | None) -> tuple[pd.DataFrame, str]:
         """Run ``run_id``'s metrics as a frame to download, and a line that says what it holds: the raw rows
@@ -264,6 +270,21 @@ def _hyperparameters(config: dict) -> dict:
 def _nulls(column: pd.Series) -> list:
     """A column as JSON values: NaN and infinities (a loss that diverged) as None."""
     return [None if isinstance(v, float) and not math.isfinite(v) else v for v in column.tolist()]
+
+
+def _number(value) -> float | None:
+    """A stored value as JSON: None for NULL, NaN and infinities."""
+    return float(value) if value is not None and math.isfinite(value) else None
+
+
+def _local_speed(rows: pd.DataFrame) -> pd.Series:
+    """A worker's local steps/s at each of its points (``RunStore.series`` rows, by time) by ``speed.over_time``:
+    the rule of the notebook's speed chart on the first and last row of each bucket, over at least a bucket
+    wider than ``speed.RECENT_S`` (exact on raw rows)."""
+    times = np.column_stack([rows["time_first"], rows["time_last"]]).ravel()
+    steps = np.column_stack([rows["local_first"], rows["local_last"]]).ravel()
+    since = np.repeat(rows["time_first"].to_numpy(dtype=float), 2)
+    return pd.Series(speed.over_time(times, steps, since=since)[1::2])
 
 
 def _final(spark: pd.DataFrame, name: str) -> float | None:

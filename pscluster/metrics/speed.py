@@ -34,6 +34,20 @@ def rate(times, counts, *, live: bool, latest: float | None = None, recent_s: fl
     return float((c.max() - c.min()) / span) if span > 0 else math.nan
 
 
+def over_time(times, counts, recent_s: float = RECENT_S, *, since=None) -> np.ndarray:
+    """One counter's steps/s at each of its rows (``times`` ascending), by the rule of ``rate`` on the rows of
+    the ``recent_s`` seconds up to that row (fewer at its start): the rise of the count from the first of them
+    per second. NaN where no earlier row is in the window. ``since`` (per row, optional): a row's window starts
+    no later than that time (a bucket's first row, for a bucket wider than ``recent_s``). The speed charts:
+    the notebook's dashboard and the side panel's run view."""
+    t, c = np.asarray(times, dtype=float), np.asarray(counts, dtype=float)
+    start = t - recent_s if since is None else np.minimum(t - recent_s, np.asarray(since, dtype=float))
+    back = np.searchsorted(t, start)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rates = (c - c[back]) / (t - t[back])
+    return np.where(np.isfinite(rates), rates, np.nan)
+
+
 class _Counter:
     """What ``rate`` needs of one counter's rows: the extremes of all of them (first and last time, lowest and
     highest count, as two rows), and the rows of the last ``recent_s`` seconds up to the run's latest row."""

@@ -767,6 +767,17 @@ class RunStore:
         return self._frame("SELECT global_step, time, loss, accuracy FROM evaluations WHERE run_id = ? "
                            "ORDER BY global_step", (run_id,))
 
+    def learning_rates(self, run_id: int) -> pd.DataFrame:
+        """The learning rate the ps tasks applied (``lr`` of ``ps_metrics``) where it changed, and its last sample:
+        ``time``, ``step`` (the global step), ``lr``, oldest first. Empty before schema 4 or without one reported."""
+        if self.schema_version < 4:
+            return pd.DataFrame(columns=["time", "step", "lr"], dtype=float)
+        df = self._frame("SELECT time, step, lr FROM ps_metrics WHERE run_id = ? AND lr IS NOT NULL ORDER BY time",
+                         (run_id,))
+        changed = df["lr"].ne(df["lr"].shift())
+        changed.iloc[-1:] = True
+        return df[changed].reset_index(drop=True)
+
     def events(self, run_id: int) -> pd.DataFrame:
         df = self._frame("SELECT time, task, kind, detail FROM events WHERE run_id = ? ORDER BY time, rowid",
                          (run_id,))

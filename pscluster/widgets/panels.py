@@ -14,6 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ..metrics import speed
 from ..metrics.speed import RECENT_S, RunRates
 from ..metrics.store import METRIC_COLUMNS
 from .marks import Marks
@@ -236,9 +237,7 @@ class Speed:
             t = np.concatenate([last_t, metrics["time"][rows].astype(float)])
             steps = np.concatenate([last_steps, metrics["local_step"][rows].astype(float)])
             new = np.arange(len(last_t), len(t))
-            back = np.searchsorted(t, t[new] - RECENT_S)  # the first row of each new row's window
-            with np.errstate(divide="ignore", invalid="ignore"):
-                rate = (steps[new] - steps[back]) / (t[new] - t[back])
+            rate = speed.over_time(t, steps)[new]
             ok = np.isfinite(rate)
             points.extend(t=t[new][ok], rate=rate[ok])
             keep = t >= t[-1] - RECENT_S
