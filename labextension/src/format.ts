@@ -35,3 +35,8 @@ export function settings(hyperparameters: Record<string, string | number | boole
     .map(([k, v]) => `${k}=${typeof v === 'number' ? setting(v) : v}`)
     .join(' ');
 }
+
+/** A run's final metrics as `name value` words, each with `digits` significant digits. */
+export function finals(final: Record<string, number | null>, digits = 4): string[] {
+  return Object.entries(final).map(([name, value]) => `${name} ${sig(value, digits)}`);
+}

@@ -1,9 +1,11 @@
 /**
- * The left side panel: running clusters with their tasks, and a table of every run of the stores with its
- * status, global step, steps/s, final loss (and sparkline), wall time and hyperparameters; runs checked
- * there open compared. It refreshes while it is visible only.
+ * The left side panel: running clusters with their tasks, and a table of every run of the stores. A run's row
+ * shows its status and global step; its loss (and sparkline), steps/s, wall time and hyperparameters show as
+ * columns when the panel is wide enough (CSS container queries), and always in its details, which its disclosure
+ * button opens under it. Runs checked there open compared. It refreshes while it is visible only.
  */
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
+import { LabIcon, caretRightIcon, refreshIcon, stopIcon } from '@jupyterlab/ui-components';
 
 import {
   ActionResult,
@@ -19,12 +21,39 @@ import {
 } from './api';
 import { sparkline } from './charts';
 import { failureNode, failureWhere } from './failure';
-import { duration, settings, sig } from './format';
+import { duration, finals, settings, sig } from './format';
 import { loadPlotly } from './plotly';
 import { PollingWidget } from './polling';
 
 /** The statuses of a run that can still be stopped. */
 const LIVE = new Set(['starting', 'training']);
+
+/** The run table's columns: the suffix of their cells' class, their header, and the header's accessible name
+ * where the header shows no text. */
+const RUN_COLUMNS: [string, string, string?][] = [
+  ['toggle', '', 'details'],
+  ['check', '', 'compare'],
+  ['name', 'run'],
+  ['status', 'status'],
+  ['step', 'step'],
+  ['speed', 'steps/s'],
+  ['loss', 'loss'],
+  ['wall', 'wall'],
+  ['settings', 'hyperparameters'],
+  ['actions', '', 'stop']
+];
+
+/** What the details of `run` say, by label: all that its row may leave out. */
+function runFacts(run: RunInfo): [string, string][] {
+  return [
+    ['step', run.steps ? `${run.global_step} of ${run.steps}` : String(run.global_step)],
+    ['steps/s', sig(run.steps_per_s, 3)],
+    ['final', finals(run.final).join(', ') || '–'],
+    ['wall', duration(run.wall_s)],
+    ['hyperparameters', settings(run.hyperparameters) || '–'],
+    ['cluster', `${run.cluster} (${run.mode})`]
+  ];
+}
 
 function el<K extends keyof HTMLElementTagNameMap>(tag: K, className = '', text = ''): HTMLElementTagNameMap[K] {
   const node = document.createElement(tag);
@@ -56,6 +85,14 @@ export async function confirmAndPost(
   }
 }
 
+/** The rows of one run, in a `<tbody>` of their own: the run, its failure (if it failed), its details. */
+interface RunGroup {
+  body: HTMLTableSectionElement;
+  row: HTMLTableRowElement;
+  facts: Map<string, HTMLElement>; // by label: the values of the details
+  failure: HTMLTableRowElement | null;
+}
+
 export class ClusterPanel extends PollingWidget {
   /** `openRuns` opens the view of one run, or the comparison of several. */
   constructor(private readonly openRuns: (runs: RunInfo[]) => void) {
@@ -72,8 +109,7 @@ export class ClusterPanel extends PollingWidget {
       this.runsTable
     );
     this.runsTable.createTHead().append(this.headerRow());
-    this.runsTable.append(this.runsBody);
-    this.compareButton.title = 'Overlay the loss curves of the checked runs';
+    this.compareButton.title = 'Compare the checked runs: any metric, and the hyperparameters that differ';
     this.compareButton.onclick = () => this.openRuns([...this.checked].map(key => this.runs.get(key)!));
     this.updateCompare();
   }
@@ -148,30 +184,36 @@ export class ClusterPanel extends PollingWidget {
     }
     const table = el('table', 'jp-pscluster-tasks');
     const header = table.createTHead().insertRow();
-    for (const name of ['role', 'task', 'host', 'device', 'state', '']) {
-      header.append(el('th', '', name));
+    for (const name of ['task', 'state', 'device', 'host']) {
+      header.append(el('th', `jp-pscluster-task-${name}`, name));
     }
+    header.append(this.labelledHeader('', 'restart'));
     const body = table.createTBody();
     for (const t of cluster.tasks) {
       const row = body.insertRow();
       row.className = `jp-pscluster-task jp-pscluster-role-${t.role}`;
-      for (const value of [t.role, String(t.task), t.host, t.device, t.state]) {
-        row.append(el('td', '', value));
+      const task = `${t.role} ${t.task}`;
+      for (const [name, value] of [['task', task], ['state', t.state], ['device', t.device], ['host', t.host]]) {
+        row.append(el('td', `jp-pscluster-task-${name}`, value));
       }
+      row.cells[3].title = t.host; // the whole name where it is cut short
       const actions = row.insertCell();
       actions.className = 'jp-pscluster-task-actions';
       if (running) {
-        const task = `${t.role} ${t.task}`;
         actions.append(
-          this.actionButton('Restart', 'jp-pscluster-restart', `Restart ${task} on a new engine`, () =>
-            confirmAndPost(
-              `Restart ${task} of ${cluster.name}?`,
-              `Kills the engine of ${task} (pid ${t.pid}) and starts a new one. During a run, the run ` +
-                'recovers it as a lost task: a worker rejoins, a ps rolls back to the latest checkpoint.',
-              `clusters/${cluster.name}/tasks/${t.role}/${t.task}/restart`,
-              'Restart'
-            ),
-            'jp-mod-reject'
+          this.actionButton(
+            `Restart ${task}`,
+            'jp-pscluster-restart',
+            `Restart ${task} on a new engine`,
+            () =>
+              confirmAndPost(
+                `Restart ${task} of ${cluster.name}?`,
+                `Kills the engine of ${task} (pid ${t.pid}) and starts a new one. During a run, the run ` +
+                  'recovers it as a lost task: a worker rejoins, a ps rolls back to the latest checkpoint.',
+                `clusters/${cluster.name}/tasks/${t.role}/${t.task}/restart`,
+                'Restart'
+              ),
+            refreshIcon
           )
         );
       }
@@ -180,10 +222,19 @@ export class ClusterPanel extends PollingWidget {
     return node;
   }
 
+  /** A column header that shows `text`, or says `label` to screen readers only. */
+  private labelledHeader(text: string, label?: string, className = ''): HTMLTableCellElement {
+    const th = el('th', className, text);
+    if (label) {
+      th.append(el('span', 'jp-pscluster-unseen', label));
+    }
+    return th;
+  }
+
   private headerRow(): HTMLTableRowElement {
     const row = document.createElement('tr');
-    for (const name of ['', 'run', 'status', 'step', 'steps/s', 'loss', 'wall', 'hyperparameters', '']) {
-      row.append(el('th', '', name));
+    for (const [cell, header, label] of RUN_COLUMNS) {
+      row.append(this.labelledHeader(header, label, `jp-pscluster-run-${cell}`));
     }
     return row;
   }
@@ -191,25 +242,28 @@ export class ClusterPanel extends PollingWidget {
   private showRuns(list: RunList): void {
     this.showMessage(list.message ?? (list.runs.length ? '' : 'No runs yet: train one on a cluster.'));
     const seen = new Set<string>();
+    let previous: Element = this.runsTable.tHead!;
     for (const run of list.runs) {
       const key = runKey(run);
       seen.add(key);
       this.runs.set(key, run);
-      let row = this.runRows.get(key);
-      if (!row) {
-        row = this.runRow(run);
-        this.runRows.set(key, row);
+      let group = this.runGroups.get(key);
+      if (!group) {
+        group = this.runGroup(run);
+        this.runGroups.set(key, group);
       }
-      this.updateRun(row, run);
-      this.runsBody.append(row); // keeps the server's order: newest first
-      this.showFailure(key, run);
+      this.updateRun(group, run);
+      this.showFailure(group, run);
+      // the server's order, newest first; a run's rows move only when out of place (a moved row loses the focus)
+      if (previous.nextElementSibling !== group.body) {
+        previous.after(group.body);
+      }
+      previous = group.body;
     }
-    for (const [key, row] of this.runRows) {
+    for (const [key, group] of this.runGroups) {
       if (!seen.has(key)) {
-        row.remove();
-        this.failureRows.get(key)?.remove();
-        this.failureRows.delete(key);
-        this.runRows.delete(key);
+        group.body.remove();
+        this.runGroups.delete(key);
         this.runs.delete(key);
         this.checked.delete(key);
       }
@@ -217,28 +271,30 @@ export class ClusterPanel extends PollingWidget {
     this.updateCompare();
   }
 
-  /** Under the row of a run that failed, a row as wide as the table with its cause (the whole cause on hover). */
-  private showFailure(key: string, run: RunInfo): void {
-    let row = this.failureRows.get(key);
+  /** Under the row of a run that failed, a row as wide as the table with its cause: on one line (the whole of
+   * it on hover), whole while the run's details are open. */
+  private showFailure(group: RunGroup, run: RunInfo): void {
     if (!run.failure) {
-      row?.remove();
-      this.failureRows.delete(key);
+      group.failure?.remove();
+      group.failure = null;
       return;
     }
-    if (!row) {
-      row = document.createElement('tr');
-      row.className = 'jp-pscluster-run-failure';
-      row.dataset.runId = String(run.id);
-      row.dataset.store = run.store;
-      const cell = el('td');
-      cell.colSpan = this.runRows.get(key)!.cells.length;
-      row.append(cell);
-      this.failureRows.set(key, row);
+    if (!group.failure) {
+      group.failure = this.fullWidthRow('jp-pscluster-run-failure', run);
+      group.failure.onclick = () => this.openRuns([run]);
+      group.row.after(group.failure);
     }
-    row.cells[0].replaceChildren(failureNode(run.failure, false));
-    row.title = `${failureWhere(run.failure)}: ${run.failure.cause}`;
-    row.onclick = () => this.openRuns([run]);
-    this.runsBody.append(row);
+    group.failure.cells[0].replaceChildren(failureNode(run.failure, false));
+    group.failure.title = `${failureWhere(run.failure)}: ${run.failure.cause}`;
+  }
+
+  private fullWidthRow(className: string, run: RunInfo): HTMLTableRowElement {
+    const row = el('tr', className);
+    row.dataset.runId = String(run.id);
+    row.dataset.store = run.store;
+    row.append(el('td'));
+    row.cells[0].colSpan = RUN_COLUMNS.length;
+    return row;
   }
 
   private updateCompare(): void {
@@ -246,9 +302,45 @@ export class ClusterPanel extends PollingWidget {
     this.compareButton.textContent = this.checked.size ? `Compare ${this.checked.size} runs` : 'Compare checked runs';
   }
 
+  private runGroup(run: RunInfo): RunGroup {
+    const body = el('tbody', 'jp-pscluster-run-group');
+    const row = this.runRow(run);
+    const details = this.fullWidthRow('jp-pscluster-run-details', run);
+    details.cells[0].id = `pscluster-run-details-${++this.detailsCount}`;
+    const facts = new Map(runFacts(run).map(([label]) => [label, el('dd')]));
+    const list = el('dl', 'jp-pscluster-run-facts');
+    for (const [label, value] of facts) {
+      const line = label === 'hyperparameters' ? 'jp-pscluster-fact-line' : ''; // too long beside its label
+      list.append(el('dt', line, label), value);
+      value.className = line;
+    }
+    const csv = el('a', 'jp-pscluster-download', 'CSV');
+    csv.href = apiUrl(runPath(run, 'metrics.csv'));
+    csv.title = `Download the metrics of ${run.name} (raw rows)`;
+    details.cells[0].append(list, csv);
+    body.append(row, details);
+    row.cells[0].append(this.detailsToggle(run, body, details.cells[0].id));
+    return { body, row, facts, failure: null };
+  }
+
+  /** The button that opens and closes the details of `run` (the rows of `body`; `controls`: their cell's id). */
+  private detailsToggle(run: RunInfo, body: HTMLTableSectionElement, controls: string): HTMLButtonElement {
+    const toggle = el('button', 'jp-pscluster-icon-button jp-pscluster-run-toggle');
+    toggle.append(caretRightIcon.element({ tag: 'span' }));
+    toggle.setAttribute('aria-label', `Details of ${run.name}`);
+    toggle.setAttribute('aria-controls', controls);
+    toggle.setAttribute('aria-expanded', 'false');
+    toggle.title = 'Show or hide what the row leaves out';
+    toggle.onclick = event => {
+      event.stopPropagation(); // a run row opens its view on click
+      const open = body.classList.toggle('jp-mod-expanded');
+      toggle.setAttribute('aria-expanded', String(open));
+    };
+    return toggle;
+  }
+
   private runRow(run: RunInfo): HTMLTableRowElement {
-    const row = document.createElement('tr');
-    row.className = 'jp-pscluster-run';
+    const row = el('tr', 'jp-pscluster-run');
     row.dataset.runId = String(run.id);
     row.dataset.store = run.store;
     row.tabIndex = 0; // reached by Tab; Enter opens the run as a click does
@@ -257,7 +349,7 @@ export class ClusterPanel extends PollingWidget {
         row.click();
       }
     };
-    for (const cell of ['check', 'name', 'status', 'step', 'speed', 'loss', 'wall', 'settings', 'actions']) {
+    for (const [cell] of RUN_COLUMNS) {
       row.append(el('td', `jp-pscluster-run-${cell}`));
     }
     const check = el('input', 'jp-pscluster-run-checkbox');
@@ -270,42 +362,44 @@ export class ClusterPanel extends PollingWidget {
       check.checked ? this.checked.add(key) : this.checked.delete(key);
       this.updateCompare();
     };
-    row.cells[0].append(check);
-    const csv = el('a', 'jp-pscluster-download', 'CSV');
-    csv.href = apiUrl(runPath(run, 'metrics.csv'));
-    csv.title = `Download the metrics of ${run.name} (raw rows)`;
-    csv.onclick = event => event.stopPropagation();
-    row.cells[8].append(csv);
+    row.cells[1].append(check);
     return row;
   }
 
-  private updateRun(row: HTMLTableRowElement, run: RunInfo): void {
-    const [, name, status, step, speed, loss, wall, config, actions] = Array.from(row.cells);
+  private updateRun(group: RunGroup, run: RunInfo): void {
+    const [, , name, status, step, speed, loss, wall, config, actions] = Array.from(group.row.cells);
     name.textContent = run.name;
     name.title = `${run.name} on ${run.cluster} (${run.mode}): open its plots`;
-    row.setAttribute('aria-label', `${run.name}, ${run.status}: Enter opens its plots`);
+    group.row.setAttribute('aria-label', `${run.name}, ${run.status}: Enter opens its plots`);
     status.textContent = run.status;
     status.className = `jp-pscluster-run-status jp-pscluster-status-${run.status}`;
-    step.textContent = run.steps ? `${run.global_step}/${run.steps}` : String(run.global_step);
+    step.replaceChildren(String(run.global_step));
+    if (run.steps) {
+      step.append(el('span', 'jp-pscluster-step-total', `/${run.steps}`));
+    }
     speed.textContent = sig(run.steps_per_s, 3);
     loss.replaceChildren(el('span', 'jp-pscluster-run-final', sig(run.loss)), sparkline(run.sparkline));
-    loss.title = Object.entries(run.final)
-      .map(([k, v]) => `final ${k} ${sig(v, 6)}`)
-      .join('\n');
+    loss.title = `final ${finals(run.final, 6).join(', ')}`;
     wall.textContent = duration(run.wall_s);
     config.textContent = settings(run.hyperparameters);
     config.title = config.textContent;
-    row.onclick = () => this.openRuns([run]);
+    group.row.onclick = () => this.openRuns([run]);
+    this.updateDetails(group.facts, run);
     const live = LIVE.has(run.status);
     if (live && !actions.querySelector('.jp-pscluster-stop-run')) {
       const title = `Stop ${run.name} at the next step of every worker`;
       actions.append(
-        this.actionButton('Stop', 'jp-pscluster-stop-run', title, () =>
-          confirmAndPost(
-            `Stop run ${run.name}?`,
-            `Ends ${run.name} at the next step; what it trained stays on its cluster.`,
-            runPath(run, 'stop')
-          )
+        this.actionButton(
+          `Stop ${run.name}`,
+          'jp-pscluster-stop-run',
+          title,
+          () =>
+            confirmAndPost(
+              `Stop run ${run.name}?`,
+              `Ends ${run.name} at the next step; what it trained stays on its cluster.`,
+              runPath(run, 'stop')
+            ),
+          stopIcon
         )
       );
     } else if (!live) {
@@ -313,15 +407,29 @@ export class ClusterPanel extends PollingWidget {
     }
   }
 
-  /** A button that runs `action` (a confirmed request) and refreshes the panel after it; `mod` is its style. */
+  private updateDetails(facts: Map<string, HTMLElement>, run: RunInfo): void {
+    for (const [label, text] of runFacts(run)) {
+      facts.get(label)!.textContent = text;
+    }
+    facts.get('final')!.append(sparkline(run.sparkline));
+  }
+
+  /** A button that runs `action` (a confirmed request) and refreshes the panel after it. It shows `label`, or
+   * `icon` named `label` for screen readers. */
   private actionButton(
     label: string,
     className: string,
     title: string,
     action: () => Promise<ActionResult | null>,
-    mod = 'jp-mod-warn'
+    icon?: LabIcon
   ): HTMLButtonElement {
-    const button = el('button', `jp-Button jp-mod-styled ${mod} ${className}`, label);
+    const button = icon
+      ? el('button', `jp-pscluster-icon-button ${className}`)
+      : el('button', `jp-Button jp-mod-styled jp-mod-warn ${className}`, label);
+    if (icon) {
+      button.append(icon.element({ tag: 'span' }));
+      button.setAttribute('aria-label', label);
+    }
     button.title = title;
     button.onclick = async event => {
       event.stopPropagation(); // a run row opens its view on click
@@ -335,11 +443,10 @@ export class ClusterPanel extends PollingWidget {
   private readonly clustersNode = el('div', 'jp-pscluster-clusters');
   private readonly runsMessage = el('div', 'jp-pscluster-message');
   private readonly runsTable = el('table', 'jp-pscluster-runs');
-  private readonly runsBody = document.createElement('tbody');
-  private readonly runRows = new Map<string, HTMLTableRowElement>();
-  private readonly failureRows = new Map<string, HTMLTableRowElement>(); // by runKey: of the runs that failed
+  private readonly runGroups = new Map<string, RunGroup>(); // by runKey
   private readonly runs = new Map<string, RunInfo>(); // by runKey: the latest listed
   private readonly checked = new Set<string>(); // runKeys
   private readonly compareButton = el('button', 'jp-Button jp-mod-styled jp-mod-accept jp-pscluster-compare');
   private clustersSignature = '';
+  private detailsCount = 0; // numbers the ids of the details' cells
 }

@@ -14,6 +14,7 @@ into an HTML report).
 from __future__ import annotations
 
 import html
+import math
 import threading
 import time
 
@@ -33,6 +34,9 @@ REFRESH_S = 0.4  # 2.5 refreshes per second
 MAX_FAILURES = 10  # consecutive failed refreshes before the thread gives up
 STATUS_COLORS = {"training": "#1a7f37", "finished": "#36c", "failed": "#c33", "stopped": "#b35900"}  # 4.5:1 on white
 MAX_BUSY_RATIO = 4  # the poller waits at least this many times as long as a refresh takes (on average)
+# How often the figures of a live run are redrawn, the viewer's choice (the header follows every refresh): a page
+# on a slow or busy machine breathes at a lower rate, and paused, the figures hold still to be read or zoomed.
+REDRAW_CHOICES = (("live", 0.0), ("every 2 s", 2.0), ("every 10 s", 10.0), ("paused", math.inf))
 
 def figures_html(shown, *, images: bool = True) -> str:
     """Static HTML of ``shown`` (specs), each drawing itself with plotly.js loaded once per page; with
@@ -131,11 +135,18 @@ class Dashboard:
         shown = {"placement": figure_specs.no_data("placement"),
                  **{name: panel.spec() for name, panel in self.panels.items()}}
         self.figures: dict[str, live.LiveFigure] = {name: live.LiveFigure(s) for name, s in shown.items()}
+        self._changed: set[str] = set()  # panels whose figure changed since it was last shown
+        self._shown_at = -math.inf  # when the panels' figures were last shown (time.monotonic())
+        self.redraw = widgets.ToggleButtons(options=REDRAW_CHOICES, value=0.0, description="figures",
+                                            tooltips=["redraw at every refresh", "redraw every 2 seconds",
+                                                      "redraw every 10 seconds", "hold the figures still"],
+                                            style={"button_width": "auto"})
         self.header = widgets.HTML()
         self.roles = widgets.HTML()
         self.lines = widgets.HTML()
         self.roles.layout.margin = "0 3em 0 0"
-        self.box = widgets.VBox([self.header, widgets.HBox([self.roles, self.lines]), *self.figures.values()])
+        self.box = widgets.VBox([self.header, widgets.HBox([self.roles, self.lines]), self.redraw,
+                                 *self.figures.values()])
         self._draw_header()
 
     def _num_workers(self) -> int:
@@ -251,7 +262,12 @@ class Dashboard:
         self.panels["speed"].live = not self.final  # its rates: lately while the run trains, then of all of it
         for name, panel in self.panels.items():
             if panel.feed(new) or (name == "speed" and record_changed):
-                self._show(name, panel.spec())
+                self._changed.add(name)
+        if self._changed and (self.final or time.monotonic() - self._shown_at >= self.redraw.value):
+            for name in sorted(self._changed):
+                self._show(name, self.panels[name].spec())
+            self._changed.clear()
+            self._shown_at = time.monotonic()
         if "events" in new:
             self._states.update(task_states(new["events"]))
         for table, column in (("metrics", "global_step"), ("ps_metrics", "step")):

@@ -25,10 +25,18 @@ function render({ model, el }) {
   // Draws are coalesced: the messages that come before the next animation frame are drawn once, and at most
   // one draw waits behind the one in flight. (A draw per message fell behind for good on a page slower than
   // the kernel's refreshes, a browser on a loaded machine: its main thread never idle, the page unanswering.)
+  // A figure out of view (scrolled away, in a hidden tab) is drawn when it comes into view, not before: once
+  // drawn, it costs the page nothing while no one can see it.
   let scheduled = false;
   let drawing = Promise.resolve();
+  let visible = true;
+  let waiting = false; // a draw put off while out of view
   const drawNow = () => {
     scheduled = false;
+    if (!visible && div.data) {
+      waiting = true;
+      return Promise.resolve();
+    }
     const { data, layout } = viewed(figure, choice);
     const revision = choice ? `${choice.x}/${choice.log}` : 'pscluster';
     return loadPlotly()
@@ -66,9 +74,18 @@ function render({ model, el }) {
     }
   };
   const asking = setInterval(ask, ASK_AGAIN_MS);
+  const seen = new IntersectionObserver(entries => {
+    visible = entries[entries.length - 1].isIntersecting;
+    if (visible && waiting) {
+      waiting = false;
+      draw();
+    }
+  });
+  seen.observe(div);
   model.on('msg:custom', onMessage);
   ask();
   return () => {
+    seen.disconnect();
     clearInterval(asking);
     model.off('msg:custom', onMessage);
   };

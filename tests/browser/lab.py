@@ -16,6 +16,19 @@ from pathlib import Path
 import psutil
 
 CHROMIUM = "/usr/bin/chromium"
+LIVE_STEPS = 10**6  # a long live run's target, never reached: the test or benchmark that follows it stops it
+# A notebook that starts a cluster and trains a long async run with its live dashboard (test_long_run, and
+# benchmarks/live_page.py, which measures the page's main thread while it trains)
+LIVE_CELLS = [
+    "%load_ext pscluster\nimport torch\nimport pscluster",
+    "%pscluster start --ps 1 --workers 2 --name long",
+    f"%%pscluster train --mode async --steps {LIVE_STEPS} --batch-size 8 --lr 0.01 --log-every 1000000 "
+    "--name long-async\n"
+    "model = torch.nn.Linear(8, 1)\n"
+    "loss_fn = torch.nn.MSELoss()\n"
+    "g = torch.Generator().manual_seed(0)\n"
+    "dataset = torch.utils.data.TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))",
+]
 # Pages try CDNs: every host name but the server's resolves to nothing. (Not a playwright route: its
 # handlers run only while the test is inside a playwright call, so a test waiting on anything else would
 # hold every request of the page.)
@@ -108,3 +121,21 @@ class LabServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+class MainThread:
+    """How busy the page's main thread is: the share of wall time its tasks took (chromium's TaskDuration, over the
+    DevTools protocol) since this was made."""
+
+    def __init__(self, page):
+        self.session = page.context.new_cdp_session(page)
+        self.session.send("Performance.enable")
+        self.start = self._now()
+
+    def _now(self) -> tuple[float, float]:
+        metrics = {m["name"]: m["value"] for m in self.session.send("Performance.getMetrics")["metrics"]}
+        return time.monotonic(), metrics["TaskDuration"]
+
+    def share(self) -> float:
+        (t0, busy0), (t1, busy1) = self.start, self._now()
+        return (busy1 - busy0) / (t1 - t0)

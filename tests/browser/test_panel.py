@@ -4,7 +4,9 @@ global step advancing, stops the run, then the cluster (each after a confirmatio
 server nothing. A restarted server lists again a cluster that kept running in another process, with
 the runs of that cluster's own store. The view of a 200k-step run draws its plotly charts (how soon
 after the click: benchmarks/run_view.py) (hover, log axis, smoothing, zoom at a finer resolution, x modes),
-two runs compare, and the view of a training run follows it. Screenshots go to ``reports/``."""
+two runs compare, and the view of a training run follows it. At the side bar's default width the panel fits with no
+sideways scroll, a run's details open by mouse and keyboard, and axe-core finds no serious or critical accessibility
+issue in it. Screenshots go to ``reports/``."""
 
 import json
 import os
@@ -76,14 +78,19 @@ def mlp():
     return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
 
-def open_panel(page):
-    """Open the side panel, widened for the screenshot; returns its locator."""
-    page.locator(TAB).click()
+def widen_side_bar(page, pixels: int) -> None:
+    """Drag the handle between the left side bar and the main area ``pixels`` to the right."""
     handle = page.locator("#jp-main-split-panel > .lm-SplitPanel-handle").first.bounding_box()
     page.mouse.move(handle["x"] + 1, handle["y"] + 200)
     page.mouse.down()
-    page.mouse.move(handle["x"] + 160, handle["y"] + 200, steps=5)
+    page.mouse.move(handle["x"] + 1 + pixels, handle["y"] + 200, steps=5)
     page.mouse.up()
+
+
+def open_panel(page):
+    """Open the side panel, widened for the screenshot; returns its locator."""
+    page.locator(TAB).click()
+    widen_side_bar(page, 159)
     return page.locator(PANEL)
 
 
@@ -106,7 +113,7 @@ def dismiss_connection_error(page) -> None:
 def role_rows(panel, cluster: str) -> list[str]:
     tasks = panel.locator(f'.jp-pscluster-cluster[data-name="{cluster}"] .jp-pscluster-task')
     tasks.first.wait_for(timeout=60_000)
-    return [tasks.nth(i).locator("td").nth(0).inner_text() for i in range(tasks.count())]
+    return [tasks.nth(i).locator("td").nth(0).inner_text().split()[0] for i in range(tasks.count())]  # "worker 1"
 
 
 def global_step(row) -> int:
@@ -361,3 +368,104 @@ def test_the_view_of_a_training_run_follows_it(page, lab, home):
             print(f"a training run's view showed its new steps {time.monotonic() - began:.1f} s after they were stored")
     finally:
         registry.remove("live")
+
+
+def steps_until_now(first: int, last: int, per_s: float) -> list[dict]:
+    """Steps ``first`` to ``last`` of worker 0 at ``per_s`` steps/s, the last one now."""
+    return [{**step, "time": step["time"] - (last - step["global_step"]) / per_s} for step in steps_now(first, last)]
+
+
+def three_runs(store: RunStore, cluster: str) -> dict[str, int]:
+    """By status, a finished run with a long name, a training one, and a failed one with a long cause and many
+    settings, on ``cluster``."""
+    runs = {"finished": synthetic_run(store, "digits-mlp-baseline-with-a-long-name", 2_000, 0.1)}
+    runs["training"] = store.create_run(name="digits-mlp-live", cluster=cluster, mode="sync", spec={},
+                                        config={"steps": 1_000_000})
+    store.set_status(runs["training"], "training")
+    store.add_batch(runs["training"], steps_until_now(899_901, 900_000, 180))
+    runs["failed"] = store.create_run(name="digits-adamw", cluster=cluster, mode="sync", spec={}, config={
+        "optimizer": "AdamW", "optimizer_kwargs": {"lr": 0.003, "weight_decay": 0.01}, "batch_size": 256,
+        "mode": "sync", "num_workers": 2, "steps": 1_000_000, "replicas_to_aggregate": 2, "scheduler": "cosine",
+        "max_grad_norm": 1.0, "precision": "bf16", "seed": 1234})
+    store.add_batch(runs["failed"], steps_until_now(1, 37, 60))
+    store.set_status(runs["failed"], "failed", failure={
+        "cause": "worker 1 failed: NonFiniteError: worker 1 computed a non-finite loss (nan) at local step 37: lower "
+                 "the learning rate or clip the gradients (max_grad_norm)", "task": "worker:1", "step": 37,
+        "traceback": "Traceback (most recent call last): ..."})
+    return runs
+
+
+AXE = ROOT / "labextension" / "node_modules" / "axe-core" / "axe.min.js"  # `make labextension` installs it
+# axe-core's violations of impact serious or critical in the panel: impact, rule and where
+AUDIT = """async () => (await axe.run('#pscluster-panel')).violations
+    .filter(v => v.impact === 'serious' || v.impact === 'critical')
+    .map(v => `${v.impact} ${v.id}: ${v.nodes.map(n => n.target.join(' ')).join(', ')}`)"""
+# what does not fit the panel: a horizontal scroll, a control or a cell past its right edge, a clipped button
+OVERFLOW = """(panel) => {
+    const right = panel.getBoundingClientRect().left + panel.clientLeft + panel.clientWidth;
+    const out = [...panel.querySelectorAll('button, input, a, th, td')]
+        .filter(n => n.getClientRects().length && (n.getBoundingClientRect().right > right + 0.5
+            || (n.tagName === 'BUTTON' && n.scrollWidth > n.clientWidth)))
+        .map(n => `${n.tagName} ${n.textContent || n.getAttribute('aria-label')}`);
+    return panel.scrollWidth > panel.clientWidth ? [`scrolls: ${panel.scrollWidth} > ${panel.clientWidth}`, ...out]
+        : out;
+}"""
+CLIPPED = "(node) => node.scrollWidth > node.clientWidth"
+
+
+def test_the_panel_fits_its_default_width_and_passes_an_accessibility_audit(page, lab, home):
+    registry.write({"name": "two-gpus", "owner_pid": os.getpid(), "tasks": [  # its kernel and tasks: this process
+        {"role": role, "task": task, "host": "127.0.0.1", "pid": os.getpid(), "device": device}
+        for role, task, device in [("ps", 0, "cpu"), ("chief", 0, "cuda:0"), ("worker", 1, "cuda:1")]]})
+    try:
+        with RunStore() as store:
+            runs = three_runs(store, "two-gpus")
+        page.locator(TAB).click()  # at the side bar's default width
+        panel = page.locator(PANEL)
+        rows = {status: panel.locator(f'.jp-pscluster-run[data-run-id="{run}"][data-store="{store.path}"]')
+                for status, run in runs.items()}
+        for status, row in rows.items():
+            row.locator(".jp-pscluster-run-status").get_by_text(status).wait_for(timeout=30_000)
+        assert role_rows(panel, "two-gpus") == ["ps", "chief", "worker"]
+        cause = panel.locator(f'.jp-pscluster-run-failure[data-run-id="{runs["failed"]}"] .jp-pscluster-failure')
+        assert "NonFiniteError" in cause.inner_text() and cause.evaluate(CLIPPED)  # under its row, on one line
+        print(f"the panel's default width: {panel.bounding_box()['width']:.0f} px")
+        assert panel.evaluate(OVERFLOW) == []
+        # every control named: the icons' buttons by what they do
+        for button in ("Stop", "Restart worker 1", "Stop digits-mlp-live", "Details of digits-adamw"):
+            assert panel.get_by_role("button", name=button, exact=True).first.is_visible()
+        assert panel.get_by_role("checkbox", name="Compare digits-adamw").is_visible()
+
+        settings = rows["failed"].locator(".jp-pscluster-run-settings")
+        details = panel.locator(f'.jp-pscluster-run-details[data-run-id="{runs["failed"]}"]')
+        assert not settings.is_visible() and not details.is_visible()
+        toggle = rows["failed"].get_by_role("button", name="Details of digits-adamw")
+        toggle.click()  # one click: what the row leaves out, the settings in full, the CSV download
+        assert toggle.get_attribute("aria-expanded") == "true"
+        text = details.inner_text()
+        assert "37 of 1000000" in text and "steps/s" in text and "wall" in text and "seed=1234" in text
+        assert "/metrics.csv" in details.get_by_role("link", name="CSV").get_attribute("href")
+        assert not cause.evaluate(CLIPPED)  # the whole cause, wrapped
+        assert panel.evaluate(OVERFLOW) == []  # the long line of settings wraps too
+        REPORTS.mkdir(exist_ok=True)
+        runs_box = panel.locator(".jp-pscluster-runs").bounding_box()
+        page.screenshot(path=str(REPORTS / "side_panel_default_width.png"), clip={
+            "x": 0, "y": 0, "width": panel.bounding_box()["x"] + panel.bounding_box()["width"],
+            "height": runs_box["y"] + runs_box["height"] + 12})
+        page.add_script_tag(path=str(AXE))
+        assert page.evaluate(AUDIT) == []
+
+        toggle.click()
+        assert not details.is_visible()
+        rows["finished"].focus()  # by keyboard: Tab from a run's row reaches its details button, Enter opens them
+        page.keyboard.press("Tab")
+        page.keyboard.press("Enter")
+        finished = panel.locator(f'.jp-pscluster-run-details[data-run-id="{runs["finished"]}"]')
+        finished.get_by_text("lr=0.1").wait_for()
+
+        widen_side_bar(page, 450)  # wider, the panel shows more columns and still fits
+        settings.wait_for()
+        assert "seed=1234" in settings.inner_text()
+        assert panel.evaluate(OVERFLOW) == []
+    finally:
+        registry.remove("two-gpus")

@@ -15,7 +15,7 @@ from pscluster.errors import ConfigError
 from pscluster.metrics import store as store_module
 from pscluster.metrics.store import RunStore
 from pscluster.runtime.waiting import wait_until
-from pscluster.widgets import Dashboard, figure_specs, figures, live, show
+from pscluster.widgets import Dashboard, dashboard, figure_specs, figures, live, show
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
 SPEC = {"name": "c", "ps": [{"role": "ps", "index": i, "host": "127.0.0.1", "port": 5000 + i, "device": "cpu"}
@@ -465,3 +465,37 @@ def test_pscluster_compare_is_the_function_once_its_module_is_imported():
     import pscluster
 
     assert pscluster.compare is compare
+
+
+def test_paused_figures_hold_still_while_the_header_follows_and_resume_with_every_row(store, dashboards):
+    run = Writer(store)
+    run.write(10)
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    convergence = d.figures["convergence"]
+    sent = convergence.messages
+    d.redraw.value = dict(dashboard.REDRAW_CHOICES)["paused"]
+    run.write(10)
+    d.refresh()
+    assert convergence.messages == sent and len(convergence.figure.data[0].x) == 10  # held still
+    assert "global step 20 / 100" in d.header.value  # the header follows
+    d.redraw.value = dict(dashboard.REDRAW_CHOICES)["live"]
+    d.refresh()
+    assert convergence.messages == sent + 1 and len(convergence.figure.data[0].x) == 20  # every row, one message
+
+
+def test_a_slower_redraw_rate_sends_the_figures_at_most_that_often_and_the_end_at_once(store, dashboards):
+    run = Writer(store)
+    run.write(10)
+    d = dashboards(store.path, run.run_id)
+    d.redraw.value = dict(dashboard.REDRAW_CHOICES)["every 10 s"]
+    d.refresh()  # the first refresh shows the figures
+    speed = d.figures["speed"]
+    sent = speed.messages
+    for _ in range(3):
+        run.write(5)
+        d.refresh()
+    assert speed.messages == sent  # within 10 s of the last redraw
+    store.set_status(run.run_id, "finished")
+    d.refresh()
+    assert speed.messages == sent + 1 and len(d.figures["convergence"].figure.data[0].x) == 25  # the end, at once
