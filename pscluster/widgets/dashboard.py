@@ -38,6 +38,7 @@ MAX_BUSY_RATIO = 4  # the poller waits at least this many times as long as a ref
 # on a slow or busy machine breathes at a lower rate, and paused, the figures hold still to be read or zoomed.
 REDRAW_CHOICES = (("live", 0.0), ("every 2 s", 2.0), ("every 10 s", 10.0), ("paused", math.inf))
 
+
 def figures_html(shown, *, images: bool = True) -> str:
     """Static HTML of ``shown`` (specs), each drawing itself with plotly.js loaded once per page; with
     ``images``, each with its image for pages that run no script (``live.static_html``)."""

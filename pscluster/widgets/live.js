@@ -4,6 +4,7 @@
 // trace, arrays as the length of their kept prefix and the points after it; layout keys replaced whole).
 
 const ASK_AGAIN_MS = 2000;
+const REDRAW_MS = 1000; // the kernel's updates are drawn at most this often; the viewer's own changes at once
 
 function applyPatch(figure, patch) {
   for (const [index, props] of Object.entries(patch.traces || {})) {
@@ -22,21 +23,32 @@ function render({ model, el }) {
   el.appendChild(div);
   let figure = null;
   let choice = null; // the viewer's smoothing, log scale and x axis, once the figure has controls
-  // Draws are coalesced: the messages that come before the next animation frame are drawn once, and at most
-  // one draw waits behind the one in flight. (A draw per message fell behind for good on a page slower than
-  // the kernel's refreshes, a browser on a loaded machine: its main thread never idle, the page unanswering.)
-  // A figure out of view (scrolled away, in a hidden tab) is drawn when it comes into view, not before: once
+  // Draws are coalesced: the messages that come before the next draw are drawn once, at most one draw waits
+  // behind the one in flight, and the kernel's updates are drawn at most every REDRAW_MS. (A draw per message fell
+  // behind for good on a page slower than the kernel's refreshes, a browser on a loaded machine: its main thread
+  // never idle, the page unanswering.) What the viewer does (a control, scrolling the figure into view) is drawn at
+  // once. A figure out of view (scrolled away, in a hidden tab) is drawn when it comes into view, not before: once
   // drawn, it costs the page nothing while no one can see it.
   let scheduled = false;
+  let hurry = false; // the viewer waits for the draw scheduled
+  let wake = null; // ends the pause before the draw scheduled
+  let drawnAt = -Infinity;
   let drawing = Promise.resolve();
   let visible = true;
   let waiting = false; // a draw put off while out of view
+  const pause = () =>
+    new Promise(resolve => {
+      wake = resolve;
+      setTimeout(resolve, hurry ? 0 : drawnAt + REDRAW_MS - performance.now());
+    });
   const drawNow = () => {
     scheduled = false;
+    hurry = false;
     if (!visible && div.data) {
       waiting = true;
       return Promise.resolve();
     }
+    drawnAt = performance.now();
     const { data, layout } = viewed(figure, choice);
     const revision = choice ? `${choice.x}/${choice.log}` : 'pscluster';
     return loadPlotly()
@@ -45,10 +57,14 @@ function render({ model, el }) {
         div.textContent = String(error.message || error);
       });
   };
-  const draw = () => {
+  const draw = (now = false) => {
+    if (now) {
+      hurry = true;
+      wake?.();
+    }
     if (!scheduled) {
       scheduled = true;
-      drawing = drawing.then(() => new Promise(requestAnimationFrame)).then(drawNow);
+      drawing = drawing.then(pause).then(() => new Promise(requestAnimationFrame)).then(drawNow);
     }
   };
   const onMessage = message => {
@@ -62,7 +78,7 @@ function render({ model, el }) {
     const controls = (figure.layout.meta || {}).controls;
     if (controls && !choice) {
       choice = { smoothing: controls.smoothing, log: false, x: 'step' };
-      el.insertBefore(toolbar(controls, choice, draw), div);
+      el.insertBefore(toolbar(controls, choice, () => draw(true)), div);
     }
     draw();
   };
@@ -78,7 +94,7 @@ function render({ model, el }) {
     visible = entries[entries.length - 1].isIntersecting;
     if (visible && waiting) {
       waiting = false;
-      draw();
+      draw(true);
     }
   });
   seen.observe(div);

@@ -29,6 +29,15 @@ LIVE_CELLS = [
     "g = torch.Generator().manual_seed(0)\n"
     "dataset = torch.utils.data.TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))",
 ]
+# each pscluster figure of the open notebook: how many of its traces are drawn with points
+FIGURES_DRAWN = """() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .pscluster-figure')]
+    .map(div => (div.data || []).filter(t => (t.x && t.x.length) || (t.y && t.y.length)).length)"""
+# scrolls the open notebook's first figure drawn without points into view: a live figure out of view is drawn when
+# it comes into view, as a user scrolling to it sees it
+SHOW_UNDRAWN_FIGURE = """() => { const div = [...document.querySelectorAll(
+    '.jp-NotebookPanel:not(.lm-mod-hidden) .pscluster-figure')].find(div => !(div.data || []).some(
+    t => (t.x && t.x.length) || (t.y && t.y.length)));
+    if (div) { div.scrollIntoView({ block: 'center' }); } }"""
 # Pages try CDNs: every host name but the server's resolves to nothing. (Not a playwright route: its
 # handlers run only while the test is inside a playwright call, so a test waiting on anything else would
 # hold every request of the page.)

@@ -18,7 +18,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from pscluster.metrics.store import RunStore
 
-from .lab import LIVE_CELLS, MainThread
+from .lab import FIGURES_DRAWN, LIVE_CELLS, SHOW_UNDRAWN_FIGURE, MainThread
 from .test_panel import CLICKED, DRAWN_MS
 
 pytestmark = pytest.mark.browser
@@ -31,10 +31,6 @@ WIDGETS = FIGURES + 3  # and the header, roles table and placement lines
 REFRESH_HZ = 2.5
 BUDGET_S = 10.0  # seconds of live refreshes the message rate is measured over
 RELOAD_AT = 5_000  # global step before the reload: every figure already thins its points (MAX_POINTS a trace)
-# each drawn pscluster figure (a plotly graph div): how many of its traces have points
-DRAWN = """() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .pscluster-figure')]
-    .map(div => (div.data || []).filter(t => (t.x && t.x.length) || (t.y && t.y.length)).length)"""
-
 
 class CommCounter:
     """Counts the kernel's widget messages (``comm_msg``) that reach the page over its websockets, by the time
@@ -86,15 +82,16 @@ def open_notebook(page, name: str):
 
 
 def drawn(page) -> list[int]:
-    return page.evaluate(DRAWN)
+    return page.evaluate(FIGURES_DRAWN)
 
 
 def wait_drawn(page, timeout: float, shot: str) -> list[int]:
-    """The figures once all of them are drawn with data; past ``timeout``, a screenshot (``reports/<shot>``) and
-    an AssertionError with what each output of the notebook shows (a widget's view, "Loading widget...", "Error
-    displaying widget"...)."""
+    """The figures once all of them are drawn with data (each one not yet drawn scrolled into view: a live figure
+    out of view waits to be seen); past ``timeout``, a screenshot (``reports/<shot>``) and an AssertionError with
+    what each output of the notebook shows (a widget's view, "Loading widget...", "Error displaying widget"...)."""
     deadline = time.monotonic() + timeout
     while (counts := drawn(page)).count(0) or len(counts) < FIGURES:
+        page.evaluate(SHOW_UNDRAWN_FIGURE)
         if time.monotonic() > deadline:
             page.screenshot(path=str(REPORTS / shot))
             outputs = [" ".join(text.split())[:100] for text in
