@@ -347,7 +347,7 @@ def test_display_bundle_is_the_widget_and_small_static_html_then_the_static_html
     assert html.count(live.STATIC_CALL) == 6 and "plotly.js v" not in html  # the page loads plotly.js
     assert "fc1.weight: /job:ps/task:0" in html and "chief" in html and "sync-run" in html
     # each figure's widget state holds no plotly.js: a few KB (a plotly FigureWidget's holds 5 MB)
-    assert all(len(str(f.get_state())) < 10_000 for f in d.figures.values())
+    assert all(len(str(f.get_state())) < 20_000 for f in d.figures.values())  # its view's code (live.js, controls.js)
     store.set_status(run.run_id, "finished")
     d.refresh()
     final = d._repr_mimebundle_()  # a run that is over: what a reopened notebook shows, kernel or not
