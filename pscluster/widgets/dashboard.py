@@ -328,10 +328,11 @@ class Dashboard:
 
 def show(store_path, run_id: int, *, refresh_s: float = REFRESH_S) -> Dashboard:
     """Display a live dashboard of run ``run_id`` and start it; when the run ends, the display is updated
-    once so that its static copy (what nbconvert keeps) holds the final figures. Returns the dashboard."""
+    once so that its static copy (what nbconvert keeps) holds the final figures. A run already over is displayed
+    final at once (its figures' images drawn once), with no poller. Returns the dashboard."""
     from IPython.display import display
 
     dashboard = Dashboard(store_path, run_id, refresh_s=refresh_s)
     dashboard.refresh()
     dashboard._handle = display(dashboard, display_id=True)
-    return dashboard.start()
+    return dashboard if dashboard.final else dashboard.start()  # a run over is displayed final already

@@ -19,14 +19,13 @@ repository's page), the figure's image (``still``) in its place until plotly.js 
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import math
 import pathlib
 import threading
 import uuid
-
-import base64
-import html
 
 import anywidget
 import numpy as np
@@ -170,16 +169,17 @@ def static_html(s: Spec, *, image: bool = True) -> str:
     plotly.js from the page or the server extension, the controls the figure has. With
     ``image``, its PNG (``still.png``) holds the figure's place, and stays where no script runs or plotly.js
     cannot be loaded."""
+    s = expanded(s)
     div = f"pscluster-{uuid.uuid4().hex[:12]}"
     height = s.layout.get("height", 300)
-    fig = figure_json(expanded(s))  # arrays as lists: the controls compute with them
+    fig = figure_json(s)  # arrays as lists: the controls compute with them
 
     def js(value) -> str:
         return json.dumps(value).replace("</", "<\\/")  # no '</script>' inside the script
 
     still_img = ""
     if image:
-        title = ((expanded(s).layout.get("title") or {}).get("text") or "pscluster figure")
+        title = (s.layout.get("title") or {}).get("text") or "pscluster figure"
         still_img = (f"<img class='pscluster-still' alt='{html.escape(title, quote=True)}' style='max-width: 100%' "
                      f"src='data:image/png;base64,{base64.b64encode(still.png(s)).decode()}'>")
     note = "div.appendChild(Object.assign(document.createElement('div'), { textContent: e.message }))"
