@@ -30,6 +30,16 @@ def test_plain_sgd_refuses_an_update_past_the_range_and_changes_nothing(value, g
     assert torch.equal(params[0], before)
 
 
+def test_largest_is_the_largest_magnitude_and_sees_every_nan_and_infinity():
+    tensors = [torch.tensor([1.0, -7.5]), torch.empty(0), torch.tensor([[3.0]], dtype=torch.float16)]
+    assert update_guard.largest(tensors) == 7.5
+    assert update_guard.largest([]) == update_guard.largest([torch.empty(0)]) == 0.0
+    for bad in (math.nan, math.inf, -math.inf):
+        mixed = [torch.ones(5), torch.tensor([0.0, bad, 2.0], dtype=torch.bfloat16)]
+        assert (math.isnan if bad != bad else math.isinf)(update_guard.largest(mixed)), bad
+    assert math.isnan(update_guard.largest([torch.tensor([math.nan, math.inf])]))
+
+
 def step_kept(optimizer, param, grad):
     param.grad = grad
     try:
