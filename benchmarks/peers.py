@@ -30,10 +30,11 @@ def rpc_ps() -> procs.Rounds:
     return procs.Rounds([ps], trainers)
 
 
-def bare(mode: str) -> procs.Rounds:
+def bare(mode: str, workers: int = WORKERS) -> procs.Rounds:
+    """The bare ZeroMQ ps (``bare_zmq_ps.py``) in ``mode`` and its ``workers``, one round per command."""
     (port,) = procs.free_ports(1)
-    ps = procs.spawn("bare_zmq_ps", "ps", port, WORKERS, mode)
-    return procs.Rounds([procs.spawn("bare_zmq_ps", "worker", port, rank, WORKERS) for rank in range(WORKERS)], [ps])
+    ps = procs.spawn("bare_zmq_ps", "ps", port, workers, mode)
+    return procs.Rounds([procs.spawn("bare_zmq_ps", "worker", port, rank, workers) for rank in range(workers)], [ps])
 
 
 def aggregate(outs: list[dict]) -> float:
