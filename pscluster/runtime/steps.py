@@ -241,14 +241,15 @@ def grad_norm(model: torch.nn.Module, max_norm: float | None = None, skip: set[i
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
-def nonfinite(computed: Computed, norm: torch.Tensor, model: torch.nn.Module) -> str | None:
-    """What is not finite in a computed step, given its gradients' total ``norm`` (``grad_norm``): ``"loss nan"``,
-    ``"gradient of fc.weight"`` (the first such parameter), or None when all is finite."""
+def nonfinite(computed: Computed, norm: torch.Tensor, named: list[tuple[str, torch.nn.Parameter]]) -> str | None:
+    """What is not finite in a computed step, given its gradients' total ``norm`` (``grad_norm``) and the model's
+    ``named_parameters()``: ``"loss nan"``, ``"gradient of fc.weight"`` (the first such parameter), or None when
+    all is finite."""
     loss = computed.loss.detach().item()
     if not math.isfinite(loss):
         return f"loss {loss}"
     finite = bool(torch.isfinite(norm))  # of the dense gradients; sparse ones are checked below
-    for name, p in model.named_parameters():
+    for name, p in named:
         g = p.grad
         if g is None or (finite and not g.is_sparse):
             continue

@@ -38,6 +38,8 @@ class _Steps:
         self.precision = Precision(plan.precision, device)
         self.early, self.staging = early, staging
         self.skipped = 0
+        self.named = list(model.named_parameters())  # read once: walking the modules every step costs
+        self.params = [p for _, p in self.named]
 
     def gradients(self, batch, step: int, local_step: int) -> Computed:
         """The gradients of ``batch`` on the parameters of global ``step``; a batch with a non-finite loss or
@@ -53,7 +55,8 @@ class _Steps:
             computed = compute(self.model, self.loss_fn, self.step_fn, batch, self.device, step, self.precision,
                                before_backward=before_backward)
             checked = self.early.checked() if self.early is not None else frozenset()  # finite, checked already
-            problem = nonfinite(computed, grad_norm(self.model, self.plan.max_grad_norm, checked), self.model)
+            norm = grad_norm(self.model, self.plan.max_grad_norm, checked, params=self.params)
+            problem = nonfinite(computed, norm, self.named)
             if self.precision.overflowed(problem is None):  # fp16: the loss scale was too high for this batch
                 self.emit("loss_scale", global_step=step, scale=self.precision.scale, problem=problem)
                 batch = next(self.batches)
