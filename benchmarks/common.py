@@ -36,10 +36,14 @@ def summary(values: list[float]) -> dict:
             "n": len(values), "values": values}
 
 
-def alternate(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+def alternate(contenders: dict[str, Callable[[], float]], rounds: int, warmup: bool = False) -> dict[str, list[float]]:
     """Call each contender once per round, in an order reversed every other round; returns the values
-    each returned, by name."""
+    each returned, by name. ``warmup``: one round first whose values are left out (a contender's first call
+    pays for its processes' first allocations and connections)."""
     names = list(contenders)
+    if warmup:
+        for name in names:
+            contenders[name]()
     out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):

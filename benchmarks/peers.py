@@ -58,7 +58,8 @@ def run(tiny: bool, out_dir: Path) -> Result:
         for name, start in (("ddp", ddp), ("rpc", rpc_ps), ("bare sync", lambda: bare("sync")),
                             ("bare async", lambda: bare("async"))):
             systems[name] = start()
-        speeds = alternate({name: (lambda name=name: measure(name)) for name in systems}, repetitions(tiny))
+        speeds = alternate({name: (lambda name=name: measure(name)) for name in systems}, repetitions(tiny),
+                           warmup=not tiny)
     finally:
         procs.close_all(systems.values())
     result = Result("peers", "Peers on the same work (MLP 784-256-10, batch 128 per worker, SGD)", tiny)
@@ -86,6 +87,7 @@ def run(tiny: bool, out_dir: Path) -> Result:
     result.notes.append(f"{steps} steps per worker per repetition, the first 20 left out; every process has one "
                         "torch thread (3 processes for the ps systems, 2 for DDP) on this machine's cores. Each "
                         "system's processes are started once and run one repetition per command (idle, blocked "
-                        "on a pipe, while the others run); each pscluster repetition is a new run (INIT by the "
-                        "chief).")
+                        "on a pipe, while the others run), and one round of each, left out, before the "
+                        "repetitions (a first round is the slowest: the first run's allocations and connections); "
+                        "each pscluster repetition is a new run (INIT by the chief).")
     return result
