@@ -81,9 +81,11 @@ def test_ssp_keeps_the_fast_worker_within_the_bound(cluster, bags):
     assert fast["local_step"].max() > slow_rows["local_step"].max()  # it ran ahead when it could...
     last_slow = slow_rows["local_step"].max()
     for t, step in zip(fast["time"], fast["local_step"]):
-        # ...but by at most 2 steps: the straggler's record of its step is at most a few ms later than the
-        # release it caused (far less than its 50 ms step)
-        done = slow_rows[slow_rows["time"] <= t + 0.02]["local_step"].max()
+        # ...but by at most 2 steps. The fast worker records its step s once the ps, holding the straggler's push of
+        # step s - 2, has answered it; the straggler records each step before it pushes the next, so by then it has
+        # recorded step s - 3 at least. (Its record of step s - 2 itself may come any time later on a loaded
+        # machine: no slack of time bounds it.)
+        done = slow_rows[slow_rows["time"] <= t]["local_step"].max()
         done = 0 if done != done else done  # NaN: nothing recorded yet
         if done < last_slow:
-            assert step - done <= 2, (t, step, done)
+            assert step - done <= 2 + 1, (t, step, done)
