@@ -9,6 +9,8 @@ import torch
 import pscluster
 from pscluster.errors import CheckpointError, ClusterStateError, ConfigError, TrainingError
 from pscluster.runtime import checkpoint
+from pscluster.runtime.options import DEFAULTS
+from pscluster.runtime.policies import LEAD_SLACK
 
 from .conftest import mlp
 
@@ -202,8 +204,18 @@ def test_a_short_async_run_on_fresh_engines_is_shared_by_every_worker(start_clus
     c = start_cluster(ps=1, workers=3)
     run = c.train(mlp, digits_train, LOSS, optimizer="sgd", lr=0.1, mode="async", steps=600, batch_size=64)
     run.wait(timeout=120, verbose=False)
-    assert run.status == "finished" and run.global_step == 600
-    mean = sum(run.local_steps) / len(run.local_steps)
-    assert min(run.local_steps) >= 0.8 * mean, run.local_steps  # max_lead
+    assert run.status == "finished" and run.global_step == 600 and min(run.local_steps) > 0
+    # max_lead, as the ps counts: a worker's pushes from its first, which starts level with the slowest of those
+    # pushing already (on a loaded machine a worker's first step may come a few hundred steps into the run, and
+    # its local steps are then fewer by as many: by design, one slow to start holds no one)
+    clocks: dict[int, int] = {}
+    for worker in run.metrics().sort_values("time")["worker"]:
+        if worker not in clocks:
+            clocks[worker] = min(clocks.values(), default=0)
+        clocks[worker] += 1
+    slowest = min(clocks.values())
+    # one push past the bound is held, and records may arrive a push or two apart from the pushes' order
+    assert max(clocks.values()) - slowest <= max(LEAD_SLACK, DEFAULTS.max_lead * slowest) + 3, (clocks,
+                                                                                                 run.local_steps)
     states = run.events().query("kind == 'state' and task == 'worker:0'")["detail"].map(lambda d: d["state"])
     assert "waiting for workers" in list(states)
