@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import procs
-from .peers import bare
 from .common import Result, Target, alternate, compare, repetitions
+from .peers import bare
 from .workload import TINY_STEPS
 
 

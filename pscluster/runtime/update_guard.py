@@ -27,8 +27,8 @@ def largest(tensors: list[torch.Tensor]) -> float:
     infinite."""
     # the ends of each tensor (aminmax is NaN when any element is), not the infinity norm: this runs before every
     # plain SGD update, and on a CPU the infinity norm is 10-20 times slower
-    ends = [end.to(torch.float64) for t in tensors if t.numel() for end in torch.aminmax(t.detach())]
-    return float(torch.stack(ends).abs().max()) if ends else 0.0
+    ends = [torch.stack(torch.aminmax(t.detach())) for t in tensors if t.numel()]
+    return float(torch.cat(ends).abs().max()) if ends else 0.0  # cat promotes mixed dtypes to the widest
 
 
 def limit(tensors: list[torch.Tensor]) -> float:
