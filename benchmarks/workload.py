@@ -165,7 +165,7 @@ def train_fn(ctx) -> None:
     model = ctx.model(model_fn().to(ctx.device))
     optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=LR))
     loss_fn = torch.nn.CrossEntropyLoss()
-    for x, y in ctx.shard(Synthetic(), batch_size=BATCH):
+    for x, y in ctx.endless_shard(Synthetic(), batch_size=BATCH):
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(x.to(ctx.device)), y.to(ctx.device)).backward()
         optimizer.step()

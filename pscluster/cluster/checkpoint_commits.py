@@ -97,7 +97,7 @@ class CheckpointCoordinator:
                 held = client.stats()
                 if all(s.get("run_id") == plan.run_id for s in held):
                     steps = [s["step"] for s in held]
-                    step = min(max(steps) + ahead, plan.steps)
+                    step = max(steps) + ahead if plan.steps is None else min(max(steps) + ahead, plan.steps)
                     if step <= max(steps):
                         return step
                     try:

@@ -46,11 +46,12 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError, PSClusterError, StaleTask
+from ..errors import ConfigError, NonFiniteError, PSClusterError, RunEnded, StaleTask
 from ..spec import ClusterSpec
 from . import seeding
 from .client import PSClient
 from .data import training_input, worker_batches
+from .shard_loader import ShardLoader, shard_loader
 from .emitter import MetricsEmitter
 from .loop_overlap import LoopOverlap
 from .member import Shards, SparseRows, StepTally, join_run, leave, local_device, merge_pushes
@@ -239,18 +240,36 @@ class _Context:
         optimizer._step_supports_amp_scaling = False
         return optimizer
 
-    def shard(self, dataset, batch_size: int | None = None, *, collate_fn=None, loader_workers: int = 0,
-              prefetch_factor: int | None = None, pin_memory: bool = False) -> Batches:
+    def shard(self, data, **loader_kwargs) -> ShardLoader:
+        """This worker's DataLoader over ``data`` (a DataLoader, or a dataset with DataLoader's keyword arguments:
+        ``batch_size`` 64 and ``shuffle=True`` unless given): each iteration is one epoch of this worker's part, and
+        the next epoch's order comes by itself. One worker reads exactly what the DataLoader would (its order, its
+        random draws); N workers split each epoch as ``DistributedSampler`` does (see ``shard_loader``). ``len()``,
+        ``.dataset``, ``.batch_size`` and ``.sampler`` read as a DataLoader's. An iteration ends early once the run
+        has ended (its target, a stop, ``request_stop``). The next batches are read while ``optimizer.step()``
+        waits for the new values, unless reading them draws random numbers (``streams``)."""
+        return self._stream_of(shard_loader(data, self.worker_index, self.num_workers, self._run_seed,
+                                            self._batches, loader_kwargs))
+
+    def endless_shard(self, dataset, batch_size: int | None = None, *, collate_fn=None, loader_workers: int = 0,
+                      prefetch_factor: int | None = None, pin_memory: bool = False) -> Batches:
         """This worker's endless stream of batches of ``dataset`` (a map-style dataset, an IterableDataset, or a
-        DataLoader taken apart as ``Cluster.train`` takes it): its shard of each epoch, reshuffled every epoch, in
-        ``loader_workers`` loader processes. ``batch_size``: per worker (default 64, or the DataLoader's). The next
-        batches are read while ``optimizer.step()`` waits for the new values, unless reading them draws random
-        numbers (``streams``)."""
+        DataLoader taken apart as ``Cluster.train`` takes it), for a loop that counts steps, not epochs: its part of
+        each epoch, reshuffled every epoch with the run's seed, epoch after epoch, in ``loader_workers`` loader
+        processes that live as long as the stream. ``batch_size``: per worker (default 64, or the DataLoader's).
+        It ends once the run has ended; batches are read ahead as ``shard``'s are."""
         dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
                                                                  prefetch_factor, pin_memory)
-        stream = Batches(lambda: worker_batches(dataset, self.worker_index, self.num_workers, batch_size,
-                                                self._run_seed, loader, collate_fn, self.device),
-                         begin=self._training_call, counted=self._count)
+        return self._stream_of(self._batches(lambda: worker_batches(
+            dataset, self.worker_index, self.num_workers, batch_size, self._run_seed, loader, collate_fn,
+            self.device)))
+
+    def _batches(self, make) -> Batches:
+        """Batches of the iterator ``make()`` starts, as this context hands them out (see ``streams``)."""
+        return Batches(make, begin=self._training_call, counted=self._count, ended=lambda: self._ended() is not None)
+
+    def _stream_of(self, stream):
+        """``stream``, read ahead during each exchange and closed with the context."""
         self._streams.append(stream)
         return stream
 
@@ -270,6 +289,10 @@ class _Context:
 
     def _training_call(self) -> None:
         pass
+
+    def _ended(self) -> str | None:
+        """Why the run is over for this loop, or None while it trains."""
+        return None
 
     def _count(self, samples: int) -> None:
         self._samples += samples
@@ -454,8 +477,19 @@ class WorkerContext(_Context):
         panel, another worker's ``request_stop``), or this worker asked for it (with ``pipeline``: as of the
         values the model holds; a step computed past the end is left out)."""
         self._training_call()
-        reply = self._reply
-        return self._stop_reason is not None or bool(reply.flags & Flag.STOPPED) or reply.step >= self._plan.steps
+        return self._ended() is not None
+
+    def _ended(self) -> str | None:
+        if self._reply is None:
+            return None
+        reply, steps = self._reply, self._plan.steps
+        if self._stop_reason is not None:
+            return self._stop_reason
+        if steps is not None and reply.step >= steps:
+            return f"its target of {steps} global steps reached"
+        if reply.flags & Flag.STOPPED:
+            return f"stopped at global step {reply.step}"
+        return None
 
     def request_stop(self, reason: str = "requested by the loop") -> None:
         """End the run at the current global step (early stopping): every worker's ``should_stop()`` turns
@@ -481,6 +515,8 @@ class WorkerContext(_Context):
         non-finite gradient (``on_nonfinite="skip"``), or with ``pipeline`` a step computed past the run's end."""
         self._training_call()
         plan, k = self._plan, optimizer._pscluster_set
+        if self._in_flight is None and (reason := self._ended()) is not None:
+            raise RunEnded(reason)
         computed_on = self._reply.step  # the global step of the values this step's gradients were computed on
         if self._in_flight is not None:
             self._settle()  # pipeline: the last step's values, now that this step's gradients are computed
@@ -585,19 +621,28 @@ class WorkerContext(_Context):
 
     # --- the end -----------------------------------------------------------------------------
     def finish(self) -> dict:
-        """After ``train_fn`` returned: a loop that ended short of the run's end ends the run; the summary."""
+        """After ``train_fn`` returned: a loop that ended before the run did leaves it (sync steps stop waiting for
+        its gradients; the run ends when every worker's loop has returned); the summary."""
         if self._reply is None and not self._modules.names:
             raise ConfigError(f"train_fn returned without registering the run's modules {list(self._plan.modules)} "
                               "with ctx.model()")
         self._training_call()
         self._settle()
         if not self.should_stop():
-            self.request_stop(f"train_fn of worker {self.worker_index} returned at global step {self.global_step}")
+            self._client.lost_workers([self.worker_index])
+            self._emitter.emit("loop_returned", global_step=self.global_step, local_step=self._local_steps)
         if self._unrecorded is not None:
             self._record()
         return self._tally.summary(self.global_step, self._client, self._emitter.dropped, skipped=self._skipped,
                                    overlapped_pushes=self._early.pushes if self._early is not None else 0,
                                    staged_steps=self._staging.steps if self._staging is not None else 0)
+
+    def ended_by_step(self, error: RunEnded) -> None:
+        """``train_fn`` raised ``error`` from a step after the run's end: the loop's normal end, said in one line."""
+        line = f"optimizer.step() after the run's end ({error.reason}): the loop ends there"
+        if self._log is not None:
+            self._log(line)
+        self._emitter.emit("log", line=line)
 
     def failed(self, error: Exception) -> None:
         """On the way out of a failed loop: this worker's copy of the values it holds (see ``member.leave``)."""
@@ -641,6 +686,8 @@ def run_loop(spec: ClusterSpec, index: int, plan: TrainPlan, train_fn, *, join: 
     try:
         try:
             train_fn(ctx)
+        except RunEnded as e:
+            ctx.ended_by_step(e)
         except StaleTask:
             raise
         except Exception as e:

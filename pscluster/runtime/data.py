@@ -44,7 +44,7 @@ from torch.utils.data._utils.pin_memory import pin_memory  # what DataLoader pin
 from ..errors import ConfigError, TrainingError
 
 __all__ = ["LoaderOptions", "worker_batches", "fetch_batch", "in_order", "first_batch", "from_dataloader", "shard",
-           "training_input"]
+           "enter_shard", "shuffles", "training_input"]
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ class _Stream(IterableDataset):
         strided = not getattr(self.dataset, "pscluster_sharded", False)
         with _errors_that_cross():
             while True:
-                _here.shard = (index, self.count)  # read by the dataset's __iter__, which runs at the first next()
+                enter_shard(index, self.count)  # read by the dataset's __iter__, which runs at the first next()
                 items = iter(self.dataset)
                 if strided:
                     items = itertools.islice(items, index, None, self.count)
@@ -196,6 +196,11 @@ class _Stream(IterableDataset):
 
 
 _here = threading.local()
+
+
+def enter_shard(index: int, count: int) -> None:
+    """Make stream ``index`` of ``count`` the one ``shard()`` names in this thread (at the start of a pass)."""
+    _here.shard = (index, count)
 
 
 def shard() -> tuple[int, int]:
@@ -253,34 +258,40 @@ def _errors_that_cross():
         raise TrainingError(f"{type(error).__name__}: {error}") from error
 
 
+def shuffles(loader: DataLoader) -> bool:
+    """Whether ``loader`` reads its map-style dataset in a new order every epoch (a RandomSampler) or in order (a
+    SequentialSampler, or any IterableDataset): what a split of its epochs across workers keeps. ConfigError for a
+    sampler that does not read each item once per epoch, which cannot be split."""
+    sampler = loader.sampler
+    if isinstance(loader.dataset, IterableDataset) or type(sampler) is SequentialSampler:
+        return False
+    if type(sampler) is RandomSampler:
+        if sampler.replacement or sampler.num_samples != len(sampler.data_source):
+            raise ConfigError("RandomSampler(replacement=True or num_samples=...) cannot be split across workers, "
+                              "which read each item once per epoch: use shuffle=True, or resample the dataset itself")
+        return True
+    if isinstance(sampler, WeightedRandomSampler):
+        raise ConfigError("a WeightedRandomSampler cannot be split across workers, which read each item once per "
+                          "epoch: weight the loss instead, or give a dataset that repeats items in the proportions "
+                          "wanted, with shuffle=True")
+    raise ConfigError(f"a {type(sampler).__name__} cannot be split across workers: give the dataset (a "
+                      "torch.utils.data.Subset for some of it) with shuffle=True or False; pscluster shards it "
+                      "as DistributedSampler does")
+
+
 def from_dataloader(loader: DataLoader) -> tuple[object, int, Callable | None, LoaderOptions]:
     """``(dataset, batch_size, collate_fn, options)`` of a DataLoader given in place of a dataset; collate_fn is
     None for torch's ``default_collate``. Its sampler must be a SequentialSampler or a RandomSampler (each item
     once per epoch): pscluster shards the dataset itself. Its generator, timeout, multiprocessing_context and
     persistent_workers are not carried (pscluster seeds, forks, and keeps its loader processes for the run).
     Raises ConfigError for what cannot be sharded, saying what to give instead."""
-    sampler = loader.sampler
     if loader.batch_size is None:
         raise ConfigError("a DataLoader with a batch_sampler or batch_size=None cannot be split across workers: give "
                           "DataLoader(dataset, batch_size=..., shuffle=...), or the dataset and LoaderOptions")
     if loader.worker_init_fn is not None:
         raise ConfigError("DataLoader(worker_init_fn=...) is not carried to pscluster's loader processes: do that "
                           "setup in the dataset (on its first __getitem__ or __iter__) and drop worker_init_fn")
-    if isinstance(loader.dataset, IterableDataset) or type(sampler) is SequentialSampler:
-        shuffle = False
-    elif type(sampler) is RandomSampler:
-        if sampler.replacement or sampler.num_samples != len(sampler.data_source):
-            raise ConfigError("RandomSampler(replacement=True or num_samples=...) cannot be split across workers, "
-                              "which read each item once per epoch: use shuffle=True, or resample the dataset itself")
-        shuffle = True
-    elif isinstance(sampler, WeightedRandomSampler):
-        raise ConfigError("a WeightedRandomSampler cannot be split across workers, which read each item once per "
-                          "epoch: weight the loss instead, or give a dataset that repeats items in the proportions "
-                          "wanted, with shuffle=True")
-    else:
-        raise ConfigError(f"a {type(sampler).__name__} cannot be split across workers: give the dataset (a "
-                          "torch.utils.data.Subset for some of it) with shuffle=True or False; pscluster shards it "
-                          "as DistributedSampler does")
+    shuffle = shuffles(loader)
     options = LoaderOptions(num_workers=loader.num_workers, pin_memory=loader.pin_memory, shuffle=shuffle,
                             drop_last=loader.drop_last,
                             prefetch_factor=loader.prefetch_factor if loader.num_workers else None)

@@ -62,6 +62,11 @@ class Option:
     optional: bool = False
     fix: str = ""
     flag: Flag = Flag()
+    entry_defaults: tuple = ()  # (entry, default) pairs where an entry's default is not ``default``
+
+    def default_for(self, entry: str):
+        """The default of this option in ``entry``'s calls."""
+        return dict(self.entry_defaults).get(entry, self.default)
 
     def check(self, value, *, as_flag: bool = False) -> None:
         """Raise a one-line ConfigError naming the fix unless ``value`` is one this option takes (``as_flag``: the
@@ -120,7 +125,10 @@ def _partition(text: str) -> tuple[str, int]:
 OPTIONS: dict[str, Option] = _options(
     Option("mode", "sync", "sync: each global step averages the workers' gradients; async: each push is applied as "
            "it comes; ssp: bounded staleness (see staleness_bound)", LOOPS, str, MODES),
-    Option("steps", 1000, "the global step target", LOOPS, int, least=1),
+    Option("steps", 1000, "the global step target (a user's loop: None, its default, for none: the run ends when "
+           "every worker's loop has returned, its epochs deciding)", LOOPS, int, least=1, optional=True,
+           fix="a number of global steps >= 1, or None to end when the loops end",
+           entry_defaults=((RUN, None), (SCRIPT, None))),
     Option("replicas_to_aggregate", None, "sync: the gradients averaged per global step (default: one per worker; "
            "fewer make the others backup workers)", LOOPS, int, least=1),
     Option("seed", 0, "the run's seed: the model's initial values, each worker's random streams (from the seed, "
@@ -206,18 +214,18 @@ def take(entry: str, given: dict, *, caller: str, also: tuple[str, ...] = ()) ->
             hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(known)}"
             raise ConfigError(f"{caller} got unknown option {name!r}: {hint}")
     check(**{k: v for k, v in given.items() if k in OPTIONS})
-    return {**{name: OPTIONS[name].default for name in names(entry)}, **given}
+    return {**{name: OPTIONS[name].default_for(entry) for name in names(entry)}, **given}
 
 
 def add_flags(parser: argparse.ArgumentParser, entry: str) -> argparse.ArgumentParser:
     """A magic's flag for every option ``entry`` takes, with the option's default and help."""
     for name in names(entry):
-        o, spec = OPTIONS[name], OPTIONS[name].flag
+        o, spec, default = OPTIONS[name], OPTIONS[name].flag, OPTIONS[name].default_for(entry)
         if o.kind is bool:
             parser.add_argument(o.flag_name, dest=name, action="store_false" if o.default else "store_true",
                                 help=o.help)
         elif spec.const is not None:
-            parser.add_argument(o.flag_name, dest=name, action="store_const", const=spec.const, default=o.default,
+            parser.add_argument(o.flag_name, dest=name, action="store_const", const=spec.const, default=default,
                                 help=o.help)
         elif spec.many:
             parser.add_argument(o.flag_name, dest=name, type=spec.parse, action="append", default=[],
@@ -225,7 +233,7 @@ def add_flags(parser: argparse.ArgumentParser, entry: str) -> argparse.ArgumentP
         else:
             kind = o.kind if o.kind in (int, float) else None
             parser.add_argument(o.flag_name, dest=name, type=spec.parse or kind, choices=o.choices or None,
-                                default=o.default, metavar=spec.metavar, help=o.help)
+                                default=default, metavar=spec.metavar, help=o.help)
     return parser
 
 

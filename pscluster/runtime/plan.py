@@ -145,7 +145,7 @@ class TrainPlan:
 
     run_id: int
     mode: str
-    steps: int
+    steps: int | None  # the global step target; None: a user's loop that ends when every worker's loop returns
     batch_size: int | None  # per worker; None: a user's loop, whose batches are its own (``ctx.shard``)
     optimizer: str  # the optimizer of every ps: its name, options, parameter groups and schedule (``optim``)
     optimizer_kwargs: dict = field(default_factory=dict)
@@ -191,6 +191,9 @@ class TrainPlan:
             raise ConfigError(f"eval_every={self.eval_every!r}: use a number of global steps >= 1")
         if not 0 < self.run_id < 2**32:
             raise ConfigError("run_id must fit in 32 bits and be non-zero")
+        if self.steps is None and self.batch_size is not None:
+            raise ConfigError("steps=None: pscluster's own loop trains to a step target; give steps=N (a loop of "
+                              "your own, cluster.run(train_fn), can end with its epochs instead)")
         if self.max_grad_norm is not None:
             if any(v.sparse for v in self.variables):
                 raise ConfigError("max_grad_norm with sparse embeddings: torch clips dense gradients only; build "
@@ -262,6 +265,10 @@ class TrainPlan:
 PLAN_OPTIONS = tuple(f.name for f in fields(TrainPlan) if f.name in OPTIONS and f.name != "eval_every")
 
 
+# the target a ps serves a run without one to: no run reaches it, and it fits the wire's signed 64-bit step
+UNBOUNDED_STEPS = 2**62
+
+
 @dataclass(frozen=True)
 class PsConfig:
     """What the chief tells one ps at INIT (as JSON, beside the initial values): the run's settings, taken from its
@@ -323,7 +330,8 @@ class PsConfig:
     def for_ps(cls, plan: TrainPlan, ps: int) -> "PsConfig":
         """The config of ps ``ps`` for ``plan`` (a fresh start: step 0)."""
         mine = plan.variables_on(ps)
-        return cls(mode=plan.mode, steps=plan.steps, replicas_to_aggregate=plan.replicas_to_aggregate,
+        return cls(mode=plan.mode, steps=UNBOUNDED_STEPS if plan.steps is None else plan.steps,
+                   replicas_to_aggregate=plan.replicas_to_aggregate,
                    num_workers=plan.num_workers, optimizer=plan.optimizer_spec.to_dict(),
                    more_optimizers=plan.more_optimizers, optimizer_of=tuple(v.optimizer for v in mine),
                    names=tuple(v.name for v in mine), sparse=tuple(v.sparse for v in mine),

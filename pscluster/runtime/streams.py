@@ -32,21 +32,28 @@ class _Read:
 
 
 class Batches:
-    """A worker's endless batches (``make()``: the iterator, made at the first batch asked for), each counted in
-    ``counted(samples)``; ``begin()`` runs before each batch is handed out (the worker context's start)."""
+    """A worker's batches (``make()``: the iterator, made at the first batch asked for), each counted in
+    ``counted(samples)``; ``begin()`` runs before each batch is handed out (the worker context's start). The
+    iteration ends with the iterator's, or once ``ended()`` is true (the run is over: a loop that never asks
+    ``should_stop()`` ends with its data)."""
 
-    def __init__(self, make: Callable[[], Iterator], begin: Callable[[], None], counted: Callable[[int], None]):
-        self._make, self._begin, self._counted = make, begin, counted
+    def __init__(self, make: Callable[[], Iterator], begin: Callable[[], None], counted: Callable[[int], None],
+                 ended: Callable[[], bool]):
+        self._make, self._begin, self._counted, self._ended = make, begin, counted, ended
         self._it: Iterator | None = None
         self._ahead: collections.deque[_Read] = collections.deque()
         self._taken = 0  # batches handed out since the last read ahead: how many the loop takes a step
         self._draws = True  # whether the last read drew from the random generators (none seen yet: assumed)
+        self._closed = False
 
     def __iter__(self):
         return self
 
     def __next__(self):
         self._begin()
+        if self._closed or self._ended():
+            self.close()
+            raise StopIteration
         if self._ahead:
             read = self._ahead.popleft()
             if read.error is not None:
@@ -76,7 +83,7 @@ class Batches:
         for that batch."""
         wanted, self._taken = self._taken - len(self._ahead), 0
         for _ in range(wanted):
-            if self._draws:
+            if self._draws or self._closed:
                 return
             before = seeding.generator_states()
             try:
@@ -93,5 +100,10 @@ class Batches:
                 self._ahead.append(_Read(batch, states=(before, after)))
 
     def close(self) -> None:
-        if self._it is not None:
-            self._it.close()
+        """End the iteration: a generator's ``close()``, a DataLoader iterator's loader processes shut down."""
+        self._ahead.clear()
+        if self._it is not None and not self._closed:
+            close = getattr(self._it, "close", None) or getattr(self._it, "_shutdown_workers", None)
+            if close is not None:
+                close()
+        self._closed = True

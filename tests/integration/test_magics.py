@@ -26,7 +26,7 @@ dataset = pscluster.datasets.digits("train")
 LOOP_CELL = """
 net = ctx.model(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)))
 optimizer = ctx.optimizer(torch.optim.SGD(net.parameters(), lr=0.1))
-for x, y in ctx.shard(dataset, batch_size=32):
+for x, y in ctx.endless_shard(dataset, batch_size=32):
     optimizer.zero_grad()
     loss = torch.nn.functional.cross_entropy(net(x), y)
     loss.backward()

@@ -155,7 +155,7 @@ def test_a_dcgan_style_loop_with_two_optimizers_on_one_worker_is_the_plain_loop(
 def record_random(ctx):
     model = ctx.model(mlp())
     optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    for x, y in ctx.shard(pscluster.datasets.digits("train"), batch_size=16):
+    for x, y in ctx.endless_shard(pscluster.datasets.digits("train"), batch_size=16):
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()

@@ -22,7 +22,7 @@ def user_loop(data, seen: list | None = None):
         model = ctx.model(mlp())
         optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=LR))
         loss_fn = torch.nn.CrossEntropyLoss()
-        for x, y in ctx.shard(data, batch_size=BATCH):
+        for x, y in ctx.endless_shard(data, batch_size=BATCH):
             optimizer.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
@@ -95,7 +95,7 @@ def wide_loop(data, *, micro_batches: int = 1, no_sync: bool = True, clip: bool 
         torch.manual_seed(SEED)
         model = ctx.model(Wide().to(ctx.device))
         optimizer = ctx.optimizer(torch.optim.Adam(model.parameters(), lr=0.001), overlap=True)
-        for x, y in ctx.shard(data, batch_size=BATCH):
+        for x, y in ctx.endless_shard(data, batch_size=BATCH):
             optimizer.zero_grad()
             for k, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
                 held = ctx.no_sync() if no_sync and k < micro_batches - 1 else contextlib.nullcontext()
@@ -179,7 +179,7 @@ def test_a_loop_that_sets_a_nan_lr_fails_that_step_and_the_ps_keeps_the_values_b
         torch.manual_seed(SEED)
         model = ctx.model(mlp())
         optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=LR))
-        for k, (x, y) in enumerate(ctx.shard(dataset, batch_size=BATCH)):
+        for k, (x, y) in enumerate(ctx.endless_shard(dataset, batch_size=BATCH)):
             if k == 2:
                 optimizer.param_groups[0]["lr"] = float("nan")  # a schedule gone wrong
             optimizer.zero_grad()

@@ -74,10 +74,10 @@ def test_a_magic_s_flags_are_its_entry_s_options_with_their_defaults(command, en
     flags = {a.dest: a.default for a in parser._actions if a.dest not in MAGIC_ONLY}
     assert sorted(flags) == sorted(options.names(entry))
     for name, default in flags.items():
-        expected = [] if OPTIONS[name].flag.many else OPTIONS[name].default  # repeated flags collect a list
+        expected = [] if OPTIONS[name].flag.many else OPTIONS[name].default_for(entry)  # repeated flags collect a list
         assert default == expected, name
     parsed = options.from_flags(parser.parse_args([]), entry)
-    assert parsed == {name: OPTIONS[name].default for name in options.names(entry)}
+    assert parsed == {name: OPTIONS[name].default_for(entry) for name in options.names(entry)}
 
 
 def test_flags_give_each_kind_of_option():
@@ -104,8 +104,8 @@ def test_the_plan_s_options_default_and_check_as_defined():
 
 @pytest.mark.parametrize("name, bad, says", [
     ("mode", "bsp", "mode='bsp': use 'sync', 'async' or 'ssp'"),
-    ("steps", 0, "steps=0: use an integer >= 1"),
-    ("steps", True, "steps=True: use an integer >= 1"),
+    ("steps", 0, "steps=0: use a number of global steps >= 1, or None"),
+    ("steps", True, "steps=True: use a number of global steps >= 1"),
     ("seed", 1.5, "seed=1.5: use an integer"),
     ("request_timeout", -1, "request_timeout=-1: use a number of seconds > 0"),
     ("checkpoint_secs", -5, "checkpoint_secs=-5: use a number of seconds, or 0 or None for none"),
