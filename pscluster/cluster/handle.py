@@ -496,7 +496,7 @@ class Cluster:
         """Record the run, give the ps tasks what its optimizer needs, and start its workers under a supervisor
         (``payload``: what each worker is given, see ``remote.train_worker``)."""
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
-        run_plan, resumed = run_records.create_run(
+        run_plan, notices = run_records.create_run(
             self.store, run_plan, name=name, cluster=self.name, spec=spec.public_dict(), code=code,
             checkpoint_dir=checkpoint_dir, resume=resume, own_default=True,
             default_dir=lambda run_id: Path(self.store.path).parent / "checkpoints" / f"run-{run_id}")
@@ -507,10 +507,8 @@ class Cluster:
                   example_batch=example_batch)
         if self.detached:
             registry.write_payload(self.name, run_plan.run_id, payload)  # for replacement workers after an attach
-        if resume is not None:
-            run.supervisor.note("resuming", "controller",
-                                {"run": resumed.run_id, "checkpoint_dir": resumed.checkpoint_dir} if resumed else
-                                {"run": None, "from": "scratch: no earlier run of this name"})
+        for notice in notices:
+            run.supervisor.say(notice.kind, notice.line, notice.detail)
         run.supervisor.start(lambda supervisor: [self.launch_worker(spec, t.index, supervisor) for t in spec.workers])
         self.runs.append(run)
         self.record()

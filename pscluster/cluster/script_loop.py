@@ -117,16 +117,20 @@ class ScriptContext(WorkerContext):
         """The chief: the run in the run store, its supervisor following this loop and the other workers."""
         record = self._run_record
         runs = RunStore(record["store"])
-        plan, _ = run_records.create_run(runs, self._plan, name=record["name"], cluster=self._spec.name,
-                                         spec=self._spec.public_dict(), code=record["code"],
-                                         checkpoint_dir=record["checkpoint_dir"],
-                                         default_dir=lambda _: Path(runs.path).parent / "checkpoints" / record["name"])
+        plan, notices = run_records.create_run(
+            runs, self._plan, name=record["name"], cluster=self._spec.name, spec=self._spec.public_dict(),
+            code=record["code"], checkpoint_dir=record["checkpoint_dir"],
+            default_dir=lambda _: Path(runs.path).parent / "checkpoints" / record["name"])
         run_records.end_orphans(runs, plan)
         tasks = ScriptTasks(self._chief_worker)
         self.run = Run(self._spec, plan, self._modules.model, None, runs, tasks=tasks,
                        checkpoints=CheckpointCoordinator(runs, every_s=record["checkpoint_secs"] or None,
                                                          keep=record["keep_checkpoints"]),
                        metrics_host=self._task.host, metrics_port=self._task.port)
+        for notice in notices:  # the run's events, and this worker's log (the chief follows its run silently)
+            self.run.supervisor.say(notice.kind, notice.line, notice.detail)
+            if self._log is not None:
+                self._log(notice.line)
         self.run.supervisor.start(lambda supervisor: [tasks.launch_worker(self._spec, t.index, supervisor)
                                                       for t in self._spec.workers])
         self._plan = self.run.plan

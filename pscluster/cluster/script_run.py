@@ -86,10 +86,10 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
     name = name or script.stem or "script"
     runs = RunStore(store)
-    plan, _ = run_records.create_run(runs, plan, name=name, cluster=spec.name, spec=spec.public_dict(),
-                                     code=script.read_text() if script.is_file() else None,
-                                     checkpoint_dir=checkpoint_dir,
-                                     default_dir=lambda _: Path(runs.path).parent / "checkpoints" / name)
+    plan, notices = run_records.create_run(runs, plan, name=name, cluster=spec.name, spec=spec.public_dict(),
+                                           code=script.read_text() if script.is_file() else None,
+                                           checkpoint_dir=checkpoint_dir,
+                                           default_dir=lambda _: Path(runs.path).parent / "checkpoints" / name)
     run_records.end_orphans(runs, plan)
     tasks = ScriptTasks(lambda plan, join: run_worker(spec, 0, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
                                                       collate_fn=collate_fn, join=join))
@@ -97,6 +97,8 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
               test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every, tasks=tasks,
               checkpoints=CheckpointCoordinator(runs, every_s=checkpoint_secs or None, keep=keep_checkpoints),
               metrics_host=task.host, metrics_port=task.port, example_batch=example_batch)
+    for notice in notices:  # printed with the run's log lines by run.wait
+        run.supervisor.say(notice.kind, notice.line, notice.detail)
     run.supervisor.start(lambda supervisor: [tasks.launch_worker(spec, t.index, supervisor) for t in spec.workers])
     with _stopped_on_sigterm(run):
         try:

@@ -145,6 +145,12 @@ class Supervisor:
         self.store.add_event(self.id, task, kind, detail)
         self._log(f"[{task}] {kind.replace('_', ' ')}" + "".join(f", {k} {v}" for k, v in (detail or {}).items()))
 
+    def say(self, kind: str, line: str, detail: dict) -> None:
+        """Record the controller's event ``kind`` of this run with ``detail``, and show it with the logs as
+        ``line`` (what a sentence says better than ``note``'s list: where the run starts from...)."""
+        self.store.add_event(self.id, "controller", kind, detail)
+        self._log(f"[controller] {line}")
+
     # --- the workers -----------------------------------------------------------------------
     def start(self, launch: Callable[["Supervisor"], list], *, adopted: bool = False) -> None:
         """Follow the workers ``launch(self)`` starts (one per worker of the spec, by index; ``adopted``: they

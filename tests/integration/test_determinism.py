@@ -70,6 +70,8 @@ def test_a_run_resumed_by_name_goes_on_as_a_plain_loop_resumed_from_its_saved_st
                            **options).wait(verbose=False)
     assert second.global_step == 50 and second.local_steps == [20]
     assert second.plan.checkpoint_dir == first.plan.checkpoint_dir
+    assert (f'[controller] resuming run {first.id} "digits-adam" (sync, 1 worker) from its checkpoint at global step '
+            f"30 in {first.plan.checkpoint_dir}") in second.logs
     assert [d["step"] for d in second.events().query("kind == 'restored'")["detail"]] == [30]
     assert second.metrics()["global_step"].min() == 31
 

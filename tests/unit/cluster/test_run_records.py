@@ -10,6 +10,7 @@ import torch
 from pscluster.cluster.run_records import create_run, end_orphans
 from pscluster.errors import ConfigError
 from pscluster.metrics.store import RunStore
+from pscluster.runtime import checkpoint
 from pscluster.runtime.optim import OptimizerSpec
 from pscluster.runtime.plan import TrainPlan
 
@@ -32,16 +33,89 @@ def new(store, plan, **kw):
 
 
 def test_a_run_records_its_folder_and_a_resumed_one_writes_into_the_same(store, plan, tmp_path):
-    first, resumed = new(store, plan, name="mnist", resume="latest")
-    assert resumed is None and first.checkpoint_dir == str(tmp_path / f"run-{first.run_id}")
+    first, said = new(store, plan, name="mnist", resume="latest")
+    assert [n.line for n in said] == ["resume='latest': no earlier run named 'mnist': this run starts from scratch"]
+    assert first.checkpoint_dir == str(tmp_path / f"run-{first.run_id}")
     assert store.run(first.run_id)["config"]["checkpoint_dir"] == first.checkpoint_dir
     assert len(store.placement(first.run_id)) == 2
     new(store, plan, name="other")
-    second, resumed = new(store, plan, name="mnist", resume="latest")
-    assert (resumed.run_id, resumed.checkpoint_dir) == (first.run_id, first.checkpoint_dir)
+    second, said = new(store, plan, name="mnist", resume="latest")
+    assert [n.line for n in said] == [f"resume='latest': run {first.run_id} left no checkpoint in "
+                                      f"{first.checkpoint_dir}: this run starts from scratch there"]
     assert second.checkpoint_dir == first.checkpoint_dir and second.run_id > first.run_id
-    third, resumed = new(store, plan, name="renamed", resume=first.run_id)
-    assert resumed.run_id == first.run_id and third.checkpoint_dir == first.checkpoint_dir
+    third, said = new(store, plan, name="renamed", resume=first.run_id)
+    assert third.checkpoint_dir == first.checkpoint_dir and said[0].detail["run"] == first.run_id
+
+
+def committed(run: TrainPlan, step: int, folder=None) -> None:
+    """A checkpoint of ``run`` at ``step`` in its folder, as the chief commits one (the manifest is what a new run
+    reads of it)."""
+    folder = Path(folder or run.checkpoint_dir)
+    checkpoint.step_dir(folder, step).mkdir(parents=True)
+    checkpoint.commit(folder, step, run.run_id, run.variables, run.optimizer, run.optimizer_kwargs,
+                      [{"ps": 0, "file": "shard-0.pt", "bytes": 0, "sha256": ""}])
+
+
+def test_a_script_run_continues_the_checkpoint_of_its_folder_when_its_settings_are_the_same(store, plan, tmp_path):
+    shared = tmp_path / "checkpoints" / "job"
+    first, said = new(store, plan, name="job", default_dir=lambda _: shared)
+    assert said == [] and first.checkpoint_dir == str(shared)
+    committed(first, 10)
+    again, said = new(store, replace(plan, steps=30), name="job", default_dir=lambda _: shared)  # a larger target
+    assert again.checkpoint_dir == str(shared)
+    assert [(n.kind, n.line) for n in said] == [("resuming", f'resuming run {first.run_id} "job" (sync, 1 worker) '
+                                                              f"from its checkpoint at global step 10 in {shared}")]
+    assert said[0].detail == {"run": first.run_id, "name": "job", "mode": "sync", "workers": 1, "step": 10,
+                              "checkpoint_dir": str(shared)}
+
+
+def test_a_script_run_with_other_settings_starts_in_a_folder_of_its_own_and_says_why(store, plan, tmp_path):
+    """The default folder of a script is shared by its runs: one of another mode (or optimizer...) is another
+    experiment, which starts from scratch beside it, and continues there when launched again the same way."""
+    shared = tmp_path / "checkpoints" / "job"
+    sync, _ = new(store, plan, name="job", default_dir=lambda _: shared)
+    committed(sync, 10)
+    run_async, said = new(store, replace(plan, mode="async"), name="job", default_dir=lambda _: shared)
+    assert run_async.checkpoint_dir == str(shared.with_name("job.2"))
+    assert [(n.kind, n.line) for n in said] == [(
+        "not_resuming", f'not resuming run {sync.run_id} "job" (sync, 1 worker) from its checkpoint at global step 10 '
+        f"in {shared}: its mode was sync, this run's is async; this run starts from scratch in "
+        f"{shared.with_name('job.2')} (checkpoint_dir={str(shared)!r} continues it anyway)")]
+    assert said[0].detail["differs"] == {"mode": ["sync", "async"]}
+    committed(run_async, 20)
+    again, said = new(store, replace(plan, mode="async"), name="job", default_dir=lambda _: shared)
+    assert again.checkpoint_dir == run_async.checkpoint_dir and said[0].kind == "resuming"
+    assert said[0].detail["run"] == run_async.run_id and said[0].detail["step"] == 20
+    other = OptimizerSpec("adam", {"lr": 0.1})
+    adam, said = new(store, replace(plan, optimizer=other.optimizer, optimizer_kwargs=other.kwargs), name="job",
+                     default_dir=lambda _: shared)
+    assert adam.checkpoint_dir == str(shared.with_name("job.3"))
+    assert "its optimizer was SGD, this run's is Adam" in said[0].line
+    fewer, said = new(store, replace(plan, num_workers=2, replicas_to_aggregate=2), name="job",
+                      default_dir=lambda _: shared)
+    assert "its num_workers was 1, this run's is 2; its replicas_to_aggregate was 1, this run's is 2" in said[0].line
+
+
+def test_a_folder_asked_for_is_continued_whatever_the_settings_and_the_line_says_how_they_differ(store, plan, tmp_path):
+    folder = tmp_path / "mine"
+    sync, said = new(store, plan, name="a", checkpoint_dir=folder)
+    assert said == []  # nothing there yet
+    committed(sync, 10)
+    run_async, said = new(store, replace(plan, mode="async"), name="b", checkpoint_dir=folder)
+    assert run_async.checkpoint_dir == str(folder)
+    assert said[0].line == (f'resuming run {sync.run_id} "a" (sync, 1 worker) from its checkpoint at global step 10 '
+                            f"in {folder}, as checkpoint_dir= asks, though its mode was sync, this run's is async")
+    _, said = new(store, replace(plan, seed=5), name="c", resume=sync.run_id)
+    assert said[0].line.endswith(f"as resume={sync.run_id} asks, though its seed was 0, this run's is 5")
+    assert new(store, replace(plan, mode="async", restore=False), name="d", checkpoint_dir=folder)[1] == []
+
+
+def test_a_checkpoint_of_a_run_the_store_does_not_know_is_continued_and_said(store, plan, tmp_path):
+    folder = tmp_path / "elsewhere"
+    committed(replace(plan, run_id=77), 40, folder)
+    _, said = new(store, replace(plan, mode="async"), name="a", checkpoint_dir=folder)
+    assert said[0].line == (f"resuming from the checkpoint at global step 40 in {folder}, written by a run 77 this "
+                            "run store does not know")
 
 
 @pytest.mark.parametrize("kw, fragment", [
