@@ -3,7 +3,7 @@ with its own Adam, the discriminator stepped first on real and fake images, then
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 NZ = 8
 
@@ -41,15 +41,13 @@ class Discriminator(nn.Module):
 def main(seed=3, steps=30, batch_size=32, lr=2e-3):
     torch.manual_seed(seed)
     dataset = blobs()
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=seed)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, generator=torch.Generator())
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True)
     netG, netD = Generator(), Discriminator()
     criterion = nn.BCELoss()
     optimizerD = torch.optim.Adam(netD.parameters(), lr=lr, betas=(0.5, 0.999))
     optimizerG = torch.optim.Adam(netG.parameters(), lr=lr, betas=(0.5, 0.999))
-    step, epoch, losses = 0, 0, []
+    step, losses = 0, []
     while step < steps:
-        sampler.set_epoch(epoch)
         for (real,) in loader:
             netD.zero_grad()
             label = torch.ones(real.size(0))
@@ -67,5 +65,4 @@ def main(seed=3, steps=30, batch_size=32, lr=2e-3):
             step += 1
             if step == steps:
                 break
-        epoch += 1
     return netG, netD, losses

@@ -3,7 +3,7 @@ with its own Adam, the discriminator stepped first on real and fake images, then
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 NZ = 8
 
@@ -41,7 +41,7 @@ class Discriminator(nn.Module):
 def main(ctx, batch_size=32, lr=2e-3):
     torch.manual_seed(ctx.seed)
     dataset = blobs()
-    loader = ctx.shard(dataset, batch_size=batch_size)
+    loader = ctx.shard(DataLoader(dataset, batch_size=batch_size, shuffle=True))
     netG, netD = ctx.model(Generator()), ctx.model(Discriminator())
     criterion = nn.BCELoss()
     optimizerD = ctx.optimizer(torch.optim.Adam(netD.parameters(), lr=lr, betas=(0.5, 0.999)))

@@ -5,7 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import optim
 from torch.optim.lr_scheduler import StepLR
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 import pscluster
 
@@ -31,15 +31,13 @@ class Net(nn.Module):
 def main(seed=1, steps=60, batch_size=32, lr=1.0, gamma=0.7, lr_step=20, log_interval=20):
     torch.manual_seed(seed)
     train_set = pscluster.datasets.digits("train")
-    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=seed)
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, generator=torch.Generator())
+    train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True)
     model = Net()
     optimizer = optim.Adadelta(model.parameters(), lr=lr)
     scheduler = StepLR(optimizer, step_size=lr_step, gamma=gamma)
     model.train()
     step = 0
     while step < steps:
-        sampler.set_epoch(step // len(train_loader))
         for data, target in train_loader:
             optimizer.zero_grad()
             loss = F.nll_loss(model(data), target)
