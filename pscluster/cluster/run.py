@@ -28,7 +28,7 @@ from ..runtime.policies import policy_for
 from ..runtime.steps import traceable_inputs
 from ..runtime.seeding import build_model
 from ..spec import ClusterSpec
-from . import recovery
+from . import recovery, user_traceback
 from .checkpoint_commits import CheckpointCoordinator
 from .progress import StepProgress
 from .supervisor import Supervisor
@@ -182,7 +182,8 @@ class Run:
     # --- control -------------------------------------------------------------------------
     def wait(self, timeout: float | None = None, *, verbose: bool = True, progress: bool = False) -> "Run":
         """Block until training ends and the dashboards ``dashboard()`` displayed show its end, printing each
-        worker's progress lines as they arrive; ``progress=True`` adds a progress bar of the global step."""
+        worker's progress lines and printed lines as they arrive; ``progress=True`` adds a progress bar of the global
+        step. A failed run raises a ``TrainingError``: the user's error first (``user_traceback.training_error``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         bar = None
         if progress:
@@ -204,8 +205,19 @@ class Run:
             if bar is not None:
                 bar.close()
         if self.error:
-            raise TrainingError(self.error_line)
+            raise user_traceback.training_error(self._failures(), self.error_line)
         return self
+
+    def _failures(self) -> list[tuple[int, BaseException]]:
+        """(worker index, its error) of each failed worker of the spec, by index."""
+        failed = []
+        for i, result in enumerate(self.supervisor.worker_results):
+            if result.ready() and not result.successful():
+                try:
+                    result.get(0)
+                except Exception as e:  # its ipyparallel RemoteError, or why it was lost
+                    failed.append((i, e))
+        return failed
 
     def stop(self, timeout: float = 30.0) -> "Run":
         """End training cleanly at the next global step (every ps on the same step, which the final checkpoint

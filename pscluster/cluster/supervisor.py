@@ -38,6 +38,7 @@ from ..spec import ClusterSpec, TaskSpec
 from . import recovery, scaling
 from .checkpoint_commits import CheckpointCoordinator
 from .lease import Lease
+from .worker_output import WorkerOutput
 
 RESULT_GRACE_S = 2.0  # how long a worker's ipyparallel result may trail its "done" event before the event stands in
 
@@ -81,6 +82,7 @@ class Supervisor:
         self.started = store.run(plan.run_id)["started"]  # the run's one clock: the store's start, and end (_finish)
         self.logs: list[str] = []
         self.pending_logs: queue.Queue = queue.Queue()  # lines not yet printed by Run.wait
+        self.output = WorkerOutput(self._log)  # what the workers print, among the logs
         self.latest_step = 0  # the latest global step a worker reported
         # the outcome, set once by _finish
         self.results: list[dict] | None = None
@@ -219,6 +221,7 @@ class Supervisor:
                     if wait_until(self._recover, self.tasks.loss_grace_s if failed else 0):
                         continue
                     next_check = time.monotonic() + recovery.HEALTH_S
+                self.output.relay(self.worker_results)
                 if ended:
                     with self.membership:  # a worker added meanwhile keeps the run going
                         self.closed = all(map(self._worker_ended, range(len(self.worker_results))))
@@ -235,6 +238,7 @@ class Supervisor:
                     self._evaluate_live()
                     next_eval = self.latest_step + self.eval_every
                 time.sleep(0.05)
+            self.output.relay(self.worker_results, final=True)
             self._finish()
         except Exception as e:  # finalizing failed (ps gone...): the run still ends, with the reason
             if self.failure is None:

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import ast
-import textwrap
 
 TRAIN_FN = "train_fn"  # the name a %%pscluster run cell's function has in its tracebacks
 
 
-def cell_function(cell: str, namespace: dict):
-    """``def train_fn(ctx): <the cell>``, defined in ``namespace`` (the notebook's, so that the cell sees its names
-    and the function is shipped to the engines with those it uses), without binding a name there."""
-    source = f"def {TRAIN_FN}(ctx):\n" + (textwrap.indent(cell, "    ") if cell.strip() else "    pass\n")
+def cell_function(cell: str, shell):
+    """``def train_fn(ctx): <the cell>``, defined in the shell's namespace (so that the cell sees the notebook's
+    names and the function is shipped to the engines with those it uses), without binding a name there; a
+    SyntaxError where the cell does not parse (its line counted as the notebook counts it, the magic's first).
+    Its code is the cell's as IPython caches it, under the magic's line, so that a traceback names it
+    ``Cell In[n]`` and shows its lines where the notebook shows them."""
+    body = ast.parse("\n" + cell).body or [ast.Pass()]
+    function = ast.FunctionDef(name=TRAIN_FN, args=ast.arguments(posonlyargs=[], args=[ast.arg("ctx")],
+                                                                 kwonlyargs=[], kw_defaults=[], defaults=[]),
+                               body=body, decorator_list=[], lineno=1, col_offset=0)
+    module = ast.fix_missing_locations(ast.Module(body=[function], type_ignores=[]))
+    filename = shell.compile.cache(f"%%pscluster run\n{cell}", shell.execution_count)
     scope: dict = {}
-    exec(compile(source, "<%%pscluster run>", "exec"), namespace, scope)
+    exec(compile(module, filename, "exec"), shell.user_ns, scope)
     return scope[TRAIN_FN]
 
 

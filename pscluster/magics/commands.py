@@ -113,9 +113,10 @@ class PSClusterMagics(Magics):
         cluster = self._running("run on")
         given = options.from_flags(args, options.RUN)
         try:
-            train_fn = cell_function(cell, self.shell.user_ns)
+            train_fn = cell_function(cell, self.shell)
         except SyntaxError as e:
-            raise UsageError(f"the %%pscluster run cell does not parse: {e.msg} (line {e.lineno - 1})") from None
+            raise UsageError(f"the %%pscluster run cell does not parse: {e.msg} (line {e.lineno} of the cell)") \
+                from None
         return self._follow(cluster.run(train_fn, code=cell, **given), args.wait)
 
     def _follow(self, run, wait: bool):

@@ -7,10 +7,12 @@ which leaves the engine free to answer the control plane.
 
 from __future__ import annotations
 
+import linecache
 import os
 import socket
 import threading
 import time
+import types
 
 import cloudpickle
 import torch
@@ -75,6 +77,15 @@ def stop_ps(index: int) -> None:
     server = _servers.pop(index, None)
     if server is not None:
         server.shutdown()
+
+
+def shipped_code(args: tuple, filename: str, lines: list[str] | None) -> types.CodeType:
+    """A code object the controller shipped (``cluster.shipping``): cloudpickle's constructor ``args``, under its
+    ``filename`` there; the file's ``lines``, when given, are registered in ``linecache`` (kept however the file
+    reads here, if at all: they are the code's own), so that a traceback through it shows them."""
+    if lines:
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return types.CodeType(*args).replace(co_filename=filename)
 
 
 def register_objects(names: list[str], code: bytes) -> None:

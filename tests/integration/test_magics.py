@@ -105,7 +105,7 @@ def test_magic_session(ip, capsys):
     own = ip.run_cell_magic("pscluster", "run --mode async --steps 30 --log-every 10 --wait", LOOP_CELL)
     assert own.status == "finished" and own.global_step == 30 and own.plan.modules == ("Sequential",)
     assert own.metrics()["loss"].notna().all() and "nothing" not in ip.user_ns  # the cell's names are its own
-    with pytest.raises(UsageError, match="does not parse: .* \\(line 2\\)"):
+    with pytest.raises(UsageError, match="does not parse: .* \\(line 3 of the cell\\)"):  # the magic's is line 1
         ip.run_cell_magic("pscluster", "run --steps 5", "x = 1\nfor")
     with pytest.raises(UsageError, match="train_fn reached no training step"):
         ip.run_cell_magic("pscluster", "run --steps 5", "nothing = ctx.model(torch.nn.Linear(2, 2))")
