@@ -106,10 +106,11 @@ class NonFiniteError(TrainingError):
 
 class RunEnded(PSClusterError):
     """The run is over (its step target, a stop from anywhere, ``ctx.request_stop``) and the loop went on:
-    ``optimizer.step()`` after the end raises it. Not a failure: ``cluster.run``, ``%%pscluster run``,
+    ``optimizer.step()`` after the end raises it, and so does an epoch of ``ctx.shard`` begun after it. Not a
+    failure: ``cluster.run``, ``%%pscluster run``,
     ``pscluster launch`` and a script's process treat it as the loop's normal end (status ``finished`` or
     ``stopped``, exit 0, one line saying why). ``reason``: why the run ended."""
 
     def __init__(self, reason: str):
-        super().__init__(f"the run has ended ({reason}): the loop's step after its end was not taken")
+        super().__init__(f"the run has ended ({reason}): the loop's step or epoch after its end was not taken")
         self.reason = reason

@@ -266,7 +266,7 @@ class _Context:
 
     def _batches(self, make) -> Batches:
         """Batches of the iterator ``make()`` starts, as this context hands them out (see ``streams``)."""
-        return Batches(make, begin=self._training_call, counted=self._count, ended=lambda: self._ended() is not None)
+        return Batches(make, begin=self._training_call, counted=self._count, ended=self._ended)
 
     def _stream_of(self, stream):
         """``stream``, read ahead during each exchange and closed with the context."""
@@ -637,9 +637,10 @@ class WorkerContext(_Context):
                                    overlapped_pushes=self._early.pushes if self._early is not None else 0,
                                    staged_steps=self._staging.steps if self._staging is not None else 0)
 
-    def ended_by_step(self, error: RunEnded) -> None:
-        """``train_fn`` raised ``error`` from a step after the run's end: the loop's normal end, said in one line."""
-        line = f"optimizer.step() after the run's end ({error.reason}): the loop ends there"
+    def went_past_the_end(self, error: RunEnded) -> None:
+        """``train_fn`` raised ``error``: it stepped, or began an epoch, after the run's end. The loop's normal end,
+        said in one line."""
+        line = f"the loop went on after the run's end ({error.reason}): it ends there"
         if self._log is not None:
             self._log(line)
         self._emitter.emit("log", line=line)
@@ -687,7 +688,7 @@ def run_loop(spec: ClusterSpec, index: int, plan: TrainPlan, train_fn, *, join: 
         try:
             train_fn(ctx)
         except RunEnded as e:
-            ctx.ended_by_step(e)
+            ctx.went_past_the_end(e)
         except StaleTask:
             raise
         except Exception as e:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Iterator
 
+from ..errors import RunEnded
 from . import seeding
 from .steps import samples_in
 
@@ -34,11 +35,12 @@ class _Read:
 class Batches:
     """A worker's batches (``make()``: the iterator, made at the first batch asked for), each counted in
     ``counted(samples)``; ``begin()`` runs before each batch is handed out (the worker context's start). The
-    iteration ends with the iterator's, or once ``ended()`` is true (the run is over: a loop that never asks
-    ``should_stop()`` ends with its data)."""
+    iteration ends with the iterator's, or once ``ended()`` gives why the run is over: a loop that never asks
+    ``should_stop()`` ends with its data. An iteration that would begin after the run's end raises ``RunEnded``
+    instead, so that a loop that asks for epoch after epoch (``while True``) ends too."""
 
     def __init__(self, make: Callable[[], Iterator], begin: Callable[[], None], counted: Callable[[int], None],
-                 ended: Callable[[], bool]):
+                 ended: Callable[[], str | None]):
         self._make, self._begin, self._counted, self._ended = make, begin, counted, ended
         self._it: Iterator | None = None
         self._ahead: collections.deque[_Read] = collections.deque()
@@ -51,7 +53,10 @@ class Batches:
 
     def __next__(self):
         self._begin()
-        if self._closed or self._ended():
+        reason = self._ended()
+        if reason is not None and self._it is None:
+            raise RunEnded(reason)
+        if self._closed or reason is not None:
             self.close()
             raise StopIteration
         if self._ahead:

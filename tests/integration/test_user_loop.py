@@ -5,6 +5,7 @@ import contextlib
 import difflib
 import inspect
 import statistics
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 import pscluster
 from pscluster.errors import ConfigError
 
-from .conftest import events, mlp
+from .conftest import events, mlp, wait_for_step
 from .loops import gan_plain, gan_pscluster, gpt_plain, gpt_pscluster, mnist_plain, mnist_pscluster
 
 pytestmark = pytest.mark.integration
@@ -178,6 +179,31 @@ def test_each_worker_draws_its_own_random_numbers_and_a_seed_draws_them_again(tw
     assert drawn(again) == values
     seeds = first.metrics().groupby("worker")["seed"].first()
     assert seeds[0] == 5 and seeds[1] != 5  # ctx.seed: the chief's first attempt has the run's
+
+
+def never_asks(ctx):
+    """A loop that never calls ``should_stop()``, over epochs without end: only the run's end ends it."""
+    model = ctx.model(mlp())
+    optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    while True:
+        for x, y in ctx.shard(pscluster.datasets.digits("train"), batch_size=16):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+
+def test_a_loop_that_never_asks_should_stop_ends_at_the_target_and_at_a_stop(two_workers):
+    run = two_workers.run(never_asks, mode="async", steps=40).wait(timeout=120, verbose=False)
+    assert run.status == "finished" and run.global_step == 40
+    assert run.logs and any("went on after the run's end (its target of 40" in line for line in run.logs)
+    run = two_workers.run(never_asks, mode="sync")  # no target: a stop alone ends it
+    wait_for_step(run, 5)
+    stopped = time.monotonic()
+    run.stop()
+    run.wait(timeout=60, verbose=False)
+    took = time.monotonic() - stopped
+    assert run.status == "stopped" and sum(run.local_steps) > 0
+    assert took < 20, f"the loops ended {took:.1f}s after the stop"  # hung for minutes before ctx.shard ended
 
 
 def test_train_gives_each_worker_its_own_random_stream(two_workers, digits_train):

@@ -78,10 +78,16 @@ def test_the_run_s_target_ends_the_epoch_and_a_step_after_it_raises_run_ended(lo
     def train_fn(ctx):
         model = ctx.model(mlp())
         optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=LR))
-        for x, y in ctx.shard(data, batch_size=BATCH):  # 6 batches; the target is 4 steps
+        loader = ctx.shard(data, batch_size=BATCH)
+        for x, y in loader:  # 6 batches; the target is 4 steps
             batches.append(ctx.global_step)
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
+        try:
+            for _ in loader:  # an epoch begun after the end: a loop over epochs without end would spin
+                pass
+        except RunEnded as e:
+            raised.append(e.reason)
         try:
             optimizer.step()  # a loop that goes on after the end
         except RunEnded as e:
@@ -90,4 +96,4 @@ def test_the_run_s_target_ends_the_epoch_and_a_step_after_it_raises_run_ended(lo
 
     summary = run_loop(spec, 0, plan_of(train_fn, spec, mode="sync", steps=4), train_fn)
     assert batches == [0, 1, 2, 3] and summary["global_step"] == 4 and summary["local_steps"] == 4
-    assert raised == ["its target of 4 global steps reached"]  # and run_loop took it as the loop's end
+    assert raised == ["its target of 4 global steps reached"] * 2  # and run_loop took it as the loop's end
