@@ -289,7 +289,7 @@ class Dashboard:
         if record is None:  # the run's row is gone
             self.header.value = f"<b>run {self.run_id}</b>{error}"
             return
-        step, target = max(self._steps.values()), (record["config"] or {}).get("steps", 0)
+        step, target = max(self._steps.values()), (record["config"] or {}).get("steps")
         times = speed.phases(record["started"], record["ended"], self.panels["speed"].rates.span(), time.time())
         elapsed = f"elapsed {times['wall_s']:.1f} s" + ("" if times["startup_s"] is None else
                                                       f" (startup {times['startup_s']:.1f} s, training "
@@ -298,6 +298,7 @@ class Dashboard:
         parts = [f"<b>{html.escape(record['name'])}</b>", html.escape(record["mode"]),
                  f"<span style='color: {STATUS_COLORS.get(record['status'], '#888')}; font-weight: bold'>"
                  f"{html.escape(record['status'])}</span>",
+                 f"global step {step}" if target is None else  # a loop that ends with its epochs
                  f"global step {step} / {target} <progress value='{step}' max='{max(target, 1)}' "
                  "style='width: 8em; vertical-align: middle'></progress>",
                  elapsed,

@@ -35,10 +35,10 @@ class Writer:
     model without class logits."""
 
     def __init__(self, store: RunStore, mode: str = "sync", optimizer: str = "Adam", *, step_metrics: bool = False,
-                 lr: bool = False, accuracy: bool = True):
+                 lr: bool = False, accuracy: bool = True, steps: int | None = 100):
         self.store = store
         self.step_metrics, self.lr, self.accuracy = step_metrics, lr, accuracy
-        config = {"mode": mode, "steps": 100, "batch_size": 8, "optimizer": optimizer, "optimizer_kwargs": {},
+        config = {"mode": mode, "steps": steps, "batch_size": 8, "optimizer": optimizer, "optimizer_kwargs": {},
                   "replicas_to_aggregate": 2, "num_workers": 2, "seed": 0, "log_every": 10,
                   "aggregates_steps": mode == "sync"}  # as the control plane records it (run_records)
         self.run_id = store.create_run(name=f"{mode}-run", cluster="c", mode=mode, config=config, spec=SPEC)
@@ -119,6 +119,14 @@ def test_refresh_fills_the_figure_widgets(store, dashboards):
     assert "chief" in d.roles.value and "training" in d.roles.value
     assert "sync-run" in d.header.value and "20 / 100" in d.header.value
     assert d.figures["speed"] in d.box.children
+
+
+def test_a_run_without_a_step_target_shows_its_steps_so_far(store, dashboards):
+    run = Writer(store, steps=None)  # a user's loop that ends with its epochs
+    run.write(12)
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    assert "global step 12 ·" in d.header.value and "<progress" not in d.header.value
 
 
 def test_a_second_refresh_appends_in_place(store, dashboards):
