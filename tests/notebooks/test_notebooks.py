@@ -196,7 +196,7 @@ def test_your_loop_runs_a_function_a_cell_and_a_session(tmp_path):
     report = json.loads((tmp_path / "07_your_loop.json").read_text())
     loop, early, session = report["runs"]
     assert [r["name"] for r in report["runs"]] == ["your-loop", "early-stop", "session"]
-    assert loop["status"] == "finished" and loop["global_step"] == report["steps"]
+    assert loop["status"] == "finished" and loop["global_step"] == report["loop_steps"]
     assert {"accuracy", "lr"} <= set(loop["metric_columns"])  # ctx.log's numbers, columns of run.metrics()
     assert early["status"] == "finished" and report["stop_reason"].startswith("test accuracy")
     assert early["global_step"] < report["early_steps"]  # the chief's request_stop ended it early
