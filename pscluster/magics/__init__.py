@@ -11,9 +11,9 @@
     model = ...; dataset = ...; def step(model, batch): ... return loss, {"metric": value}
     %%pscluster train --mode ssp --staleness-bound 2 --placement greedy --partition embedding=2
     ...
-    %%pscluster run --mode sync --steps 1000 [--wait]     (the cell is the body of train_fn(ctx): your own loop)
+    %%pscluster run --mode sync [--steps 1000] [--wait]   (the cell is the body of train_fn(ctx): your own loop)
     model = ctx.model(Net()); optimizer = ctx.optimizer(torch.optim.Adam(model.parameters()))
-    for x, y in ctx.shard(dataset, batch_size=64): ...; optimizer.step(); if ctx.should_stop(): break
+    for epoch in range(3): for x, y in ctx.shard(DataLoader(dataset, batch_size=64, shuffle=True)): ...
     %pscluster placement        (which ps task holds each variable, or each shard, of the latest run)
     %pscluster status
     %pscluster tensorboard      (TensorBoard on the runs' event files, shown inline; --stop ends it)

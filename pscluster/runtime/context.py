@@ -5,14 +5,14 @@ A loop written for one process becomes a worker's loop by a few changed lines::
     def train_fn(ctx):
         model = ctx.model(Net().to(ctx.device))                      # the run's variables: values pulled
         optimizer = ctx.optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))   # step() is the exchange
-        for x, y in ctx.shard(train_set, batch_size=64):              # this worker's batches, endless
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()                                          # push, update on the ps, pull
-            ctx.log(loss=loss.item())
-            if ctx.should_stop():
-                break
+        train_loader = ctx.shard(DataLoader(train_set, batch_size=64, shuffle=True))  # this worker's part
+        for epoch in range(epochs):
+            for x, y in train_loader:                                 # one epoch of it
+                optimizer.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()                                      # push, update on the ps, pull
+                ctx.log(loss=loss.item())
 
 Call order on a worker (``run_loop``):
 
@@ -29,9 +29,10 @@ Call order on a worker (``run_loop``):
    steps (or the one registered with ``global_step=True``) are the run's global steps.
    Registering the last of them joins the run: the chief initializes the ps tasks with its modules' values (or a
    checkpoint's), every worker's modules get them, before the loop's first forward.
-4. The loop ends when ``ctx.should_stop()`` says so (target step reached, the run stopped from anywhere, or
-   ``ctx.request_stop(reason)``), or when ``train_fn`` returns: a loop that ends before the run's target ends
-   the run.
+4. The loop ends when ``train_fn`` returns: it leaves the run (a sync step stops waiting for its gradients), which
+   ends once every worker's loop has returned. The run's end (its step target, a stop from anywhere,
+   ``ctx.request_stop(reason)``) turns ``ctx.should_stop()`` true, ends the epoch of ``ctx.shard`` under way, and
+   makes a later ``optimizer.step()`` or epoch raise ``RunEnded``, which ``run_loop`` takes as the loop's end.
 
 On the controller, ``probe`` calls ``train_fn`` once with a ``ProbeContext`` to learn the modules and the
 optimizers before any worker starts (``loop_plan`` makes the plan from them); the probe ends at the loop's first
