@@ -343,8 +343,9 @@ class Run:
         return self.supervisor.status
 
     def __repr__(self) -> str:
-        return (f"<Run {self.name} {self.mode} {self.status}: global step {self.summary()['global_step']}"
-                f"/{self.plan.steps}, local steps {self.local_steps}>")
+        target = "" if self.plan.steps is None else f"/{self.plan.steps}"
+        return (f"<Run {self.name} {self.mode} {self.status}: global step {self.summary()['global_step']}{target}, "
+                f"local steps {self.local_steps}>")
 
     def _repr_html_(self) -> str:
         """Its summary as a table (and a failed run's cause); while it trains, one line that says so."""

@@ -69,7 +69,7 @@ class Supervisor:
         self.payload = payload
         self.checkpoints = checkpoints or CheckpointCoordinator(store)
         self.evaluator = evaluator
-        self.eval_every = eval_every or max(1, plan.steps // 10)
+        self.eval_every = eval_every or max(1, (plan.steps or 0) // 10)  # an evaluator comes with a step target
         self.evaluated: set[int] = set()  # the global steps evaluated
         if evaluator is not None and plan.checkpoint_dir:  # every ps writes a shard at each step to evaluate
             plan = replace(plan, eval_every=self.eval_every)
