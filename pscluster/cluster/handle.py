@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import cloudpickle
 import torch
 
 from ..errors import ClusterStateError, ConfigError, PeerLost, RuntimeTimeout
@@ -418,16 +419,17 @@ class Cluster:
         """Run ``train_fn(ctx)`` on every worker, the user's own training loop (see ``pscluster.runtime.context``),
         in the background; returns its Run, as ``train`` does.
 
-        ``train_fn`` is called here first, up to its loop's first step (on the CPU, as the chief), to learn the
-        modules it gives ``ctx.model`` and the optimizer it gives ``ctx.optimizer``: the run's variables, their
-        placement and the ps tasks' optimizer come from them. Then each worker calls it: its modules hold the
-        run's values once registered, ``optimizer.step()`` is the exchange with the ps tasks.
+        ``train_fn`` runs on the workers only. The chief's engine calls it first, up to its loop's first step (on
+        the CPU, what it prints dropped), to learn the modules it gives ``ctx.model`` and the optimizers it gives
+        ``ctx.optimizer``: the run's variables, their placement and the ps tasks' optimizers come from them. Then
+        each worker calls it: its modules hold the run's values once registered, ``optimizer.step()`` is the
+        exchange with the ps tasks.
         ``options``: those of ``pscluster.runtime.options`` that a user's loop takes (``options.names("run")``:
         ``mode``, ``steps`` (the global step target ``ctx.should_stop()`` watches), ``replicas_to_aggregate``,
         ``seed``, ``placement``, ``partition``, the checkpoint options, ``restore``, ``resume``, ``name``...),
         as in ``train``. ``code``: kept in the run store (default: the source of ``train_fn``).
         """
-        from ..runtime.context import loop_plan, probe
+        from ..runtime.context import loop_plan
 
         spec = self._require_running("run")
         if self.active_run is not None:
@@ -437,12 +439,17 @@ class Cluster:
             raise ConfigError("train_fn must be a function of the worker's context: def train_fn(ctx): ...")
         given = run_options.take(run_options.RUN, options, caller="Cluster.run()")
         launch = {name: given.pop(name) for name in run_options.RECORD_OPTIONS}
-        model, modules, optimizers = probe(train_fn, self.num_workers, given["seed"])
+        payload = ship(train_fn)
+        chief = self._engines.view(spec.task("worker", 0).engine_id)
+        found = cloudpickle.loads(chief.apply_sync(remote.probe_loop, payload, self.num_workers, given["seed"]))
+        if isinstance(found, ConfigError):
+            raise found
+        model, modules, optimizers = found
         for optimizer_spec in optimizers:
             optim.check(model, optimizer_spec, steps=given["steps"])
         run_plan = loop_plan(model, modules, optimizers, num_ps=self.num_ps, run_id=1, num_workers=self.num_workers,
                              **given)
-        return self._launch(spec, run_plan, optimizers, ship(train_fn), model_fn=model,
+        return self._launch(spec, run_plan, optimizers, payload, model_fn=model,
                             code=code or _source(train_fn), **launch)
 
     def session(self, model_fn, optimizer, loss_fn=None, *, step_fn=None, name: str | None = DEFAULTS.name,

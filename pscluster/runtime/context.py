@@ -34,9 +34,9 @@ Call order on a worker (``run_loop``):
    ``ctx.request_stop(reason)``) turns ``ctx.should_stop()`` true, ends the epoch of ``ctx.shard`` under way, and
    makes a later ``optimizer.step()`` or epoch raise ``RunEnded``, which ``run_loop`` takes as the loop's end.
 
-On the controller, ``probe`` calls ``train_fn`` once with a ``ProbeContext`` to learn the modules and the
-optimizers before any worker starts (``loop_plan`` makes the plan from them); the probe ends at the loop's first
-training call.
+On the chief's engine, before any worker starts, ``probe`` calls ``train_fn`` once with a ``ProbeContext`` to learn
+the modules and the optimizers (``loop_plan`` makes the plan from them); the probe ends at the loop's first training
+call. ``train_fn`` never runs in the notebook's kernel.
 """
 
 from __future__ import annotations
@@ -339,8 +339,8 @@ def probe(train_fn, num_workers: int, seed: int) -> tuple[torch.nn.Module, tuple
         raise
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"train_fn fails before its first step on the controller: {type(e).__name__}: {first} — "
-                          "fix train_fn (it runs here up to its loop's first step, to learn the model)") from None
+        raise ConfigError(f"train_fn fails before its first step: {type(e).__name__}: {first} — fix train_fn (the "
+                          "chief's engine runs it up to its loop's first step, to learn the model)") from None
     finally:
         ctx.close()
     if not ctx._modules.names or not ctx._optimizers.registered:

@@ -1,5 +1,6 @@
 """The functions the control plane calls on an engine (through ipyparallel ``apply``): describe the engine,
-watch the controller, configure the task, start and stop its ps, register a run's objects, train a worker.
+watch the controller, configure the task, start and stop its ps, register a run's objects, learn a user's loop's
+plan (``probe_loop``), train a worker.
 
 Plain functions over plain data (JSON strings, bytes). The ps of an engine runs in a background thread,
 which leaves the engine free to answer the control plane.
@@ -7,6 +8,8 @@ which leaves the engine free to answer the control plane.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import linecache
 import os
 import socket
@@ -94,6 +97,23 @@ def register_objects(names: list[str], code: bytes) -> None:
     from . import optim
 
     optim.register(dict(zip(names, cloudpickle.loads(code))))
+
+
+def probe_loop(code: bytes, num_workers: int, seed: int) -> bytes:
+    """``context.probe`` of the shipped ``train_fn`` (``code``: cloudpickle of ``(train_fn,)``) in this process, as
+    the chief calls it, up to its loop's first step. What it prints is dropped: the worker's own call prints it.
+    Returns cloudpickle of (its model, module names, optimizer specs), or of the ConfigError that says what is
+    wrong with it."""
+    from ..errors import ConfigError
+    from .context import probe
+
+    (train_fn,) = cloudpickle.loads(code)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            found = probe(train_fn, num_workers, seed)
+        except ConfigError as e:
+            found = e
+    return cloudpickle.dumps(found)
 
 
 def train_worker(spec_json: str, index: int, plan_json: str, code: bytes, join: bool = False) -> dict:
