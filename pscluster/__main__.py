@@ -4,7 +4,7 @@ import sys
 
 from .errors import PSClusterError
 
-USAGE = "usage: pscluster launch [--ps N] [--workers N] script.py [args...]"
+USAGE = "usage: pscluster launch [--ps N] [--workers N] [run options] script.py [args...]  (pscluster launch --help)"
 
 
 def main(argv: list[str] | None = None) -> int:

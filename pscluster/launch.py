@@ -1,22 +1,50 @@
-"""``pscluster launch --ps 1 --workers 2 train.py [args...]``: a local cluster of processes, each running the same
-script with its own ``PSCLUSTER_CONFIG`` (as ``torchrun`` starts a script's ranks): the script calls
-``pscluster.init()`` (its own loop) or ``pscluster.train_from_environment()``. Every task listens on 127.0.0.1 only;
-the data plane is signed with a secret drawn for this launch. Each line a task prints is shown with its task's name;
-the exit status is the first failed worker's, else 0.
+"""``pscluster launch [--ps N] [--workers N] [run options] train.py [args...]``: a local cluster of processes, each
+running the same script with its own ``PSCLUSTER_CONFIG`` (as ``torchrun`` starts a script's ranks): the script calls
+``pscluster.init()`` (its own loop) or ``pscluster.train_from_environment()``.
+
+- Every task listens on 127.0.0.1 only; the data plane is signed with a secret drawn for this launch. Each line a
+  task prints is shown with its task's name, launch's own with ``[launch]``.
+- The run options typed as flags (``--mode async --steps 500``...) go to every task: a flag overrides the option's
+  default, an argument the script gives ``init()`` overrides the flag. A bad value stops launch before any task.
+- A ps, or a worker other than the chief, that dies (a non-zero status, a signal) is started again with the same
+  config, at most ``--max-restarts`` times each: the chief's supervisor recovers the run of a lost ps, a worker
+  rejoins the run.
+- The chief (worker 0) ends the job: the other tasks get ``TASKS_END_S`` to end after it ended well, and are ended
+  at once after it failed. launch ended by SIGTERM or SIGINT sends the signal on to every task; killed by any
+  signal (SIGKILL too), its tasks die with it.
+- The exit status: the chief's when it failed (non-zero when its run failed, 128 + N for a signal N), else that of
+  a worker that failed with no restart left, else 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+from dataclasses import dataclass
 
+from . import environ
+from .errors import ConfigError
+from .runtime import options
 from .spec import ClusterSpec, TaskSpec
 
-PS_END_S = 30.0  # how long the ps tasks may take to end once every worker has (the chief closed the run)
+TASKS_END_S = 30.0  # how long the other tasks may take to end once the chief ended well (it finalized the run)
+KILL_AFTER_S = 5.0  # how long a task may take to end on SIGTERM before it gets SIGKILL
+POLL_S = 0.1
+MAX_RESTARTS = 3
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(f"{message}: see pscluster launch --help")
 
 
 def free_port() -> int:
@@ -32,6 +60,88 @@ def local_spec(num_ps: int, num_workers: int, name: str) -> ClusterSpec:
                                      for i in range(num_workers)), name=name)
 
 
+def parser(*, typed_only: bool = False) -> Parser:
+    """launch's flags, a run option's made from the options table; ``typed_only``: an option not typed stays
+    out of the parsed namespace (no default), so that only what the user typed goes to the tasks."""
+    p = Parser(prog="pscluster launch", description="a local cluster of processes, each running "
+               "the same script with its own PSCLUSTER_CONFIG (as torchrun starts a script's ranks)")
+    p.add_argument("--ps", type=int, default=1, help="ps tasks (default 1)")
+    p.add_argument("--workers", type=int, default=2, help="worker tasks (default 2); worker 0 is the chief")
+    p.add_argument("--max-restarts", type=int, default=MAX_RESTARTS,
+                   help=f"how many times a lost ps or worker (not the chief) is started again (default {MAX_RESTARTS})")
+    options.add_flags(p.add_argument_group("run options (an argument the script gives pscluster.init() wins)"),
+                      options.SCRIPT)
+    if typed_only:  # a flag whose default is SUPPRESS stays out of the namespace unless typed
+        for action in p._actions:
+            if action.dest in options.OPTIONS:
+                action.default = argparse.SUPPRESS
+    p.add_argument("script", help="the Python script every task runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return p
+
+
+def typed_options(argv: list[str]) -> dict:
+    """The run options typed in ``argv``, checked, by name."""
+    values = options.from_flags(parser().parse_args(argv), options.SCRIPT)
+    return {name: values[name] for name in vars(parser(typed_only=True).parse_args(argv)) if name in values}
+
+
+@dataclass
+class Task:
+    """One task's process, started again (``restarts``) with the same ``env`` when it dies."""
+
+    role: str
+    index: int
+    env: dict
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    relay: threading.Thread | None = None
+    done: bool = False  # ended, and not to be started again
+    killed: bool = False  # by launch, for not ending in time
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}:{self.index}"
+
+    @property
+    def chief(self) -> bool:
+        return (self.role, self.index) == ("worker", 0)
+
+    def start(self, command: list[str]) -> None:
+        self.process = subprocess.Popen(command, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        env=self.env, preexec_fn=_dies_with(os.getpid()), process_group=0)
+        self.relay = _relay(self.process, self.label)
+        say(f"{self.label} started, pid {self.process.pid}")
+
+    def signal(self, sig: int) -> None:
+        if self.process.poll() is None:
+            try:
+                os.kill(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _dies_with(parent: int):
+    """The task's ``preexec_fn``: the kernel kills it when launch dies, by any signal. launch's own cleanup
+    (``end``) cannot run on SIGKILL, and a task of a loop without ``should_stop()`` would train on for ever,
+    orphaned. Linux sends PDEATHSIG when the *thread* that started the child ends: tasks start in the main
+    thread only. Elsewhere (no prctl) only launch's cleanup ends them."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+
+    def preexec():
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # launch died before the prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def say(line: str) -> None:
+    print(f"[launch] {line}", flush=True)
+
+
 def _relay(process: subprocess.Popen, label: str) -> threading.Thread:
     def relay():
         for line in process.stdout:
@@ -42,48 +152,114 @@ def _relay(process: subprocess.Popen, label: str) -> threading.Thread:
     return thread
 
 
+def exit_status(code: int) -> int:
+    """A process's status as a shell shows it: 128 + N for a process ended by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def describe(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pscluster launch", description=__doc__.splitlines()[0])
-    parser.add_argument("--ps", type=int, default=1, help="ps tasks (default 1)")
-    parser.add_argument("--workers", type=int, default=2, help="worker tasks (default 2); worker 0 is the chief")
-    parser.add_argument("--name", default="pscluster-launch", help="the cluster's name")
-    parser.add_argument("script", help="the Python script every task runs")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    given = typed_options(argv)
     if args.ps < 1 or args.workers < 1:
-        parser.error("give --ps and --workers of 1 or more")
+        raise ConfigError("give --ps and --workers of 1 or more")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts}: use 0 or more")
     if not os.path.isfile(args.script):
-        parser.error(f"no script {args.script!r}")
-    spec = local_spec(args.ps, args.workers, args.name)
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    tasks = [("ps", i) for i in range(args.ps)] + [("worker", i) for i in range(args.workers)]
-    processes = {task: subprocess.Popen([sys.executable, args.script, *args.args], text=True, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT,
-                                        env={**env, "PSCLUSTER_CONFIG": spec.config_for(*task)})
-                 for task in tasks}
-    relays = [_relay(p, f"{role}:{i}") for (role, i), p in processes.items()]
-    status = 0
-    try:
-        for (role, i), p in processes.items():
-            if role == "worker" and p.wait() and not status:
-                status = p.returncode
-        for (role, i), p in processes.items():
-            if role == "ps":
-                try:
-                    p.wait(PS_END_S)
-                except subprocess.TimeoutExpired:  # a run that never started, or a chief that died first
-                    p.terminate()
-                    p.wait(10)
-    except KeyboardInterrupt:
-        status = 130
-    finally:
-        for p in processes.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for relay in relays:
-            relay.join(5)
-    return status
+        raise ConfigError(f"no script {args.script!r}: give the path of the script every task runs")
+    spec = local_spec(args.ps, args.workers, "pscluster-launch")
+    env = {k: v for k, v in os.environ.items() if k not in (environ.TF_CONFIG, environ.LAUNCH_OPTIONS)}
+    if given:
+        env[environ.LAUNCH_OPTIONS] = json.dumps(given)
+    tasks = [Task(role, i, {**env, environ.CONFIG: spec.config_for(role, i)})
+             for role, count in (("ps", args.ps), ("worker", args.workers)) for i in range(count)]
+    return Launch(tasks, [sys.executable, args.script, *args.args], args.max_restarts).run()
+
+
+class Launch:
+    """The tasks' processes, followed from the main thread until the chief ends (see the module)."""
+
+    def __init__(self, tasks: list[Task], command: list[str], max_restarts: int):
+        self.tasks, self.command, self.max_restarts = tasks, command, max_restarts
+        self.chief = next(t for t in tasks if t.chief)
+        self.signalled: int | None = None
+
+    def run(self) -> int:
+        handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for task in self.tasks:
+                task.start(self.command)
+            while self.signalled is None and self.chief.process.poll() is None:
+                self._restart_lost()
+                time.sleep(POLL_S)
+            return self._end()
+        finally:
+            for task in self.tasks:  # whatever happened above (an error of launch's own): no task outlives it
+                if task.process is not None and task.process.poll() is None:
+                    task.process.kill()
+                    task.process.wait()
+            for task in self.tasks:
+                if task.relay is not None:
+                    task.relay.join(5)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig, _frame) -> None:
+        self.signalled = sig
+
+    def _restart_lost(self) -> None:
+        """Start again each task other than the chief that died, while it has restarts left."""
+        for task in self.tasks:
+            code = task.process.poll()
+            if task.chief or task.done or code is None:
+                continue
+            if code == 0:
+                task.done = True  # its part is over (a ps whose run the chief closed, a worker whose loop ended)
+            elif task.restarts < self.max_restarts:
+                task.restarts += 1
+                say(f"{task.label} {describe(code)}: starting it again ({task.restarts} of {self.max_restarts})")
+                task.relay.join(1)
+                task.start(self.command)
+            else:
+                task.done = True
+                say(f"{task.label} {describe(code)}, started again {self.max_restarts} times already: left down")
+
+    def _end(self) -> int:
+        """End every task: the exit status (see the module)."""
+        others = [t for t in self.tasks if not t.chief]
+        if self.signalled is not None:
+            say(f"{signal.Signals(self.signalled).name}: passing it on to every task")
+            for task in self.tasks:
+                task.signal(self.signalled)
+            self._ended_within(self.tasks, KILL_AFTER_S)
+            return 128 + self.signalled
+        code = self.chief.process.returncode
+        if code:
+            say(f"the chief {describe(code)}: ending every other task")
+            for task in others:
+                task.signal(signal.SIGTERM)
+            self._ended_within(others, KILL_AFTER_S)
+            return exit_status(code)
+        self._ended_within(others, TASKS_END_S)
+        failed = [t.process.returncode for t in others
+                  if t.role == "worker" and t.process.returncode and not t.killed]
+        return exit_status(failed[0]) if failed else 0
+
+    def _ended_within(self, tasks: list[Task], seconds: float) -> None:
+        """Wait up to ``seconds`` for ``tasks`` to end; SIGKILL the ones still running then."""
+        deadline = time.monotonic() + seconds
+        for task in tasks:
+            try:
+                task.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"{task.label} still running after {seconds:.0f}s: killed")
+                task.killed = True
+                task.process.kill()
+                task.process.wait()
 
 
 if __name__ == "__main__":

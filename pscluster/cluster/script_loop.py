@@ -17,7 +17,11 @@ TF's ``MonitoredTrainingSession`` or ``torchrun``. The cluster and this process'
   records the run in the run store and runs its ``Supervisor`` (metrics, checkpoints, the end), as
   ``train_from_environment``'s chief does; the other workers join the run the chief started on the ps tasks.
 - The run ends for this worker at the first ``should_stop()`` that is true, or when the script ends; the chief
-  then waits for the run's end and finalizes it (``ctx.run``).
+  then waits for the run's end and finalizes it (``ctx.run``), before the interpreter's shutdown begins.
+- The process's exit status is the run's: the chief's is 1 when its run failed, any worker's when its own part
+  failed. A ``RunEnded`` that escapes the script (a step after the run's end) is the loop's normal end: one line
+  says why the run ended, and the status is the run's. Any other exception that escapes the script fails this
+  worker's part of the run with it (the chief's: the run).
 
 A lost worker process is its scheduler's to start again (it joins the run); a lost ps fails the run, and the job
 started again resumes from its latest checkpoint.
@@ -25,14 +29,18 @@ started again resumes from its latest checkpoint.
 
 from __future__ import annotations
 
-import atexit
+import concurrent.futures.thread  # noqa: F401 - its shutdown hook first, so that ours runs before it: see _at_exit
 import os
 import sys
+import threading
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import ConfigError, TrainingError
+import zmq
+
+from .. import environ
+from ..errors import ConfigError, RunEnded, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import standalone
 from ..runtime.context import WorkerContext, loop_plan
@@ -44,13 +52,19 @@ from .checkpoint_commits import CheckpointCoordinator
 from .run import Run
 from .script_run import close_run
 from .script_tasks import ScriptTasks
+from .supervisor import one_line
+
+SEND_S = 2.0  # how long a process ended by _exit waits for ZeroMQ to send what it holds
+
 
 def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "ScriptContext":
     """This process's part of the run (see the module): a ps task serves and exits; a worker gets its context.
     ``options``: the run's, as ``Cluster.run`` takes them (``options.names("script")``: ``mode``, ``steps``,
-    ``seed``, ``placement``, the checkpoint options, ``name`` (default: the script's file name)...); ``store`` and
-    ``log`` (where this worker prints its progress lines; None: silent) as ``train_from_environment``'s."""
-    given = take(SCRIPT, options, caller="pscluster.init()")
+    ``seed``, ``placement``, the checkpoint options, ``name`` (default: the script's file name)...), over those
+    typed on ``pscluster launch``'s command line, over the defaults; ``store`` and ``log`` (where this worker
+    prints its progress lines; None: silent) as ``train_from_environment``'s. A worker's process ends as the
+    module says (its exit status, ``RunEnded``)."""
+    given = take(SCRIPT, {**environ.launch_options(), **options}, caller="pscluster.init()")
     record = {name: given.pop(name) for name in RECORD_OPTIONS if name in given}
     spec, task = from_environment()
     if task.role == "ps":
@@ -61,8 +75,13 @@ def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "Sc
                           "(if ctx.is_chief: ...), and leave the evaluator out of the cluster")
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
     record["name"] = record["name"] or script.stem or "script"
-    return ScriptContext(spec, task.index, given, store=store, log=log,
-                         code=script.read_text() if script.is_file() else None, **record)
+    ctx = ScriptContext(spec, task.index, given, store=store, log=log,
+                        code=script.read_text() if script.is_file() else None, **record)
+    # the interpreter's own shutdown hooks run after the main module: ours before concurrent.futures' (which
+    # refuses new work from then on: the run's final checkpoint needs it), as threading calls them in reverse
+    threading._register_atexit(ctx._at_exit)
+    sys.excepthook = ctx._excepthook(sys.excepthook)
+    return ctx
 
 
 class ScriptContext(WorkerContext):
@@ -80,10 +99,10 @@ class ScriptContext(WorkerContext):
         self._run_record = dict(name=name, store=store, checkpoint_dir=checkpoint_dir, checkpoint_secs=checkpoint_secs,
                                 keep_checkpoints=keep_checkpoints, code=code)
         self.run: Run | None = None  # the chief's, once the run started
-        self._ended: Future = Future()  # this worker's summary (the chief's supervisor follows it)
+        self._outcome: Future = Future()  # this worker's summary (the chief's supervisor follows it)
         self._finishing = False
         self._first_forward: list = []  # the registered modules' forward hooks that start the run (``_forward``)
-        atexit.register(self._at_exit)
+        self._loop_error: BaseException | None = None  # what escaped the script (``_excepthook``)
 
     def model(self, module, name: str | None = None):
         self._modules.add(module, name)  # the plan is made at the start, from every registered module and optimizer
@@ -140,7 +159,7 @@ class ScriptContext(WorkerContext):
         if plan.attempt > 0:
             raise TrainingError("a ps was lost: a script's loop cannot be started again in its process; start the "
                                 "job again, it resumes from the latest checkpoint")
-        return self._ended.result()
+        return self._outcome.result()
 
     def should_stop(self) -> bool:
         stop = super().should_stop()
@@ -149,20 +168,67 @@ class ScriptContext(WorkerContext):
         return stop
 
     def _finish(self) -> None:
-        """This worker's end: its summary; the chief waits for the run's end and finalizes it."""
+        """This worker's end: its summary (or the error that escaped the script); the chief waits for the run's
+        end and finalizes it (TrainingError when the run failed)."""
         self._finishing = True  # finish() asks should_stop() again
-        try:
-            self._ended.set_result(super().finish())
-        except BaseException as e:
-            self._ended.set_exception(e)
-            raise
+        if self._loop_error is not None:
+            self.failed(self._loop_error)
+            self._outcome.set_exception(self._loop_error)
+        else:
+            try:
+                self._outcome.set_result(super().finish())
+            except BaseException as e:
+                self._outcome.set_exception(e)
+                raise
         if self.run is not None:
             try:
                 self.run.wait(verbose=False)
             finally:
                 close_run(self._spec, self.run.id)
 
+    def _failure(self) -> str | None:
+        """End this worker's part of the run (the chief: the run), if the loop did not; what failed, or None."""
+        try:
+            if self._reply is not None and not self._finishing:
+                self._finish()
+        except Exception as e:
+            return one_line(e)
+        finally:
+            self.close()
+        if self.run is not None and self.run.status == "failed":
+            return self.run.error_line
+        error = self._outcome.exception() if self._outcome.done() else None
+        return one_line(error) if error is not None else None
+
     def _at_exit(self) -> None:
-        if self._reply is not None and not self._finishing:
-            self._finish()
-        self.close()
+        """The script's end (``threading._shutdown``, while every thread and concurrent.futures still work):
+        the run's end, and this process's exit status, 1 if it failed."""
+        failure = self._failure()
+        if failure is not None and self._loop_error is None:  # an exception that escaped exits 1 already
+            _exit(1, f"pscluster: {failure}")
+
+    def _excepthook(self, previous):
+        """``sys.excepthook``: a ``RunEnded`` is the loop's normal end (one line, the run's exit status); any
+        other exception fails this worker's part of the run, shown by the ``previous`` hook."""
+        def hook(kind, error, tb):
+            if not issubclass(kind, RunEnded):
+                self._loop_error = error
+                previous(kind, error, tb)
+                return
+            failure = self._failure()
+            _exit(1 if failure else 0, f"pscluster: worker {self.worker_index}: {error}" +
+                  (f"; {failure}" if failure else ""))
+
+        return hook
+
+
+def _exit(status: int, line: str) -> None:
+    """Say ``line`` and end the process with ``status`` now (past the interpreter's own exit status, which a
+    hook cannot change), once ZeroMQ has sent what the closed sockets hold (this worker's summary), for up to
+    ``SEND_S``."""
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sent = threading.Thread(target=zmq.Context.instance().term, daemon=True)
+    sent.start()
+    sent.join(SEND_S)
+    os._exit(status)

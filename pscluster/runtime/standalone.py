@@ -2,8 +2,9 @@
 ``task_config``; ``pscluster.train_from_environment`` puts these together with the chief's supervisor).
 
 - ``serve_ps``: ``python -m pscluster.runtime``, a ps that serves run after run until SIGTERM/SIGINT.
-- ``serve_run``: a ps that serves one run, and returns once its supervisor (the chief's) has closed it, or
-  ``PS_QUIET_S`` after its end without a request (a chief that died).
+- ``serve_run``: a ps that serves one run, and returns once its supervisor (the chief's) has closed it,
+  ``PS_QUIET_S`` after its end without a request (a chief that died), or ``NO_RUN_S`` without a run and without
+  a request (started again with nobody left).
 - ``script_plan``: the run's plan, which every task derives alike from the same arguments (placement is a
   pure function of the model), so no coordinator hands it out; ``check_options`` checks its optimizer options
   as ``train()`` does (the chief, at once; another task only while it waits for a run: see ``started_run``).
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -34,6 +36,10 @@ from .seeding import build_model
 from .worker import run_worker
 
 PS_QUIET_S = 60.0
+# a ps holding no run ends after this long without a request: nothing of pscluster leaves it unasked that long (a
+# chief's supervisor asks a ps started again every 0.2 s, a worker waiting for the chief's run as often), and a
+# chief seldom takes that long to load its data before its first training call
+NO_RUN_S = 300.0
 DISCOVER_POLL_S = 0.2
 # a task waiting this long for the chief's run checks the run's optimizer options itself: an error there is what
 # stops the chief (the same script, the same arguments), said on every task; a task whose run starts sooner
@@ -46,22 +52,29 @@ def serve_ps() -> None:
     spec, task = from_environment()
     if task.role != "ps":
         raise ConfigError(f"{task.name} is a worker: run it from your script with train_from_environment()")
-    _serve(spec, task, one_run=False)
+    _serve(spec, task, idle_s=None)
 
 
-def serve_run(spec: ClusterSpec, task: TaskSpec) -> dict:
-    """Serve ps ``task`` for one run: ``{"task": index, "role": "ps", "global_step": its last step}``."""
-    return {"task": task.index, "role": "ps", "global_step": _serve(spec, task, one_run=True)}
+def serve_run(spec: ClusterSpec, task: TaskSpec, *, idle_s: float = NO_RUN_S) -> dict:
+    """Serve ps ``task`` for one run: ``{"task": index, "role": "ps", "global_step": its last step}``. A ps that
+    holds no run and hears from nobody for ``idle_s`` seconds ends, saying so (global step None)."""
+    return {"task": task.index, "role": "ps", "global_step": _serve(spec, task, idle_s=idle_s)}
 
 
-def _serve(spec: ClusterSpec, task: TaskSpec, *, one_run: bool) -> int | None:
-    """Serve ``task`` until SIGTERM/SIGINT, a SHUTDOWN message, or (``one_run``) the end of the run it serves;
-    the run's last global step, if it had one."""
+def _serve(spec: ClusterSpec, task: TaskSpec, *, idle_s: float | None) -> int | None:
+    """Serve ``task`` until SIGTERM/SIGINT, a SHUTDOWN message, or (with ``idle_s``, one run) the end of the run
+    it serves or ``idle_s`` seconds without a run and without a request; the run's last global step, if it had
+    one."""
+    one_run = idle_s is not None
     server = ParameterServer(spec.key, index=task.index, host=task.host, port=task.port, encrypt=spec.encrypt).start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     while not done.is_set() and server.running and not (one_run and server.done_serving(PS_QUIET_S)):
+        if one_run and server.run is None and time.monotonic() - server.last_request > idle_s:
+            print(f"ps {task.index} served no run and heard from nobody for {idle_s:g}s: ending (start the whole "
+                  "job again)", file=sys.stderr, flush=True)
+            break
         done.wait(0.2)
     server.shutdown()
     return server.run.step if server.run is not None else None

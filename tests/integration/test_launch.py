@@ -1,0 +1,157 @@
+"""``pscluster launch``: the run options on its command line, exit statuses that are the run's, and the tasks it
+starts again or ends (a lost ps or worker, the chief lost, launch itself killed). Every task a real process."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import pscluster
+from pscluster.launch import free_port
+from pscluster.runtime.standalone import held_runs
+from pscluster.spec import ClusterSpec, TaskSpec
+
+from .launched import LOOP, PROGRESS, TRAIN, Launched, gone_within
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """``launch(script_text, *flags, args=())``: a ``Launched`` of that script, stopped after the test."""
+    started = []
+
+    def start(text: str, *flags: str, args=()) -> Launched:
+        script = tmp_path / f"job{len(started)}.py"
+        script.write_text(text)
+        started.append(Launched(tmp_path / "home", script, *flags, args=args))
+        return started[-1]
+
+    yield start
+    for launched in started:
+        launched.stop()
+
+
+def loop_args(how: str, **init_options) -> tuple[str, str]:
+    return how, json.dumps(init_options)
+
+
+def job_store(job: Launched) -> str:
+    return str(job.home / "runs.sqlite")
+
+
+def test_run_options_on_the_command_line_go_under_init_s_own_arguments(launch):
+    job = launch(LOOP, "--workers", "1", "--mode", "async", "--seed", "3", "--steps", "12",
+                 args=loop_args("stop", seed=5))
+    assert job.wait() == 0, job.output[-3000:]
+    chief = job.summaries()[0]
+    # --mode and --steps over the table's defaults; the script's own seed=5 over --seed 3
+    assert (chief["mode"], chief["steps"], chief["seed"], chief["status"]) == ("async", 12, 5, "finished"), chief
+
+
+def test_a_bad_option_value_is_one_line_before_any_task_starts(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("open('ran', 'w')\n")
+    for flag, value in [("--mode", "fast"), ("--steps", "0"), ("--max-restarts", "-1")]:
+        done = subprocess.run([sys.executable, "-m", "pscluster", "launch", flag, value, str(script)],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        assert done.returncode == 2 and done.stdout == "", (flag, done.stdout, done.stderr)
+        assert len(done.stderr.splitlines()) == 1 and flag in done.stderr, done.stderr
+    assert not (tmp_path / "ran").exists()
+    shown = subprocess.run([sys.executable, "-m", "pscluster", "launch", "--help"], capture_output=True, text=True,
+                           timeout=60).stdout
+    assert all(flag in shown for flag in ("--mode", "--steps", "--staleness-bound", "--no-restore",
+                                          "--max-restarts")), shown
+
+
+def test_a_main_function_s_loop_that_ends_by_itself_finalizes_its_run(launch):
+    """pytorch/examples' shape: the work in main(), the loop ends by itself, ctx.run never touched; the run is
+    finalized before the interpreter's shutdown (concurrent.futures refuses work from then on)."""
+    job = launch(LOOP, "--steps", "1000", args=loop_args("batches:8"))
+    assert job.wait() == 0, job.output[-3000:]
+    assert "could not be finalized" not in job.output and "Traceback" not in job.output, job.output[-3000:]
+    run = pscluster.open_run("job0", store=job_store(job))
+    assert run.status == "finished" and run.summary()["global_step"] == 8
+
+
+def test_a_run_that_fails_fails_launch_and_the_script_s_process(launch):
+    """Worker 1's own error fails the run (before: its process's exit ended the run as finished); the chief's
+    process and launch exit non-zero."""
+    job = launch(LOOP, "--steps", "1000", "--max-restarts", "0", args=loop_args("fail:1:3"))
+    assert job.wait() != 0, job.output[-3000:]
+    assert "worker 1's own error at its step 3" in job.output
+    assert "[launch] the chief exited with status 1" in job.output, job.output[-3000:]
+    assert pscluster.open_run("job0", store=job_store(job)).status == "failed"
+
+
+def test_run_ended_escaping_the_script_is_the_loop_s_normal_end(launch):
+    job = launch(LOOP, "--steps", "6", args=loop_args("run_ended"))
+    assert job.wait() == 0, job.output[-3000:]
+    said = [line for line in job.lines if "raised by the script" in line]
+    assert len(said) == 2 and "Traceback" not in job.output, job.output[-3000:]  # one line a worker
+    assert job.summaries()[0]["status"] == "finished"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_launch_ended_by_a_signal_leaves_no_task_running(launch, sig):
+    """A loop without should_stop() trains on for ever: its tasks must end with launch, even SIGKILLed."""
+    job = launch(LOOP, "--steps", "1000000", "--log-every", "5", args=loop_args("forever"))
+    job.wait_for(PROGRESS.format(index=1))
+    tasks = job.pids
+    assert len(tasks) == 3
+    job.process.send_signal(sig)
+    assert not gone_within(tasks, 5.0), job.output[-3000:]
+    assert job.wait(10) == (-sig if sig == signal.SIGKILL else 128 + sig)
+
+
+def test_the_chief_lost_ends_every_task_and_launch_fails(launch):
+    job = launch(LOOP, "--steps", "1000000", "--log-every", "5", args=loop_args("stop"))
+    job.wait_for(PROGRESS.format(index=1))
+    lost_at = time.monotonic()
+    job.kill("worker:0")
+    assert job.wait(15) == 128 + signal.SIGKILL, job.output[-3000:]
+    assert time.monotonic() - lost_at < 10.0
+    assert not gone_within(job.pids, 1.0)
+
+
+@pytest.mark.parametrize("victim", ["worker:1", "ps:0"])
+def test_a_lost_task_is_started_again_and_the_run_finishes(launch, victim):
+    """A worker rejoins the user's loop; a ps comes back at its address and the chief's supervisor recovers the
+    run (the library's loop: a user's loop that survives a lost ps is context.py's)."""
+    steps = 200
+    job = launch(LOOP, "--steps", str(steps), "--log-every", "20", args=loop_args("stop")) if victim == "worker:1" \
+        else launch(TRAIN, args=("sync", str(steps)))
+    job.wait_for(PROGRESS.format(index=0))
+    job.kill(victim)
+    job.wait_for(rf"\[launch\] {victim} was killed by SIGKILL: starting it again \(1 of 3\)", 10)
+    assert job.wait() == 0, job.output[-3000:]
+    chief = job.summaries()[0]
+    assert chief["status"] == "finished" and chief["global_step"] == steps, chief
+    assert len(job.started[victim]) == 2
+
+
+def test_a_ps_that_serves_no_run_gives_up(tmp_path):
+    """A ps started again with nobody left (its chief gone) ends itself once nothing came for its bound; a ps
+    asked in time goes on waiting for its run."""
+    spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=free_port()),), workers=(TaskSpec("worker", 0, port=0),))
+    ps = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        from pscluster.runtime import standalone
+        from pscluster.spec import ClusterSpec
+        spec = ClusterSpec.from_dict({spec.to_dict()!r})
+        print(standalone.serve_run(spec, spec.task("ps", 0), idle_s=2.0))
+    """)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        answered = 0
+        while answered < 8:  # 4 s, asked as often as a chief's supervisor asks a ps it waits for
+            answered += held_runs(spec, timeout=5.0) is not None
+            assert ps.poll() is None, ps.stdout.read()
+            time.sleep(0.5)
+        out, _ = ps.communicate(timeout=5.0)
+    finally:
+        ps.kill()
+    assert ps.returncode == 0
+    assert "ps 0 served no run and heard from nobody for 2s: ending" in out, out
