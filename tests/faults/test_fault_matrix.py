@@ -16,6 +16,10 @@ whatever else loads the machine (the load average goes to the report). The clust
 restore cell loses two tasks within a second (ps 0, then the victim), a scale cell takes an engine for the
 added worker and one for the victim.
 
+A script job under ``pscluster launch`` (``test_a_script_job_under_pscluster_launch``), sync and async: a SIGKILLed
+ps or worker is started again by launch and the run reaches its exact target; the chief SIGKILLed ends every task
+within 10 s and launch exits non-zero; launch SIGKILLed leaves no task running.
+
 Runs with ``make faults`` (about 15 minutes on 2 cores), not in ``make test``.
 """
 
@@ -33,6 +37,7 @@ from pscluster.cluster.reaper import alive
 from pscluster.errors import ConfigError
 from pscluster.evaluate import evaluate
 from pscluster.runtime import checkpoint
+from tests.integration import launched
 
 STEPS = 1200  # the digits MLP has converged by then (3 workers of 32 samples a step); the faults hit at 300
 HANG_S = 30.0
@@ -358,3 +363,41 @@ def test_a_nan_learning_rate_is_refused_before_anything_starts(cluster, data):
     run = cluster.train(Net, data[0], LOSS, **{**TRAIN, "steps": 20}).wait(timeout=120, verbose=False)
     assert run.status == "finished" and run.global_step == 20  # the cluster goes on training
     record("lr=nan", {"refused": True, "next_run_steps": int(run.global_step)})
+
+
+SCRIPT_STEPS = 300  # a few seconds of the launched scripts' small model; the faults hit at their first progress line
+
+
+@pytest.mark.parametrize("victim", ["ps:0", "worker:1", "worker:0", "launch"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_script_job_under_pscluster_launch(tmp_path, mode, victim):
+    """``pscluster launch`` of a script, SIGKILL on one process: a lost ps (the library's loop) or worker (a user's
+    loop) is started again and the run reaches its exact target; the chief lost ends every task within 10 s and
+    launch fails; launch lost takes every task with it."""
+    script = tmp_path / "job.py"
+    script.write_text(launched.TRAIN if victim == "ps:0" else launched.LOOP)
+    args = (mode, str(SCRIPT_STEPS)) if victim == "ps:0" else ("forever" if victim == "launch" else "stop", "{}")
+    job = launched.Launched(tmp_path / "home", script, "--mode", mode, "--steps", str(SCRIPT_STEPS),
+                            "--log-every", "20", args=args)
+    try:
+        job.wait_for(launched.PROGRESS.format(index=0))
+        tasks, hit_at = job.pids, time.monotonic()
+        if victim == "launch":
+            job.process.kill()
+        else:
+            job.kill(victim)
+        code = job.wait(timeout=180)
+        ended_s = round(time.monotonic() - hit_at, 2)
+        if victim in ("ps:0", "worker:1"):
+            assert code == 0, job.output[-3000:]
+            chief = job.summaries()[0]
+            assert chief["status"] == "finished" and chief["global_step"] == SCRIPT_STEPS, chief
+            assert len(job.started[victim]) == 2, job.output[-3000:]
+        else:
+            assert code == (-signal.SIGKILL if victim == "launch" else 128 + signal.SIGKILL), job.output[-3000:]
+            assert ended_s <= 10.0, ended_s
+        assert not launched.gone_within(tasks, 5.0), job.output[-3000:]
+    finally:
+        job.stop()
+    record(f"SIGKILL {victim} of a script job ({mode}, pscluster launch)", {
+        "ended_s": ended_s, "exit_status": code, "starts": {task: len(p) for task, p in job.started.items()}})
