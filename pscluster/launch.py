@@ -35,7 +35,8 @@ from .errors import ConfigError
 from .runtime import options
 from .spec import ClusterSpec, TaskSpec
 
-TASKS_END_S = 30.0  # how long the other tasks may take to end once the chief ended well (it finalized the run)
+TASKS_END_S = 30.0  # how long the other tasks may take to end once the chief ended well (it finalized the run),
+# and the workers once launch passed them a SIGTERM (the chief's clean stop writes a final checkpoint)
 KILL_AFTER_S = 5.0  # how long a task may take to end on SIGTERM before it gets SIGKILL
 POLL_S = 0.1
 MAX_RESTARTS = 3
@@ -232,7 +233,13 @@ class Launch:
         """End every task: the exit status (see the module)."""
         others = [t for t in self.tasks if not t.chief]
         if self.signalled is not None:
+            # the workers first: a chief's clean stop (train_from_environment's on SIGTERM) writes its final
+            # checkpoint through the ps tasks
             say(f"{signal.Signals(self.signalled).name}: passing it on to every task")
+            workers = [t for t in self.tasks if t.role == "worker"]
+            for task in workers:
+                task.signal(self.signalled)
+            self._ended_within(workers, TASKS_END_S)
             for task in self.tasks:
                 task.signal(self.signalled)
             self._ended_within(self.tasks, KILL_AFTER_S)
