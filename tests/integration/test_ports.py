@@ -70,3 +70,57 @@ def test_the_mnist_port_trains_its_epochs_on_two_workers(tmp_path, mode):
         assert len(evaluations(got, task)) == 1
         assert f"{task}Train Epoch: 1 [640/1437 (83%)]" in got
     assert (tmp_path / "mnist_cnn.pt").exists()
+
+
+def dcgan_lines(output: str, task: str = "") -> list[str]:
+    return re.findall(rf"^{re.escape(task)}(\[\d+/\d+\]\[\d+/\d+\] Loss_D: .*)$", output, re.M)
+
+
+def test_the_dcgan_port_changes_six_lines_and_one_sync_worker_is_the_plain_script(tmp_path):
+    assert changed_lines("dcgan") <= 6
+    args = ("--niter", "2", "--batchSize", "128", "--manualSeed", "3")
+    expected = plain("dcgan", tmp_path / "plain", *args)
+    got = port("dcgan", tmp_path / "port", *args)
+    for saved in ("netG_epoch_0", "netD_epoch_0", "netG_epoch_1", "netD_epoch_1"):
+        assert same_state(tmp_path / "port" / f"{saved}.pth", tmp_path / "plain" / f"{saved}.pth"), saved
+    # both optimizers' steps, the shuffled order, the noise and BatchNorm's statistics as the plain script has them
+    assert dcgan_lines(got, "[worker:0] ") == dcgan_lines(expected) and len(dcgan_lines(expected)) == 2 * 15
+    assert "[worker:0] [1/2][14/15] Loss_D" in got
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_dcgan_port_trains_its_epochs_on_two_workers(tmp_path, mode):
+    got = port("dcgan", tmp_path, "--niter", "1", "--batchSize", "256", "--manualSeed", "3", workers=2,
+               launch=("--mode", mode))
+    for task in ("[worker:0] ", "[worker:1] "):  # each worker its half of the epoch: 899 images, 4 batches
+        assert [line[:10] for line in dcgan_lines(got, task)] == [f"[0/1][{i}/4]" for i in range(4)]
+    assert (tmp_path / "netG_epoch_0.pth").exists() and (tmp_path / "netD_epoch_0.pth").exists()
+
+
+def lm_lines(output: str, task: str = "") -> list[str]:
+    """The language model's printed lines, without their timings."""
+    lines = re.findall(rf"^{re.escape(task)}(\| (?:epoch|end of epoch|End of training) .*)$", output, re.M)
+    return [re.sub(r"(ms/batch|time:) *[\d.]+s?", r"\1", line) for line in lines]
+
+
+def test_the_language_model_port_changes_eight_lines_and_one_sync_worker_is_the_plain_script(tmp_path):
+    assert changed_lines("word_language_model") <= 8
+    args = ("--epochs", "3", "--log-interval", "2")
+    expected = plain("word_language_model", tmp_path / "plain", *args)
+    got = port("word_language_model", tmp_path / "port", *args)
+    assert same_state(tmp_path / "port" / "model.pt", tmp_path / "plain" / "model.pt")
+    # the hidden state carried, clipping, dropout's draws and torch's SGD on the ps as the update written by hand
+    assert lm_lines(got, "[worker:0] ") == lm_lines(expected) and len(lm_lines(expected)) == 3 * 5 + 1
+    assert "| epoch   3 |     2/    8 batches | lr 5.00 |" in got  # annealed by hand after epoch 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_language_model_port_trains_its_epochs_on_two_workers(tmp_path, mode):
+    got = port("word_language_model", tmp_path, "--epochs", "2", "--log-interval", "2", workers=2,
+               launch=("--mode", mode))
+    for task in ("[worker:0] ", "[worker:1] "):  # each worker its part of the 9 batches of an epoch: 5 of them
+        lines = lm_lines(got, task)
+        assert [re.match(r"\| epoch +(\d+) \| +(\d+)/", line).groups() for line in lines if "batches" in line] == \
+            [("1", "2"), ("1", "4"), ("2", "2"), ("2", "4")]
+        assert lines[-1].startswith("| End of training")
+    assert (tmp_path / "model.pt").exists()
