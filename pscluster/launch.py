@@ -13,7 +13,7 @@ running the same script with its own ``PSCLUSTER_CONFIG`` (as ``torchrun`` start
   at once after it failed. launch ended by SIGTERM or SIGINT sends the signal on to every task; killed by any
   signal (SIGKILL too), its tasks die with it.
 - The exit status: the chief's when it failed (non-zero when its run failed, 128 + N for a signal N), else that of
-  a worker that failed with no restart left, else 0.
+  a worker that failed with no restart left, else 0; 128 + N when launch itself was sent signal N.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Task:
         self.relay = _relay(self.process, self.label)
         say(f"{self.label} started, pid {self.process.pid}")
 
-    def signal(self, sig: int) -> None:
+    def send(self, sig: int) -> None:
         if self.process.poll() is None:
             try:
                 os.kill(self.process.pid, sig)
@@ -124,7 +124,7 @@ class Task:
 
 def _dies_with(parent: int):
     """The task's ``preexec_fn``: the kernel kills it when launch dies, by any signal. launch's own cleanup
-    (``end``) cannot run on SIGKILL, and a task of a loop without ``should_stop()`` would train on for ever,
+    (``Launch._end``) cannot run on SIGKILL, and a task of a loop without ``should_stop()`` would train on for ever,
     orphaned. Linux sends PDEATHSIG when the *thread* that started the child ends: tasks start in the main
     thread only. Elsewhere (no prctl) only launch's cleanup ends them."""
     if not sys.platform.startswith("linux"):
@@ -238,17 +238,17 @@ class Launch:
             say(f"{signal.Signals(self.signalled).name}: passing it on to every task")
             workers = [t for t in self.tasks if t.role == "worker"]
             for task in workers:
-                task.signal(self.signalled)
+                task.send(self.signalled)
             self._ended_within(workers, TASKS_END_S)
             for task in self.tasks:
-                task.signal(self.signalled)
+                task.send(self.signalled)
             self._ended_within(self.tasks, KILL_AFTER_S)
             return 128 + self.signalled
         code = self.chief.process.returncode
         if code:
             say(f"the chief {describe(code)}: ending every other task")
             for task in others:
-                task.signal(signal.SIGTERM)
+                task.send(signal.SIGTERM)
             self._ended_within(others, KILL_AFTER_S)
             return exit_status(code)
         self._ended_within(others, TASKS_END_S)

@@ -79,13 +79,15 @@ def test_a_main_function_s_loop_that_ends_by_itself_finalizes_its_run(launch):
 
 
 def test_a_run_that_fails_fails_launch_and_the_script_s_process(launch):
-    """Worker 1's own error fails the run (before: its process's exit ended the run as finished); the chief's
-    process and launch exit non-zero."""
-    job = launch(LOOP, "--steps", "1000", "--max-restarts", "0", args=loop_args("fail:1:3"))
+    """The loop's own error fails the run (before: the script's exit ended the run as if its loop had returned,
+    finished); the chief's process and launch exit non-zero."""
+    job = launch(LOOP, "--workers", "1", "--steps", "1000", args=loop_args("fail:0:3"))
     assert job.wait() != 0, job.output[-3000:]
-    assert "worker 1's own error at its step 3" in job.output
+    assert "worker 0's own error at its step 3" in job.output
     assert "[launch] the chief exited with status 1" in job.output, job.output[-3000:]
-    assert pscluster.open_run("job0", store=job_store(job)).status == "failed"
+    run = pscluster.open_run("job0", store=job_store(job))
+    [end] = run.events().query("kind == 'end'")["detail"]
+    assert run.status == "failed" and "worker 0's own error at its step 3" in end["error"], end
 
 
 def test_run_ended_escaping_the_script_is_the_loop_s_normal_end(launch):
