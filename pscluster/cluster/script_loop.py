@@ -23,14 +23,18 @@ TF's ``MonitoredTrainingSession`` or ``torchrun``. The cluster and this process'
   says why the run ended, and the status is the run's. Any other exception that escapes the script fails this
   worker's part of the run with it (the chief's: the run).
 
-A lost worker process is its scheduler's to start again (it joins the run); a lost ps fails the run, and the job
-started again resumes from its latest checkpoint.
+A lost worker process is its scheduler's to start again (``pscluster launch`` does): it joins the run. A lost ps
+started again (``pscluster launch`` does; a TF_CONFIG job's scheduler must) is recovered as a notebook's is: every
+worker's step that saw it go is left out, and the loop goes on in place, in the run's next attempt, from the newest
+state there is; the user's code sees nothing. A ps not started again in time fails the run, and the job started
+again resumes from its latest checkpoint.
 """
 
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its shutdown hook first, so that ours runs before it: see _at_exit
 import os
+import queue
 import sys
 import threading
 from concurrent.futures import Future
@@ -40,7 +44,7 @@ from pathlib import Path
 import zmq
 
 from .. import environ
-from ..errors import ConfigError, RunEnded, TrainingError
+from ..errors import ConfigError, RunEnded, RuntimeTimeout
 from ..metrics.store import RunStore
 from ..runtime import standalone
 from ..runtime.context import WorkerContext, loop_plan
@@ -55,6 +59,7 @@ from .script_tasks import ScriptTasks
 from .supervisor import one_line
 
 SEND_S = 2.0  # how long a process ended by _exit waits for ZeroMQ to send what it holds
+ATTEMPT_POLL_S = 0.2  # how often the chief, its ps lost, looks for the next attempt or the run's end
 
 
 def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "ScriptContext":
@@ -102,6 +107,7 @@ class ScriptContext(WorkerContext):
         self._outcome: Future = Future()  # this worker's summary (the chief's supervisor follows it)
         self._finishing = False
         self._first_forward: list = []  # the registered modules' forward hooks that start the run (``_forward``)
+        self._attempts: queue.Queue = queue.Queue()  # the chief: the plans of the attempts after the first
         self._loop_error: BaseException | None = None  # what escaped the script (``_excepthook``)
 
     def model(self, module, name: str | None = None):
@@ -155,11 +161,53 @@ class ScriptContext(WorkerContext):
         self._plan = self.run.plan
 
     def _chief_worker(self, plan: TrainPlan, join: bool) -> dict:
-        """What the supervisor follows as the chief's worker: this script's loop, in the main thread."""
+        """What the supervisor follows as the chief's worker: this script's loop, in the main thread. A later
+        attempt (a lost ps recovered) is the same loop, which joins it in place (``_rejoin``)."""
         if plan.attempt > 0:
-            raise TrainingError("a ps was lost: a script's loop cannot be started again in its process; start the "
-                                "job again, it resumes from the latest checkpoint")
+            self._attempts.put(plan)
         return self._outcome.result()
+
+    def _rejoin(self, lost: Exception) -> None:
+        """A ps was lost during a step: this worker's copy of its values, for the recovery, then the run's next
+        attempt joined in place, the loop going on from the values it restores (the step it was taking is left
+        out; the user's code sees nothing). The chief's supervisor recovers the run once the ps is started again
+        (``script_tasks``); the other workers find the next attempt on the ps tasks. ``lost`` is raised when the
+        run does not go on."""
+        if self._early is not None or self._loop_overlap is not None:
+            raise lost  # overlap's gradient hooks were set for one attempt: the job resumes from its checkpoint
+        self.failed(lost)
+        step = self._reply.step
+        plan = self._chief_next_attempt(lost) if self._task.is_chief else self._next_attempt_on_ps()
+        if plan is None:
+            raise lost
+        if self._log is not None:
+            self._log(f"a ps was lost at global step {step} ({type(lost).__name__}): joining attempt "
+                      f"{plan.attempt} of run {plan.run_id}")
+        self._leave_attempt()
+        self._plan = plan
+        WorkerContext._start(self)
+
+    def _chief_next_attempt(self, lost: Exception) -> TrainPlan | None:
+        """The chief's worker of this attempt fails with ``lost`` (its supervisor's recovery begins); the plan of
+        the next attempt, or None when the run ended instead."""
+        failed, self._outcome = self._outcome, Future()  # the next attempt's worker follows the new one
+        failed.set_exception(lost)
+        while not self.run.supervisor.ended.is_set():
+            try:
+                return self._attempts.get(timeout=ATTEMPT_POLL_S)
+            except queue.Empty:
+                pass
+        return None
+
+    def _next_attempt_on_ps(self) -> TrainPlan | None:
+        """Another worker: the plan of the attempt the chief starts next on the ps tasks, or None."""
+        try:
+            held = standalone.started_run(self._spec, self._plan.request_timeout,
+                                          after=(self._plan.run_id, self._plan.attempt))
+        except RuntimeTimeout:
+            return None
+        return replace(self._plan, run_id=held["run_id"], attempt=held["attempt"],
+                       metrics_address=held["metrics_address"], checkpoint_dir=held["checkpoint_dir"])
 
     def should_stop(self) -> bool:
         stop = super().should_stop()

@@ -47,7 +47,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError, PSClusterError, RunEnded, StaleTask
+from ..errors import ConfigError, NonFiniteError, PeerLost, PSClusterError, RunEnded, StaleTask
 from ..spec import ClusterSpec
 from . import seeding
 from .client import PSClient
@@ -515,9 +515,22 @@ class WorkerContext(_Context):
         values back into the model (with ``pipeline``, at the next step). False when the step was left out: a
         non-finite gradient (``on_nonfinite="skip"``), or with ``pipeline`` a step computed past the run's end."""
         self._training_call()
-        plan, k = self._plan, optimizer._pscluster_set
         if self._in_flight is None and (reason := self._ended()) is not None:
             raise RunEnded(reason)
+        try:
+            return self._step(optimizer)
+        except (PeerLost, StaleTask) as lost:
+            self._rejoin(lost)
+            return False
+
+    def _rejoin(self, lost: Exception) -> None:
+        """A ps was lost (or this worker fenced off) during a step: raise ``lost``, which ends this loop; a lost ps
+        restarts every worker's loop from the newest state (a script's context joins the next attempt in place)."""
+        raise lost
+
+    def _step(self, optimizer) -> bool:
+        """``_exchange`` of a run that has not ended."""
+        plan, k = self._plan, optimizer._pscluster_set
         computed_on = self._reply.step  # the global step of the values this step's gradients were computed on
         if self._in_flight is not None:
             self._settle()  # pipeline: the last step's values, now that this step's gradients are computed
@@ -652,12 +665,19 @@ class WorkerContext(_Context):
             leave(self._shards, self._plan, self.worker_index, self._reply.step, self._local_steps, self._emitter.emit,
                   error)
 
-    def close(self) -> None:
-        super().close()
+    def _leave_attempt(self) -> None:
+        """Let go of the exchange of the current attempt (its connections, its metrics sender, what was in flight),
+        before ``_start`` joins the next one with the modules, optimizers and streams the loop holds."""
         if self._emitter is not None:
             self._emitter.close()
         if self._client is not None:
             self._client.close()
+        self._reply = self._in_flight = self._unrecorded = self._step_numbers = None
+        self._pending, self._sent_options = {}, {}  # a restarted ps knows no group options yet
+
+    def close(self) -> None:
+        super().close()
+        self._leave_attempt()
 
 
 _classes: dict[type, type] = {}
