@@ -72,9 +72,8 @@ def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "Sc
     given = take(SCRIPT, {**environ.launch_options(), **options}, caller="pscluster.init()")
     record = {name: given.pop(name) for name in RECORD_OPTIONS if name in given}
     spec, task = from_environment()
-    if task.role == "ps":
-        standalone.serve_run(spec, task)
-        sys.exit(0)
+    if task.role == "ps":  # status 1: it served no run (a chief that never came), which launch starts again
+        sys.exit(0 if standalone.serve_run(spec, task)["global_step"] is not None else 1)
     if task.role != "worker":
         raise ConfigError(f"a {task.role} task with pscluster.init(): evaluate in the loop on the chief "
                           "(if ctx.is_chief: ...), and leave the evaluator out of the cluster")

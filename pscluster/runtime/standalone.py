@@ -36,10 +36,10 @@ from .seeding import build_model
 from .worker import run_worker
 
 PS_QUIET_S = 60.0
-# a ps holding no run ends after this long without a request: nothing of pscluster leaves it unasked that long (a
-# chief's supervisor asks a ps started again every 0.2 s, a worker waiting for the chief's run as often), and a
-# chief seldom takes that long to load its data before its first training call
-NO_RUN_S = 300.0
+# a ps holding no run ends after this long without a request (its job gone, the ps started again by hand): as
+# long as a worker waits for its chief's run (request_timeout's default) and a chief's supervisor for its lost ps,
+# both asking every 0.2 s; only a lone chief slower to its first training call leaves a fresh ps unasked that long
+NO_RUN_S = 120.0
 DISCOVER_POLL_S = 0.2
 # a task waiting this long for the chief's run checks the run's optimizer options itself: an error there is what
 # stops the chief (the same script, the same arguments), said on every task; a task whose run starts sooner
