@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
@@ -99,15 +100,16 @@ class ModuleSet:
             return next(iter(self.modules.values()))
         return torch.nn.ModuleDict(self.modules)
 
-    def optimizer_spec(self, optimizer) -> OptimizerSpec:
-        """The spec of ``optimizer`` (see ``optim.spec_of``), built on the registered modules' parameters."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
+    def optimizer_spec(self, optimizer, cls: type | None = None) -> OptimizerSpec:
+        """The spec of ``optimizer`` (see ``optim.spec_of``), built on the registered modules' parameters; ``cls``:
+        the class of the optimizer ``optimizer`` stands for (its defaults and groups as registered)."""
+        if cls is None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"ctx.optimizer({type(optimizer).__name__}): give a torch.optim.Optimizer built on "
                               "the parameters of the modules given to ctx.model()")
         if not self.modules:
             raise ConfigError("ctx.optimizer() before ctx.model(): register the modules first, then build the "
                               "optimizer on their parameters")
-        return spec_of(optimizer, list(self.model.named_parameters()))
+        return spec_of(optimizer, list(self.model.named_parameters()), cls)
 
 
 class Optimizers:
@@ -116,28 +118,39 @@ class Optimizers:
     together, every trainable parameter of the registered modules."""
 
     def __init__(self):
-        self.registered: list[tuple[torch.optim.Optimizer, OptimizerSpec, bool | None]] = []
+        self.registered: list[tuple[torch.optim.Optimizer, bool | None]] = []
+        # each one's class, defaults and groups as registered: what the loop sets before its first step (an lr) is
+        # an option of that step's push, not of the optimizer the ps tasks build
+        self._as_registered: dict[int, tuple[type, SimpleNamespace]] = {}
 
-    def add(self, optimizer, spec: OptimizerSpec, global_step: bool | None) -> None:
-        if any(o is optimizer for o, _, _ in self.registered):
+    def add(self, optimizer, global_step: bool | None) -> None:
+        if any(o is optimizer for o, _ in self.registered):
             raise ConfigError("ctx.optimizer() was given the same optimizer twice: register each once")
-        if global_step and any(g for _, _, g in self.registered):
+        if global_step and any(g for _, g in self.registered):
             raise ConfigError("two optimizers with global_step=True: the global step counts one optimizer's steps")
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for other, _, _ in self.registered:
+        for other, _ in self.registered:
             if mine & {id(p) for g in other.param_groups for p in g["params"]}:
                 raise ConfigError("two optimizers update one parameter: give each optimizer parameters of its own")
-        self.registered.append((optimizer, spec, global_step))
+        self.registered.append((optimizer, global_step))
+        self._as_registered[id(optimizer)] = (type(optimizer), SimpleNamespace(
+            defaults=dict(optimizer.defaults), param_groups=[dict(g) for g in optimizer.param_groups]))
 
     @property
-    def ordered(self) -> list[tuple[torch.optim.Optimizer, OptimizerSpec]]:
-        counting = next((i for i, (_, _, g) in enumerate(self.registered) if g), 0)
+    def ordered(self) -> list[torch.optim.Optimizer]:
+        counting = next((i for i, (_, g) in enumerate(self.registered) if g), 0)
         order = [counting] + [i for i in range(len(self.registered)) if i != counting]
-        return [self.registered[i][:2] for i in order]
+        return [self.registered[i][0] for i in order]
+
+    def specs(self, modules: ModuleSet) -> list[OptimizerSpec]:
+        """The specs of the optimizers in the run's order, named by the parameters of every module registered by
+        now (a module registered after an optimizer renames them all: ``<module>.<parameter>``)."""
+        return [modules.optimizer_spec(registered, cls) for cls, registered in
+                (self._as_registered[id(optimizer)] for optimizer in self.ordered)]
 
     def check_trained(self, model: torch.nn.Module) -> None:
         """ConfigError for a trainable parameter that no optimizer updates (the ps would train it)."""
-        updated = {id(p) for o, _, _ in self.registered for g in o.param_groups for p in g["params"]}
+        updated = {id(p) for o, _ in self.registered for g in o.param_groups for p in g["params"]}
         left_out = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in updated]
         if left_out:
             raise ConfigError(f"parameter {left_out[0]} is trainable but in no group of an optimizer: add it, or "
@@ -227,8 +240,8 @@ class _Context:
         it, as ``Cluster.train``'s do. Clip with the run's ``max_grad_norm``, not after backward; accumulate the
         micro-batches before the last under ``ctx.no_sync()``; a gradient changed after backward fails the step
         (see ``loop_overlap``). With ``pipeline=True`` (async), ``step()`` does not wait for the new values."""
-        spec = self._modules.optimizer_spec(optimizer)
-        self._optimizers.add(optimizer, spec, global_step)
+        self._modules.optimizer_spec(optimizer)  # what is wrong with it, said at once
+        self._optimizers.add(optimizer, global_step)
         self._overlap = self._overlap or bool(overlap)
         if self._overlap and len(self._optimizers.registered) > 1:
             raise ConfigError("ctx.optimizer(..., overlap=True) with several optimizers: a push during backward "
@@ -348,7 +361,7 @@ def probe(train_fn, num_workers: int, seed: int) -> tuple[torch.nn.Module, tuple
                           "register the model and its optimizer before the loop")
     model = ctx._modules.model
     ctx._optimizers.check_trained(model)
-    return model, ctx._modules.names, [spec for _, spec in ctx._optimizers.ordered]
+    return model, ctx._modules.names, ctx._optimizers.specs(ctx._modules)
 
 
 class WorkerContext(_Context):
@@ -407,12 +420,12 @@ class WorkerContext(_Context):
         if self._modules.names != self._plan.modules:
             raise ConfigError(f"worker {self.worker_index} registered modules {list(self._modules.names)} where the "
                               f"run's plan has {list(self._plan.modules)}: register the same modules on every worker")
-        ordered = self._optimizers.ordered
-        if [(s.optimizer, s.groups) for _, s in ordered] != [(p.optimizer, p.groups) for p in planned]:
+        if [(s.optimizer, s.groups) for s in self._optimizers.specs(self._modules)] != \
+                [(p.optimizer, p.groups) for p in planned]:
             raise ConfigError(f"worker {self.worker_index} built other optimizers than the run's plan has "
                               f"({', '.join(p.optimizer for p in planned)}): build the same on every worker")
         self._optimizers.check_trained(self._modules.model)
-        for k, (optimizer, _) in enumerate(ordered):
+        for k, optimizer in enumerate(self._optimizers.ordered):
             optimizer._pscluster_set = k
 
     def _start(self) -> None:

@@ -522,14 +522,15 @@ def _number(value, finite: bool = True) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and (math.isfinite(value) or not finite)
 
 
-def spec_of(optimizer: torch.optim.Optimizer, named_parameters) -> OptimizerSpec:
+def spec_of(optimizer: torch.optim.Optimizer, named_parameters, cls: type | None = None) -> OptimizerSpec:
     """The OptimizerSpec of a torch optimizer built on the parameters ``named_parameters`` names (``(name,
-    parameter)`` pairs): its class, its defaults as the keyword arguments, and each of its param groups by the names
-    of its parameters, with the options in which the group differs from the defaults. A ps builds the same optimizer
+    parameter)`` pairs): its class (``cls``, default its type), its defaults as the keyword arguments, and each of
+    its param groups by the names of its parameters, with the options in which the group differs from the defaults. A ps builds the same optimizer
     over its own variables from it, with the same implementation (``foreach``, ``fused`` as given, not a ps's own
     choice: the user's loop is the reference). ConfigError for a parameter the optimizer updates that is not
     named."""
-    accepted = inspect.signature(type(optimizer)).parameters  # AdamW's defaults hold an option it does not take
+    cls = cls or type(optimizer)
+    accepted = inspect.signature(cls).parameters  # AdamW's defaults hold an option it does not take
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     defaults = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
     groups = []
@@ -540,7 +541,7 @@ def spec_of(optimizer: torch.optim.Optimizer, named_parameters) -> OptimizerSpec
             raise ConfigError(f"group {i} of the optimizer holds no trainable parameter: leave it out, or set "
                               "requires_grad=True on those it should train")
         groups.append({"params": trained, **options})
-    return OptimizerSpec(type(optimizer), defaults, groups=named_groups(groups, named_parameters))
+    return OptimizerSpec(cls, defaults, groups=named_groups(groups, named_parameters))
 
 
 def _same(a, b) -> bool:

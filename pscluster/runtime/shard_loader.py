@@ -23,9 +23,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
+import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, get_worker_info
 
 from ..errors import ConfigError
+from . import seeding
 from .data import enter_shard, shuffles
 
 DATASET_DEFAULTS = {"batch_size": 64, "shuffle": True}  # ``ctx.shard(dataset)``: a training set's loader
@@ -111,7 +113,8 @@ class ShardLoader(DataLoader):
 
 def shard_loader(data, rank: int, world: int, seed: int, stream, kwargs: dict) -> ShardLoader:
     """``ctx.shard(data, **kwargs)``: over a DataLoader (no ``kwargs``), or over a dataset with DataLoader's keyword
-    arguments (``DATASET_DEFAULTS`` where not given)."""
+    arguments (``DATASET_DEFAULTS`` where not given; a ``generator`` of the worker's own, seeded from the run's seed
+    and the worker, unless one is given: a loop that makes no DataLoader of its own draws nothing for one)."""
     if isinstance(data, DataLoader):
         if kwargs:
             raise ConfigError(f"ctx.shard(loader, {', '.join(kwargs)}=...): a DataLoader brings its own settings; set "
@@ -123,6 +126,9 @@ def shard_loader(data, rank: int, world: int, seed: int, stream, kwargs: dict) -
                               "IterableDataset")
         if isinstance(data, IterableDataset):
             kwargs = {"shuffle": False, **kwargs}  # an IterableDataset comes in its own order
+        # no DataLoader of the user's to read as it reads: its order and seeds from the worker's own generator,
+        # not from torch's global one, whose draws are the loop's (its dropout, its noise)
+        kwargs.setdefault("generator", torch.Generator().manual_seed(seeding.worker_seed(seed, rank)))
         try:
             loader = DataLoader(data, **{**DATASET_DEFAULTS, **kwargs})
         except (TypeError, ValueError) as e:

@@ -52,7 +52,10 @@ class Batches:
         return self
 
     def __next__(self):
-        self._begin()
+        try:
+            self._begin()
+        except StopIteration as e:  # a for loop would take it for the end of the data
+            raise RuntimeError(f"the run's start raised StopIteration: {e}") from e
         reason = self._ended()
         if reason is not None and self._it is None:
             raise RunEnded(reason)

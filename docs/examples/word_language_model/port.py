@@ -211,8 +211,7 @@ def train():
     total_loss = 0.
     start_time = time.time()
     hidden = model.init_hidden(args.batch_size)
-    for batch, i in enumerate(ctx.shard(range(0, train_data.size(0) - 1, args.bptt), batch_size=None, shuffle=False,
-                                        generator=torch.Generator())):
+    for batch, i in enumerate(ctx.shard(range(0, train_data.size(0) - 1, args.bptt), batch_size=None, shuffle=False)):
         data, targets = get_batch(train_data, i)
         # Starting each batch, we detach the hidden state from how it was previously produced.
         # If we didn't, the model would try backpropagating all the way to start of the dataset.

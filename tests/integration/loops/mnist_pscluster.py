@@ -5,6 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import optim
 from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader
 
 import pscluster
 
@@ -30,7 +31,7 @@ class Net(nn.Module):
 def main(ctx, batch_size=32, lr=1.0, gamma=0.7, lr_step=20, log_interval=20):
     torch.manual_seed(ctx.seed)
     train_set = pscluster.datasets.digits("train")
-    train_loader = ctx.shard(train_set, batch_size=batch_size)
+    train_loader = ctx.shard(DataLoader(train_set, batch_size=batch_size, shuffle=True))
     model = ctx.model(Net())
     optimizer = ctx.optimizer(optim.Adadelta(model.parameters(), lr=lr))
     scheduler = StepLR(optimizer, step_size=lr_step, gamma=gamma)

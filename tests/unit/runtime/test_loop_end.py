@@ -97,3 +97,24 @@ def test_the_run_s_target_ends_the_epoch_and_a_step_after_it_raises_run_ended(lo
     summary = run_loop(spec, 0, plan_of(train_fn, spec, mode="sync", steps=4), train_fn)
     assert batches == [0, 1, 2, 3] and summary["global_step"] == 4 and summary["local_steps"] == 4
     assert raised == ["its target of 4 global steps reached"] * 2  # and run_loop took it as the loop's end
+
+
+def test_a_module_registered_after_an_optimizer_trains_with_the_others(local_ps, data):
+    """A GAN's shape: one module and its optimizer, then the other and its own. Registering the second renames the
+    first one's parameters (``<name>.<parameter>``): the plan is made from the final set, and every batch trains."""
+    spec = local_ps.start(num_ps=1, num_workers=1)
+
+    def train_fn(ctx):
+        a = ctx.model(torch.nn.Linear(64, 10), name="a")
+        opt_a = ctx.optimizer(torch.optim.SGD(a.parameters(), lr=LR))
+        b = ctx.model(torch.nn.Linear(64, 10), name="b")
+        opt_b = ctx.optimizer(torch.optim.SGD(b.parameters(), lr=LR))
+        for x, y in ctx.shard(data, batch_size=BATCH):
+            for net, optimizer in ((a, opt_a), (b, opt_b)):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                optimizer.step()
+
+    plan = plan_of(train_fn, spec, mode="sync", steps=None)
+    assert [p.groups[0]["params"] for p in plan.optimizer_specs] == [["a.weight", "a.bias"], ["b.weight", "b.bias"]]
+    assert run_loop(spec, 0, plan, train_fn)["local_steps"] == ITEMS // BATCH
