@@ -127,7 +127,7 @@ class ScriptContext(WorkerContext):
         for hook in self._first_forward:
             hook.remove()
         self._plan = loop_plan(self._modules.model, self._modules.names,
-                               [spec for _, spec in self._optimizers.ordered], num_ps=len(self._spec.ps),
+                               self._optimizers.specs(self._modules), num_ps=len(self._spec.ps),
                                **self._placement, **self._settings)
         if self._task.is_chief:
             self._start_run()

@@ -241,7 +241,7 @@ def net_loop(ctx):
     torch.manual_seed(ctx.seed)
     model = ctx.model(Net())
     optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=TRAIN["lr"]))
-    for x, y in ctx.shard(pscluster.datasets.digits("train"), batch_size=TRAIN["batch_size"]):
+    for x, y in ctx.endless_shard(pscluster.datasets.digits("train"), batch_size=TRAIN["batch_size"]):
         optimizer.zero_grad()
         loss = LOSS(model(x), y)
         loss.backward()

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     torch.manual_seed(ctx.seed)
     model = ctx.model(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)))
     optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    for x, y in ctx.shard(pscluster.datasets.digits("train"), batch_size=32):
+    for x, y in ctx.endless_shard(pscluster.datasets.digits("train"), batch_size=32):
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
