@@ -48,7 +48,7 @@ from ..errors import ConfigError, RunEnded, RuntimeTimeout
 from ..metrics.store import RunStore
 from ..runtime import standalone
 from ..runtime.context import WorkerContext, loop_plan
-from ..runtime.options import RECORD_OPTIONS, SCRIPT, take
+from ..runtime.options import OPTIONS, RECORD_OPTIONS, SCRIPT, take
 from ..runtime.plan import TrainPlan
 from ..task_config import from_environment
 from . import run_records
@@ -69,9 +69,14 @@ def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "Sc
     typed on ``pscluster launch``'s command line, over the defaults; ``store`` and ``log`` (where this worker
     prints its progress lines; None: silent) as ``train_from_environment``'s. A worker's process ends as the
     module says (its exit status, ``RunEnded``)."""
-    given = take(SCRIPT, {**environ.launch_options(), **options}, caller="pscluster.init()")
+    launched = environ.launch_options()
+    given = take(SCRIPT, {**launched, **options}, caller="pscluster.init()")
     record = {name: given.pop(name) for name in RECORD_OPTIONS if name in given}
     spec, task = from_environment()
+    overridden = [name for name in launched if name in options and options[name] != launched[name]]
+    if overridden and task.is_chief and log is not None:
+        log(f"pscluster.init({', '.join(f'{name}={options[name]!r}' for name in overridden)}) overrides pscluster "
+            f"launch's {', '.join(_flag(name, launched[name]) for name in overridden)}")
     if task.role == "ps":  # status 1: it served no run (a chief that never came), which launch starts again
         sys.exit(0 if standalone.serve_run(spec, task)["global_step"] is not None else 1)
     if task.role != "worker":
@@ -86,6 +91,12 @@ def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "Sc
     threading._register_atexit(ctx._at_exit)
     sys.excepthook = ctx._excepthook(sys.excepthook)
     return ctx
+
+
+def _flag(name: str, value) -> str:
+    """Option ``name`` as typed on the command line: ``--seed 3``, ``--no-restore``."""
+    flag = OPTIONS[name].flag_name
+    return flag if isinstance(value, bool) else f"{flag} {value}"
 
 
 class ScriptContext(WorkerContext):

@@ -53,6 +53,7 @@ def test_run_options_on_the_command_line_go_under_init_s_own_arguments(launch):
     chief = job.summaries()[0]
     # --mode and --steps over the table's defaults; the script's own seed=5 over --seed 3
     assert (chief["mode"], chief["steps"], chief["seed"], chief["status"]) == ("async", 12, 5, "finished"), chief
+    assert "[worker:0] pscluster.init(seed=5) overrides pscluster launch's --seed 3" in job.output, job.output
 
 
 def test_a_bad_option_value_is_one_line_before_any_task_starts(tmp_path, capsys):
