@@ -64,7 +64,7 @@ TRAIN = textwrap.dedent("""
     data = torch.utils.data.TensorDataset(torch.randn(512, 8), torch.randint(0, 2, (512,)))
     out = pscluster.train_from_environment(
         lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)), data,
-        torch.nn.CrossEntropyLoss(), mode=sys.argv[1], steps=int(sys.argv[2]), batch_size=16, lr=0.1, log_every=20,
+        torch.nn.CrossEntropyLoss(), mode=sys.argv[1], steps=int(sys.argv[2]), batch_size=16, lr=0.1, log_every=10,
         checkpoint_every=50)
     if isinstance(out, pscluster.Run):
         print("SUMMARY", json.dumps({"worker": 0, "status": out.status, "global_step": out.global_step}), flush=True)
