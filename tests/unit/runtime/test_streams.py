@@ -35,7 +35,7 @@ class Source:
 
 def stream_of(source: Source) -> tuple[Batches, list[int]]:
     counted: list[int] = []
-    return Batches(lambda: iter(source), begin=lambda: None, counted=counted.append), counted
+    return Batches(lambda: iter(source), begin=lambda: None, counted=counted.append, ended=lambda: None), counted
 
 
 def loop(batches, steps: int, read_ahead=None, draw_between: bool = False) -> list:
