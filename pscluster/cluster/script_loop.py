@@ -44,7 +44,7 @@ from pathlib import Path
 import zmq
 
 from .. import environ
-from ..errors import ConfigError, RunEnded, RuntimeTimeout
+from ..errors import ConfigError, RunEnded, RuntimeTimeout, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import standalone
 from ..runtime.context import WorkerContext, loop_plan
@@ -230,8 +230,11 @@ class ScriptContext(WorkerContext):
         end and finalizes it (TrainingError when the run failed)."""
         self._finishing = True  # finish() asks should_stop() again
         if self._loop_error is not None:
-            self.failed(self._loop_error)
-            self._outcome.set_exception(self._loop_error)
+            error = self._loop_error
+            if not isinstance(error, Exception):  # Ctrl-C: the supervisor takes a worker's Exception as its failure
+                error = TrainingError(f"worker {self.worker_index} was interrupted ({type(error).__name__})")
+            self.failed(error)
+            self._outcome.set_exception(error)
         else:
             try:
                 self._outcome.set_result(super().finish())

@@ -101,16 +101,21 @@ def test_run_ended_escaping_the_script_is_the_loop_s_normal_end(launch):
     assert job.summaries()[0]["status"] == "finished"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_launch_ended_by_a_signal_leaves_no_task_running(launch, sig):
-    """A loop without should_stop() trains on for ever: its tasks must end with launch, even SIGKILLed."""
+    """A loop without should_stop() trains on for ever: its tasks must end with launch, even SIGKILLed. Ctrl-C
+    (SIGINT, passed on to the tasks) ends the run, recorded as interrupted."""
     job = launch(LOOP, "--steps", "1000000", "--log-every", "5", args=loop_args("forever"))
     job.wait_for(PROGRESS.format(index=1))
     tasks = job.pids
     assert len(tasks) == 3
     job.process.send_signal(sig)
+    assert job.wait(60) == (-sig if sig == signal.SIGKILL else 128 + sig)
     assert not gone_within(tasks, 5.0), job.output[-3000:]
-    assert job.wait(10) == (-sig if sig == signal.SIGKILL else 128 + sig)
+    if sig == signal.SIGINT:
+        run = pscluster.open_run("job0", store=job_store(job))
+        [end] = run.events().query("kind == 'end'")["detail"]
+        assert run.status == "failed" and "worker 0 was interrupted (KeyboardInterrupt)" in end["error"], end
 
 
 def test_the_chief_lost_ends_every_task_and_launch_fails(launch):
