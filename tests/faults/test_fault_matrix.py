@@ -379,11 +379,12 @@ def test_a_script_job_under_pscluster_launch(tmp_path, mode, victim, loop):
     it."""
     script = tmp_path / "job.py"
     script.write_text(launched.TRAIN if loop == "library" else launched.LOOP)
-    args = (mode, str(SCRIPT_STEPS)) if loop == "library" else ("forever" if victim == "launch" else "stop", "{}")
-    job = launched.Launched(tmp_path / "home", script, "--mode", mode, "--steps", str(SCRIPT_STEPS),
+    steps = SCRIPT_STEPS * (3 if loop == "library" else 1)  # the library's loop steps faster: the kill lands mid-run
+    args = (mode, str(steps)) if loop == "library" else ("forever" if victim == "launch" else "stop", "{}")
+    job = launched.Launched(tmp_path / "home", script, "--mode", mode, "--steps", str(steps),
                             "--log-every", "20", args=args)
     try:
-        job.wait_for(launched.PROGRESS.format(index=0))
+        job.wait_for(launched.PROGRESS.format(index=1))
         tasks, hit_at = job.pids, time.monotonic()
         if victim == "launch":
             job.process.kill()
@@ -394,7 +395,7 @@ def test_a_script_job_under_pscluster_launch(tmp_path, mode, victim, loop):
         if victim in ("ps:0", "worker:1"):
             assert code == 0 and "Traceback" not in job.output, job.output[-3000:]  # the user's code saw nothing
             chief = job.summaries()[0]
-            assert chief["status"] == "finished" and chief["global_step"] == SCRIPT_STEPS, chief
+            assert chief["status"] == "finished" and chief["global_step"] == steps, chief
             assert len(job.started[victim]) == 2, job.output[-3000:]
         else:
             assert code == (-signal.SIGKILL if victim == "launch" else 128 + signal.SIGKILL), job.output[-3000:]

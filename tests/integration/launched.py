@@ -70,7 +70,9 @@ TRAIN = textwrap.dedent("""
         print("SUMMARY", json.dumps({"worker": 0, "status": out.status, "global_step": out.global_step}), flush=True)
 """)
 
-PROGRESS = r"\[worker:{index}\] After \d+ training steps"
+# a worker's own progress line, printed as it trains (train_from_environment's chief prints every worker's again
+# later, after its own task's name)
+PROGRESS = r"^\[worker:{index}\] After \d+ training steps"
 
 
 class Launched:

@@ -132,10 +132,11 @@ def test_the_chief_lost_ends_every_task_and_launch_fails(launch):
 def test_a_lost_task_is_started_again_and_the_run_finishes(launch, victim):
     """A worker rejoins the user's loop; a ps comes back at its address and the chief's supervisor recovers the
     run (the library's loop; the fault matrix has a user's loop's too). Sync: the run waits for the task lost."""
-    steps = 60
-    job = launch(LOOP, "--steps", str(steps), "--log-every", "10", args=loop_args("stop")) if victim == "worker:1" \
-        else launch(TRAIN, args=("sync", str(steps)))
-    job.wait_for(PROGRESS.format(index=0))
+    if victim == "worker:1":
+        steps, job = 60, launch(LOOP, "--steps", "60", "--log-every", "10", args=loop_args("stop"))
+    else:  # the library's loop takes a few ms a step: the kill must land before the run's end
+        steps, job = 600, launch(TRAIN, args=("sync", "600"))
+    job.wait_for(PROGRESS.format(index=1))
     job.kill(victim)
     job.wait_for(rf"\[launch\] {victim} was killed by SIGKILL: starting it again \(1 of 3\)", 10)
     assert job.wait() == 0, job.output[-3000:]
