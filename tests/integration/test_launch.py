@@ -133,7 +133,7 @@ def test_a_lost_task_is_started_again_and_the_run_finishes(launch, victim):
     """A worker rejoins the user's loop; a ps comes back at its address and the chief's supervisor recovers the
     run (the library's loop; the fault matrix has a user's loop's too). Sync: the run waits for the task lost."""
     if victim == "worker:1":
-        steps, job = 60, launch(LOOP, "--steps", "60", "--log-every", "10", args=loop_args("stop"))
+        steps, job = 150, launch(LOOP, "--steps", "150", "--log-every", "10", args=loop_args("stop"))
     else:  # the library's loop takes a few ms a step: the kill must land before the run's end
         steps, job = 600, launch(TRAIN, args=("sync", "600"))
     job.wait_for(PROGRESS.format(index=1))
