@@ -88,7 +88,9 @@ def test_the_dcgan_port_changes_six_lines_and_one_sync_worker_is_the_plain_scrip
     assert "[worker:0] [1/2][14/15] Loss_D" in got
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+# each launch of a port costs its processes' start: the mnist port runs both modes on two workers, the GAN's the
+# one where its two optimizers' pushes interleave (async), the language model's the one where a step waits (sync)
+@pytest.mark.parametrize("mode", ["async"])
 def test_the_dcgan_port_trains_its_epochs_on_two_workers(tmp_path, mode):
     got = port("dcgan", tmp_path, "--niter", "1", "--batchSize", "256", "--manualSeed", "3", workers=2,
                launch=("--mode", mode))
@@ -114,7 +116,7 @@ def test_the_language_model_port_changes_eight_lines_and_one_sync_worker_is_the_
     assert "| epoch   3 |     2/    8 batches | lr 5.00 |" in got  # annealed by hand after epoch 2
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync"])
 def test_the_language_model_port_trains_its_epochs_on_two_workers(tmp_path, mode):
     got = port("word_language_model", tmp_path, "--epochs", "2", "--log-interval", "2", workers=2,
                launch=("--mode", mode))
