@@ -17,7 +17,7 @@ from pscluster.launch import free_port
 from pscluster.runtime.standalone import held_runs
 from pscluster.spec import ClusterSpec, TaskSpec
 
-from .launched import LOOP, PROGRESS, TRAIN, Launched, gone_within
+from .launched import LOOP, PROGRESS, Launched, gone_within
 
 pytestmark = pytest.mark.integration
 
@@ -101,48 +101,23 @@ def test_run_ended_escaping_the_script_is_the_loop_s_normal_end(launch):
     assert job.summaries()[0]["status"] == "finished"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+# SIGKILL of launch, of the chief, of a ps and of another worker are rows of the fault matrix (make faults), in sync
+# and async: here the signals launch passes on
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_launch_ended_by_a_signal_leaves_no_task_running(launch, sig):
-    """A loop without should_stop() trains on for ever: its tasks must end with launch, even SIGKILLed. Ctrl-C
-    (SIGINT, passed on to the tasks) ends the run, recorded as interrupted."""
+    """A loop without should_stop() trains on for ever: its tasks must end with launch. Ctrl-C (SIGINT, passed on
+    to the tasks) ends the run, recorded as interrupted."""
     job = launch(LOOP, "--steps", "1000000", "--log-every", "5", args=loop_args("forever"))
     job.wait_for(PROGRESS.format(index=1))
     tasks = job.pids
     assert len(tasks) == 3
     job.process.send_signal(sig)
-    assert job.wait(60) == (-sig if sig == signal.SIGKILL else 128 + sig)
+    assert job.wait(60) == 128 + sig
     assert not gone_within(tasks, 5.0), job.output[-3000:]
     if sig == signal.SIGINT:
         run = pscluster.open_run("job0", store=job_store(job))
         [end] = run.events().query("kind == 'end'")["detail"]
         assert run.status == "failed" and "worker 0 was interrupted (KeyboardInterrupt)" in end["error"], end
-
-
-def test_the_chief_lost_ends_every_task_and_launch_fails(launch):
-    job = launch(LOOP, "--steps", "1000000", "--log-every", "5", args=loop_args("stop"))
-    job.wait_for(PROGRESS.format(index=1))
-    lost_at = time.monotonic()
-    job.kill("worker:0")
-    assert job.wait(15) == 128 + signal.SIGKILL, job.output[-3000:]
-    assert time.monotonic() - lost_at < 10.0
-    assert not gone_within(job.pids, 1.0)
-
-
-@pytest.mark.parametrize("victim", ["worker:1", "ps:0"])
-def test_a_lost_task_is_started_again_and_the_run_finishes(launch, victim):
-    """A worker rejoins the user's loop; a ps comes back at its address and the chief's supervisor recovers the
-    run (the library's loop; the fault matrix has a user's loop's too). Sync: the run waits for the task lost."""
-    if victim == "worker:1":
-        steps, job = 150, launch(LOOP, "--steps", "150", "--log-every", "10", args=loop_args("stop"))
-    else:  # the library's loop takes a few ms a step: the kill must land before the run's end
-        steps, job = 600, launch(TRAIN, args=("sync", "600"))
-    job.wait_for(PROGRESS.format(index=1))
-    job.kill(victim)
-    job.wait_for(rf"\[launch\] {victim} was killed by SIGKILL: starting it again \(1 of 3\)", 10)
-    assert job.wait() == 0, job.output[-3000:]
-    chief = job.summaries()[0]
-    assert chief["status"] == "finished" and chief["global_step"] == steps, chief
-    assert len(job.started[victim]) == 2
 
 
 def test_a_ps_that_serves_no_run_gives_up(tmp_path):
