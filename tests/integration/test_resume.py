@@ -46,36 +46,30 @@ def launch(tmp_path, mode: str, steps: int) -> tuple[dict, str]:
     return summaries(done.stdout)[0], done.stdout
 
 
-def test_a_script_launched_again_in_another_mode_is_a_new_run_that_says_why(tmp_path):
-    """Sync, then async: the async run trains its whole target from scratch in a folder of its own (not 0 steps
-    from the sync run's final checkpoint, silently). That an async run launched again continues the async one is
-    tests/unit/cluster/test_run_records.py's."""
-    sync, _ = launch(tmp_path, "sync", 20)
-    run_async, out = launch(tmp_path, "async", 20)
+def test_a_script_launched_again_resumes_the_same_run_and_starts_another_mode_anew(tmp_path):
+    """Sync, sync again with a larger target: it resumes, says so, and trains the rest. Then async: it trains its
+    whole target from scratch in a folder of its own (not 0 steps from the sync run's final checkpoint, silently).
+    That an async run launched again continues the async one is tests/unit/cluster/test_run_records.py's."""
     folder = tmp_path / "home" / "checkpoints" / "compare"
-    assert run_async["run_id"] != sync["run_id"] and sum(run_async["local_steps"]) >= 20
-    assert (f'not resuming run {sync["run_id"]} "compare" (sync, 2 workers) from its checkpoint at global step 20 '
-            f"in {folder}: its mode was sync, this run's is async; this run starts from scratch in "
-            f"{folder.with_name('compare.2')}") in out
-    with RunStore(tmp_path / "home" / "runs.sqlite", readonly=True) as store:
-        assert store.metrics(run_async["run_id"])["global_step"].min() == 1
-        assert store.run(run_async["run_id"])["config"]["checkpoint_dir"] == str(folder.with_name("compare.2"))
-        [detail] = store.events(run_async["run_id"]).query("kind == 'not_resuming'")["detail"]
-        assert detail["run"] == sync["run_id"] and detail["differs"] == {"mode": ["sync", "async"]}
-
-
-def test_a_script_launched_again_the_same_way_resumes_says_so_and_trains_the_rest(tmp_path):
     first, out = launch(tmp_path, "sync", 20)
     assert "resuming" not in out
     second, out = launch(tmp_path, "sync", 30)
-    folder = tmp_path / "home" / "checkpoints" / "compare"
     assert (f'resuming run {first["run_id"]} "compare" (sync, 2 workers) from its checkpoint at global step 20 in '
             f"{folder}") in out
     assert second["run_id"] != first["run_id"] and second["local_steps"] == [10, 10]
+    run_async, out = launch(tmp_path, "async", 20)
+    assert run_async["run_id"] != second["run_id"] and sum(run_async["local_steps"]) >= 20
+    assert (f'not resuming run {second["run_id"]} "compare" (sync, 2 workers) from its checkpoint at global step 30 '
+            f"in {folder}: its mode was sync, this run's is async; this run starts from scratch in "
+            f"{folder.with_name('compare.2')}") in out
     with RunStore(tmp_path / "home" / "runs.sqlite", readonly=True) as store:
         assert store.metrics(second["run_id"])["global_step"].min() == 21
         [detail] = store.events(second["run_id"]).query("kind == 'resuming'")["detail"]
         assert (detail["run"], detail["mode"], detail["workers"], detail["step"]) == (first["run_id"], "sync", 2, 20)
+        assert store.metrics(run_async["run_id"])["global_step"].min() == 1
+        assert store.run(run_async["run_id"])["config"]["checkpoint_dir"] == str(folder.with_name("compare.2"))
+        [detail] = store.events(run_async["run_id"]).query("kind == 'not_resuming'")["detail"]
+        assert detail["run"] == second["run_id"] and detail["differs"] == {"mode": ["sync", "async"]}
 
 
 def test_a_notebook_run_given_a_folder_of_another_mode_continues_it_and_says_how_they_differ(cluster_1ps_2w,
