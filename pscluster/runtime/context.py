@@ -118,39 +118,39 @@ class Optimizers:
     together, every trainable parameter of the registered modules."""
 
     def __init__(self):
-        self.registered: list[tuple[torch.optim.Optimizer, bool | None]] = []
-        # each one's class, defaults and groups as registered: what the loop sets before its first step (an lr) is
-        # an option of that step's push, not of the optimizer the ps tasks build
-        self._as_registered: dict[int, tuple[type, SimpleNamespace]] = {}
+        # (optimizer, global_step, (its class, its defaults and groups as registered)): what the loop sets before its
+        # first step (an lr) is an option of that step's push, not of the optimizer the ps tasks build
+        self.registered: list[tuple[torch.optim.Optimizer, bool | None, tuple[type, SimpleNamespace]]] = []
 
     def add(self, optimizer, global_step: bool | None) -> None:
-        if any(o is optimizer for o, _ in self.registered):
+        if any(o is optimizer for o, _, _ in self.registered):
             raise ConfigError("ctx.optimizer() was given the same optimizer twice: register each once")
-        if global_step and any(g for _, g in self.registered):
+        if global_step and any(g for _, g, _ in self.registered):
             raise ConfigError("two optimizers with global_step=True: the global step counts one optimizer's steps")
         mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for other, _ in self.registered:
+        for other, _, _ in self.registered:
             if mine & {id(p) for g in other.param_groups for p in g["params"]}:
                 raise ConfigError("two optimizers update one parameter: give each optimizer parameters of its own")
-        self.registered.append((optimizer, global_step))
-        self._as_registered[id(optimizer)] = (type(optimizer), SimpleNamespace(
-            defaults=dict(optimizer.defaults), param_groups=[dict(g) for g in optimizer.param_groups]))
+        as_registered = SimpleNamespace(defaults=dict(optimizer.defaults),
+                                        param_groups=[dict(g) for g in optimizer.param_groups])
+        self.registered.append((optimizer, global_step, (type(optimizer), as_registered)))
+
+    def _in_order(self) -> list[tuple]:
+        counting = next((i for i, (_, g, _) in enumerate(self.registered) if g), 0)
+        return [self.registered[i] for i in [counting] + [i for i in range(len(self.registered)) if i != counting]]
 
     @property
     def ordered(self) -> list[torch.optim.Optimizer]:
-        counting = next((i for i, (_, g) in enumerate(self.registered) if g), 0)
-        order = [counting] + [i for i in range(len(self.registered)) if i != counting]
-        return [self.registered[i][0] for i in order]
+        return [optimizer for optimizer, _, _ in self._in_order()]
 
     def specs(self, modules: ModuleSet) -> list[OptimizerSpec]:
         """The specs of the optimizers in the run's order, named by the parameters of every module registered by
         now (a module registered after an optimizer renames them all: ``<module>.<parameter>``)."""
-        return [modules.optimizer_spec(registered, cls) for cls, registered in
-                (self._as_registered[id(optimizer)] for optimizer in self.ordered)]
+        return [modules.optimizer_spec(as_registered, cls) for _, _, (cls, as_registered) in self._in_order()]
 
     def check_trained(self, model: torch.nn.Module) -> None:
         """ConfigError for a trainable parameter that no optimizer updates (the ps would train it)."""
-        updated = {id(p) for o, _ in self.registered for g in o.param_groups for p in g["params"]}
+        updated = {id(p) for o, _, _ in self.registered for g in o.param_groups for p in g["params"]}
         left_out = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in updated]
         if left_out:
             raise ConfigError(f"parameter {left_out[0]} is trainable but in no group of an optimizer: add it, or "

@@ -80,6 +80,7 @@ class LoaderOptions:
 
 
 _DEFAULTS = LoaderOptions()
+DEFAULT_BATCH_SIZE = 64  # per worker, where neither the call nor a DataLoader gives one
 
 
 def worker_batches(dataset, rank: int, world: int, batch_size: int, seed: int,
@@ -343,4 +344,4 @@ def training_input(dataset, batch_size: int | None, collate_fn, loader_workers: 
     if collate_fn is not None and not callable(collate_fn):
         raise ConfigError("collate_fn must be a function of a list of items that returns a batch")
     loader = LoaderOptions(num_workers=loader_workers, prefetch_factor=prefetch_factor, pin_memory=pin_memory)
-    return dataset, 64 if batch_size is None else batch_size, collate_fn, loader
+    return dataset, DEFAULT_BATCH_SIZE if batch_size is None else batch_size, collate_fn, loader

@@ -28,9 +28,9 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, ge
 
 from ..errors import ConfigError
 from . import seeding
-from .data import enter_shard, shuffles
+from .data import DEFAULT_BATCH_SIZE, enter_shard, shuffles
 
-DATASET_DEFAULTS = {"batch_size": 64, "shuffle": True}  # ``ctx.shard(dataset)``: a training set's loader
+DATASET_DEFAULTS = {"batch_size": DEFAULT_BATCH_SIZE, "shuffle": True}  # ``ctx.shard(dataset)``: a training set's
 
 
 class _Part(IterableDataset):
