@@ -33,6 +33,8 @@ def alive(pid: int) -> bool:
     try:  # a zombie child of ours is dead for our purpose
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:  # reaped since the signal above reached it
+        return False
     except OSError:
         return True
 

@@ -128,6 +128,21 @@ def test_alive_and_kill_all(spawn):
     assert child.wait(5) == -signal.SIGTERM
 
 
+def test_a_zombie_reaped_while_it_is_looked_at_is_dead(spawn, monkeypatch):
+    # its parent (a forkserver) reaps it between the probe signal and the read of its /proc entry
+    child = spawn("true")
+    while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    probe = os.kill
+
+    def probe_then_reap(pid, sig):
+        probe(pid, sig)
+        child.wait(5)
+
+    monkeypatch.setattr(os, "kill", probe_then_reap)
+    assert not alive(child.pid)
+
+
 def test_kill_all_escalates_to_sigkill(spawn):
     stubborn = spawn(sys.executable, "-c",
                      "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
