@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import pathlib
 
 import plotly
@@ -27,6 +28,27 @@ SERIES_POINTS = 2000        # points per worker of a series when the request doe
 CSV_CHUNK = 20_000          # rows per chunk of a streamed CSV or JSON download
 PLOTLY_CACHE_S = 7 * 86400  # plotly.js changes with the plotly package only
 TASK = r"clusters/(?P<name>[^/]+)/tasks/(?P<role>ps|chief|worker)/(?P<index>\d+)"
+LARGEST_ID = 2**63 - 1      # SQLite's largest integer: no run id (nor task index) is larger
+FORMULA_LEADS = ("=", "+", "-", "@", "\t", "\r")  # a CSV cell beginning so is a formula to a spreadsheet
+
+
+def whole_number(value: str, what: str) -> int:
+    """``value`` (digits, as the routes take them) as an int; 400 naming ``what`` past ``LARGEST_ID`` (a number
+    of thousands of digits included, which ``int()`` itself refuses)."""
+    if len(value) > len(str(LARGEST_ID)) or int(value) > LARGEST_ID:
+        raise web.HTTPError(400, reason=f"{what} {value[:20]}{'...' if len(value) > 20 else ''} is larger than "
+                                        f"any there can be ({LARGEST_ID}): give one that pscluster lists")
+    return int(value)
+
+
+def spreadsheet_safe(df):
+    """``df`` with every column name and text cell that a spreadsheet would run as a formula quoted (``'``
+    first, as spreadsheets themselves mark text)."""
+    def safe(text):
+        return "'" + text if isinstance(text, str) and text.startswith(FORMULA_LEADS) else text
+    df = df.rename(columns=safe)
+    text_columns = df.select_dtypes(include="object").columns
+    return df.assign(**{c: df[c].map(safe) for c in text_columns}) if len(text_columns) else df
 
 
 class _Handler(APIHandler):
@@ -46,7 +68,7 @@ class _Handler(APIHandler):
         value = self.get_query_argument("points", "")
         if not value:
             return default
-        if not value.isdigit() or not 2 <= int(value) <= MAX_POINTS:
+        if not value.isdigit() or len(value) > 9 or not 2 <= int(value) <= MAX_POINTS:
             raise web.HTTPError(400, reason=f"points={value!r}: give a number of points from 2 to {MAX_POINTS}")
         return int(value)
 
@@ -70,7 +92,7 @@ class StopClusterHandler(_Handler):
 class TaskActionHandler(_Handler):
     @web.authenticated
     async def post(self, name: str, role: str, index: str, action: str):
-        await self.answer(self.service.task_action, name, role, int(index), action)
+        await self.answer(self.service.task_action, name, role, whole_number(index, "task index"), action)
 
 
 class RunsHandler(_Handler):
@@ -86,16 +108,22 @@ class SeriesHandler(_Handler):
         x = self.get_query_argument("x", "step")
         if x not in ("step", "time"):
             raise web.HTTPError(400, reason=f"x={x!r}: give x=step (global step) or x=time (seconds)")
-        await self.answer(self.service.series, int(run_id), self.get_query_argument("store", None),
-                          names.split(",") if names else None, x, self.number("start"), self.number("stop"),
-                          self.points(SERIES_POINTS))
+        start, stop = self.number("start"), self.number("stop")
+        if start is not None and stop is not None and start > stop:
+            raise web.HTTPError(400, reason=f"start={start:g} is past stop={stop:g}: give a start no later than the stop")
+        await self.answer(self.service.series, whole_number(run_id, "run id"), self.get_query_argument("store", None),
+                          names.split(",") if names else None, x, start, stop, self.points(SERIES_POINTS))
 
     def number(self, name: str) -> float | None:
+        """The query argument ``name`` as a finite number, or None without it."""
         value = self.get_query_argument(name, "")
         try:
-            return float(value) if value else None
+            number = float(value) if value else None
         except ValueError:
-            raise web.HTTPError(400, reason=f"{name}={value!r}: give a number, or leave it out") from None
+            number = math.nan
+        if number is not None and not math.isfinite(number):
+            raise web.HTTPError(400, reason=f"{name}={value[:40]!r}: give a finite number, or leave it out")
+        return number
 
 
 DOWNLOAD_TYPES = {"csv": "text/csv", "json": "application/json", "parquet": "application/vnd.apache.parquet"}
@@ -113,7 +141,8 @@ class DownloadHandler(_Handler):
         points = self.points(None)
         try:
             df, content = await IOLoop.current().run_in_executor(
-                None, self.service.download, int(run_id), self.get_query_argument("store", None), points)
+                None, self.service.download, whole_number(run_id, "run id"), self.get_query_argument("store", None),
+                points)
         except ApiError as e:
             raise web.HTTPError(e.status, reason=e.message) from None
         self.set_header("Content-Type", DOWNLOAD_TYPES[kind])
@@ -127,7 +156,7 @@ class DownloadHandler(_Handler):
         for first in range(0, max(len(df), 1), CSV_CHUNK):  # streamed: the header, then a chunk at a time
             chunk = df.iloc[first:first + CSV_CHUNK]
             if kind == "csv":
-                self.write(chunk.to_csv(index=False, header=first == 0))
+                self.write(spreadsheet_safe(chunk).to_csv(index=False, header=first == 0))
             elif len(chunk):
                 self.write(("," if first else "") + chunk.to_json(orient="records")[1:-1])
             await self.flush()
@@ -149,7 +178,7 @@ class PlotlyHandler(JupyterHandler, web.StaticFileHandler):
 class StopRunHandler(_Handler):
     @web.authenticated
     async def post(self, run_id: str):
-        await self.answer(self.service.stop_run, int(run_id), self.get_query_argument("store", None))
+        await self.answer(self.service.stop_run, whole_number(run_id, "run id"), self.get_query_argument("store", None))
 
 
 def routes(base_url: str, service: LabService) -> list:

@@ -7,7 +7,7 @@ import json
 import urllib.parse
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pscluster.metrics.store import RunStore
@@ -46,17 +46,20 @@ def send(lab, method: str, path: str, body: bytes | None = None) -> tuple[int, s
         connection.close()
 
 
+# ids of any length: past SQLite's integers, and past the 4,300 digits int() takes
+LONG_IDS = st.sampled_from([19, 20, 4301, 5000]).map(lambda n: "9" * n)
 SEGMENTS = st.text(st.characters(codec="utf-8", exclude_characters="/?#"), max_size=12) | \
-    st.integers(-10, 10**30).map(str)
+    st.integers(-10, 10**30).map(str) | LONG_IDS
 PATHS = st.one_of(
     st.just("clusters"), st.just("runs"),
     st.builds("clusters/{}/stop".format, SEGMENTS),
     st.builds("clusters/{}/tasks/{}/{}/{}".format, SEGMENTS, st.sampled_from(["ps", "chief", "worker"]) | SEGMENTS,
               st.integers(0, 10**30).map(str) | SEGMENTS, st.sampled_from(["kill", "restart"]) | SEGMENTS),
-    st.builds("runs/{}/{}".format, st.integers(0, 10**30).map(str) | SEGMENTS,
+    st.builds("runs/{}/{}".format, st.integers(0, 10**30).map(str) | LONG_IDS | SEGMENTS,
               st.sampled_from(["series", "metrics.csv", "metrics.parquet", "stop"]) | SEGMENTS),
 )
-QUERY_VALUES = st.text(max_size=24) | st.integers().map(str) | st.floats().map(str) | \
+HOSTILE_NUMBERS = st.sampled_from(["nan", "inf", "-inf", "Infinity", "1e308", "-1e308", "1e999", "9" * 5000])
+QUERY_VALUES = st.text(max_size=24) | st.integers().map(str) | st.floats().map(str) | HOSTILE_NUMBERS | \
     st.sampled_from(["step", "time", "loss,accuracy", "/", "/dev/null", "../../etc/passwd", "runs.sqlite"])
 QUERIES = st.dictionaries(st.sampled_from(["store", "points", "x", "names", "start", "stop"]) | st.text(max_size=8),
                           QUERY_VALUES, max_size=4)
@@ -66,6 +69,9 @@ BODIES = st.none() | st.binary(max_size=256) | NESTED | st.builds(encoded, JSON_
 @pytest.mark.fuzz
 @fuzz_settings(examples=120)
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]), path=PATHS, query=QUERIES, body=BODIES)
+@example(method="GET", path="runs/" + "9" * 5000 + "/series", query={}, body=None)
+@example(method="GET", path="runs/1/series", query={"start": "nan", "stop": "inf"}, body=None)
+@example(method="GET", path="runs/1/series", query={"start": "1e308", "stop": "-1e308"}, body=None)
 def test_every_request_is_answered_without_a_server_error_and_the_api_goes_on(lab, method, path, query, body):
     url = "/pscluster/api/" + urllib.parse.quote(path) + ("?" + urllib.parse.urlencode(query) if query else "")
     status, kind, answer = send(lab, method, url, body if method != "GET" else None)
