@@ -110,7 +110,8 @@ class SeriesHandler(_Handler):
             raise web.HTTPError(400, reason=f"x={x!r}: give x=step (global step) or x=time (seconds)")
         start, stop = self.number("start"), self.number("stop")
         if start is not None and stop is not None and start > stop:
-            raise web.HTTPError(400, reason=f"start={start:g} is past stop={stop:g}: give a start no later than the stop")
+            raise web.HTTPError(400, reason=f"start={start:g} is past stop={stop:g}: "
+                                            "give a start no later than the stop")
         await self.answer(self.service.series, whole_number(run_id, "run id"), self.get_query_argument("store", None),
                           names.split(",") if names else None, x, start, stop, self.points(SERIES_POINTS))
 
