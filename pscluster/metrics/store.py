@@ -141,6 +141,10 @@ MIGRATIONS = [
     """
     ALTER TABLE runs ADD COLUMN failure TEXT;
     """,
+    # 8: a run's events of one kind found without reading its others (each worker's latest epoch: ``epochs``)
+    """
+    CREATE INDEX events_by_kind ON events (run_id, kind);
+    """,
 ]
 
 LEASE_S = 8.0  # a run not ended whose owner has not renewed its lease for this long has lost its owner
@@ -777,6 +781,16 @@ class RunStore:
         changed = df["lr"].ne(df["lr"].shift())
         changed.iloc[-1:] = True
         return df[changed].reset_index(drop=True)
+
+    def epochs(self, run_id: int) -> dict[int, int]:
+        """Each worker's epoch of its ``ctx.shard`` loader (1 for the first), from its latest epoch event: ``{worker:
+        epoch}``, empty for a loop without epochs. The events (``events``) also say each epoch's ``batches`` (the
+        loader's ``len()``, None where it has none) and the ``global_step`` it began at."""
+        with self._lock:
+            rows = self._db.execute("SELECT task, detail FROM events WHERE rowid IN (SELECT max(rowid) FROM events "
+                                    "WHERE run_id = ? AND kind = 'epoch' GROUP BY task)", (run_id,)).fetchall()
+        found = {_task_index(task): json.loads(detail).get("epoch") for task, detail in rows}
+        return {w: e for w, e in sorted(found.items()) if isinstance(e, int)}
 
     def events(self, run_id: int) -> pd.DataFrame:
         df = self._frame("SELECT time, task, kind, detail FROM events WHERE run_id = ? ORDER BY time, rowid",

@@ -5,7 +5,8 @@ One folder per task, so TensorBoard draws the workers (and the ps tasks) of a ru
 - ``worker_<i>``: ``loss``, ``accuracy`` and each of a ``step_fn``'s metrics (``metrics/<name>``) of its steps,
   at most one step per ``POINT_S`` (a chart has no use for more: a fast worker's every step would cost the
   kernel a core) and its last step; its ``steps_per_s`` once a second, and the ``staleness`` of every applied
-  gradient as a histogram every ``HISTOGRAM_STEPS`` of its steps; all against the global step.
+  gradient as a histogram every ``HISTOGRAM_STEPS`` of its steps; the ``epoch`` of its ``ctx.shard`` loader as each
+  one begins; all against the global step.
 - ``ps_<i>``: ``lr``, ``updates_per_s``, ``waiting_for`` (workers a sync step waits on), ``bytes_in_per_s`` and
   ``bytes_out_per_s``, as the ps reports them.
 - ``eval``: ``loss`` and ``accuracy`` of each evaluation of the test dataset.
@@ -60,13 +61,17 @@ class EventWriter:
             return self._writers[folder]
 
     def add_events(self, events: list[dict]) -> None:
-        """The events of one batch: ``step`` (a worker's), ``ps`` (a ps task's); others are not charted."""
+        """The events of one batch: ``step`` and ``epoch`` (a worker's), ``ps`` (a ps task's); others are not
+        charted."""
         for event in events:
             try:
                 if event.get("kind") == "step":
                     self._step(event)
                 elif event.get("kind") == "ps":
                     self._ps(event)
+                elif event.get("kind") == "epoch":
+                    self._writer(str(event["task"]).replace(":", "_")).add_scalar(
+                        "epoch", int(event["epoch"]), int(event["global_step"]), walltime=event["time"])
             except Exception:  # a malformed event, a full disk: the run goes on without this point
                 self.errors += 1
 

@@ -263,7 +263,7 @@ class _Context:
         has ended (its target, a stop, ``request_stop``). The next batches are read while ``optimizer.step()``
         waits for the new values, unless reading them draws random numbers (``streams``)."""
         return self._stream_of(shard_loader(data, self.worker_index, self.num_workers, self._run_seed,
-                                            self._batches, loader_kwargs))
+                                            self._batches, loader_kwargs, self._epoch_began))
 
     def endless_shard(self, dataset, batch_size: int | None = None, *, collate_fn=None, loader_workers: int = 0,
                       prefetch_factor: int | None = None, pin_memory: bool = False) -> Batches:
@@ -310,6 +310,9 @@ class _Context:
 
     def _count(self, samples: int) -> None:
         self._samples += samples
+
+    def _epoch_began(self, epoch: int, batches: int | None) -> None:
+        """An epoch of a ``shard`` loader began (``ShardLoader``'s ``began``)."""
 
 
 class ProbeContext(_Context):
@@ -476,6 +479,11 @@ class WorkerContext(_Context):
     def _training_call(self) -> None:
         if self._reply is None:
             self._start()
+
+    def _epoch_began(self, epoch: int, batches: int | None) -> None:
+        """An ``epoch`` event in the worker's metrics (the views show each worker's epoch), with ``epoch``,
+        ``batches`` and the ``global_step`` it begins at: the run has started, its first batch is being read."""
+        self._emitter.emit("epoch", epoch=epoch, batches=batches, global_step=self._reply.step)
 
     # --- the loop ----------------------------------------------------------------------------
     @property

@@ -11,7 +11,8 @@
   loader process's stream to worker ``k % N``), so parts may differ by an item; a dataset that sets
   ``pscluster_sharded = True`` reads its part itself (``data.shard()``).
 - The epoch advances by itself at each ``iter()`` (``set_epoch`` on the sampler pscluster made; a sampler of the
-  user's is left as the user drives it).
+  user's is left as the user drives it). When an epoch's first batch is read, ``began(epoch, batches)`` is told
+  (the worker's metrics: the views show each worker's epoch).
 
 ``len()``, ``.dataset``, ``.batch_size``, ``.sampler``, ``.num_workers`` read as a DataLoader's (it is one); for
 N workers ``.sampler`` is the ``DistributedSampler`` of this worker's part, and ``.dataset`` of an
@@ -20,6 +21,7 @@ N workers ``.sampler`` is the ``DistributedSampler`` of this worker's part, and 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 
@@ -81,14 +83,18 @@ def _sampling(loader: DataLoader, rank: int, world: int, seed: int) -> tuple[obj
 class ShardLoader(DataLoader):
     """Worker ``rank`` of ``world``'s DataLoader over ``loader``'s data (see the module). ``seed``: the run's (the
     order N workers share). ``stream(make)``: what an iteration returns, given the function that starts the
-    epoch's DataLoader iterator (the worker context's read-ahead and end of the run, ``streams.Batches``)."""
+    epoch's DataLoader iterator (the worker context's read-ahead and end of the run, ``streams.Batches``).
+    ``began(epoch, batches)``: called as an epoch's first batch is read, with its number (1 for the first) and
+    ``len()`` (None where the loader has none: a part of an IterableDataset without a length)."""
 
     def __init__(self, loader: DataLoader, rank: int, world: int, seed: int,
-                 stream: Callable[[Callable[[], Iterator]], Iterator]):
+                 stream: Callable[[Callable[[], Iterator]], Iterator],
+                 began: Callable[[int, int | None], None] | None = None):
         dataset, sampling = _sampling(loader, rank, world, seed)
         super().__init__(dataset, **sampling, **_settings(loader))
         self.epoch = 0  # the epoch the next iteration reads
         self._stream = stream
+        self._began = began
         self._current = None  # the iteration under way
 
     def __iter__(self) -> Iterator:
@@ -96,8 +102,18 @@ class ShardLoader(DataLoader):
             self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         self.close()
-        self._current = self._stream(super().__iter__)
+        self._current = self._stream(functools.partial(self._begin, self.epoch))
         return self._current
+
+    def _begin(self, epoch: int) -> Iterator:
+        """Epoch ``epoch``'s DataLoader iterator, made when its first batch is asked for (``began`` told)."""
+        if self._began is not None:
+            try:
+                batches = len(self)
+            except TypeError:  # an IterableDataset without __len__
+                batches = None
+            self._began(epoch, batches)
+        return super().__iter__()
 
     def read_ahead(self) -> None:
         """Read the iteration's next batches while an exchange is in flight (``streams.Batches.read_ahead``)."""
@@ -111,10 +127,11 @@ class ShardLoader(DataLoader):
             self._current = None
 
 
-def shard_loader(data, rank: int, world: int, seed: int, stream, kwargs: dict) -> ShardLoader:
+def shard_loader(data, rank: int, world: int, seed: int, stream, kwargs: dict, began=None) -> ShardLoader:
     """``ctx.shard(data, **kwargs)``: over a DataLoader (no ``kwargs``), or over a dataset with DataLoader's keyword
     arguments (``DATASET_DEFAULTS`` where not given; a ``generator`` of the worker's own, seeded from the run's seed
-    and the worker, unless one is given: a loop that makes no DataLoader of its own draws nothing for one)."""
+    and the worker, unless one is given: a loop that makes no DataLoader of its own draws nothing for one).
+    ``stream``, ``began``: as ``ShardLoader`` takes them."""
     if isinstance(data, DataLoader):
         if kwargs:
             raise ConfigError(f"ctx.shard(loader, {', '.join(kwargs)}=...): a DataLoader brings its own settings; set "
@@ -133,4 +150,4 @@ def shard_loader(data, rank: int, world: int, seed: int, stream, kwargs: dict) -
             loader = DataLoader(data, **{**DATASET_DEFAULTS, **kwargs})
         except (TypeError, ValueError) as e:
             raise ConfigError(f"ctx.shard(dataset, ...): {e}: give DataLoader's keyword arguments") from None
-    return ShardLoader(loader, rank, world, seed, stream)
+    return ShardLoader(loader, rank, world, seed, stream, began)

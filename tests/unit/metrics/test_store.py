@@ -158,6 +158,11 @@ def test_batches_are_routed_to_their_tables(store):
     assert ps.iloc[0]["ps"] == 1 and ps.iloc[0]["waiting_for"] == [0] and ps.iloc[0]["bytes_out"] == 200
     events = store.events(run)
     assert events.iloc[0]["kind"] == "state" and events.iloc[0]["detail"] == {"state": "training"}
+    assert store.epochs(run) == {}  # a loop without epochs
+    store.add_batch(run, [{"kind": "epoch", "task": f"worker:{w}", "time": 2.0 + e, "epoch": e, "batches": 5,
+                           "global_step": 5 * e} for e, w in ((1, 1), (1, 0), (2, 1), (3, 1))])
+    assert store.epochs(run) == {0: 1, 1: 3}  # each worker's latest
+    assert store.epochs(new_run(store)) == {}  # of its own run only
 
 
 def test_placement_and_evaluations(store):
@@ -220,6 +225,7 @@ def test_a_schema_1_store_is_read_as_is_and_upgraded_keeping_its_rows(tmp_path):
     with RunStore(path, readonly=True) as reader:  # a reader does not migrate, and still reads
         assert reader.schema_version == 1
         check_v1_rows(reader.placement(1))
+        assert reader.epochs(1) == {}
     with RunStore(path) as upgraded:
         assert upgraded.schema_version == len(MIGRATIONS) >= 2
         assert upgraded.run(1)["name"] == "old"

@@ -36,12 +36,16 @@ def test_each_task_is_a_run_of_curves_against_the_global_step(tmp_path):
                            {"kind": "ps", "task": "ps:0", "time": 1000.0 + i / 10, "step": 2 * i, "applied": 2 * i,
                             "bytes_in": 100 * i, "bytes_out": 50 * i, "waiting_for": [1], "lr": 0.1 / i},
                            {"kind": "log", "task": "worker:0", "line": "not charted"}])
+        if i % 50 == 1:  # worker 1's loop on ctx.shard: an epoch of 50 steps
+            writer.add_events([{"kind": "epoch", "task": "worker:1", "time": 1000.0 + i / 10, "epoch": i // 50 + 1,
+                                "batches": 50, "global_step": 2 * i + 1}])
     writer.add_evaluation(240, 0.25, 0.95)
     writer.close()
     events = read(tmp_path)
     runs = events.Runs()
     assert sorted(runs) == ["eval", "ps_0", "worker_0", "worker_1"]
     assert set(runs["worker_0"]["scalars"]) == {"loss", "accuracy", "metrics/auc", "steps_per_s"}
+    assert [(e.step, e.value) for e in events.Scalars("worker_1", "epoch")] == [(3, 1), (103, 2), (203, 3)]
     loss = events.Scalars("worker_1", "loss")
     assert [(e.step, e.value) for e in loss[:2]] == [(3, 1.0), (5, 0.5)] and len(loss) == HISTOGRAM_STEPS + 20
     assert events.Scalars("worker_0", "steps_per_s")[0].value == pytest.approx(10.0)  # 1 local step per 0.1 s

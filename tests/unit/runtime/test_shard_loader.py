@@ -1,13 +1,22 @@
 """``ctx.shard``'s DataLoader (``shard_loader``): one worker reads what the plain DataLoader reads, in its order and
 with its random draws; N workers split each epoch; epochs advance by themselves."""
 
+import threading
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
 
 from pscluster.errors import ConfigError, RunEnded
+from pscluster.metrics.collector import Collector
+from pscluster.metrics.store import RunStore
+from pscluster.runtime.context import run_loop
 from pscluster.runtime.shard_loader import ShardLoader, shard_loader
 from pscluster.runtime.streams import Batches
+from pscluster.runtime.waiting import wait_until
+
+from .test_context_inprocess import plan_of, user_loop
+from .test_loop_end import epochs_loop
 
 ITEMS = 50
 
@@ -124,6 +133,53 @@ def test_the_stream_ends_an_epoch_once_the_run_has_ended():
     assert len(taken) == 3
     with pytest.raises(RunEnded, match="stopped"):  # an epoch begun after the end: a loop that would spin on
         next(iter(loader))
+
+
+def test_each_epoch_says_its_number_and_batches_as_its_first_batch_is_read():
+    began = []
+    loader = ShardLoader(DataLoader(numbers(), batch_size=8), 1, 2, seed=0, stream=read_ahead_stream,
+                         began=lambda *told: began.append(told))
+    first = iter(loader)
+    assert began == []  # an epoch that reads no batch (the run ended before it) began nothing
+    next(first)
+    list(loader)
+    assert began == [(1, 4), (2, 4)]  # ceil(25 / 8) batches of this worker's part
+    parts = ShardLoader(DataLoader(Counting(), batch_size=5), 0, 2, seed=0, stream=read_ahead_stream,
+                        began=lambda *told: began.append(told))
+    list(parts)
+    assert began[-1] == (1, None)  # a part of an IterableDataset has no length
+
+
+def recorded_epochs(local_ps, store: RunStore, train_fn, steps: int | None) -> dict[int, int]:
+    """Each worker's epochs in ``store``, of a 2-worker async run of ``train_fn`` whose metrics a collector writes
+    there, once every step the workers took is recorded."""
+    spec = local_ps.start(num_ps=1, num_workers=2)
+    run_id = store.create_run(name=None, cluster="c", mode="async", config={}, spec={})
+    collector = Collector(lambda events: store.add_batch(run_id, events), spec.key)
+    try:
+        plan = plan_of(train_fn, spec, mode="async", steps=steps, metrics_address=collector.address)
+        summaries = {}
+        workers = [threading.Thread(target=lambda i=i: summaries.update({i: run_loop(spec, i, plan, train_fn)}))
+                   for i in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert len(summaries) == 2, "a worker failed"
+        local_steps = sum(s["local_steps"] for s in summaries.values())
+        assert wait_until(lambda: len(store.metrics(run_id)) == local_steps, 10), store.metrics(run_id)
+    finally:
+        collector.close()
+    return store.epochs(run_id)
+
+
+def test_each_worker_s_epochs_reach_the_run_store_and_a_loop_on_endless_shard_has_none(local_ps, tmp_path):
+    data = TensorDataset(torch.randn(ITEMS, 64), torch.randint(0, 10, (ITEMS,)))
+    with RunStore(tmp_path / "runs.sqlite") as store:
+        # 25 items a worker: 2 batches of 16 an epoch; worker 0 runs 1 epoch, worker 1 runs 3
+        assert recorded_epochs(local_ps, store, epochs_loop(data, epochs_of=lambda ctx: 1 + 2 * ctx.worker_index),
+                               None) == {0: 1, 1: 3}
+        assert recorded_epochs(local_ps, store, user_loop(data), 6) == {}
 
 
 @pytest.mark.parametrize("make, kwargs, fix", [
