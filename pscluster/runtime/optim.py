@@ -691,13 +691,15 @@ class PsOptimizer:
 
     def plain_sgd_rate(self, global_step: int) -> float | None:
         """The learning rate of the update from ``global_step`` (the schedule set to it) when that update is
-        plain SGD: ``param -= lr * grad`` (dense variables only, one group, no momentum, weight decay or
+        plain SGD: ``param -= lr * grad`` (dense variables only, all in one group, no momentum, weight decay or
         maximize, at this step); None otherwise, and the ps calls ``step``."""
         self._advance(global_step)
         optimizer = self.optimizers[0]
-        if len(self.optimizers) > 1 or type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        # the groups that hold variables: a user's loop's one group leaves the ps's default group empty
+        groups = [g for g in optimizer.param_groups if g["params"]] or optimizer.param_groups[:1]
+        if len(self.optimizers) > 1 or type(optimizer) is not torch.optim.SGD or len(groups) != 1:
             return None
-        group = optimizer.param_groups[0]
+        group = groups[0]
         if group["momentum"] or group["weight_decay"] or group["maximize"]:
             return None
         return float(group["lr"])

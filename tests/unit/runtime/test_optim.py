@@ -382,6 +382,9 @@ def test_plain_sgd_rate_follows_the_schedule():
     assert_same_params(reference, ours, tol=1e-7)
     plain = build([("w", torch.nn.Parameter(torch.zeros(2)))], OptimizerSpec("SGD", {"lr": 0.5}))
     assert plain.plain_sgd_rate(9) == 0.5
+    named = list(net().named_parameters())  # a user's loop's SGD: one group of every variable, the default one empty
+    loops = build(named, OptimizerSpec("SGD", {"lr": 0.1}, groups=[{"params": [n for n, _ in named], "lr": 0.2}]))
+    assert loops.plain_sgd_rate(0) == 0.2
 
 
 # --- sparse variables -------------------------------------------------------------------------------
