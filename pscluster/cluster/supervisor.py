@@ -14,9 +14,11 @@ finalizes the run when the workers end: their summaries, the ps statistics, the 
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
+import sqlite3
 import threading
 import time
 import traceback
@@ -39,6 +41,11 @@ from . import recovery, scaling
 from .checkpoint_commits import CheckpointCoordinator
 from .lease import Lease
 from .worker_output import WorkerOutput
+
+log = logging.getLogger("pscluster.supervisor")
+# SQLite's primary result codes of a store that cannot take a write: SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL,
+# SQLITE_CANTOPEN (a removed directory)
+UNWRITABLE = frozenset({8, 10, 13, 14})
 
 RESULT_GRACE_S = 2.0  # how long a worker's ipyparallel result may trail its "done" event before the event stands in
 
@@ -118,8 +125,14 @@ class Supervisor:
     # --- the workers' metrics --------------------------------------------------------------
     def _on_batch(self, events: list[dict]) -> None:
         """The collector's callback: a batch of the workers' events recorded (the store and the event files skip
-        a malformed event, and so does this)."""
-        self.store.add_batch(self.id, events)
+        a malformed event, and so does this; a store that cannot be written fails the run)."""
+        try:
+            self.store.add_batch(self.id, events)
+        except sqlite3.Error as e:
+            if getattr(e, "sqlite_errorcode", None) is None or e.sqlite_errorcode & 0xFF not in UNWRITABLE:
+                raise  # not the store's fault: the collector counts the batch as unrecorded
+            self._store_failed(e)
+            return
         self.event_files.add_events(events)
         for event in events:
             kind, task = event.get("kind"), event.get("task")
@@ -137,6 +150,14 @@ class Supervisor:
                     self._steps_left[(task, attempt)] = steps
             elif kind == "log" and isinstance(line := event.get("line"), str):
                 self._log(f"[{task}] {line}")
+
+    def _store_failed(self, e: sqlite3.Error) -> None:
+        """The run store cannot be written (a full disk, a file turned read-only or removed): the run fails with
+        that cause, once; its workers are told to stop by the monitor, rather than train unrecorded."""
+        if self.failure is None:
+            self._failed(f"{self.name} failed: its run store {self.store.path} cannot be written ({e}, "
+                         f"{e.sqlite_errorname}): free space there (or set PSCLUSTER_HOME to another disk) and train "
+                         "again; it resumes from its latest checkpoint", "controller", _traceback(e))
 
     def _log(self, line: str) -> None:
         self.logs.append(line)
@@ -211,43 +232,70 @@ class Supervisor:
         del self.worker_results[count:]
 
     def _monitor(self) -> None:
-        next_eval, next_check = self.eval_every, 0.0
+        """The monitor thread. Whatever it raises ends the run ``failed`` with that exception as the cause (the
+        workers told to stop), and every ``wait()`` wakes: no failure of the supervisor itself is silent."""
         try:
-            while True:
-                failed, ended = self._any_failed(), all(map(self._worker_ended, range(len(self.worker_results))))
-                if self.tasks is not None and (failed or (not ended and time.monotonic() >= next_check)):
-                    # a failure may be a lost engine (seen by ipyparallel, or by workers of a lost ps)
-                    # a moment before its process is seen gone: give that a second
-                    if wait_until(self._recover, self.tasks.loss_grace_s if failed else 0):
-                        continue
-                    next_check = time.monotonic() + recovery.HEALTH_S
-                self.output.relay(self.worker_results)
-                if ended:
-                    with self.membership:  # a worker added meanwhile keeps the run going
-                        self.closed = all(map(self._worker_ended, range(len(self.worker_results))))
-                    if self.closed:
-                        break
-                    continue
-                if failed:
-                    self.signal_stop()  # other workers must not wait on the failed one
-                self.commit_checkpoints()
-                if self.checkpoints.due() and self.plan.checkpoint_dir:
-                    self._request_checkpoint()
-                if self.evaluator is not None and not self.plan.eval_every and self.latest_step >= next_eval:
-                    # no checkpoints to evaluate: the parameters near the step
-                    self._evaluate_live()
-                    next_eval = self.latest_step + self.eval_every
-                time.sleep(0.05)
+            self._follow()
             self.output.relay(self.worker_results, final=True)
             self._finish()
-        except Exception as e:  # finalizing failed (ps gone...): the run still ends, with the reason
-            if self.failure is None:
-                self._failed(f"{self.name} could not be finalized: {one_line(e)}", "controller", _traceback(e))
-            self.finished = self.finished or time.time()
-            self.store.set_status(self.id, "failed", failure=self.failure, ended=self.finished)
+        except Exception as e:
+            self._end_failed(e)
         finally:
-            self.lease.release()
-            self.event_files.close()
+            self._release()
+
+    def _follow(self) -> None:
+        """Until every worker has ended: recovery, checkpoints, evaluations."""
+        next_eval, next_check = self.eval_every, 0.0
+        while True:
+            failed, ended = self._any_failed(), all(map(self._worker_ended, range(len(self.worker_results))))
+            if self.tasks is not None and (failed or (not ended and time.monotonic() >= next_check)):
+                # a failure may be a lost engine (seen by ipyparallel, or by workers of a lost ps)
+                # a moment before its process is seen gone: give that a second
+                if wait_until(self._recover, self.tasks.loss_grace_s if failed else 0):
+                    continue
+                next_check = time.monotonic() + recovery.HEALTH_S
+            self.output.relay(self.worker_results)
+            if ended:
+                with self.membership:  # a worker added meanwhile keeps the run going
+                    self.closed = all(map(self._worker_ended, range(len(self.worker_results))))
+                if self.closed:
+                    return
+                continue
+            if failed or self.failure is not None:
+                self.signal_stop()  # other workers must not wait on the failed one, nor train unrecorded
+            self.commit_checkpoints()
+            if self.checkpoints.due() and self.plan.checkpoint_dir:
+                self._request_checkpoint()
+            if self.evaluator is not None and not self.plan.eval_every and self.latest_step >= next_eval:
+                # no checkpoints to evaluate: the parameters near the step
+                self._evaluate_live()
+                next_eval = self.latest_step + self.eval_every
+            time.sleep(0.05)
+
+    def _end_failed(self, e: Exception) -> None:
+        """The supervisor itself failed (finalizing with a ps gone, a store that cannot be written, a bug): the run
+        ends ``failed`` with ``e`` as the cause, unless a cause came first; its workers are told to stop."""
+        if self.failure is None:
+            what = "could not be finalized" if self.closed else "lost its supervisor"
+            self._failed(f"{self.name} {what}: {one_line(e)}", "controller", _traceback(e))
+        self.finished = self.finished or time.time()
+        if not self.closed:
+            self.signal_stop()
+        try:
+            self.store.set_status(self.id, "failed", failure=self.failure, ended=self.finished)
+        except Exception as store_error:  # the store is what failed (a full disk): the Run still says why
+            log.warning("%s: its end could not be recorded in %s: %s", self.name, self.store.path,
+                        one_line(store_error))
+
+    def _release(self) -> None:
+        """What the run holds, let go of one by one (each may fail on a full disk), then every ``wait()`` woken."""
+        try:
+            for release in (self.lease.release, self.event_files.close, self.collector.close):
+                try:
+                    release()
+                except Exception as e:
+                    log.warning("%s: %s", self.name, one_line(e))
+        finally:
             self.ended.set()
 
     def _worker_ended(self, i: int) -> bool:

@@ -21,6 +21,7 @@ from ..runtime.protocol import receive
 
 log = logging.getLogger("pscluster.metrics")
 
+
 class Collector:
     """Receives event batches on ``address`` and calls ``on_batch(events)`` for each."""
 
@@ -40,6 +41,7 @@ class Collector:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.rejected: Counter = Counter()  # refused batches by reason
+        self._said = False  # whether close() has told the count of unrecorded batches
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pscluster-collector", daemon=True)
         self._thread.start()
@@ -72,8 +74,14 @@ class Collector:
             self._on_batch(events)
         except Exception:  # a signed batch whose events could not be recorded: counted, and the loop goes on
             self.rejected["unrecorded"] += 1
-            log.warning("a metrics batch of %d events could not be recorded", len(events), exc_info=True)
+            if self.rejected["unrecorded"] == 1:  # the first with its traceback; the others counted, said at close
+                log.warning("a metrics batch of %d events could not be recorded (the next ones that cannot are "
+                            "counted)", len(events), exc_info=True)
 
     def close(self, timeout: float = 2.0) -> None:
+        """Stop receiving (what arrived is still handed on); say how many batches could not be recorded."""
         self._stop.set()
         self._thread.join(timeout)
+        if self.rejected["unrecorded"] > 1 and not self._said:
+            self._said = True
+            log.warning("%d metrics batches in all could not be recorded", self.rejected["unrecorded"])
