@@ -64,6 +64,8 @@ export interface RunInfo {
   hyperparameters: Record<string, string | number | boolean>;
   sparkline: number[];
   failure: Failure | null;
+  epochs: Record<string, number>;
+  epochs_text: string;
 }
 
 export interface RunList {

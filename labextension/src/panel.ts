@@ -1,8 +1,8 @@
 /**
  * The left side panel: running clusters with their tasks, and a table of every run of the stores. A run's row
- * shows its status and global step; its loss (and sparkline), steps/s, wall time and hyperparameters show as
- * columns when the panel is wide enough (CSS container queries), and always in its details, which its disclosure
- * button opens under it. Runs checked there open compared. It refreshes while it is visible only.
+ * shows its status and global step; its step target, epochs, loss (and sparkline), steps/s, wall time and
+ * hyperparameters show when the panel is wide enough (CSS container queries), and always in its details, which its
+ * disclosure button opens under it. Runs checked there open compared. It refreshes while it is visible only.
  */
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { LabIcon, caretRightIcon, refreshIcon, stopIcon } from '@jupyterlab/ui-components';
@@ -47,6 +47,7 @@ const RUN_COLUMNS: [string, string, string?][] = [
 function runFacts(run: RunInfo): [string, string][] {
   return [
     ['step', run.steps ? `${run.global_step} of ${run.steps}` : String(run.global_step)],
+    ['epoch', run.epochs_text || '–'],
     ['steps/s', sig(run.steps_per_s, 3)],
     ['final', finals(run.final).join(', ') || '–'],
     ['wall', duration(run.wall_s)],
@@ -377,6 +378,10 @@ export class ClusterPanel extends PollingWidget {
     if (run.steps) {
       step.append(el('span', 'jp-pscluster-step-total', `/${run.steps}`));
     }
+    if (run.epochs_text) {
+      step.append(el('span', 'jp-pscluster-step-epoch', ` · ${run.epochs_text}`));
+    }
+    step.title = run.epochs_text;
     speed.textContent = sig(run.steps_per_s, 3);
     loss.replaceChildren(el('span', 'jp-pscluster-run-final', sig(run.loss)), sparkline(run.sparkline));
     loss.title = `final ${finals(run.final, 6).join(', ')}`;

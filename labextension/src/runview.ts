@@ -1,5 +1,5 @@
 /**
- * A run in the main area, or several runs compared: a header line per run (status, global step, steps/s,
+ * A run in the main area, or several runs compared: a header line per run (status, epochs, global step, steps/s,
  * final loss, wall time, hyperparameters, downloads) and plotly charts of their metrics from the series
  * endpoint, decimated whatever the runs' length. It shows the header and "Loading" at once; a zoom asks for
  * the zoomed range at a finer resolution; while a run trains it asks again every RUN_REFRESH_MS.
@@ -42,7 +42,8 @@ function headerLine(run: RunInfo, node: HTMLElement): void {
   node.className = 'jp-pscluster-runview-header';
   node.dataset.status = run.status;
   const text =
-    `${run.name} on ${run.cluster} (${run.mode}): ${run.status}, global step ${run.global_step}` +
+    `${run.name} on ${run.cluster} (${run.mode}): ${run.status}, ${run.epochs_text ? run.epochs_text + ', ' : ''}` +
+    `global step ${run.global_step}` +
     `${run.steps ? '/' + run.steps : ''}, ${sig(run.steps_per_s)} steps/s, loss ${sig(run.loss)}, ` +
     `wall ${duration(run.wall_s)}`;
   const links = (['csv', 'json', 'parquet'] as const).map(kind => {

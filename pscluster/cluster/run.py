@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 from ..errors import RuntimeTimeout, TrainingError
-from ..metrics import speed
+from ..metrics import epochs, speed
 from ..metrics.store import RunStore
 from ..runtime import checkpoint
 from ..runtime.evaluation import evaluate
@@ -343,9 +343,8 @@ class Run:
         return self.supervisor.status
 
     def __repr__(self) -> str:
-        target = "" if self.plan.steps is None else f"/{self.plan.steps}"
-        return (f"<Run {self.name} {self.mode} {self.status}: global step {self.summary()['global_step']}{target}, "
-                f"local steps {self.local_steps}>")
+        progress = epochs.progress(self.summary()["global_step"], self.plan.steps, self.store.epochs(self.id))
+        return f"<Run {self.name} {self.mode} {self.status}: {progress}, local steps {self.local_steps}>"
 
     def _repr_html_(self) -> str:
         """Its summary as a table (and a failed run's cause); while it trains, one line that says so."""

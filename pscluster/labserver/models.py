@@ -72,7 +72,9 @@ class RunInfo:
     ``wall_s`` from its start to its end (to now while it trains); ``loss`` the last loss reported,
     ``final`` the last value of each of its metrics; ``hyperparameters`` the optimizer, its arguments and the
     run's settings from its config; ``sparkline`` the loss over the run (at most 40 points); ``failure`` why it
-    failed (or was lost), null for any other run."""
+    failed (or was lost), null for any other run; ``epochs`` each worker's epoch of its ``ctx.shard`` loader, by
+    worker index (empty for a loop without epochs), and ``epochs_text`` the same in words (``metrics.epochs``:
+    ``epoch 3``, or each worker's where they differ; '' without)."""
 
     id: int
     store: str
@@ -91,6 +93,8 @@ class RunInfo:
     hyperparameters: dict[str, str | float | int | bool]
     sparkline: list[float]
     failure: Failure | None
+    epochs: dict[str, int]
+    epochs_text: str
 
 
 @dataclass

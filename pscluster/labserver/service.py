@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ..cluster import control, registry
-from ..metrics import speed
+from ..metrics import epochs, speed
 from ..metrics.store import RAW_WINDOW, RunStore, default_path
 from .models import (ActionResult, ClusterInfo, ClusterList, Evaluation, Failure, LearningRate, RunInfo, RunList,
                      SeriesData, SkippedCluster, TaskInfo)
@@ -146,6 +146,7 @@ class LabService:
         ended = None if pd.isna(row.ended) else float(row.ended)
         names = store.series_names(row.id)
         spark = store.series(row.id, tuple(names), max_points=SUMMARY_POINTS)
+        worker_epochs = store.epochs(row.id)
         info = RunInfo(id=int(row.id), store=store.path, name=row.name, cluster=row.cluster, mode=row.mode,
                        status=status, started=float(row.started), ended=ended, steps=config.get("steps"),
                        global_step=int(spark["step_last"].max()) if len(spark) else 0,
@@ -153,7 +154,9 @@ class LabService:
                        wall_s=speed.phases(float(row.started), ended, None, now=time.time())["wall_s"],
                        loss=_final(spark, "loss"), final={n: _final(spark, n) for n in names},
                        hyperparameters=_hyperparameters(config), sparkline=_sparkline(spark),
-                       failure=Failure(**failure) if failure else None)
+                       failure=Failure(**failure) if failure else None,
+                       epochs={str(w): e for w, e in worker_epochs.items()},
+                       epochs_text=epochs.words(worker_epochs))
         if status in ENDED:
             self._ended[key] = info
         return info

@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 
 from ..errors import ConfigError
 from ..footprint import optimizer_slot_names
-from ..metrics import speed
+from ..metrics import epochs, speed
 from ..metrics.store import RunStore
 from . import figure_specs, figures, live, panels, ps_panels
 from .reader import RunReader
@@ -124,6 +124,7 @@ class Dashboard:
         self._placement = None  # recorded once, when training starts
         self._states: dict[str, str] = {}  # each task's latest state
         self._steps = {"metrics": 0, "ps_metrics": 0}  # the latest global step each table has reported
+        self._epochs: dict[int, int] = {}  # each worker's epoch of its ctx.shard loader (none without one)
 
         started = self.record["started"]
         self.panels = {"speed": panels.Speed(start=started, live=not self.final), "convergence": panels.Convergence()}
@@ -198,6 +199,8 @@ class Dashboard:
             # The record first: once it says the run is over, the rows read after it are complete.
             record, self.record = self.record, store.run(self.run_id)
             new = self._reader.read(store)
+            if "events" in new:  # an epoch begins with an event
+                self._epochs = store.epochs(self.run_id)
             if self._placement is None and self.record is not None:
                 placement = store.placement(self.run_id)
                 if len(placement):
@@ -298,9 +301,9 @@ class Dashboard:
         parts = [f"<b>{html.escape(record['name'])}</b>", html.escape(record["mode"]),
                  f"<span style='color: {STATUS_COLORS.get(record['status'], '#888')}; font-weight: bold'>"
                  f"{html.escape(record['status'])}</span>",
-                 f"global step {step}" if target is None else  # a loop that ends with its epochs
-                 f"global step {step} / {target} <progress value='{step}' max='{max(target, 1)}' "
-                 "style='width: 8em; vertical-align: middle'></progress>",
+                 html.escape(epochs.progress(step, target, self._epochs)) + ("" if target is None else
+                 f" <progress value='{step}' max='{max(target, 1)}' style='width: 8em; vertical-align: middle'>"
+                 "</progress>"),
                  elapsed,
                  f"{len(spec.get('ps', []))} ps, {len(spec.get('worker', []))} workers"]
         self.header.value = f"<div style='font-size: 14px'>{' · '.join(parts)}</div>{failure_html(record)}{error}"

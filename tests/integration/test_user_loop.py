@@ -196,6 +196,7 @@ def test_a_loop_that_never_asks_should_stop_ends_at_the_target_and_at_a_stop(two
     run = two_workers.run(never_asks, mode="async", steps=40).wait(timeout=120, verbose=False)
     assert run.status == "finished" and run.global_step == 40
     assert run.logs and any("went on after the run's end (its target of 40" in line for line in run.logs)
+    assert ": epoch 1 · global step 40 / 40," in repr(run)  # ~45 batches an epoch: both workers in their first
     run = two_workers.run(never_asks, mode="sync")  # no target: a stop alone ends it
     wait_for_step(run, 5)
     stopped = time.monotonic()

@@ -32,6 +32,12 @@ CONFIG = {"mode": "sync", "steps": 500, "batch_size": 64, "optimizer": "SGD", "o
           "num_workers": 2, "scheduler": None, "seed": 0}
 
 
+def epoch(worker: int, number: int, t: float) -> dict:
+    """A worker's event as an epoch of its ctx.shard loader begins."""
+    return {"kind": "epoch", "task": f"worker:{worker}", "time": t, "epoch": number, "batches": 100,
+            "global_step": 100 * (number - 1)}
+
+
 def new_run(store: RunStore, cluster: str = "gone-cluster", steps_target: int = 500) -> int:
     return store.create_run(name=None, cluster=cluster, mode="sync", config={**CONFIG, "steps": steps_target},
                             spec={})
@@ -59,6 +65,8 @@ async def test_runs_newest_first_with_step_speed_loss_and_sparkline(api, home):
     with RunStore() as store:
         done = new_run(store)
         store.add_batch(done, steps(0, 1, 200) + steps(1, 1, 200))
+        store.add_batch(done, [epoch(0, 1, 1000.0), epoch(1, 1, 1000.0), epoch(1, 2, 1010.0), epoch(0, 2, 1010.0),
+                               epoch(1, 3, 1020.0)])
         store.set_status(done, "finished")
         lost = new_run(store)
         store.add_batch(lost, steps(0, 1, 10))
@@ -79,6 +87,9 @@ async def test_runs_newest_first_with_step_speed_loss_and_sparkline(api, home):
     # training, but its cluster is in no registry: nobody will finish it
     assert second["status"] == "lost" and second["global_step"] == 10
     assert "the kernel of cluster gone-cluster is gone" in second["failure"]["cause"] and first["failure"] is None
+    # each worker's epoch of its ctx.shard loader; none for a loop without epochs
+    assert first["epochs"] == {"0": 2, "1": 3} and first["epochs_text"] == "worker 0 epoch 2, worker 1 epoch 3"
+    assert second["epochs"] == {} and second["epochs_text"] == ""
 
 
 async def test_a_failed_run_says_why_where_and_its_traceback(api, home):

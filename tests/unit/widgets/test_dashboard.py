@@ -121,12 +121,38 @@ def test_refresh_fills_the_figure_widgets(store, dashboards):
     assert d.figures["speed"] in d.box.children
 
 
-def test_a_run_without_a_step_target_shows_its_steps_so_far(store, dashboards):
+def epoch(run: Writer, worker: int, number: int) -> None:
+    """Worker ``worker``'s ctx.shard loader begins its epoch ``number``."""
+    run.store.add_batch(run.run_id, [{"kind": "epoch", "task": f"worker:{worker}", "time": time.time(),
+                                      "epoch": number, "batches": 6, "global_step": run.steps}])
+
+
+def test_a_run_without_a_step_target_shows_its_epochs_and_steps_so_far(store, dashboards):
     run = Writer(store, steps=None)  # a user's loop that ends with its epochs
-    run.write(12)
+    for e in (1, 2):
+        epoch(run, 0, e)
+        epoch(run, 1, e)
+        run.write(6)
     d = dashboards(store.path, run.run_id)
     d.refresh()
-    assert "global step 12 ·" in d.header.value and "<progress" not in d.header.value
+    assert "· epoch 2 · global step 12 ·" in d.header.value and "<progress" not in d.header.value
+    epoch(run, 1, 3)  # worker 1 ahead: each worker's epoch
+    run.write(1)
+    d.refresh()
+    assert "worker 0 epoch 2, worker 1 epoch 3 · global step 13 ·" in d.header.value
+    assert "worker 1 epoch 3" in d.static_html(images=False)  # what an HTML report keeps
+
+
+def test_a_run_with_a_target_shows_the_epoch_beside_its_bar_and_one_without_epochs_none(store, dashboards):
+    run = Writer(store)
+    run.write(3)
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    assert "epoch" not in d.header.value and "global step 3 / 100 <progress" in d.header.value
+    epoch(run, 0, 1)
+    epoch(run, 1, 1)
+    d.refresh()
+    assert "· epoch 1 · global step 3 / 100 <progress" in d.header.value
 
 
 def test_a_second_refresh_appends_in_place(store, dashboards):
