@@ -16,6 +16,7 @@ and, for detached clusters, the data-plane secret.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # annotations only: reading the registry (pscluster.clusters(
     from ..metrics.store import RunStore
 
 DIRECTORY = "clusters"
+log = logging.getLogger("pscluster.registry")
 
 
 def directory(home: str | None = None) -> str:
@@ -192,9 +194,26 @@ class Registration:
         self.started = time.time()
         self.kernel = _kernel_id()
         self.control = ControlServer(cluster)
-        self.update("running")
+        self.failed_writes = 0  # entries that could not be written since the first (a full disk...), warned once
+        try:
+            self._write("running")
+        except OSError as e:
+            self.control.close()
+            raise OSError(e.errno, f"cluster {cluster.name} cannot be registered: {e.strerror}: free space there, "
+                                   "or set PSCLUSTER_HOME to a writable directory", e.filename) from None
 
     def update(self, state: str) -> None:
+        """Rewrite the entry. One that cannot be written (the disk filled up since the start) leaves the last one
+        listed: a warning the first time, a count after, never an exception (a cluster must stop all the same)."""
+        try:
+            self._write(state)
+        except OSError as e:
+            self.failed_writes += 1
+            if self.failed_writes == 1:
+                log.warning("cluster %s: its registry entry cannot be rewritten (%s); the side panel may list it "
+                            "as it was", self.cluster.name, e)
+
+    def _write(self, state: str) -> None:
         c = self.cluster
         tasks = c.roles() if c.running else []
         write({"detached": c.detached_state() if c.detached and c.running else None,
@@ -205,4 +224,8 @@ class Registration:
 
     def close(self) -> None:
         self.control.close()
-        remove(self.cluster.name)
+        try:
+            remove(self.cluster.name)
+        except OSError as e:
+            log.warning("cluster %s: its registry entry cannot be removed (%s): the side panel lists it until this process ends",
+                        self.cluster.name, e)

@@ -150,6 +150,10 @@ class Supervisor:
                     self._steps_left[(task, attempt)] = steps
             elif kind == "log" and isinstance(line := event.get("line"), str):
                 self._log(f"[{task}] {line}")
+            elif kind == "checkpoint_failed" and isinstance(event.get("errno"), int) and self.failure is None:
+                # the disk, not the run: end it now, while its committed checkpoints restore
+                self._failed(f"{self.name} failed: {event.get('error')}: free space there (or give another "
+                             "checkpoint_dir) and train again; it resumes from its latest checkpoint", task, "")
 
     def _store_failed(self, e: sqlite3.Error) -> None:
         """The run store cannot be written (a full disk, a file turned read-only or removed): the run fails with
@@ -275,7 +279,10 @@ class Supervisor:
     def _end_failed(self, e: Exception) -> None:
         """The supervisor itself failed (finalizing with a ps gone, a store that cannot be written, a bug): the run
         ends ``failed`` with ``e`` as the cause, unless a cause came first; its workers are told to stop."""
-        if self.failure is None:
+        if self.failure is None and isinstance(e, OSError):  # the disk (full, read-only, gone), not the run
+            self._failed(f"{self.name} failed: {one_line(e)}: free space there and train again; it resumes from its "
+                         "latest checkpoint", "controller", _traceback(e))
+        elif self.failure is None:
             what = "could not be finalized" if self.closed else "lost its supervisor"
             self._failed(f"{self.name} {what}: {one_line(e)}", "controller", _traceback(e))
         self.finished = self.finished or time.time()

@@ -33,7 +33,7 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,6 +153,11 @@ def _write_file(path: Path, pieces, *, fsync: bool = True) -> tuple[int, str]:
                         f.flush()
                         os.fsync(f.fileno())
             os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.filename is None:  # a write or close that failed (a full disk) says which file: this one
+                raise OSError(e.errno, e.strerror, str(path)) from e
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -293,11 +298,18 @@ def write_shard(directory, step: int, ps: int, tensors: dict[str, torch.Tensor],
         raise CheckpointError(f"ps {ps}'s shard of step {step} was not written: {bad} holds NaN or infinite values "
                               "(the run diverged: lower the learning rate, or clip with max_grad_norm=...)")
     folder = step_dir(directory, step)
-    folder.mkdir(parents=True, exist_ok=True)
-    size, sha = write_tensors(folder / f"ps-{ps}.tensors", tensors)
-    receipt = {"ps": ps, "step": step, "run_id": run_id, "attempt": attempt, "file": f"{folder.name}/ps-{ps}.tensors",
-               "bytes": size, "sha256": sha, "schedule": schedule or {}}
-    write_json(folder / f"ps-{ps}.json", receipt, fsync=False)  # the commit fsyncs the folder
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        size, sha = write_tensors(folder / f"ps-{ps}.tensors", tensors)
+        receipt = {"ps": ps, "step": step, "run_id": run_id, "attempt": attempt,
+                   "file": f"{folder.name}/ps-{ps}.tensors", "bytes": size, "sha256": sha, "schedule": schedule or {}}
+        write_json(folder / f"ps-{ps}.json", receipt, fsync=False)  # the commit fsyncs the folder
+    except OSError as e:  # a full disk, a folder turned read-only or removed: no part of this shard is left
+        (folder / f"ps-{ps}.tensors").unlink(missing_ok=True)
+        with suppress(OSError):
+            folder.rmdir()  # unless another ps's shard of the step is there
+        raise CheckpointError(f"ps {ps}'s shard of step {step} could not be written to {folder}: "
+                              f"{errno.errorcode.get(e.errno, e.errno)} {e.strerror}") from e
     return receipt
 
 

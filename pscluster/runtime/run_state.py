@@ -195,10 +195,11 @@ class RunState:
         try:
             checkpoint.write_shard(self.checkpoint_dir, self.step, index, tensors, run_id=self.run_id,
                                    attempt=self.attempt, schedule=self.optimizer.schedule_state())
-        except (OSError, CheckpointError) as e:  # a full disk; a diverged state, never written
+        except CheckpointError as e:  # a full disk (``errno`` says which fault), a diverged state, never written
             self.checkpoint_errors += 1
             if self.emitter is not None:
-                self.emitter.emit("checkpoint_failed", step=self.step, error=f"{type(e).__name__}: {e}")
+                self.emitter.emit("checkpoint_failed", step=self.step, error=f"{type(e).__name__}: {e}",
+                                  errno=getattr(e.__cause__, "errno", None))
             return False
         return True
 
