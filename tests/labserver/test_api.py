@@ -277,7 +277,8 @@ async def test_unknown_run_and_bad_cursor(api, home):
     status, body = await api("POST", "runs", str(run + 1), "stop")
     assert status == 404
     for args, message in [({"x": "row"}, "x=step"), ({"points": "1"}, "from 2 to"), ({"points": "many"}, "from 2"),
-                          ({"start": "soon"}, "give a number"), ({"names": "perplexity"}, "no metric perplexity")]:
+                          ({"start": "soon"}, "give a finite number"),
+                          ({"names": "perplexity"}, "no metric perplexity")]:
         status, body = await api("GET", "runs", str(run), "series", **args)
         assert status == 400 and message in body["error"] and "\n" not in body["error"], (args, body)
 
