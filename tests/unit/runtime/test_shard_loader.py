@@ -1,6 +1,7 @@
 """``ctx.shard``'s DataLoader (``shard_loader``): one worker reads what the plain DataLoader reads, in its order and
 with its random draws; N workers split each epoch; epochs advance by themselves."""
 
+import itertools
 import threading
 
 import pytest
@@ -15,8 +16,8 @@ from pscluster.runtime.shard_loader import ShardLoader, shard_loader
 from pscluster.runtime.streams import Batches
 from pscluster.runtime.waiting import wait_until
 
-from .test_context_inprocess import plan_of, user_loop
-from .test_loop_end import epochs_loop
+from .test_context_inprocess import plan_of
+from .test_worker_inprocess import LR, mlp
 
 ITEMS = 50
 
@@ -150,36 +151,47 @@ def test_each_epoch_says_its_number_and_batches_as_its_first_batch_is_read():
     assert began[-1] == (1, None)  # a part of an IterableDataset has no length
 
 
-def recorded_epochs(local_ps, store: RunStore, train_fn, steps: int | None) -> dict[int, int]:
-    """Each worker's epochs in ``store``, of a 2-worker async run of ``train_fn`` whose metrics a collector writes
-    there, once every step the workers took is recorded."""
-    spec = local_ps.start(num_ps=1, num_workers=2)
-    run_id = store.create_run(name=None, cluster="c", mode="async", config={}, spec={})
-    collector = Collector(lambda events: store.add_batch(run_id, events), spec.key)
-    try:
-        plan = plan_of(train_fn, spec, mode="async", steps=steps, metrics_address=collector.address)
-        summaries = {}
-        workers = [threading.Thread(target=lambda i=i: summaries.update({i: run_loop(spec, i, plan, train_fn)}))
-                   for i in range(2)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join(60)
-        assert len(summaries) == 2, "a worker failed"
-        local_steps = sum(s["local_steps"] for s in summaries.values())
-        assert wait_until(lambda: len(store.metrics(run_id)) == local_steps, 10), store.metrics(run_id)
-    finally:
-        collector.close()
-    return store.epochs(run_id)
+def shard_or_endless(data):
+    """Worker 0 reads its part of 3 epochs through ``ctx.shard``; worker 1 reads 4 batches of ``ctx.endless_shard``,
+    which has no epochs."""
+    def train_fn(ctx):
+        model = ctx.model(mlp())
+        optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=LR))
+        if ctx.worker_index == 0:
+            loader = ctx.shard(data, batch_size=8)
+            batches = (batch for _ in range(3) for batch in loader)
+        else:
+            batches = itertools.islice(ctx.endless_shard(data, batch_size=8), 4)
+        for x, y in batches:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return train_fn
 
 
 def test_each_worker_s_epochs_reach_the_run_store_and_a_loop_on_endless_shard_has_none(local_ps, tmp_path):
-    data = TensorDataset(torch.randn(ITEMS, 64), torch.randint(0, 10, (ITEMS,)))
+    spec = local_ps.start(num_ps=1, num_workers=2)
+    train_fn = shard_or_endless(TensorDataset(torch.randn(ITEMS, 64), torch.randint(0, 10, (ITEMS,))))
     with RunStore(tmp_path / "runs.sqlite") as store:
-        # 25 items a worker: 2 batches of 16 an epoch; worker 0 runs 1 epoch, worker 1 runs 3
-        assert recorded_epochs(local_ps, store, epochs_loop(data, epochs_of=lambda ctx: 1 + 2 * ctx.worker_index),
-                               None) == {0: 1, 1: 3}
-        assert recorded_epochs(local_ps, store, user_loop(data), 6) == {}
+        run_id = store.create_run(name=None, cluster="c", mode="async", config={}, spec={})
+        collector = Collector(lambda events: store.add_batch(run_id, events), spec.key)
+        try:
+            plan = plan_of(train_fn, spec, mode="async", steps=None, metrics_address=collector.address)
+            summaries = {}
+            workers = [threading.Thread(target=lambda i=i: summaries.update({i: run_loop(spec, i, plan, train_fn)}))
+                       for i in range(2)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(60)
+            assert sorted(summaries) == [0, 1], "a worker failed"
+            local_steps = sum(s["local_steps"] for s in summaries.values())
+            assert wait_until(lambda: len(store.metrics(run_id)) == local_steps, 10), store.metrics(run_id)
+        finally:
+            collector.close()
+        assert store.epochs(run_id) == {0: 3}
+        began = store.events(run_id).query("kind == 'epoch'")["detail"].tolist()
+        assert [(e["epoch"], e["batches"]) for e in began] == [(1, 4), (2, 4), (3, 4)]  # 25 items: 4 batches of 8
 
 
 @pytest.mark.parametrize("make, kwargs, fix", [

@@ -47,10 +47,13 @@ class Writer:
         store.add_batch(self.run_id, [{"kind": "state", "task": f"worker:{w}", "time": time.time(),
                                        "state": "training"} for w in range(2)])
         self.steps = 0
+        self._clock = 0.0  # the time after the last step written
 
     def write(self, steps: int) -> None:
-        """``steps`` more local steps of each worker, and a sample of each ps."""
-        events, now = [], time.time()
+        """``steps`` more local steps of each worker, 1 ms apart from now on (after the last ones written), and a
+        sample of each ps."""
+        events, now = [], max(time.time(), self._clock)
+        self._clock = now + 0.001 * steps
         for i in range(steps):
             self.steps += 1
             for w in range(2):
@@ -226,7 +229,6 @@ def test_live_figures_are_those_of_all_the_rows_at_once(store, dashboards, mode)
     for _ in range(6):  # 1200 steps of each worker: thinned, more than MAX_POINTS points each
         run.write(200)
         d.refresh()
-        time.sleep(0.2)  # the writer's steps are 1 ms apart: the next ones come after these
     metrics, ps_metrics = store.metrics(run.run_id), store.ps_metrics(run.run_id)
     started = store.run(run.run_id)["started"]
     same_traces(d.figures["convergence"], figures.convergence_figure(metrics))
