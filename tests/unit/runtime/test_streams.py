@@ -67,6 +67,18 @@ def test_the_loop_gets_the_batches_and_numbers_of_a_plain_loop(draws, draws_from
     assert seeding.same_states(after, seeding.generator_states())  # and the generators end where a plain loop's do
 
 
+def test_taking_the_normal_numpy_kept_from_its_last_pair_is_a_draw():
+    """It changes no word of NumPy's generator, only the kept normal (a read that draws so is seen drawing), and
+    putting the states back gives it back."""
+    seeding.seed_worker(5, 0)
+    numpy.random.randn()  # the pair's second normal is kept
+    before = seeding.generator_states()
+    numpy.random.randn()
+    assert not seeding.same_states(before, seeding.generator_states())
+    seeding.set_generator_states(before)
+    assert seeding.same_states(before, seeding.generator_states())
+
+
 def test_a_clean_stream_is_read_ahead_during_the_exchange_and_a_drawing_one_is_not():
     clean, drawing = Source(), Source("torch")
     for source, read_in_exchange in ((clean, [1, 2, 3]), (drawing, [])):
