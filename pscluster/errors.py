@@ -69,6 +69,11 @@ class NonFiniteUpdate(TrainingError):
     infinite (see ``runtime.update_guard``)."""
 
 
+class DamagedStore(PSClusterError, RuntimeError):
+    """The run store's file is not a whole SQLite database (truncated, overwritten): it is refused at open, with
+    its path and what to do, before anything is read from it or written to it."""
+
+
 class CheckpointError(PSClusterError, RuntimeError):
     """A checkpoint is missing, damaged, or does not fit the model."""
 

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from ..cluster import control, registry
+from ..errors import DamagedStore
 from ..metrics import epochs, speed
 from ..metrics.store import RAW_WINDOW, RunStore, default_path
 from .models import (ActionResult, ClusterInfo, ClusterList, Evaluation, Failure, LearningRate, RunInfo, RunList,
@@ -224,6 +225,8 @@ class _readable:
         if isinstance(error, sqlite3.OperationalError) and "locked" in str(error):
             raise ApiError(503, f"the run store {self.path} is locked by another process: "
                                 "retrying; release the lock if it persists") from None
+        if isinstance(error, DamagedStore):
+            raise ApiError(503, str(error)) from None
         if isinstance(error, sqlite3.DatabaseError):
             raise ApiError(503, f"the run store {self.path} cannot be read ({error}): move it away to start "
                                 "a new one") from None
