@@ -716,8 +716,19 @@ def _run_optimizer_class(cls: type) -> type:
             self._opt_called = True  # what a torch lr_scheduler checks
             return self._pscluster_context._exchange(self)
 
-        _classes[cls] = type(cls.__name__, (cls,), {"step": step, "_pscluster_run": True,
-                                                    "__module__": cls.__module__})
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            # torch's own wraps its loop in a profiler label, an op call that costs more than the loop itself (more
+            # still right after a backward): the label only while a profiler records
+            if not set_to_none or torch._C._autograd._profiler_enabled():
+                return torch.optim.Optimizer.zero_grad(self, set_to_none)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+        members = {"step": step, "_pscluster_run": True, "__module__": cls.__module__}
+        if cls.zero_grad is torch.optim.Optimizer.zero_grad:  # a class's own zero_grad stays its own
+            members["zero_grad"] = zero_grad
+        _classes[cls] = type(cls.__name__, (cls,), members)
     return _classes[cls]
 
 

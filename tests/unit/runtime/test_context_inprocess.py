@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pscluster.errors import ConfigError
-from pscluster.runtime.context import loop_plan, probe, run_loop
+from pscluster.runtime.context import _run_optimizer_class, loop_plan, probe, run_loop
 
 from .test_overlap import Wide, plain_wide, trained
 from .test_worker_inprocess import (BATCH, LR, RUN_ID, SEED, dataset, delayed_local_training,  # noqa: F401
@@ -196,3 +196,25 @@ def test_a_loop_that_sets_a_nan_lr_fails_that_step_and_the_ps_keeps_the_values_b
     held = {plan.variables[i].name: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
     for name, value in local_training(dataset, 2).state_dict().items():
         assert (held[name] - value).abs().max() <= 1e-6, name
+
+
+def test_a_run_optimizers_zero_grad_does_what_torchs_does():
+    """Gradients None (zeros with set_to_none=False), torch's profiler label while a profiler records, and the
+    zero_grad of a class that has its own."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer.__class__ = _run_optimizer_class(torch.optim.SGD)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        optimizer.zero_grad()
+    assert any(e.name.endswith("SGD.zero_grad") for e in profiled.events())
+
+    class Own(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            pass
+
+    assert _run_optimizer_class(Own).zero_grad is Own.zero_grad
