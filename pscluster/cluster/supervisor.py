@@ -104,10 +104,12 @@ class Supervisor:
         self._workers_left: dict[str, tuple] = {}  # task: (attempt, error, global step) of its "left" event
         self._steps_left: dict[tuple[str, int], int] = {}  # (task, attempt): the local steps it left that attempt with
         self.event_files = EventWriter(run_logdir(store.path, self.name, plan.run_id))
-        self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port, run_id=plan.run_id)
+        self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port, run_id=plan.run_id,
+                                    on_failure=self._collector_failed)
                           if metrics_port or not metrics_ports else
                           bind_in_range(lambda p: Collector(self._on_batch, spec.key, host=metrics_host, port=p,
-                                                            run_id=plan.run_id), metrics_ports))
+                                                            run_id=plan.run_id, on_failure=self._collector_failed),
+                                        metrics_ports))
         self.plan = replace(plan, metrics_address=self.collector.address)
 
     @property
@@ -162,6 +164,12 @@ class Supervisor:
             self._failed(f"{self.name} failed: its run store {self.store.path} cannot be written ({e}, "
                          f"{e.sqlite_errorname}): free space there (or set PSCLUSTER_HOME to another disk) and train "
                          "again; it resumes from its latest checkpoint", "controller", _traceback(e))
+
+    def _collector_failed(self, e: Exception) -> None:
+        """The collector's thread ended on ``e``: the workers' metrics, their "done" and their logs no longer
+        arrive, so the run fails with it as the cause (its monitor stops the workers)."""
+        if self.failure is None:
+            self._failed(f"{self.name} lost its metrics collector: {one_line(e)}", "controller", _traceback(e))
 
     def _log(self, line: str) -> None:
         self.logs.append(line)

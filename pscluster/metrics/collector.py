@@ -26,11 +26,14 @@ class Collector:
     """Receives event batches on ``address`` and calls ``on_batch(events)`` for each."""
 
     def __init__(self, on_batch, key: bytes, host: str = "127.0.0.1", context: zmq.Context | None = None,
-                 port: int = 0, run_id: int | None = None):
+                 port: int = 0, run_id: int | None = None, on_failure=None):
         """``key``: the cluster secret's bytes (``ClusterSpec.key``) the batches are signed with. ``port``: listen
         there (the address the emitters of a run adopted from another kernel send to); 0: a free port.
-        ``run_id``: take only that run's batches (counted as ``other_run`` otherwise); None: any run's."""
+        ``run_id``: take only that run's batches (counted as ``other_run`` otherwise); None: any run's.
+        ``on_failure(exception)``: called if the collector's thread ends on an exception (nothing is received
+        after it); None: the exception is logged."""
         self._on_batch = on_batch
+        self._on_failure = on_failure
         self._receiver = BatchReceiver(key, run_id)
         self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -55,6 +58,11 @@ class Collector:
                     self._dispatch(receive(self._sock, BATCH_FRAMES))
             while self._sock.poll(0):  # what arrived before close
                 self._dispatch(receive(self._sock, BATCH_FRAMES))
+        except Exception as e:  # never a silent end: whoever records the metrics learns they no longer arrive
+            if self._on_failure is None:
+                log.error("the metrics collector at %s stopped", self.address, exc_info=True)
+            else:
+                self._on_failure(e)
         finally:
             self._sock.close(linger=0)
 

@@ -87,6 +87,17 @@ def test_an_exception_in_the_supervisor_s_thread_fails_the_run_with_it_and_wakes
     assert row["status"] == "failed" and "injected into the monitor" in row["failure"]["cause"]
 
 
+def test_a_collector_whose_thread_dies_fails_the_run_with_its_exception(local_ps, dataset, tmp_path):
+    with supervised_run(local_ps, dataset, tmp_path / "runs.sqlite") as supervisor:
+        def broken(frames):
+            raise RuntimeError("injected into the collector")
+
+        supervisor.collector._receiver.open = broken
+        assert supervisor.ended.wait(ENDED_S), "wait() was not woken"
+        assert supervisor.status == "failed"
+        assert supervisor.error_line == "faulty lost its metrics collector: RuntimeError: injected into the collector"
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 4 MB tmpfs (unmounted at teardown)."""
