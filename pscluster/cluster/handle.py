@@ -170,7 +170,12 @@ class Cluster:
             engines.stop()
             raise
         self._engines = engines
-        self._registration = registry.Registration(self)  # listed in the side panel from now on
+        try:
+            self._registration = registry.Registration(self)  # listed in the side panel from now on
+        except OSError:  # its registry entry cannot be written (a full disk): no cluster left half started
+            self._engines, self.spec = None, None
+            engines.stop()
+            raise
         show("ready")
         return self
 
