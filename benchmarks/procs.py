@@ -265,15 +265,16 @@ def runtime_worker(model_fn, dataset, loss_fn, *, run_id: int, log, **options) -
 
 def runtime_loop(train_fn, *, run_id: int, log, mode: str, steps: int, **options) -> dict:
     """Run ``train_fn(ctx)`` as the worker PSCLUSTER_CONFIG names, on the runtime alone, as ``runtime_worker`` runs
-    the library's loop: the plan from a probe of ``train_fn`` (as ``Cluster.run`` makes it); its summary."""
-    from pscluster.runtime.context import loop_plan, probe, run_loop
+    the library's loop: the plan made at its loop's first training call (as ``Cluster.run``'s chief makes it); its
+    summary."""
+    from pscluster.runtime.context import loop_plan, run_loop, settings_plan
     from pscluster.task_config import from_environment
 
     spec, task = from_environment()
-    model, modules, optimizers = probe(train_fn, len(spec.workers), options.get("seed", 0))
-    plan = loop_plan(model, modules, optimizers, num_ps=len(spec.ps), run_id=run_id, mode=mode, steps=steps,
-                     num_workers=len(spec.workers), **options)
-    return run_loop(spec, task.index, plan, train_fn, log=log)
+    placing = {name: options.pop(name) for name in ("placement", "partition") if name in options}
+    settings = dict(options, run_id=run_id, mode=mode, steps=steps, num_workers=len(spec.workers))
+    return run_loop(spec, task.index, settings_plan(**settings), train_fn, log=log,
+                    planned=lambda *registered: loop_plan(*registered, num_ps=len(spec.ps), **placing, **settings))
 
 
 def serve_rounds(run_round) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import inspect
+import io
 import os
 import secrets
 import threading
@@ -20,7 +21,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import cloudpickle
 import torch
 
 from ..errors import ClusterStateError, ConfigError, PeerLost, RuntimeTimeout
@@ -424,17 +424,21 @@ class Cluster:
         """Run ``train_fn(ctx)`` on every worker, the user's own training loop (see ``pscluster.runtime.context``),
         in the background; returns its Run, as ``train`` does.
 
-        ``train_fn`` runs on the workers only. The chief's engine calls it first, up to its loop's first step (on
-        the CPU, what it prints dropped), to learn the modules it gives ``ctx.model`` and the optimizers it gives
-        ``ctx.optimizer``: the run's variables, their placement and the ps tasks' optimizers come from them. Then
-        each worker calls it: its modules hold the run's values once registered, ``optimizer.step()`` is the
-        exchange with the ps tasks.
+        ``train_fn`` runs on the workers only, once on each (again on one started anew after a lost task). The chief
+        (worker 0) calls it first, in a thread of its engine: at its loop's first training call (a registered module's
+        first forward once an optimizer is registered, a batch of ``ctx.shard``, ``ctx.global_step``, ``should_stop()``,
+        ``log`` or a step), the modules it gave ``ctx.model`` and the optimizers it gave ``ctx.optimizer`` make the
+        run's plan here (its variables, their placement, the ps tasks' optimizers); the run is recorded, every other
+        worker calls ``train_fn`` on its engine, and the chief trains on in the same call. From then on a worker's
+        modules hold the run's values and ``optimizer.step()`` is the exchange with the ps tasks. What is wrong with
+        ``train_fn`` up to that call (it fails, registers no model or optimizer, returns before it, or the optimizer
+        refuses its options) is a one-line ``ConfigError`` here, before anything trains.
         ``options``: those of ``pscluster.runtime.options`` that a user's loop takes (``options.names("run")``:
         ``mode``, ``steps`` (the global step target ``ctx.should_stop()`` watches), ``replicas_to_aggregate``,
         ``seed``, ``placement``, ``partition``, the checkpoint options, ``restore``, ``resume``, ``name``...),
         as in ``train``. ``code``: kept in the run store (default: the source of ``train_fn``).
         """
-        from ..runtime.context import loop_plan
+        from ..runtime.context import loop_plan, settings_plan
 
         spec = self._require_running("run")
         if self.active_run is not None:
@@ -444,18 +448,21 @@ class Cluster:
             raise ConfigError("train_fn must be a function of the worker's context: def train_fn(ctx): ...")
         given = run_options.take(run_options.RUN, options, caller="Cluster.run()")
         launch = {name: given.pop(name) for name in run_options.RECORD_OPTIONS}
+        placing = {name: given.pop(name) for name in ("placement", "partition")}
+        settings = dict(given, run_id=1, num_workers=self.num_workers)
         payload = ship(train_fn)
-        chief = self._engines.view(spec.task("worker", 0).engine_id)
-        found = cloudpickle.loads(chief.apply_sync(remote.probe_loop, payload, self.num_workers, given["seed"]))
-        if isinstance(found, ConfigError):
-            raise found
-        model, modules, optimizers = found
-        for optimizer_spec in optimizers:
-            optim.check(model, optimizer_spec, steps=given["steps"])
-        run_plan = loop_plan(model, modules, optimizers, num_ps=self.num_ps, run_id=1, num_workers=self.num_workers,
-                             **given)
-        return self._launch(spec, run_plan, optimizers, payload, model_fn=model,
-                            code=code or _source(train_fn), **launch)
+        chief = ChiefCalls(self._engines.view(spec.task("worker", 0).engine_id), spec, settings_plan(**settings),
+                           payload)
+        model, modules, optimizers = chief.registered()
+        try:
+            for optimizer_spec in optimizers:
+                optim.check(model, optimizer_spec, steps=given["steps"])
+            run_plan = loop_plan(model, modules, optimizers, num_ps=self.num_ps, **placing, **settings)
+            return self._launch(spec, run_plan, optimizers, payload, model_fn=model, code=code or _source(train_fn),
+                                chief=chief, **launch)
+        except BaseException:
+            chief.cancel()
+            raise
 
     def session(self, model_fn, optimizer, loss_fn=None, *, step_fn=None, name: str | None = DEFAULTS.name,
                 seed: int = DEFAULTS.seed, placement=DEFAULTS.placement, partition: dict | None = DEFAULTS.partition,
@@ -504,9 +511,11 @@ class Cluster:
 
     def _launch(self, spec: ClusterSpec, run_plan: TrainPlan, optimizers: list[optim.OptimizerSpec], payload: bytes, *,
                 model_fn, loss_fn=None, step_fn=None, collate_fn=None, test_dataset=None, eval_every=None,
-                example_batch=None, name, code, checkpoint_dir, checkpoint_secs, keep_checkpoints, resume) -> Run:
+                example_batch=None, name, code, checkpoint_dir, checkpoint_secs, keep_checkpoints, resume,
+                chief: "ChiefCalls | None" = None) -> Run:
         """Record the run, give the ps tasks what its optimizer needs, and start its workers under a supervisor
-        (``payload``: what each worker is given, see ``remote.train_worker``)."""
+        (``payload``: what each worker is given, see ``remote.train_worker``; ``chief``: worker 0 begun already,
+        waiting for the run's plan)."""
         checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
         run_plan, notices = run_records.create_run(
             self.store, run_plan, name=name, cluster=self.name, spec=spec.public_dict(), code=code,
@@ -521,7 +530,9 @@ class Cluster:
             registry.write_payload(self.name, run_plan.run_id, payload)  # for replacement workers after an attach
         for notice in notices:
             run.supervisor.say(notice.kind, notice.line, notice.detail)
-        run.supervisor.start(lambda supervisor: [self.launch_worker(spec, t.index, supervisor) for t in spec.workers])
+        run.supervisor.start(lambda supervisor: [chief.go_on(supervisor.plan) if chief is not None and t.index == 0
+                                                 else self.launch_worker(spec, t.index, supervisor)
+                                                 for t in spec.workers])
         self.runs.append(run)
         self.record()
         return run
@@ -721,6 +732,63 @@ class LostWorker:
 
     def get(self, timeout: float | None = None):
         raise self.error
+
+
+class ChiefCalls:
+    """Worker 0 of a ``Cluster.run`` in the run's first attempt, begun on its engine before the run's plan exists
+    (``remote.begin_chief``): its loop waits at its first training call for ``go_on(plan)`` or ``cancel()``. From
+    ``go_on`` on, it is that worker's result as a supervisor follows one: ``remote.go_on_chief``'s outcome, and what
+    both calls printed, in order."""
+
+    def __init__(self, view, spec: ClusterSpec, settings: TrainPlan, payload: bytes):
+        self._view = view
+        self._begun = view.apply_async(remote.begin_chief, spec.to_json(), settings.to_json(), payload)
+        self._going = None
+        self._waiting = False
+
+    def registered(self) -> tuple[torch.nn.Module, tuple[str, ...], list[optim.OptimizerSpec]]:
+        """What the loop registered by its first training call: (its model, on the CPU, the module names, the
+        optimizers' specs in the run's order); the ConfigError that says what is wrong with ``train_fn``."""
+        found = self._begun.get()
+        if isinstance(found, ConfigError):
+            raise found
+        self._waiting = True
+        return torch.load(io.BytesIO(found), map_location="cpu", weights_only=False)
+
+    def go_on(self, plan: TrainPlan) -> "ChiefCalls":
+        """The loop joins the run of ``plan`` and trains on."""
+        self._going = self._view.apply_async(remote.go_on_chief, plan.to_json())
+        return self
+
+    def cancel(self) -> None:
+        """End the loop where it waits, unless it went on (its run was refused)."""
+        if self._waiting and self._going is None:
+            self._waiting = False
+            self._view.apply_sync(remote.cancel_chief)
+
+    @property
+    def msg_ids(self) -> list:
+        return self._going.msg_ids
+
+    @property
+    def stdout(self) -> str:
+        return (self._begun.stdout or "") + (self._going.stdout or "")
+
+    @property
+    def stderr(self) -> str:
+        return (self._begun.stderr or "") + (self._going.stderr or "")
+
+    def ready(self) -> bool:
+        return self._going.ready()
+
+    def successful(self) -> bool:
+        return self._going.successful()
+
+    def get(self, timeout: float | None = None):
+        return self._going.get(timeout)
+
+    def wait_for_output(self, timeout: float = -1) -> bool:
+        return self._begun.wait_for_output(timeout) and self._going.wait_for_output(timeout)
 
 
 def _source(model_fn) -> str | None:

@@ -11,11 +11,12 @@ TF's ``MonitoredTrainingSession`` or ``torchrun``. The cluster and this process'
             break
 
 - A ps task serves the run and ends the process once the chief has finalized it (TF's ``server.join()``).
-- Each worker makes the run's plan from the modules and the optimizers its script registers (as ``Cluster.run``
-  makes it from its probe), at its loop's first training call: the first forward of a registered module once an
-  optimizer is registered, a batch of ``ctx.shard``, ``ctx.global_step``, ``should_stop()`` or a step. The chief
-  records the run in the run store and runs its ``Supervisor`` (metrics, checkpoints, the end), as
-  ``train_from_environment``'s chief does; the other workers join the run the chief started on the ps tasks.
+- Each worker makes the run's plan from the modules and the optimizers its script registers (as ``Cluster.run``'s
+  chief hands them to the kernel), at its loop's first training call (``context.FirstCallContext``): the first
+  forward of a registered module once an optimizer is registered, a batch of ``ctx.shard``, ``ctx.global_step``,
+  ``should_stop()`` or a step. The chief records the run in the run store and runs its ``Supervisor`` (metrics,
+  checkpoints, the end), as ``train_from_environment``'s chief does; the other workers join the run the chief
+  started on the ps tasks.
 - The run ends for this worker at the first ``should_stop()`` that is true, or when the script ends; the chief
   then waits for the run's end and finalizes it (``ctx.run``), before the interpreter's shutdown begins.
 - The process's exit status is the run's: the chief's is 1 when its run failed, any worker's when its own part
@@ -47,7 +48,7 @@ from .. import environ
 from ..errors import ConfigError, RunEnded, RuntimeTimeout, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import standalone
-from ..runtime.context import WorkerContext, loop_plan
+from ..runtime.context import FirstCallContext, WorkerContext, loop_plan, settings_plan
 from ..runtime.options import OPTIONS, RECORD_OPTIONS, SCRIPT, take
 from ..runtime.plan import TrainPlan
 from ..task_config import from_environment
@@ -99,7 +100,7 @@ def _flag(name: str, value) -> str:
     return flag if isinstance(value, bool) else f"{flag} {value}"
 
 
-class ScriptContext(WorkerContext):
+class ScriptContext(FirstCallContext):
     """A script's worker context: its plan is made at the loop's first training call (a registered module's first
     forward once an optimizer is registered, a batch of ``ctx.shard``, ``ctx.global_step``...), from every module
     and optimizer registered by then."""
@@ -110,50 +111,32 @@ class ScriptContext(WorkerContext):
         # the run's settings; its variables and optimizer come at ctx.optimizer()
         self._settings = {**options, "run_id": 1, "num_workers": len(spec.workers),
                           "replicas_to_aggregate": options.get("replicas_to_aggregate") or len(spec.workers)}
-        super().__init__(spec, index, TrainPlan(batch_size=None, optimizer="SGD", **self._settings), log=log)
+        super().__init__(spec, index, settings_plan(**self._settings), self._planned_run, log=log)
         self._run_record = dict(name=name, store=store, checkpoint_dir=checkpoint_dir, checkpoint_secs=checkpoint_secs,
                                 keep_checkpoints=keep_checkpoints, code=code)
         self.run: Run | None = None  # the chief's, once the run started
         self._outcome: Future = Future()  # this worker's summary (the chief's supervisor follows it)
         self._finishing = False
-        self._first_forward: list = []  # the registered modules' forward hooks that start the run (``_forward``)
         self._attempts: queue.Queue = queue.Queue()  # the chief: the plans of the attempts after the first
         self._loop_error: BaseException | None = None  # what escaped the script (``_excepthook``)
 
-    def model(self, module, name: str | None = None):
-        self._modules.add(module, name)  # the plan is made at the start, from every registered module and optimizer
-        self._first_forward.append(module.register_forward_pre_hook(lambda *_: self._forward()))
-        return module
-
-    def _registered_all(self) -> bool:
-        return False  # a script says nothing of how many optimizers it registers: the run starts at its loop
-
-    def _forward(self) -> None:
-        """A registered module's forward: the loop's first, once its optimizers are registered, starts the run
-        (the run's values before it)."""
-        if self._optimizers.registered:
-            self._training_call()
-
-    def _start(self) -> None:
-        for hook in self._first_forward:
-            hook.remove()
-        self._plan = loop_plan(self._modules.model, self._modules.names,
-                               self._optimizers.specs(self._modules), num_ps=len(self._spec.ps),
-                               **self._placement, **self._settings)
+    def _planned_run(self, model, modules, optimizers) -> TrainPlan:
+        """The run's plan, from what the loop registered: the chief starts the run; another worker joins the one
+        the chief started on the ps tasks."""
+        plan = loop_plan(model, modules, optimizers, num_ps=len(self._spec.ps), **self._placement, **self._settings)
         if self._task.is_chief:
-            self._start_run()
-        else:
-            held = standalone.started_run(self._spec, self._plan.request_timeout)
-            self._plan = replace(self._plan, run_id=held["run_id"], attempt=held["attempt"],
-                                 metrics_address=held["metrics_address"], checkpoint_dir=held["checkpoint_dir"])
-        super()._start()
+            return self._start_run(plan)
+        held = standalone.started_run(self._spec, plan.request_timeout)
+        return replace(plan, run_id=held["run_id"], attempt=held["attempt"], metrics_address=held["metrics_address"],
+                       checkpoint_dir=held["checkpoint_dir"])
 
-    def _start_run(self) -> None:
-        """The chief: the run in the run store, its supervisor following this loop and the other workers."""
+    def _start_run(self, plan: TrainPlan) -> TrainPlan:
+        """The chief: the run of ``plan`` in the run store, its supervisor following this loop and the other
+        workers; the run's plan."""
         record = self._run_record
         runs = RunStore(record["store"])
         plan, notices = run_records.create_run(
-            runs, self._plan, name=record["name"], cluster=self._spec.name, spec=self._spec.public_dict(),
+            runs, plan, name=record["name"], cluster=self._spec.name, spec=self._spec.public_dict(),
             code=record["code"], checkpoint_dir=record["checkpoint_dir"],
             default_dir=lambda _: Path(runs.path).parent / "checkpoints" / record["name"])
         run_records.end_orphans(runs, plan)
@@ -168,7 +151,7 @@ class ScriptContext(WorkerContext):
                 self._log(notice.line)
         self.run.supervisor.start(lambda supervisor: [tasks.launch_worker(self._spec, t.index, supervisor)
                                                       for t in self._spec.workers])
-        self._plan = self.run.plan
+        return self.run.plan
 
     def _chief_worker(self, plan: TrainPlan, join: bool) -> dict:
         """What the supervisor follows as the chief's worker: this script's loop, in the main thread. A later

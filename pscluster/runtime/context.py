@@ -34,9 +34,10 @@ Call order on a worker (``run_loop``):
    ``ctx.request_stop(reason)``) turns ``ctx.should_stop()`` true, ends the epoch of ``ctx.shard`` under way, and
    makes a later ``optimizer.step()`` or epoch raise ``RunEnded``, which ``run_loop`` takes as the loop's end.
 
-On the chief's engine, before any worker starts, ``probe`` calls ``train_fn`` once with a ``ProbeContext`` to learn
-the modules and the optimizers (``loop_plan`` makes the plan from them); the probe ends at the loop's first training
-call. ``train_fn`` never runs in the notebook's kernel.
+A run's plan may also come from the loop itself (``FirstCallContext``): the worker's context then begins with the
+run's settings only, and at the loop's first training call hands the modules and the optimizers registered by then
+to whoever makes the plan (``loop_plan``), then joins the run as in step 3. ``Cluster.run``'s chief begins its run
+so, as a script's workers do: ``train_fn`` runs once on each worker, and never in the notebook's kernel.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError, PeerLost, PSClusterError, RunEnded, StaleTask
+from ..errors import ConfigError, NonFiniteError, PeerLost, RunEnded, StaleTask
 from ..spec import ClusterSpec
 from . import seeding
 from .client import PSClient
@@ -194,13 +195,15 @@ def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list
         for v in plan.variables))
 
 
-class _Planned(BaseException):
-    """Raised into a probed ``train_fn`` at its loop's first step (a BaseException: ``except Exception`` in the
-    user's code does not stop it)."""
+def settings_plan(**settings) -> TrainPlan:
+    """The plan of a user's loop until its first training call (``FirstCallContext``): the run's ``settings`` (those
+    of ``loop_plan`` but ``placement`` and ``partition``: ``run_id``, ``num_workers``...), no variables yet."""
+    return TrainPlan(batch_size=None, optimizer="SGD", **{
+        **settings, "replicas_to_aggregate": settings.get("replicas_to_aggregate") or settings["num_workers"]})
 
 
 class _Context:
-    """What ``train_fn(ctx)`` is given; ``ProbeContext`` and ``WorkerContext`` are its two kinds."""
+    """What ``train_fn(ctx)`` is given: its registrations and its data; ``WorkerContext`` is its kind."""
 
     def __init__(self, run_seed: int, worker_index: int, num_workers: int, device: torch.device, seed: int):
         """``run_seed``: the run's (its batches' order); ``seed``: this worker's own (``seeding``)."""
@@ -313,58 +316,6 @@ class _Context:
 
     def _epoch_began(self, epoch: int, batches: int | None) -> None:
         """An epoch of a ``shard`` loader began (``ShardLoader``'s ``began``)."""
-
-
-class ProbeContext(_Context):
-    """The context of ``probe``: as worker 0 on the CPU; the loop's first training call ends it."""
-
-    def __init__(self, num_workers: int, seed: int):
-        super().__init__(seed, 0, num_workers, torch.device("cpu"), seeding.worker_seed(seed, 0))
-
-    @property
-    def global_step(self) -> int:
-        return 0
-
-    def _training_call(self) -> None:
-        raise _Planned
-
-    def _exchange(self, optimizer) -> None:
-        raise _Planned
-
-    def should_stop(self) -> bool:
-        raise _Planned
-
-    def request_stop(self, reason: str = "") -> None:
-        raise _Planned
-
-    def log(self, **scalars) -> None:
-        raise _Planned
-
-
-def probe(train_fn, num_workers: int, seed: int) -> tuple[torch.nn.Module, tuple[str, ...], list[OptimizerSpec]]:
-    """Call ``train_fn`` as the chief would, up to its loop's first step: (the model of its modules, their
-    names, its optimizers' specs in the run's order). ConfigError when it registers no module or no optimizer
-    before its loop, or fails before it (the error's first line kept)."""
-    ctx = ProbeContext(num_workers, seed)
-    seeding.seed_worker(seed, 0)
-    try:
-        train_fn(ctx)
-    except _Planned:
-        pass
-    except PSClusterError:
-        raise
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"train_fn fails before its first step: {type(e).__name__}: {first} — fix train_fn (the "
-                          "chief's engine runs it up to its loop's first step, to learn the model)") from None
-    finally:
-        ctx.close()
-    if not ctx._modules.names or not ctx._optimizers.registered:
-        raise ConfigError("train_fn reached no training step after ctx.model(module) and ctx.optimizer(optimizer): "
-                          "register the model and its optimizer before the loop")
-    model = ctx._modules.model
-    ctx._optimizers.check_trained(model)
-    return model, ctx._modules.names, ctx._optimizers.specs(ctx._modules)
 
 
 class WorkerContext(_Context):
@@ -701,6 +652,58 @@ class WorkerContext(_Context):
         self._leave_attempt()
 
 
+class FirstCallContext(WorkerContext):
+    """A worker's context whose run's plan is made at the loop's first training call (a registered module's first
+    forward once an optimizer is registered, a batch of ``ctx.shard``, ``ctx.global_step``, ``should_stop()``,
+    ``log`` or a step), from every module and optimizer registered by then: ``planned(model, module names,
+    optimizer specs in the run's order)`` returns it, and the worker joins the run as any worker does. ``plan``: the
+    run's settings until then (``settings_plan``). A ``train_fn`` that registers no module or no optimizer by that
+    call, or returns before it, fails with a ConfigError."""
+
+    def __init__(self, spec: ClusterSpec, index: int, plan: TrainPlan, planned, *, log=None):
+        super().__init__(spec, index, plan, log=log)
+        self._planned = planned
+        self._first_forward: list = []  # the registered modules' forward hooks that start the run (``_forward``)
+
+    def model(self, module: torch.nn.Module, name: str | None = None) -> torch.nn.Module:
+        super().model(module, name)
+        self._first_forward.append(module.register_forward_pre_hook(lambda *_: self._forward()))
+        return module
+
+    def _registered_all(self) -> bool:
+        return False  # how many optimizers the loop registers is known at its first training call only
+
+    def _forward(self) -> None:
+        """A registered module's forward: the loop's first, once an optimizer is registered, starts the run (the
+        run's values before it)."""
+        if self._optimizers.registered:
+            self._training_call()
+
+    def _start(self) -> None:
+        for hook in self._first_forward:
+            hook.remove()
+        self._first_forward = []
+        self._plan = self._planned(*self._registered())
+        super()._start()
+
+    def _registered(self) -> tuple[torch.nn.Module, tuple[str, ...], list[OptimizerSpec]]:
+        """(The model of the registered modules, their names, the optimizers' specs in the run's order); a
+        ConfigError unless they make a run: a module, an optimizer, every trainable parameter in one."""
+        if not self._modules.names or not self._optimizers.registered:
+            raise ConfigError("train_fn reached no training step after ctx.model(module) and "
+                              "ctx.optimizer(optimizer): register the model and its optimizer before the loop")
+        model = self._modules.model
+        self._optimizers.check_trained(model)
+        return model, self._modules.names, self._optimizers.specs(self._modules)
+
+    def finish(self) -> dict:
+        if self._reply is None:
+            self._registered()  # what it registered wrong is said first
+            raise ConfigError("train_fn returned before its loop's first training call (a forward of a registered "
+                              "module, a batch of ctx.shard, optimizer.step()...): give it a loop that trains")
+        return super().finish()
+
+
 _classes: dict[type, type] = {}
 
 
@@ -732,11 +735,14 @@ def _run_optimizer_class(cls: type) -> type:
     return _classes[cls]
 
 
-def run_loop(spec: ClusterSpec, index: int, plan: TrainPlan, train_fn, *, join: bool = False, log=None) -> dict:
+def run_loop(spec: ClusterSpec, index: int, plan: TrainPlan, train_fn, *, join: bool = False, log=None,
+             planned=None) -> dict:
     """Run ``train_fn(ctx)`` as worker ``index`` of ``plan`` (see the module); its summary, as ``run_worker``
-    returns one."""
+    returns one. ``planned``: the run's plan is made at the loop's first training call by ``planned`` (see
+    ``FirstCallContext``), ``plan`` holding the run's settings until then (``settings_plan``)."""
     seeding.seed_worker(plan.seed, index, plan.attempt)
-    ctx = WorkerContext(spec, index, plan, join=join, log=log)
+    ctx = WorkerContext(spec, index, plan, join=join, log=log) if planned is None else \
+        FirstCallContext(spec, index, plan, planned, log=log)
     try:
         try:
             train_fn(ctx)

@@ -1,6 +1,6 @@
 """The functions the control plane calls on an engine (through ipyparallel ``apply``): describe the engine,
-watch the controller, configure the task, start and stop its ps, register a run's objects, learn a user's loop's
-plan (``probe_loop``), train a worker.
+watch the controller, configure the task, start and stop its ps, register a run's objects, begin a user's loop as
+its run's chief (``begin_chief``, ``go_on_chief``), train a worker.
 
 Plain functions over plain data (JSON strings, bytes). The ps of an engine runs in a background thread,
 which leaves the engine free to answer the control plane.
@@ -8,7 +8,6 @@ which leaves the engine free to answer the control plane.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import linecache
 import os
@@ -16,10 +15,12 @@ import socket
 import threading
 import time
 import types
+from concurrent.futures import Future
 
 import cloudpickle
 import torch
 
+from ..errors import ConfigError, RuntimeTimeout
 from ..spec import ClusterSpec
 from .network import bind_in_range, route_address
 from .plan import TrainPlan
@@ -99,21 +100,95 @@ def register_objects(names: list[str], code: bytes) -> None:
     optim.register(dict(zip(names, cloudpickle.loads(code))))
 
 
-def probe_loop(code: bytes, num_workers: int, seed: int) -> bytes:
-    """``context.probe`` of the shipped ``train_fn`` (``code``: cloudpickle of ``(train_fn,)``) in this process, as
-    the chief calls it, up to its loop's first step. What it prints is dropped: the worker's own call prints it.
-    Returns cloudpickle of (its model, module names, optimizer specs), or of the ConfigError that says what is
-    wrong with it."""
-    from ..errors import ConfigError
-    from .context import probe
+class _Refused(BaseException):
+    """Raised into the loop of a chief waiting for its plan when its run is refused (``cancel_chief``): a
+    BaseException, so that ``except Exception`` in the user's code does not stop it."""
 
-    (train_fn,) = cloudpickle.loads(code)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+
+class _Chief:
+    """Worker 0 of a ``Cluster.run`` in the run's first attempt: its loop, in a thread of this engine, hands what it
+    registered to ``begin_chief`` at its first training call and waits there, at most the plan's
+    ``request_timeout``, for the run's plan (``go_on_chief``) or its refusal (``cancel_chief``)."""
+
+    def __init__(self, spec: ClusterSpec, settings: TrainPlan, train_fn):
+        self.registered: Future = Future()  # (model, module names, optimizer specs), or the error before them
+        self.plan: Future = Future()  # the run's plan, or _Refused
+        self.summary: dict | None = None  # once the loop has ended: its summary, or what it failed with
+        self.error: BaseException | None = None
+        self.timeout = settings.request_timeout
+        self.thread = threading.Thread(target=self._run, args=(spec, settings, train_fn), name="pscluster-chief",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, spec: ClusterSpec, settings: TrainPlan, train_fn) -> None:
+        from .context import run_loop
+
         try:
-            found = probe(train_fn, num_workers, seed)
-        except ConfigError as e:
-            found = e
-    return cloudpickle.dumps(found)
+            self.summary = run_loop(spec, 0, settings, train_fn, planned=self._planned)
+        except BaseException as e:  # noqa: BLE001 - begin_chief or go_on_chief raises it
+            self.error = e
+            if not self.registered.done():
+                self.registered.set_exception(e)
+
+    def _planned(self, model, modules, optimizers) -> TrainPlan:
+        self.registered.set_result((model, modules, optimizers))
+        try:
+            return self.plan.result(timeout=self.timeout)
+        except TimeoutError:
+            raise RuntimeTimeout(f"worker 0 was sent no plan within {self.timeout:.0f}s of its loop's first training "
+                                 "call (the notebook's kernel was interrupted or lost): run it again") from None
+
+
+_chief: _Chief | None = None  # the chief this engine's loop holds at its first training call, waiting for its plan
+
+
+def begin_chief(spec_json: str, settings_json: str, code: bytes) -> bytes | ConfigError:
+    """Call the shipped ``train_fn`` (``code``: cloudpickle of ``(train_fn,)``) as worker 0 of a run whose plan is
+    still to be made (``settings_json``: the run's settings, ``context.settings_plan``), in a thread of this engine,
+    up to its loop's first training call, where it waits for ``go_on_chief`` (see ``_Chief``); what it prints until
+    then is this call's output. Returns what it registered by then, as ``torch.save`` bytes (cloudpickle within)
+    of (its model, module names, optimizer specs in the run's order), which the caller loads with its tensors on
+    the CPU; or the ConfigError that says in one line what is wrong with ``train_fn`` (it failed before that
+    call, registered no model or optimizer, returned without one)."""
+    global _chief
+    cancel_chief()  # one that an interrupted caller left waiting
+    (train_fn,) = cloudpickle.loads(code)
+    chief = _Chief(ClusterSpec.from_json(spec_json), TrainPlan.from_json(settings_json), train_fn)
+    try:
+        registered = chief.registered.result()
+    except ConfigError as e:
+        return e
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return ConfigError(f"train_fn fails on worker 0 before its loop's first step: {type(e).__name__}: {first} "
+                           "— fix train_fn")
+    _chief = chief
+    saved = io.BytesIO()
+    torch.save(registered, saved, pickle_module=cloudpickle)
+    return saved.getvalue()
+
+
+def go_on_chief(plan_json: str) -> dict:
+    """The run's plan, as the kernel recorded it, to the chief that ``begin_chief`` left waiting: its loop joins
+    the run and trains on in its thread, and this call ends with it (its summary or its error, as
+    ``train_worker``'s); what the loop prints meanwhile is this call's output."""
+    global _chief
+    chief, _chief = _chief, None
+    chief.plan.set_result(TrainPlan.from_json(plan_json))
+    chief.thread.join()
+    if chief.error is not None:
+        raise chief.error  # its traceback: this call's frames, then the loop's (no frame of a Future between)
+    return chief.summary
+
+
+def cancel_chief() -> None:
+    """End the loop of the chief that ``begin_chief`` left waiting, if any (its run was refused): ``_Refused`` is
+    raised in it where it waits, and this returns once it has unwound (at most its ``request_timeout``)."""
+    global _chief
+    chief, _chief = _chief, None
+    if chief is not None:
+        chief.plan.set_exception(_Refused())
+        chief.thread.join(chief.timeout)
 
 
 def train_worker(spec_json: str, index: int, plan_json: str, code: bytes, join: bool = False) -> dict:

@@ -181,6 +181,26 @@ def test_each_worker_draws_its_own_random_numbers_and_a_seed_draws_them_again(tw
     assert seeds[0] == 5 and seeds[1] != 5  # ctx.seed: the chief's first attempt has the run's
 
 
+def test_train_fn_runs_once_on_each_worker_and_what_it_prints_before_its_first_step_arrives(two_workers, tmp_path):
+    calls = tmp_path / "calls"
+
+    def train_fn(ctx):
+        with open(calls, "a") as f:  # what a loop loads before its model, once on each worker
+            f.write(f"{ctx.worker_index}\n")
+        print(f"loading on {ctx.worker_index}")
+        model = ctx.model(mlp())
+        optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        while not ctx.should_stop():
+            optimizer.zero_grad()
+            model(torch.ones(4, 64)).sum().backward()
+            optimizer.step()
+
+    run = two_workers.run(train_fn, steps=3).wait(verbose=False)
+    assert sorted(calls.read_text().split()) == ["0", "1"]
+    for i in range(2):
+        assert run.logs.count(f"[worker:{i}] loading on {i}") == 1
+
+
 def never_asks(ctx):
     """A loop that never calls ``should_stop()``, over epochs without end: only the run's end ends it."""
     model = ctx.model(mlp())
@@ -305,9 +325,15 @@ def test_what_a_loop_gets_wrong_is_one_line_before_any_worker_starts(one_worker)
     def nan_lr(ctx):
         model = ctx.model(mlp())
         ctx.optimizer(torch.optim.SGD(model.parameters(), lr=float("nan")))
+        ctx.should_stop()
+
+    def never_trains(ctx):
+        model = ctx.model(mlp())
+        ctx.optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     for train_fn, says in ((no_optimizer, "ctx.optimizer"), (misses_a_parameter, "2.weight is trainable"),
-                           (fails_early, "ValueError: no data here"), (nan_lr, "lr=nan: give a finite number")):
+                           (fails_early, "ValueError: no data here"), (nan_lr, "lr=nan: give a finite number"),
+                           (never_trains, "returned before its loop's first training call")):
         with pytest.raises(ConfigError, match=says) as e:
             one_worker.run(train_fn, steps=5)
         assert "\n" not in str(e.value)

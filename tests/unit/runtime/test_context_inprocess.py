@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pscluster.errors import ConfigError
-from pscluster.runtime.context import _run_optimizer_class, loop_plan, probe, run_loop
+from pscluster.runtime.context import _run_optimizer_class, loop_plan, run_loop, settings_plan
 
 from .test_overlap import Wide, plain_wide, trained
 from .test_worker_inprocess import (BATCH, LR, RUN_ID, SEED, dataset, delayed_local_training,  # noqa: F401
@@ -35,10 +35,23 @@ def user_loop(data, seen: list | None = None):
     return train_fn
 
 
+class _Planned(BaseException):
+    """Ends ``plan_of``'s loop at its first training call."""
+
+
 def plan_of(train_fn, spec, **settings):
-    model, modules, optimizers = probe(train_fn, len(spec.workers), SEED)
-    return loop_plan(model, modules, optimizers, num_ps=len(spec.ps), run_id=RUN_ID, num_workers=len(spec.workers),
-                     seed=SEED, request_timeout=30.0, **settings)
+    """The plan ``Cluster.run`` makes of ``train_fn`` on ``spec``: from what its loop registered (as worker 0) by its
+    first training call, where it is ended."""
+    settings = dict(run_id=RUN_ID, num_workers=len(spec.workers), seed=SEED, request_timeout=30.0, **settings)
+    made = []
+
+    def planned(*registered):
+        made.append(loop_plan(*registered, num_ps=len(spec.ps), **settings))
+        raise _Planned
+
+    with contextlib.suppress(_Planned):
+        run_loop(spec, 0, settings_plan(**settings), train_fn, planned=planned)
+    return made[0]
 
 
 def test_a_pipelined_user_loop_computes_each_gradient_on_the_values_one_step_older(local_ps, dataset):
@@ -148,13 +161,13 @@ def test_a_user_loop_with_overlap_that_changes_a_pushed_gradient_fails_with_the_
         run_loop(spec, 0, plan, train_fn)
 
 
-def test_overlap_with_several_optimizers_is_refused_at_registration():
+def test_overlap_with_several_optimizers_is_refused_at_registration(local_ps):
     def train_fn(ctx):
         a, b = ctx.model(torch.nn.Linear(2, 2), name="a"), ctx.model(torch.nn.Linear(2, 2), name="b")
         ctx.optimizer(torch.optim.SGD(a.parameters(), lr=0.1), overlap=True)
         ctx.optimizer(torch.optim.SGD(b.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match=r"overlap=True\) with several optimizers"):
-        probe(train_fn, 1, SEED)
+        plan_of(train_fn, local_ps.start(num_ps=1, num_workers=1), mode="async", steps=5)
 
 
 @pytest.mark.gpu
