@@ -29,6 +29,7 @@ EVERY = frozenset({*LOOPS, SESSION})
 MODES = tuple(POLICIES)  # the modes of a run: the aggregation policies
 BUFFER_RULES = ("chief", "average")
 NONFINITE = ("fail", "skip")
+DIVERGENCE = ("flag", "stop", "fail")
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,9 @@ OPTIONS: dict[str, Option] = _options(
            fix="a positive number (the total 2-norm each worker clips its gradients to), or None"),
     Option("on_nonfinite", "fail", "a non-finite loss or gradient fails the run at that step (fail) or leaves its "
            "batch out (skip)", LOOPS, str, NONFINITE),
+    Option("on_divergence", "flag", "a loss that rises far above its level at the start and stays there "
+           "(pscluster.metrics.divergence) marks the run diverging in every view (flag), and also stops it there "
+           "(stop) or fails it (fail)", LOOPS, str, DIVERGENCE),
     Option("precision", "fp32", "the workers' mixed precision: bf16 (CPU and GPU) or fp16 (GPU, with loss "
            "scaling)", LOOPS, str, tuple(PRECISIONS)),
     Option("batch_size", None, "per worker (default 64, or the DataLoader's)", TRAINS, int, least=1),

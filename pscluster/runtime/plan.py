@@ -173,6 +173,7 @@ class TrainPlan:
     buffers: str = DEFAULTS.buffers
     max_grad_norm: float | None = DEFAULTS.max_grad_norm
     on_nonfinite: str = DEFAULTS.on_nonfinite
+    on_divergence: str = DEFAULTS.on_divergence  # what the supervisor does once the loss diverges (``divergence``)
     precision: str = DEFAULTS.precision  # autocast in the workers, and the gradients' dtype (steps.PRECISIONS)
     loader: LoaderOptions = LoaderOptions()  # how each worker reads its batches (loader processes, prefetch...)
     modules: tuple[str, ...] = ()  # a user's loop: the names of the modules it registers (``context``); () for train's
