@@ -8,6 +8,7 @@ which leaves the engine free to answer the control plane.
 
 from __future__ import annotations
 
+import contextvars
 import io
 import linecache
 import os
@@ -113,11 +114,13 @@ class _Chief:
     def __init__(self, spec: ClusterSpec, settings: TrainPlan, train_fn):
         self.registered: Future = Future()  # (model, module names, optimizer specs), or the error before them
         self.plan: Future = Future()  # the run's plan, or _Refused
-        self.summary: dict | None = None  # once the loop has ended: its summary, or what it failed with
+        self.summary: dict | None = None  # once the loop has ended: its summary, or the error that ended it
         self.error: BaseException | None = None
         self.timeout = settings.request_timeout
-        self.thread = threading.Thread(target=self._run, args=(spec, settings, train_fn), name="pscluster-chief",
-                                       daemon=True)
+        # in a context of its own, whatever a thread inherits: what it prints goes to the engine's request of the
+        # moment (ipykernel's fallback), begin_chief's, then go_on_chief's
+        self.thread = threading.Thread(target=contextvars.Context().run, args=(self._run, spec, settings, train_fn),
+                                       name="pscluster-chief", daemon=True)
         self.thread.start()
 
     def _run(self, spec: ClusterSpec, settings: TrainPlan, train_fn) -> None:
