@@ -299,6 +299,7 @@ class Cluster:
               resume: str | int | None = DEFAULTS.resume, shared_memory: bool = DEFAULTS.shared_memory,
               pipeline: bool = DEFAULTS.pipeline, overlap: bool = DEFAULTS.overlap, buffers: str = DEFAULTS.buffers,
               max_grad_norm: float | None = DEFAULTS.max_grad_norm, on_nonfinite: str = DEFAULTS.on_nonfinite,
+              on_divergence: str = DEFAULTS.on_divergence,
               precision: str = DEFAULTS.precision, collate_fn=None, loader_workers: int = DEFAULTS.loader_workers,
               prefetch_factor: int | None = DEFAULTS.prefetch_factor, pin_memory: bool = DEFAULTS.pin_memory,
               **optimizer_kwargs) -> Run:
@@ -322,6 +323,9 @@ class Cluster:
         ``clip_grad_norm_``). ``on_nonfinite``: a non-finite loss or gradient fails the run at that step
         (``"fail"``, naming the worker and step; nothing is pushed, so the ps keep the last good parameters) or
         leaves the batch out (``"skip"``, counted in the worker's summary and a ``nonfinite`` event).
+        ``on_divergence``: a loss that rose far above its level at the start and stayed there (the rule of
+        ``metrics.divergence``) is flagged in the run's record and every view (``"flag"``), or also stops the run
+        (``"stop"``) or fails it (``"fail"``).
         ``precision``: ``"bf16"`` (CPU and GPU) or ``"fp16"`` (GPU workers, with dynamic loss scaling) runs each
         worker's forward and loss under ``torch.autocast`` and sends the gradients in that dtype; the ps keeps
         fp32 values and optimizer state, and the trained state is fp32.
@@ -410,7 +414,7 @@ class Cluster:
                                        restore=restore, shared_memory=shared_memory, pipeline=pipeline,
                                        overlap=overlap,
                                        buffers=buffers, max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite,
-                                       precision=precision, loader=loader)
+                                       on_divergence=on_divergence, precision=precision, loader=loader)
         optim.check(model, optimizer_spec, steps=steps)
         example_batch = first_batch(dataset, 2, collate_fn)
         check_step(model, loss_fn, step_fn, example_batch)

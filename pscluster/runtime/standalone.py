@@ -90,6 +90,7 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer=DEFAULTS.opti
                 partition: dict | None = DEFAULTS.partition, shared_memory: bool = DEFAULTS.shared_memory,
                 pipeline: bool = DEFAULTS.pipeline, overlap: bool = DEFAULTS.overlap, buffers: str = DEFAULTS.buffers,
                 max_grad_norm: float | None = DEFAULTS.max_grad_norm, on_nonfinite: str = DEFAULTS.on_nonfinite,
+                on_divergence: str = DEFAULTS.on_divergence,
                 precision: str = DEFAULTS.precision, collate_fn=None, loader_workers: int = DEFAULTS.loader_workers,
                 prefetch_factor: int | None = DEFAULTS.prefetch_factor, pin_memory: bool = DEFAULTS.pin_memory,
                 checkpoint_every: int = DEFAULTS.checkpoint_every, restore: bool = DEFAULTS.restore,
@@ -112,8 +113,8 @@ def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer=DEFAULTS.opti
                                max_lead=max_lead, seed=seed,
                                log_every=log_every, request_timeout=request_timeout,
                                shared_memory=shared_memory, pipeline=pipeline, overlap=overlap, buffers=buffers,
-                               max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite, precision=precision,
-                               loader=loader, checkpoint_every=checkpoint_every, restore=restore)
+                               max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite, on_divergence=on_divergence,
+                               precision=precision, loader=loader, checkpoint_every=checkpoint_every, restore=restore)
     return plan, dataset, collate_fn
 
 
