@@ -8,7 +8,10 @@ running the same script with its own ``PSCLUSTER_CONFIG`` (as ``torchrun`` start
   default, an argument the script gives ``init()`` overrides the flag. A bad value stops launch before any task.
 - A ps, or a worker other than the chief, that dies (a non-zero status, a signal) is started again with the same
   config, at most ``--max-restarts`` times each: the chief's supervisor recovers the run of a lost ps, a worker
-  rejoins the run.
+  rejoins the run. A task hung is lost too: one whose process is stopped (SIGSTOP) for ``STOPPED_S`` is killed,
+  then started again as a dead one (the chief's end ends the job). That is the hang the data plane sees: ZeroMQ
+  answers the workers' heartbeats from threads of its own, so a ps busy (or stuck) in Python still answers them,
+  and only a process that does not run at all misses them.
 - The chief (worker 0) ends the job: the other tasks get ``TASKS_END_S`` to end after it ended well, and are ended
   at once after it failed. launch ended by SIGTERM or SIGINT sends the signal on to every task; killed by any
   signal (SIGKILL too), its tasks die with it.
@@ -30,7 +33,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import psutil
+
 from . import environ
+from .cluster.launchers.base import HEARTBEAT_DEADLINE_S
 from .errors import ConfigError
 from .runtime import options
 from .spec import ClusterSpec, TaskSpec
@@ -39,6 +45,7 @@ TASKS_END_S = 30.0  # how long the other tasks may take to end once the chief en
 # and the workers once launch passed them a SIGTERM (the chief's clean stop writes a final checkpoint)
 KILL_AFTER_S = 5.0  # how long a task may take to end on SIGTERM before it gets SIGKILL
 POLL_S = 0.1
+STOPPED_S = HEARTBEAT_DEADLINE_S  # a task stopped this long is lost, as a notebook's engine missing its heartbeats
 MAX_RESTARTS = 3
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -99,6 +106,7 @@ class Task:
     relay: threading.Thread | None = None
     done: bool = False  # ended, and not to be started again
     killed: bool = False  # by launch, for not ending in time
+    stopped_since: float | None = None  # when launch first saw its process stopped (SIGSTOP)
 
     @property
     def label(self) -> str:
@@ -113,6 +121,13 @@ class Task:
                                         env=self.env, preexec_fn=_dies_with(os.getpid()), process_group=0)
         self.relay = _relay(self.process, self.label)
         say(f"{self.label} started, pid {self.process.pid}")
+
+    def stopped(self) -> bool:
+        """Whether the task's process is stopped (SIGSTOP, SIGTSTP: not running at all)."""
+        try:
+            return psutil.Process(self.process.pid).status() == psutil.STATUS_STOPPED
+        except psutil.Error:  # ended, and reaped
+            return False
 
     def send(self, sig: int) -> None:
         if self.process.poll() is None:
@@ -195,6 +210,7 @@ class Launch:
             for task in self.tasks:
                 task.start(self.command)
             while self.signalled is None and self.chief.process.poll() is None:
+                self._kill_stopped()
                 self._restart_lost()
                 time.sleep(POLL_S)
             return self._end()
@@ -211,6 +227,19 @@ class Launch:
 
     def _on_signal(self, sig, _frame) -> None:
         self.signalled = sig
+
+    def _kill_stopped(self) -> None:
+        """SIGKILL each task whose process has been stopped for ``STOPPED_S``: it is lost (see the module)."""
+        now = time.monotonic()
+        for task in self.tasks:
+            if task.done or not task.stopped():
+                task.stopped_since = None
+            elif task.stopped_since is None:
+                task.stopped_since = now
+            elif now - task.stopped_since >= STOPPED_S:
+                say(f"{task.label} stopped for {STOPPED_S:g}s (SIGSTOP): killed, as a lost task")
+                task.stopped_since = None
+                task.send(signal.SIGKILL)
 
     def _restart_lost(self) -> None:
         """Start again each task other than the chief that died, while it has restarts left."""

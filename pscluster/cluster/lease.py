@@ -5,6 +5,10 @@ adopted a detached cluster's run) renews the lease every ``RENEW_S`` from a thre
 monitor is doing (a recovery may take longer than the lease), until the run has ended. A process killed
 outright renews nothing: its run, not ended, reads ``failed`` ("owner lost") to every reader of the store
 within ``store.LEASE_S`` (see ``RunStore.runs``), with no process left to write it.
+
+A script's run holds the same lease on its ps tasks (``hold_ps_tasks``): a ps serving that one run ends once
+``LEASE_S`` of its serving pass without a renewal (``runtime.ps``: ``owner_lost``), instead of listening with
+nobody left.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import threading
 import weakref
 
 from ..metrics.store import LEASE_S, RunStore
+from ..runtime.client import PSClient
+from ..runtime.protocol import Op
+from ..spec import ClusterSpec
 
 RENEW_S = LEASE_S / 4  # three renewals may be late (a loaded machine, a busy store) before the lease runs out
 
@@ -42,3 +49,22 @@ class Lease:
     def release(self) -> None:
         """Stop renewing (the run has ended and says so)."""
         self._released.set()
+
+
+def hold_ps_tasks(spec: ClusterSpec, run_id: int, owner: str, ended: threading.Event) -> None:
+    """Renew ``owner``'s lease on run ``run_id`` on every ps task of ``spec``, now and every ``RENEW_S``, from a
+    thread of its own, until ``ended`` is set. A ps that does not answer within ``RENEW_S / 2`` (lost, or busy)
+    holds up none of the others."""
+
+    def renew():
+        while True:
+            for ps in spec.ps:
+                try:
+                    with PSClient(spec, run_id=run_id, timeout=RENEW_S / 2, only=[ps.index]) as client:
+                        client.request(Op.STATS, meta={"lease": {"owner": owner, "seconds": LEASE_S}})
+                except Exception:  # noqa: BLE001 - lost or busy: the next renewal may pass, its lease lasts LEASE_S
+                    pass
+            if ended.wait(RENEW_S):
+                return
+
+    threading.Thread(target=renew, name=f"pscluster-ps-lease-{run_id}", daemon=True).start()

@@ -12,6 +12,7 @@ that the user or a scheduler starts, which nothing here can start, kill or repla
   (``runtime.standalone.join_run``). A ps not started again in time fails the run; the job started again
   resumes from its latest checkpoint.
 - Nothing is killed: a task of a failed attempt that wakes is refused by its attempt number.
+- The run's lease is held on its ps tasks too, while it trains: a ps whose chief is gone ends by itself.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from concurrent.futures import Future
 
 from ..errors import TrainingError
 from ..runtime import standalone
-from ..runtime.client import HEARTBEAT_TIMEOUT_MS
 from ..runtime.plan import TrainPlan
 from ..spec import ClusterSpec, TaskSpec
+from .lease import hold_ps_tasks
 from .supervisor import Supervisor
 
 PEER_END_S = 10.0  # how long after the chief's end another worker's summary may still arrive
@@ -88,7 +89,9 @@ class ScriptTasks:
     """``recovery.Tasks`` for a script's cluster (see the module docstring). ``train_chief(plan, join)``
     trains the chief's worker for ``plan``, in the thread it is called in."""
 
-    loss_grace_s = HEARTBEAT_TIMEOUT_MS / 1000 + 1.0  # a worker fails on a lost ps within the heartbeat timeout
+    # none: ``lost`` asks the ps tasks themselves, which a worker that failed on a lost one saw go already (no
+    # engine heartbeats to miss first, as a notebook's cluster has); a failed worker's run ends without a wait
+    loss_grace_s = 0.0
 
     def __init__(self, train_chief: Callable[[TrainPlan, bool], dict]):
         self._train_chief = train_chief
@@ -97,7 +100,10 @@ class ScriptTasks:
 
     def launch_worker(self, spec: ClusterSpec, index: int, run: Supervisor, *, join: bool = False):
         """Worker ``index``'s handle in ``run``'s current attempt: the chief's thread starts (call index 0
-        first); another worker's process joins the attempt by itself."""
+        first); another worker's process joins the attempt by itself. The first call holds the run's lease on its
+        ps tasks until it ends (``lease.hold_ps_tasks``)."""
+        if self._run is None:
+            hold_ps_tasks(run.spec, run.id, run.lease.owner, run.ended)
         self._run = run
         if index == 0:
             plan = run.plan

@@ -33,6 +33,11 @@ reach the run store as "rejected" events (``_report``) and are in the STATS repl
 An update that would make a value or an optimizer slot NaN or infinite is refused whole (``update_guard``): the
 run fails at the step it had reached, every worker request from then on answered ERROR with the cause.
 
+The owner's lease: a script's chief renews its run's lease on the ps tasks (STATS with meta {"lease": {"owner": who,
+"seconds": S}}, ``cluster.lease``); ``owner_lost`` says so once S seconds of this ps's serving pass without a
+renewal (a ps busy in one request for ``BUSY_S`` counts its lease again from then: the renewals wait behind its
+work). A ps serving one run (``standalone.serve_run``) then ends.
+
 Same host: a worker may map a shared-memory lane for its session (SHARE, see ``lanes``); its pushes then
 leave their dense gradients in the lane and the parameters of its replies are written there. A run keeps
 at most ``MAX_LANES`` lanes (least recently mapped first out); a new run's INIT drops them all.
@@ -43,6 +48,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -65,6 +71,7 @@ warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitl
 PARK_S = 30.0  # how long a ps parked by a first STOP waits for the second
 MAX_WORKERS = protocol.NO_TASK  # worker task ids are 16 bits, NO_TASK excepted
 MAX_LANES = 1024
+BUSY_S = 2.0  # a ps whose ticks stop this long was busy in one request (a large shard's write, a large update)
 PASSED = "has passed"  # in the refusal of a CHECKPOINT at a step the ps is past: the controller asks again
 _WORKER_OPS = (Op.PULL, Op.PUSH, Op.PUSH_PULL)
 
@@ -85,12 +92,27 @@ class ParameterServer(Router):
         self._stop_requested: set[tuple[int, int | None]] = set()
         self._past_runs: set[int] = set()
         self._lanes: OrderedDict[bytes, Lane] = OrderedDict()  # session nonce -> its shared-memory lane
+        self.lease: OwnerLease | None = None  # the latest an owner renewed here
+        self._ticked = self._serving_since = time.monotonic()
 
     # --- lifecycle -----------------------------------------------------------------
     def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._ticked > BUSY_S:
+            self._serving_since = now
+        self._ticked = now
         self._report()
         self._check_park()
         super()._tick()
+
+    @property
+    def owner_lost(self) -> str | None:
+        """Why the run's owner is gone (its lease ran out), or None: it renews its lease, or never held one."""
+        lease = self.lease
+        if lease is None or self._ticked - max(lease.renewed, self._serving_since) <= lease.seconds:
+            return None
+        return (f"run {lease.run_id}'s owner ({lease.owner}) has not renewed its lease for {lease.seconds:g}s: the "
+                "run's chief is gone")
 
     def _report(self, *, now: bool = False) -> None:
         """Send this ps's counters for the current run to the collector (never blocks)."""
@@ -316,6 +338,8 @@ class ParameterServer(Router):
         return gradients.read_push(run, ids, tensors, self.index, optimizer_set)
 
     def _stats(self, identity, msg):
+        if isinstance(msg.meta, dict) and msg.meta.get("lease") is not None:
+            self.lease = OwnerLease.renewed_by(msg)
         run = self.run
         meta = {"ps": self.index, "rejected": dict(self.rejected), "failed_requests": self.failed_requests,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
@@ -467,6 +491,26 @@ class ParameterServer(Router):
     _HANDLERS = {Op.HELLO: _hello, Op.INIT: _init, Op.PULL: _pull, Op.PULL_ROWS: _pull_rows, Op.PUSH: _push,
                  Op.PUSH_PULL: _push, Op.STATS: _stats, Op.STOP: _stop_run, Op.SHUTDOWN: _shutdown,
                  Op.CHECKPOINT: _checkpoint, Op.MEMBERSHIP: _membership, Op.SHARE: _share}
+
+
+@dataclass(frozen=True)
+class OwnerLease:
+    """Run ``run_id``'s owner (``owner``: who) holds it for ``seconds`` from ``renewed`` (this ps's clock)."""
+
+    run_id: int
+    owner: str
+    seconds: float
+    renewed: float
+
+    @classmethod
+    def renewed_by(cls, msg: Message) -> "OwnerLease":
+        """The lease a STATS from the run's owner renews (meta {"lease": {"owner", "seconds"}})."""
+        lease = msg.meta["lease"]
+        if msg.task != protocol.NO_TASK or not isinstance(lease, dict) or not isinstance(lease.get("owner"), str) \
+                or isinstance(lease.get("seconds"), bool) or not isinstance(lease.get("seconds"), (int, float)) \
+                or not lease["seconds"] > 0:
+            raise MalformedMessage(f"a lease is renewed by the run's owner, for some seconds: not {lease!r}")
+        return cls(msg.run_id, lease["owner"], float(lease["seconds"]), time.monotonic())
 
 
 def _held(msg: Message) -> Message:

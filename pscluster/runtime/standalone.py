@@ -3,8 +3,9 @@
 
 - ``serve_ps``: ``python -m pscluster.runtime``, a ps that serves run after run until SIGTERM/SIGINT.
 - ``serve_run``: a ps that serves one run, and returns once its supervisor (the chief's) has closed it,
-  ``PS_QUIET_S`` after its end without a request (a chief that died), or ``NO_RUN_S`` without a run and without
-  a request (started again with nobody left).
+  ``PS_QUIET_S`` after its end without a request, or ``NO_RUN_S`` without a run and without a request (started
+  again with nobody left); it ends the process (status 1, one line) once the run's owner lets its lease on the ps
+  lapse (the chief is gone: ``ParameterServer.owner_lost``).
 - ``script_plan``: the run's plan, which every task derives alike from the same arguments (placement is a
   pure function of the model), so no coordinator hands it out; ``check_options`` checks its optimizer options
   as ``train()`` does (the chief, at once; another task only while it waits for a run: see ``started_run``).
@@ -57,26 +58,33 @@ def serve_ps() -> None:
 
 def serve_run(spec: ClusterSpec, task: TaskSpec, *, idle_s: float = NO_RUN_S) -> dict:
     """Serve ps ``task`` for one run: ``{"task": index, "role": "ps", "global_step": its last step}``. A ps that
-    holds no run and hears from nobody for ``idle_s`` seconds ends, saying so (global step None)."""
+    holds no run and hears from nobody for ``idle_s`` seconds ends, saying so (global step None). Raises
+    SystemExit (status 1, one line naming the run) once the run's owner has let its lease lapse."""
     return {"task": task.index, "role": "ps", "global_step": _serve(spec, task, idle_s=idle_s)}
 
 
 def _serve(spec: ClusterSpec, task: TaskSpec, *, idle_s: float | None) -> int | None:
     """Serve ``task`` until SIGTERM/SIGINT, a SHUTDOWN message, or (with ``idle_s``, one run) the end of the run
-    it serves or ``idle_s`` seconds without a run and without a request; the run's last global step, if it had
-    one."""
+    it serves, ``idle_s`` seconds without a run and without a request, or its owner lost (SystemExit); the run's
+    last global step, if it had one."""
     one_run = idle_s is not None
     server = ParameterServer(spec.key, index=task.index, host=task.host, port=task.port, encrypt=spec.encrypt).start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
+    owner_lost = None
     while not done.is_set() and server.running and not (one_run and server.done_serving(PS_QUIET_S)):
+        if one_run and (owner_lost := server.owner_lost) is not None:
+            break
         if one_run and server.run is None and time.monotonic() - server.last_request > idle_s:
             print(f"ps {task.index} served no run and heard from nobody for {idle_s:g}s: ending (start the whole "
                   "job again)", file=sys.stderr, flush=True)
             break
         done.wait(0.2)
     server.shutdown()
+    if owner_lost is not None:
+        raise SystemExit(f"ps {task.index} ends: {owner_lost} (start the whole job again: it resumes from its "
+                         "latest checkpoint)")
     return server.run.step if server.run is not None else None
 
 

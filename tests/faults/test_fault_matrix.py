@@ -18,15 +18,19 @@ added worker and one for the victim.
 
 A script job under ``pscluster launch`` (``test_a_script_job_under_pscluster_launch``), sync and async: a SIGKILLed
 ps (under the library's loop and a user's own) or worker is started again by launch and the run reaches its exact
-target; the chief SIGKILLed ends every task
-within 10 s and launch exits non-zero; launch SIGKILLed leaves no task running.
+target, and so is a SIGSTOPped ps (launch kills it once stopped for ``launch.STOPPED_S``); the chief SIGKILLed ends
+every task within 10 s and launch exits non-zero; launch SIGKILLed leaves no task running. A ps of a job without
+launch (as under another scheduler) whose chief is SIGKILLed ends itself once the run's lease lapses
+(``test_a_ps_left_alone_ends_when_the_run_s_lease_lapses``).
 
 Runs with ``make faults`` (about 15 minutes on 2 cores), not in ``make test``.
 """
 
 import json
 import os
+import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -34,9 +38,13 @@ import pytest
 import torch
 
 import pscluster
+from pscluster import environ
+from pscluster.cluster.lease import RENEW_S
 from pscluster.cluster.reaper import alive
 from pscluster.errors import ConfigError
 from pscluster.evaluate import evaluate
+from pscluster.launch import STOPPED_S, local_spec
+from pscluster.metrics.store import LEASE_S
 from pscluster.runtime import checkpoint
 from tests.integration import launched
 
@@ -367,16 +375,17 @@ def test_a_nan_learning_rate_is_refused_before_anything_starts(cluster, data):
 
 
 SCRIPT_STEPS = 300  # a few seconds of the launched scripts' small model; the faults hit at their first progress line
-SCRIPT_ROWS = [("ps:0", "library"), ("ps:0", "own"), ("worker:1", "own"), ("worker:0", "own"), ("launch", "own")]
+SCRIPT_ROWS = [("SIGKILL", "ps:0", "library"), ("SIGKILL", "ps:0", "own"), ("SIGSTOP", "ps:0", "own"),
+               ("SIGKILL", "worker:1", "own"), ("SIGKILL", "worker:0", "own"), ("SIGKILL", "launch", "own")]
 
 
-@pytest.mark.parametrize("victim,loop", SCRIPT_ROWS, ids=[f"{victim}-{loop}" for victim, loop in SCRIPT_ROWS])
+@pytest.mark.parametrize("fault,victim,loop", SCRIPT_ROWS, ids=["-".join(row) for row in SCRIPT_ROWS])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_script_job_under_pscluster_launch(tmp_path, mode, victim, loop):
+def test_a_script_job_under_pscluster_launch(tmp_path, mode, fault, victim, loop):
     """``pscluster launch`` of a script (``loop``: the library's, ``train_from_environment``, or the user's own with
-    ``pscluster.init()``), SIGKILL on one process: a lost ps or worker is started again and the run reaches its
-    exact target; the chief lost ends every task within 10 s and launch fails; launch lost takes every task with
-    it."""
+    ``pscluster.init()``), ``fault`` on one process: a lost ps or worker is started again (a stopped one killed
+    first) and the run reaches its exact target; the chief lost ends every task within 10 s and launch fails;
+    launch lost takes every task with it."""
     script = tmp_path / "job.py"
     script.write_text(launched.TRAIN if loop == "library" else launched.LOOP)
     steps = SCRIPT_STEPS * (3 if loop == "library" else 1)  # the library's loop steps faster: the kill lands mid-run
@@ -389,7 +398,7 @@ def test_a_script_job_under_pscluster_launch(tmp_path, mode, victim, loop):
         if victim == "launch":
             job.process.kill()
         else:
-            job.kill(victim)
+            job.kill(victim, getattr(signal, fault))
         code = job.wait(timeout=180)
         ended_s = round(time.monotonic() - hit_at, 2)
         if victim in ("ps:0", "worker:1"):
@@ -397,11 +406,41 @@ def test_a_script_job_under_pscluster_launch(tmp_path, mode, victim, loop):
             chief = job.summaries()[0]
             assert chief["status"] == "finished" and chief["global_step"] == steps, chief
             assert len(job.started[victim]) == 2, job.output[-3000:]
+            if fault == "SIGSTOP":
+                assert f"{victim} stopped for {STOPPED_S:g}s (SIGSTOP): killed" in job.output, job.output[-3000:]
         else:
             assert code == (-signal.SIGKILL if victim == "launch" else 128 + signal.SIGKILL), job.output[-3000:]
             assert ended_s <= 10.0, ended_s
         assert not launched.gone_within(tasks, 5.0), job.output[-3000:]
     finally:
         job.stop()
-    record(f"SIGKILL {victim} of a script job ({mode}, {loop} loop, pscluster launch)", {
+    record(f"{fault} {victim} of a script job ({mode}, {loop} loop, pscluster launch)", {
         "ended_s": ended_s, "exit_status": code, "starts": {task: len(p) for task, p in job.started.items()}})
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_ps_left_alone_ends_when_the_run_s_lease_lapses(tmp_path, mode):
+    """A job without launch (each task started as another scheduler starts it, with its own config), its chief
+    SIGKILLed mid-run: the ps ends once the run's lease lapses (``LEASE_S`` after the chief's last renewal), in one
+    line naming the run, with status 1, instead of listening with nobody left."""
+    script = tmp_path / "job.py"
+    script.write_text(launched.LOOP)
+    spec = local_spec(1, 1, "left-alone")
+    args = ["forever", json.dumps({"mode": mode, "steps": 100_000, "log_every": 1})]
+    ps, chief = (launched.Process([sys.executable, str(script), *args], tmp_path / "home",
+                                  {environ.CONFIG: spec.config_for(role, 0)}) for role in ("ps", "worker"))
+    try:
+        chief.wait_for(r"After \d+ training steps")
+        chief.process.kill()
+        hit_at = time.monotonic()
+        ps.wait_for(r"^ps 0 ends: run \d+'s owner \(pid \d+ on .+\) has not renewed its lease for "
+                    rf"{LEASE_S:g}s", timeout=LEASE_S + 30)
+        ended_s = round(time.monotonic() - hit_at, 2)  # the chief renewed last at most RENEW_S before its kill
+        code = ps.wait(timeout=30)
+    finally:
+        ps.stop()
+        chief.stop()
+    assert code == 1, ps.output[-3000:]
+    assert LEASE_S - RENEW_S - 1 <= ended_s <= LEASE_S + RENEW_S, ended_s
+    record(f"SIGKILL chief of a job without launch ({mode}): its ps alone", {"ps_ended_s": ended_s,
+                                                                            "exit_status": code})

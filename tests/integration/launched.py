@@ -1,6 +1,7 @@
 """``pscluster launch`` as a user runs it, for the launch tests and the fault matrix's script rows: the scripts
 (a user's loop with ``pscluster.init()``, and ``train_from_environment``), and ``Launched``, a launch whose output
-is read as it comes and whose processes are stopped by their pids."""
+is read as it comes and whose processes are stopped by their pids (``Process``: one task started as a scheduler
+would, with its own config)."""
 
 import json
 import os
@@ -75,18 +76,16 @@ TRAIN = textwrap.dedent("""
 PROGRESS = r"^\[worker:{index}\] After \d+ training steps"
 
 
-class Launched:
-    """``pscluster launch [flags] script [args]`` with ``PSCLUSTER_HOME=home``: its lines as they come, the pids of
-    its tasks (from its ``started, pid`` lines); ``stop()`` kills what is left of it, by pid."""
+class Process:
+    """``command`` with ``PSCLUSTER_HOME=home`` and ``env`` over this process's environment (less any cluster
+    config): its lines as they come; ``stop()`` kills it, and whatever ``pids`` names, by pid."""
 
-    def __init__(self, home, script, *flags: str, args=()):
-        env = {k: v for k, v in os.environ.items() if k not in ("PSCLUSTER_CONFIG", "TF_CONFIG")}
-        self.process = subprocess.Popen([sys.executable, "-m", "pscluster", "launch", *flags, str(script), *args],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env={**env, "PSCLUSTER_HOME": str(home)})
+    def __init__(self, command: list[str], home, env: dict | None = None):
+        base = {k: v for k, v in os.environ.items() if k not in ("PSCLUSTER_CONFIG", "TF_CONFIG")}
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env={**base, "PSCLUSTER_HOME": str(home), **(env or {})})
         self.home = Path(home)
         self.lines: list[str] = []
-        self.started: dict[str, list[int]] = {}  # a task's pids, the latest last
         self._new = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -95,22 +94,21 @@ class Launched:
         for line in self.process.stdout:
             with self._new:
                 self.lines.append(line)
-                if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
-                    self.started.setdefault(started[1], []).append(int(started[2]))
+                self._took(line)
                 self._new.notify_all()
         with self._new:
             self._new.notify_all()
+
+    def _took(self, line: str) -> None:
+        """What a subclass learns from ``line``."""
 
     @property
     def output(self) -> str:
         return "".join(self.lines)
 
-    def pid(self, task: str) -> int:
-        return self.started[task][-1]
-
     @property
     def pids(self) -> list[int]:
-        return [pid for pids in self.started.values() for pid in pids]
+        return []
 
     def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
         """The first line matching ``pattern``, once printed; AssertionError after ``timeout`` s or at the end."""
@@ -120,7 +118,7 @@ class Launched:
                 for line in self.lines:
                     if found := re.search(pattern, line):
                         return found
-                assert self._reader.is_alive(), f"launch ended without {pattern!r}:\n{self.output[-3000:]}"
+                assert self._reader.is_alive(), f"the process ended without {pattern!r}:\n{self.output[-3000:]}"
                 assert time.monotonic() < deadline, f"no {pattern!r} within {timeout:.0f}s:\n{self.output[-3000:]}"
                 self._new.wait(0.5)
 
@@ -133,9 +131,6 @@ class Launched:
         found = [json.loads(line.split("SUMMARY ", 1)[1]) for line in self.lines if "SUMMARY " in line]
         return {s["worker"]: s for s in found}
 
-    def kill(self, task: str, sig=signal.SIGKILL) -> None:
-        os.kill(self.pid(task), sig)
-
     def stop(self) -> None:
         for pid in [self.process.pid, *self.pids]:
             try:
@@ -143,6 +138,29 @@ class Launched:
             except ProcessLookupError:
                 pass
         self.process.wait(10)
+
+
+class Launched(Process):
+    """``pscluster launch [flags] script [args]`` with ``PSCLUSTER_HOME=home``, and the pids of its tasks (from its
+    ``started, pid`` lines)."""
+
+    def __init__(self, home, script, *flags: str, args=()):
+        self.started: dict[str, list[int]] = {}  # a task's pids, the latest last
+        super().__init__([sys.executable, "-m", "pscluster", "launch", *flags, str(script), *args], home)
+
+    def _took(self, line: str) -> None:
+        if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
+            self.started.setdefault(started[1], []).append(int(started[2]))
+
+    def pid(self, task: str) -> int:
+        return self.started[task][-1]
+
+    @property
+    def pids(self) -> list[int]:
+        return [pid for pids in self.started.values() for pid in pids]
+
+    def kill(self, task: str, sig=signal.SIGKILL) -> None:
+        os.kill(self.pid(task), sig)
 
 
 def gone_within(pids: list[int], seconds: float) -> list[int]:

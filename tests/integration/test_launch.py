@@ -3,7 +3,6 @@ starts again or ends (a lost ps or worker, the chief lost, launch itself killed)
 
 import json
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -14,10 +13,12 @@ import pytest
 import pscluster
 from pscluster.__main__ import main as command
 from pscluster.launch import free_port
+from pscluster.runtime.client import PSClient
+from pscluster.runtime.protocol import Op
 from pscluster.runtime.standalone import held_runs
 from pscluster.spec import ClusterSpec, TaskSpec
 
-from .launched import LOOP, PROGRESS, Launched, gone_within
+from .launched import LOOP, PROGRESS, Launched, Process, gone_within
 
 pytestmark = pytest.mark.integration
 
@@ -83,14 +84,18 @@ def test_a_main_function_s_loop_that_ends_by_itself_finalizes_its_run(launch):
 
 def test_a_run_that_fails_fails_launch_and_the_script_s_process(launch):
     """The loop's own error fails the run (before: the script's exit ended the run as if its loop had returned,
-    finished); the chief's process and launch exit non-zero."""
+    finished), at once; the chief's process and launch exit non-zero."""
     job = launch(LOOP, "--workers", "1", "--steps", "1000", args=loop_args("fail:0:3"))
     assert job.wait() != 0, job.output[-3000:]
     assert "worker 0's own error at its step 3" in job.output
     assert "[launch] the chief exited with status 1" in job.output, job.output[-3000:]
     run = pscluster.open_run("job0", store=job_store(job))
-    [end] = run.events().query("kind == 'end'")["detail"]
+    events = run.events()
+    [end] = events.query("kind == 'end'")["detail"]
     assert run.status == "failed" and "worker 0's own error at its step 3" in end["error"], end
+    # its 3 steps, then no grace for a lost ps to show first: the supervisor asks the ps tasks (it waited 6 s more)
+    training = events[events["detail"].map(lambda d: d.get("state") == "training")]["time"].min()
+    assert events.query("kind == 'end'")["time"].max() - training < 5.0
 
 
 def test_run_ended_escaping_the_script_is_the_loop_s_normal_end(launch):
@@ -122,22 +127,34 @@ def test_launch_ended_by_a_signal_leaves_no_task_running(launch, sig):
 
 def test_a_ps_that_serves_no_run_gives_up(tmp_path):
     """A ps started again with nobody left (its chief gone) ends itself once nothing came for its bound; a ps
-    asked in time goes on waiting for its run."""
-    spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=free_port()),), workers=(TaskSpec("worker", 0, port=0),))
-    ps = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        from pscluster.runtime import standalone
-        from pscluster.spec import ClusterSpec
-        spec = ClusterSpec.from_dict({spec.to_dict()!r})
-        print(standalone.serve_run(spec, spec.task("ps", 0), idle_s=1.0))
-    """)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    asked in time goes on waiting for its run. A ps whose run's owner lets its lease lapse ends with status 1,
+    saying so; renewed in time, it goes on serving."""
+    (idle_spec, idle), (held_spec, held) = (_serving_ps(tmp_path, idle_s) for idle_s in (1.0, 600.0))
     try:
         answered = 0
         while answered < 8:  # 2 s, asked as often as a chief's supervisor asks a ps it waits for
-            answered += held_runs(spec, timeout=5.0) is not None
-            assert ps.poll() is None, ps.stdout.read()
+            up = held_runs(idle_spec, timeout=5.0) is not None and held_runs(held_spec, timeout=5.0) is not None
+            if up:
+                with PSClient(held_spec, run_id=7, timeout=5.0) as client:  # as a chief's lease.hold_ps_tasks
+                    client.request(Op.STATS, meta={"lease": {"owner": "the test", "seconds": 1.0}})
+            answered += up
+            assert idle.process.poll() is None and held.process.poll() is None, idle.output + held.output
             time.sleep(0.25)
-        out, _ = ps.communicate(timeout=5.0)
+        assert idle.wait(5.0) == 0 and held.wait(5.0) == 1, idle.output + held.output
     finally:
-        ps.kill()
-    assert ps.returncode == 0
-    assert "ps 0 served no run and heard from nobody for 1s: ending" in out, out
+        idle.stop()
+        held.stop()
+    assert "ps 0 served no run and heard from nobody for 1s: ending" in idle.output, idle.output
+    assert "ps 0 ends: run 7's owner (the test) has not renewed its lease for 1s" in held.output, held.output
+
+
+def _serving_ps(home, idle_s: float) -> tuple[ClusterSpec, Process]:
+    """A cluster of its own, and its ps task serving one run (``serve_run``) as a process."""
+    spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=free_port()),), workers=(TaskSpec("worker", 0, port=0),))
+    ps = Process([sys.executable, "-c", textwrap.dedent(f"""
+        from pscluster.runtime import standalone
+        from pscluster.spec import ClusterSpec
+        spec = ClusterSpec.from_dict({spec.to_dict()!r})
+        print(standalone.serve_run(spec, spec.task("ps", 0), idle_s={idle_s}))
+    """)], home)
+    return spec, ps
