@@ -204,7 +204,7 @@ class Run:
             self._print_pending(verbose, bar)
             if bar is not None:
                 bar.close()
-        if self.error:
+        if self.failure is not None:
             raise user_traceback.training_error(self._failures(), self.error_line)
         return self
 
@@ -253,7 +253,7 @@ class Run:
         see ``wait``): parameters, buffers, every key of a tied parameter; ``model.load_state_dict(run.state_dict())``
         takes it as it is (strict). A failed run gives its last parameters (from the ps tasks, or its latest
         checkpoint)."""
-        if self.supervisor.state_dict is None and not self.error:
+        if self.supervisor.state_dict is None and self.failure is None:
             self.wait(timeout)
         if self.supervisor.state_dict is None:
             raise TrainingError(f"{self.name} failed and neither its ps tasks nor a checkpoint hold its parameters: "
@@ -344,7 +344,9 @@ class Run:
 
     def __repr__(self) -> str:
         progress = epochs.progress(self.summary()["global_step"], self.plan.steps, self.store.epochs(self.id))
-        return f"<Run {self.name} {self.mode} {self.status}: {progress}, local steps {self.local_steps}>"
+        found = self.store.divergence(self.id)
+        diverging = "" if found is None else f", {found.words()}"
+        return f"<Run {self.name} {self.mode} {self.status}{diverging}: {progress}, local steps {self.local_steps}>"
 
     def _repr_html_(self) -> str:
         """Its summary as a table (and a failed run's cause); while it trains, one line that says so."""

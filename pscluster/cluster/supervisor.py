@@ -9,7 +9,9 @@ recovery and a scale see the spec before or after each other, never between. It 
 
 A monitor thread follows the workers, evaluates the parameters every ``eval_every`` global steps, commits the
 checkpoints the ps tasks write and asks for more when they are due, replaces lost tasks (``recovery``), and
-finalizes the run when the workers end: their summaries, the ps statistics, the final parameters.
+finalizes the run when the workers end: their summaries, the ps statistics, the final parameters. The workers'
+losses go through the divergence rule (``metrics.divergence``) as they arrive; what it finds is recorded, and
+stops or fails the run as ``plan.on_divergence`` says.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import sqlite3
 import threading
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Callable
 
 import torch
 
 from ..errors import TrainingError
 from ..metrics.collector import Collector
+from ..metrics.divergence import Diverging, DivergenceWatch
 from ..metrics.store import RunStore
 from ..metrics.tensorboard import EventWriter, run_logdir
 from ..runtime import checkpoint
@@ -91,6 +94,8 @@ class Supervisor:
         self.pending_logs: queue.Queue = queue.Queue()  # lines not yet printed by Run.wait
         self.output = WorkerOutput(self._log)  # what the workers print, among the logs
         self.latest_step = 0  # the latest global step a worker reported
+        self.divergence = DivergenceWatch()  # the workers' losses, in the order they arrive
+        self.divergence.found = store.divergence(plan.run_id)  # an adopted run's, found by its first supervisor
         # the outcome, set once by _finish
         self.results: list[dict] | None = None
         self.ps_stats: list[dict] | None = None
@@ -120,7 +125,7 @@ class Supervisor:
     def status(self) -> str:
         if self.finished is None:
             return "training"
-        if self.error:
+        if self.failure is not None:
             return "failed"
         return "stopped" if self.stop_requested else "finished"
 
@@ -142,6 +147,8 @@ class Supervisor:
                 continue
             if kind == "step" and isinstance(step := event.get("global_step"), int):
                 self.latest_step = max(self.latest_step, step)
+                if isinstance(loss := event.get("loss"), float) and (found := self.divergence.add(step, loss)):
+                    self._diverged(found)
             elif kind == "done" and event.get("attempt", self.plan.attempt) == self.plan.attempt:
                 summary = {k: v for k, v in event.items() if k not in ("kind", "task", "time", "attempt")}
                 self._workers_done[task] = (time.monotonic(), summary)
@@ -156,6 +163,14 @@ class Supervisor:
                 # the disk, not the run: end it now, while its committed checkpoints restore
                 self._failed(f"{self.name} failed: {event.get('error')}: free space there (or give another "
                              "checkpoint_dir) and train again; it resumes from its latest checkpoint", task, "")
+
+    def _diverged(self, found: Diverging) -> None:
+        """The loss diverges (``found``): recorded, said, and per ``plan.on_divergence`` the run goes on (flag),
+        is stopped by the monitor (stop), or fails (fail; the monitor stops its workers)."""
+        self.say("diverging", found.line(), asdict(found))
+        if self.plan.on_divergence == "fail" and self.failure is None:
+            self._failed(f"{self.name} failed: {found.line()}: lower the learning rate (or clip with "
+                         "max_grad_norm=...) and train again; on_divergence='flag' trains on", "controller", "")
 
     def _store_failed(self, e: sqlite3.Error) -> None:
         """The run store cannot be written (a full disk, a file turned read-only or removed): the run fails with
@@ -275,6 +290,8 @@ class Supervisor:
                 continue
             if failed or self.failure is not None:
                 self.signal_stop()  # other workers must not wait on the failed one, nor train unrecorded
+            elif self.divergence.found and self.plan.on_divergence == "stop" and not self.stop_requested:
+                self.stop(reason=self.divergence.found.words())
             self.commit_checkpoints()
             if self.checkpoints.due() and self.plan.checkpoint_dir:
                 self._request_checkpoint()
@@ -355,10 +372,13 @@ class Supervisor:
         return recovered
 
     # --- stop --------------------------------------------------------------------------------
-    def stop(self) -> None:
+    def stop(self, reason: str | None = None) -> None:
         """Ask every ps to end the run at the next global step (each on the same step, which the final checkpoint
-        holds); the monitor finalizes it once the workers end."""
+        holds); the monitor finalizes it once the workers end. ``reason``, where the run stops itself: recorded and
+        said."""
         self.stop_requested = True
+        if reason is not None:
+            self.say("stopping", f"stopping {self.name}: {reason}", {"reason": reason})
         try:  # every ps parks where it is, then the ones behind catch up with the pushes in flight
             with PSClient(self.spec, run_id=self.id, timeout=10.0) as client:
                 client.stop(client.park())

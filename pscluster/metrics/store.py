@@ -22,6 +22,7 @@ import pandas as pd
 from .. import environ
 from ..errors import DamagedStore
 from . import rollup
+from .divergence import Diverging
 
 STORE_FILE = "runs.sqlite"
 
@@ -211,6 +212,15 @@ def default_path() -> str:
 
 def _task_index(task: str) -> int:
     return int(task.rsplit(":", 1)[1])
+
+
+# a run's divergence: the controller's own event (a worker's event of that kind is not the rule's finding)
+_DIVERGENCE_SQL = "SELECT detail FROM events WHERE kind = 'diverging' AND task = 'controller'"
+
+
+def _diverging(detail) -> Diverging | None:
+    """The finding a ``diverging`` event's detail holds (None for none: None, or NaN in a DataFrame)."""
+    return Diverging(**json.loads(detail)) if isinstance(detail, str) else None
 
 
 _SQL_INTEGERS = range(-2**63, 2**63)
@@ -553,14 +563,15 @@ class RunStore:
     def runs(self) -> pd.DataFrame:
         """One row per run, newest first: id, name, cluster, mode, status, started, ended, wall_s (to its end, or
         to now while it has none, as ``speed.phases`` counts it), cause (why a failed run failed, in one line; None
-        for every other run), owner, owner_lost. A run whose owner was lost (its lease ran out before it ended)
+        for every other run), diverging_since (the global step its loss began to diverge at, ``divergence``; None
+        for a run that has not), owner, owner_lost. A run whose owner was lost (its lease ran out before it ended)
         reads ``failed``, ended when its lease did, and ``owner_lost`` (its cause too) says who held it and when it
         renewed last (None for every other run)."""
         version = self.schema_version
         leased = "owner, lease_until" if version >= 6 else "NULL AS owner, NULL AS lease_until"
         failure = "failure" if version >= 7 else "NULL AS failure"
-        df = self._frame(f"SELECT id, name, cluster, mode, status, started, ended, {failure}, {leased} FROM runs "
-                         "ORDER BY id DESC")
+        df = self._frame(f"SELECT id, name, cluster, mode, status, started, ended, {failure}, ({_DIVERGENCE_SQL} "
+                         f"AND run_id = runs.id) AS diverging, {leased} FROM runs ORDER BY id DESC")
         now = time.time()
         df["owner_lost"] = [_owner_lost(*row, now) for row in zip(df["status"], df["owner"], df["lease_until"])]
         lost = df["owner_lost"].notna()
@@ -569,7 +580,9 @@ class RunStore:
         df["wall_s"] = df["ended"].fillna(now) - df["started"]
         causes = [json.loads(f)["cause"] if isinstance(f, str) else None for f in df["failure"]]
         df.insert(df.columns.get_loc("failure"), "cause", df["owner_lost"].where(lost, pd.Series(causes, dtype=object)))
-        return df.drop(columns=["lease_until", "failure"])
+        since = [found.since_step if (found := _diverging(d)) else None for d in df["diverging"]]
+        df.insert(df.columns.get_loc("failure"), "diverging_since", pd.Series(since, dtype=object))
+        return df.drop(columns=["lease_until", "failure", "diverging"])
 
     def run(self, run_id: int) -> dict | None:
         """A run's row with config, spec, summary and failure (see ``set_status``) decoded; None if there is no
@@ -827,6 +840,13 @@ class RunStore:
                                     "WHERE run_id = ? AND kind = 'epoch' GROUP BY task)", (run_id,)).fetchall()
         found = {_task_index(task): json.loads(detail).get("epoch") for task, detail in rows}
         return {w: e for w, e in sorted(found.items()) if isinstance(e, int)}
+
+    def divergence(self, run_id: int) -> Diverging | None:
+        """What the divergence rule found in run ``run_id``'s loss (the supervisor's ``diverging`` event): since
+        which global step, the smoothed loss, its reference and threshold; None while it has found nothing."""
+        with self._lock:
+            row = self._db.execute(f"{_DIVERGENCE_SQL} AND run_id = ?", (run_id,)).fetchone()
+        return _diverging(row[0] if row else None)
 
     def events(self, run_id: int) -> pd.DataFrame:
         df = self._frame("SELECT time, task, kind, detail FROM events WHERE run_id = ? ORDER BY time, rowid",

@@ -50,12 +50,12 @@ class WorkerThread:
 
 
 @contextlib.contextmanager
-def supervised_run(local_ps, data, store_path):
-    """A run of 2 workers without a step target, under its supervisor, training."""
+def supervised_run(local_ps, data, store_path, **changes):
+    """A run of 2 workers without a step target, under its supervisor, training (``changes``: to its plan)."""
     spec = local_ps.start(num_ps=1, num_workers=2)
     store = RunStore(str(store_path))
     run_id = store.create_run(name="faulty", cluster="c", mode="async", config={}, spec={})
-    plan = replace(make_plan(spec, steps=10**6, mode="async", log_every=1), run_id=run_id)
+    plan = replace(make_plan(spec, steps=10**6, mode="async", log_every=1), run_id=run_id, **changes)
     supervisor = Supervisor(spec, plan, store)
     workers = []
     try:

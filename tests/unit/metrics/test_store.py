@@ -7,6 +7,7 @@ import time
 import pytest
 
 from pscluster.errors import ConfigError, RuntimeTimeout
+from pscluster.metrics.divergence import Diverging
 from pscluster.metrics.store import LEASE_S, MIGRATIONS, RunStore, default_path, placement_frame
 from pscluster.runtime.plan import VariableSpec
 from pscluster.stored_run import open_run
@@ -163,6 +164,13 @@ def test_batches_are_routed_to_their_tables(store):
                            "global_step": 5 * e} for e, w in ((1, 1), (1, 0), (2, 1), (3, 1))])
     assert store.epochs(run) == {0: 1, 1: 3}  # each worker's latest
     assert store.epochs(new_run(store)) == {}  # of its own run only
+    assert store.divergence(run) is None and store.runs().set_index("id").loc[run, "diverging_since"] is None
+    finding = {"since_step": 8, "loss": 950.0, "reference": 2.3, "threshold": 11.5}
+    store.add_batch(run, [{"kind": "diverging", "task": "worker:0", "time": 3.0, **finding}])  # not the rule's
+    assert store.divergence(run) is None
+    store.add_event(run, "controller", "diverging", finding)  # the supervisor's
+    assert store.divergence(run) == Diverging(**finding)
+    assert store.runs().set_index("id")["diverging_since"].to_dict() == {run: 8, run + 1: None}
 
 
 def test_placement_and_evaluations(store):
@@ -225,7 +233,8 @@ def test_a_schema_1_store_is_read_as_is_and_upgraded_keeping_its_rows(tmp_path):
     with RunStore(path, readonly=True) as reader:  # a reader does not migrate, and still reads
         assert reader.schema_version == 1
         check_v1_rows(reader.placement(1))
-        assert reader.epochs(1) == {}
+        assert reader.epochs(1) == {} and reader.divergence(1) is None
+        assert reader.runs()["diverging_since"].tolist() == [None]
     with RunStore(path) as upgraded:
         assert upgraded.schema_version == len(MIGRATIONS) >= 2
         assert upgraded.run(1)["name"] == "old"
