@@ -46,6 +46,15 @@ export interface Failure {
   traceback: string | null;
 }
 
+export interface Divergence {
+  since_step: number;
+  loss: number;
+  reference: number;
+  threshold: number;
+  words: string;
+  line: string;
+}
+
 export interface RunInfo {
   id: number;
   store: string;
@@ -66,6 +75,7 @@ export interface RunInfo {
   failure: Failure | null;
   epochs: Record<string, number>;
   epochs_text: string;
+  divergence: Divergence | null;
 }
 
 export interface RunList {

@@ -1,6 +1,6 @@
 /**
  * The left side panel: running clusters with their tasks, and a table of every run of the stores. A run's row
- * shows its status and global step; its step target, epochs, loss (and sparkline), steps/s, wall time and
+ * shows its status (with ⚠ when its loss diverges) and global step; its divergence's words, its step target, epochs, loss (and sparkline), steps/s, wall time and
  * hyperparameters show when the panel is wide enough (CSS container queries), and always in its details, which its
  * disclosure button opens under it. Runs checked there open compared. It refreshes while it is visible only.
  */
@@ -48,6 +48,7 @@ function runFacts(run: RunInfo): [string, string][] {
   return [
     ['step', run.steps ? `${run.global_step} of ${run.steps}` : String(run.global_step)],
     ['epoch', run.epochs_text || '–'],
+    ['divergence', run.divergence?.line ?? '–'],
     ['steps/s', sig(run.steps_per_s, 3)],
     ['final', finals(run.final).join(', ') || '–'],
     ['wall', duration(run.wall_s)],
@@ -311,7 +312,7 @@ export class ClusterPanel extends PollingWidget {
     const facts = new Map(runFacts(run).map(([label]) => [label, el('dd')]));
     const list = el('dl', 'jp-pscluster-run-facts');
     for (const [label, value] of facts) {
-      const line = label === 'hyperparameters' ? 'jp-pscluster-fact-line' : ''; // too long beside its label
+      const line = ['hyperparameters', 'divergence'].includes(label) ? 'jp-pscluster-fact-line' : ''; // too long
       list.append(el('dt', line, label), value);
       value.className = line;
     }
@@ -371,9 +372,16 @@ export class ClusterPanel extends PollingWidget {
     const [, , name, status, step, speed, loss, wall, config, actions] = Array.from(group.row.cells);
     name.textContent = run.name;
     name.title = `${run.name} on ${run.cluster} (${run.mode}): open its plots`;
-    group.row.setAttribute('aria-label', `${run.name}, ${run.status}: Enter opens its plots`);
-    status.textContent = run.status;
+    const diverging = run.divergence ? `, ${run.divergence.words}` : '';
+    group.row.setAttribute('aria-label', `${run.name}, ${run.status}${diverging}: Enter opens its plots`);
+    status.replaceChildren(run.status);
     status.className = `jp-pscluster-run-status jp-pscluster-status-${run.status}`;
+    if (run.divergence) {
+      const warning = el('span', 'jp-pscluster-diverging', ' ⚠');
+      warning.append(el('span', 'jp-pscluster-diverging-words', ` ${run.divergence.words}`));
+      status.append(warning);
+    }
+    status.title = run.divergence?.line ?? '';
     step.replaceChildren(String(run.global_step));
     if (run.steps) {
       step.append(el('span', 'jp-pscluster-step-total', `/${run.steps}`));

@@ -1,6 +1,6 @@
 /**
  * A run in the main area, or several runs compared: a header line per run (status, epochs, global step, steps/s,
- * final loss, wall time, hyperparameters, downloads) and plotly charts of their metrics from the series
+ * final loss, wall time; the divergence of its loss; hyperparameters, downloads) and plotly charts of their metrics from the series
  * endpoint, decimated whatever the runs' length. It shows the header and "Loading" at once; a zoom asks for
  * the zoomed range at a finer resolution; while a run trains it asks again every RUN_REFRESH_MS.
  *
@@ -55,7 +55,13 @@ function headerLine(run: RunInfo, node: HTMLElement): void {
   });
   const line = el('div', 'jp-pscluster-settings', settings(run.hyperparameters));
   line.append(...links);
-  node.replaceChildren(el('div', '', text), line, ...(run.failure ? [failureNode(run.failure, true)] : []));
+  const diverging = run.divergence ? [el('div', 'jp-pscluster-diverging', `⚠ ${run.divergence.line}`)] : [];
+  node.replaceChildren(
+    el('div', '', text),
+    ...diverging,
+    line,
+    ...(run.failure ? [failureNode(run.failure, true)] : [])
+  );
 }
 
 /** The title of the speed chart: the window its rates count over. */

@@ -65,6 +65,20 @@ class Failure:
 
 
 @dataclass
+class Divergence:
+    """What the divergence rule (``metrics.divergence``) found in a run's loss: since which global step, the
+    smoothed ``loss`` over the ``threshold`` it crossed, the ``reference`` (the loss at the start); ``words``
+    (``diverging since step N``) and ``line`` (with the numbers) as every view says them."""
+
+    since_step: int
+    loss: float
+    reference: float
+    threshold: float
+    words: str
+    line: str
+
+
+@dataclass
 class RunInfo:
     """A run of the run store at path ``store`` (ids are unique within one store), summarized from its rollups
     (never all its metric rows): ``global_step`` reached of ``steps``; ``steps_per_s`` the run's global steps/s as
@@ -74,7 +88,8 @@ class RunInfo:
     run's settings from its config; ``sparkline`` the loss over the run (at most 40 points); ``failure`` why it
     failed (or was lost), null for any other run; ``epochs`` each worker's epoch of its ``ctx.shard`` loader, by
     worker index (empty for a loop without epochs), and ``epochs_text`` the same in words (``metrics.epochs``:
-    ``epoch 3``, or each worker's where they differ; '' without)."""
+    ``epoch 3``, or each worker's where they differ; '' without); ``divergence`` what the divergence rule found
+    in its loss, null while it found nothing."""
 
     id: int
     store: str
@@ -95,6 +110,7 @@ class RunInfo:
     failure: Failure | None
     epochs: dict[str, int]
     epochs_text: str
+    divergence: Divergence | None
 
 
 @dataclass
@@ -167,8 +183,8 @@ class ErrorReply:
     error: str
 
 
-PAYLOADS = (TaskInfo, ClusterInfo, SkippedCluster, ClusterList, Failure, RunInfo, RunList, Evaluation, LearningRate,
-            SeriesData, ActionResult, ErrorReply)
+PAYLOADS = (TaskInfo, ClusterInfo, SkippedCluster, ClusterList, Failure, Divergence, RunInfo, RunList, Evaluation,
+            LearningRate, SeriesData, ActionResult, ErrorReply)
 
 
 def to_json(payload) -> dict:

@@ -11,6 +11,7 @@ import math
 import os
 import sqlite3
 import time
+from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
@@ -19,8 +20,8 @@ from ..cluster import control, registry
 from ..errors import DamagedStore
 from ..metrics import epochs, speed
 from ..metrics.store import RAW_WINDOW, RunStore, default_path
-from .models import (ActionResult, ClusterInfo, ClusterList, Evaluation, Failure, LearningRate, RunInfo, RunList,
-                     SeriesData, SkippedCluster, TaskInfo)
+from .models import (ActionResult, ClusterInfo, ClusterList, Divergence, Evaluation, Failure, LearningRate, RunInfo,
+                     RunList, SeriesData, SkippedCluster, TaskInfo)
 
 ENDED = ("finished", "failed", "stopped")
 LOCK_WAIT_S = 1.0      # a query waits this long for another process's lock before the answer is 503
@@ -148,6 +149,7 @@ class LabService:
         names = store.series_names(row.id)
         spark = store.series(row.id, tuple(names), max_points=SUMMARY_POINTS)
         worker_epochs = store.epochs(row.id)
+        found = store.divergence(row.id)
         info = RunInfo(id=int(row.id), store=store.path, name=row.name, cluster=row.cluster, mode=row.mode,
                        status=status, started=float(row.started), ended=ended, steps=config.get("steps"),
                        global_step=int(spark["step_last"].max()) if len(spark) else 0,
@@ -157,7 +159,9 @@ class LabService:
                        hyperparameters=_hyperparameters(config), sparkline=_sparkline(spark),
                        failure=Failure(**failure) if failure else None,
                        epochs={str(w): e for w, e in worker_epochs.items()},
-                       epochs_text=epochs.words(worker_epochs))
+                       epochs_text=epochs.words(worker_epochs),
+                       divergence=None if found is None else Divergence(**asdict(found), words=found.words(),
+                                                                         line=found.line()))
         if status in ENDED:
             self._ended[key] = info
         return info

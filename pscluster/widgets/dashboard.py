@@ -25,6 +25,7 @@ import plotly.graph_objects as go
 from ..errors import ConfigError
 from ..footprint import optimizer_slot_names
 from ..metrics import epochs, speed
+from ..metrics.divergence import Diverging
 from ..metrics.store import RunStore
 from . import figure_specs, figures, live, panels, ps_panels
 from .reader import RunReader
@@ -32,7 +33,8 @@ from .task_table import FINAL, roles_frame, task_states
 
 REFRESH_S = 0.4  # 2.5 refreshes per second
 MAX_FAILURES = 10  # consecutive failed refreshes before the thread gives up
-STATUS_COLORS = {"training": "#1a7f37", "finished": "#36c", "failed": "#c33", "stopped": "#b35900"}  # 4.5:1 on white
+WARNING_COLOR = "#b35900"  # a run that goes on but wants a look (diverging); 4.5:1 on white, as every colour here
+STATUS_COLORS = {"training": "#1a7f37", "finished": "#36c", "failed": "#c33", "stopped": WARNING_COLOR}
 MAX_BUSY_RATIO = 4  # the poller waits at least this many times as long as a refresh takes (on average)
 # How often the figures of a live run are redrawn, the viewer's choice (the header follows every refresh): a page
 # on a slow or busy machine breathes at a lower rate, and paused, the figures hold still to be read or zoomed.
@@ -57,6 +59,15 @@ def failure_html(record: dict) -> str:
                  f"{html.escape(failure['traceback'])}</pre></details>" if failure.get("traceback") else "")
     return (f"<div class='pscluster-failure' style='color: {STATUS_COLORS['failed']}'><b>failed{' ' * bool(where)}"
             f"{html.escape(where)}:</b> {html.escape(failure['cause'])}{traceback}</div>")
+
+
+def diverging_html(found: Diverging | None) -> str:
+    """``⚠ diverging since step N`` in the warning colour, its numbers in its title, for a run whose loss diverges
+    (what the rule ``found``); '' for None."""
+    if found is None:
+        return ""
+    return (f"<span class='pscluster-diverging' style='color: {WARNING_COLOR}; font-weight: bold' "
+            f"title='{html.escape(found.line())}'>⚠ {html.escape(found.words())}</span>")
 
 
 def widget_bundle(box: widgets.Widget, static_html: str, **kwargs) -> dict:
@@ -125,6 +136,7 @@ class Dashboard:
         self._states: dict[str, str] = {}  # each task's latest state
         self._steps = {"metrics": 0, "ps_metrics": 0}  # the latest global step each table has reported
         self._epochs: dict[int, int] = {}  # each worker's epoch of its ctx.shard loader (none without one)
+        self._divergence: Diverging | None = None  # what the divergence rule found in the loss
 
         started = self.record["started"]
         self.panels = {"speed": panels.Speed(start=started, live=not self.final), "convergence": panels.Convergence()}
@@ -199,8 +211,9 @@ class Dashboard:
             # The record first: once it says the run is over, the rows read after it are complete.
             record, self.record = self.record, store.run(self.run_id)
             new = self._reader.read(store)
-            if "events" in new:  # an epoch begins with an event
+            if "events" in new:  # an epoch begins with an event, and a divergence is one
                 self._epochs = store.epochs(self.run_id)
+                self._divergence = self._divergence or store.divergence(self.run_id)
             if self._placement is None and self.record is not None:
                 placement = store.placement(self.run_id)
                 if len(placement):
@@ -301,12 +314,14 @@ class Dashboard:
         parts = [f"<b>{html.escape(record['name'])}</b>", html.escape(record["mode"]),
                  f"<span style='color: {STATUS_COLORS.get(record['status'], '#888')}; font-weight: bold'>"
                  f"{html.escape(record['status'])}</span>",
+                 diverging_html(self._divergence),
                  html.escape(epochs.progress(step, target, self._epochs)) + ("" if target is None else
                  f" <progress value='{step}' max='{max(target, 1)}' style='width: 8em; vertical-align: middle'>"
                  "</progress>"),
                  elapsed,
                  f"{len(spec.get('ps', []))} ps, {len(spec.get('worker', []))} workers"]
-        self.header.value = f"<div style='font-size: 14px'>{' · '.join(parts)}</div>{failure_html(record)}{error}"
+        self.header.value = (f"<div style='font-size: 14px'>{' · '.join(filter(None, parts))}</div>"
+                             f"{failure_html(record)}{error}")
 
     # --- display ----------------------------------------------------------------------------
     def static_html(self, *, images: bool = True) -> str:

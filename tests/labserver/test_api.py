@@ -67,6 +67,8 @@ async def test_runs_newest_first_with_step_speed_loss_and_sparkline(api, home):
         store.add_batch(done, steps(0, 1, 200) + steps(1, 1, 200))
         store.add_batch(done, [epoch(0, 1, 1000.0), epoch(1, 1, 1000.0), epoch(1, 2, 1010.0), epoch(0, 2, 1010.0),
                                epoch(1, 3, 1020.0)])
+        store.add_event(done, "controller", "diverging", {"since_step": 120, "loss": 950.0, "reference": 2.3,
+                                                          "threshold": 11.5})  # as the supervisor records it
         store.set_status(done, "finished")
         lost = new_run(store)
         store.add_batch(lost, steps(0, 1, 10))
@@ -90,6 +92,12 @@ async def test_runs_newest_first_with_step_speed_loss_and_sparkline(api, home):
     # each worker's epoch of its ctx.shard loader; none for a loop without epochs
     assert first["epochs"] == {"0": 2, "1": 3} and first["epochs_text"] == "worker 0 epoch 2, worker 1 epoch 3"
     assert second["epochs"] == {} and second["epochs_text"] == ""
+    # what the divergence rule found in its loss, in the views' words; none for a run it found nothing in
+    assert first["divergence"] == {"since_step": 120, "loss": 950.0, "reference": 2.3, "threshold": 11.5,
+                                   "words": "diverging since step 120",
+                                   "line": "diverging since step 120: the loss (smoothed) is 950, over 11.5, far "
+                                           "above its level at the start, 2.3"}
+    assert second["divergence"] is None
 
 
 async def test_a_failed_run_says_why_where_and_its_traceback(api, home):

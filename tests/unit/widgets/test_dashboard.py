@@ -5,6 +5,7 @@ dashboard a test makes is closed at teardown, which stops its thread.
 """
 
 import time
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from pscluster.comparison import Comparison, compare
 from pscluster.errors import ConfigError
 from pscluster.metrics import store as store_module
+from pscluster.metrics.divergence import Diverging
 from pscluster.metrics.store import RunStore
 from pscluster.runtime.waiting import wait_until
 from pscluster.widgets import Dashboard, dashboard, figure_specs, figures, live, show
@@ -156,6 +158,22 @@ def test_a_run_with_a_target_shows_the_epoch_beside_its_bar_and_one_without_epoc
     epoch(run, 1, 1)
     d.refresh()
     assert "· epoch 1 · global step 3 / 100 <progress" in d.header.value
+
+
+def test_a_diverging_run_says_so_in_the_header_in_the_warning_colour(store, dashboards):
+    run = Writer(store)
+    run.write(3)
+    d = dashboards(store.path, run.run_id)
+    d.refresh()
+    assert "diverging" not in d.header.value
+    found = Diverging(since_step=2, loss=950.0, reference=2.3, threshold=11.5)
+    store.add_event(run.run_id, "controller", "diverging", asdict(found))  # as the supervisor records it
+    run.write(1)
+    d.refresh()
+    assert (f"training</span> · <span class='pscluster-diverging' style='color: {dashboard.WARNING_COLOR}; "
+            "font-weight: bold' title='diverging since step 2: the loss (smoothed) is 950, over 11.5, far above its "
+            "level at the start, 2.3'>⚠ diverging since step 2</span> · global step 4 / 100") in d.header.value
+    assert "⚠ diverging since step 2" in d.static_html(images=False)  # what an HTML report keeps
 
 
 def test_a_second_refresh_appends_in_place(store, dashboards):
