@@ -4,7 +4,8 @@ format and checks of its signed batches (``BatchReceiver``, which the collector 
 Events are small JSON objects, buffered and sent in batches every
 ``FLUSH_S`` seconds over a ZeroMQ PUSH socket without blocking: when the
 collector is slow or absent, events are dropped and counted, and training never
-waits for them.
+waits for them. A worker's "done" (its summary) goes at once, with what is buffered: the run's end waits for it,
+and a script's chief ends its loop, then waits for the run's end, before it closes its emitter.
 
 A batch is signed like a data-plane message (HMAC-SHA256 with the cluster secret, see ``protocol``)::
 
@@ -30,6 +31,7 @@ from ..errors import BadSignature, MalformedMessage, OtherRun, ReplayedMessage, 
 from .protocol import MAC_SIZE, mac, remember
 
 FLUSH_S = 0.25
+AT_ONCE = frozenset({"done"})  # the kinds of event sent without waiting for the batch to be due
 MAX_BATCH_BYTES = 16 << 20
 BATCH_FRAMES = 3  # header, JSON, signature
 MAX_EMITTERS = 4096  # emitters whose last sequence number a collector keeps
@@ -98,11 +100,11 @@ class MetricsEmitter:
             self._sock.connect(address)
 
     def emit(self, kind: str, **fields) -> None:
-        """Queue one event; sends the batch when it is due."""
+        """Queue one event; sends the batch when it is due, or at once for a kind in ``AT_ONCE``."""
         if self._sock is None:
             return
         self._buffer.append({"kind": kind, "task": self.task, "time": time.time(), **fields})
-        if time.monotonic() - self._last_flush >= FLUSH_S:
+        if kind in AT_ONCE or time.monotonic() - self._last_flush >= FLUSH_S:
             self.flush()
 
     def flush(self) -> None:

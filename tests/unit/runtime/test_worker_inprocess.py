@@ -20,6 +20,7 @@ from pscluster.errors import ConfigError
 from pscluster.metrics.collector import Collector
 from pscluster.runtime.data import fetch_batch, worker_batches
 from pscluster.runtime.emitter import MetricsEmitter, sign_batch
+from pscluster.runtime import emitter as emitter_module
 from pscluster.runtime.protocol import mac
 from pscluster.runtime.optim import resolve_optimizer
 from pscluster.runtime.plan import TrainPlan, describe_variables
@@ -408,6 +409,16 @@ def test_close_sends_what_is_buffered(collector):
     emitter.close()
     assert wait_until(lambda: len(events) == 2, 2)
     assert [e["kind"] for e in events] == ["state", "done"]
+
+
+def test_a_done_event_goes_at_once_with_what_is_buffered(collector, emitters, monkeypatch):
+    monkeypatch.setattr(emitter_module, "FLUSH_S", 3600.0)  # no batch due by itself
+    c, events = collector
+    emitter = emitters(c.address)
+    emitter.emit("step", local_step=1)
+    emitter.emit("done", local_steps=1)  # a script's chief waits for the run's end before it closes its emitter
+    assert wait_until(lambda: len(events) == 2, 2)
+    assert [e["kind"] for e in events] == ["step", "done"]
 
 
 def test_emitter_without_a_listener_never_blocks(emitters):
