@@ -88,7 +88,7 @@ class Generator(nn.Module):
         return self.main(input)
 
 
-netG = ctx.model(Generator().to(device))
+netG = Generator().to(device)
 netG.apply(weights_init)
 print(netG)
 
@@ -125,7 +125,7 @@ fake_label = 0
 
 # setup optimizer
 optimizerD = ctx.optimizer(optim.Adam(ctx.model(netD).parameters(), lr=opt.lr, betas=(opt.beta1, 0.999)))
-optimizerG = ctx.optimizer(optim.Adam(netG.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999)))
+optimizerG = ctx.optimizer(optim.Adam(ctx.model(netG).parameters(), lr=opt.lr, betas=(opt.beta1, 0.999)))
 
 if opt.dry_run:
     opt.niter = 1
@@ -174,5 +174,6 @@ for epoch in range(opt.niter):
         if opt.dry_run:
             break
     # do checkpointing
+    if not ctx.is_chief: continue  # one writer of each file: the chief
     torch.save(netG.state_dict(), f"{opt.outf}/netG_epoch_{epoch}.pth")
     torch.save(netD.state_dict(), f"{opt.outf}/netD_epoch_{epoch}.pth")

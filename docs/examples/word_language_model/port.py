@@ -155,8 +155,8 @@ class RNNModel(nn.Module):
 
 
 ntokens = len(corpus.dictionary)
-model = ctx.model(RNNModel(ntokens, args.emsize, args.nhid, args.nlayers, args.dropout).to(device))
-optimizer = ctx.optimizer(torch.optim.SGD(model.parameters(), lr=args.lr))
+model = RNNModel(ntokens, args.emsize, args.nhid, args.nlayers, args.dropout).to(device)
+optimizer = ctx.optimizer(torch.optim.SGD(ctx.model(model).parameters(), lr=args.lr))
 
 criterion = nn.NLLLoss()
 
@@ -256,7 +256,7 @@ try:
         print("-" * 89)
         # Save the model if the validation loss is the best we've seen so far.
         if not best_val_loss or val_loss < best_val_loss:
-            torch.save(model.state_dict(), args.save)
+            if ctx.is_chief: torch.save(model.state_dict(), args.save)  # one writer of the file: the chief
             best_val_loss = val_loss
         else:
             # Anneal the learning rate if no more improvement has been seen in the validation dataset.
@@ -267,7 +267,7 @@ except KeyboardInterrupt:
     print("Exiting from training early")
 
 # Load the best saved model.
-model.load_state_dict(torch.load(args.save))
+if ctx.is_chief: model.load_state_dict(torch.load(args.save))  # another worker tests the model it holds
 
 # Run on test data.
 test_loss = evaluate(test_data)
