@@ -352,16 +352,22 @@ def test_the_view_of_a_training_run_follows_it(page, lab, home):
                                    spec={})
             store.set_status(run, "training")
             store.add_batch(run, steps_now(1, 100))
+            store.add_event(run, "controller", "diverging", {"since_step": 90, "loss": 950.0, "reference": 2.3,
+                                                             "threshold": 11.5})  # as the supervisor records it
             panel = open_panel(page)
             row = panel.locator(f'.jp-pscluster-run[data-run-id="{run}"]')
             status = row.locator(".jp-pscluster-run-status")
             status.get_by_text("training").wait_for(timeout=10_000)
             assert status.evaluate(CONTRAST) >= 4.5  # the status colour on the panel's background
+            warning = status.locator(".jp-pscluster-diverging")  # at the default width, the sign alone
+            assert warning.inner_text().strip() == "⚠" and warning.evaluate(CONTRAST) >= 4.5
+            assert "diverging since step 90" in row.get_attribute("aria-label")
             row.focus()  # by keyboard: a run row takes the focus, and Enter opens its view
             page.keyboard.press("Enter")
             header = page.locator(f'.jp-pscluster-runview[data-run-id="{run}"] .jp-pscluster-runview-header')
             header.get_by_text("global step 100/10000000").wait_for(timeout=10_000)
             assert "steps=10000000" in header.inner_text()  # a whole number in full, never 1.000e+7
+            assert "⚠ diverging since step 90: the loss (smoothed) is 950, over 11.5" in header.inner_text()
             store.add_batch(run, steps_now(101, 250))
             began = time.monotonic()
             header.get_by_text("global step 250/10000000").wait_for(timeout=10_000)  # the series asked again
