@@ -6,8 +6,8 @@ monitor is doing (a recovery may take longer than the lease), until the run has 
 outright renews nothing: its run, not ended, reads ``failed`` ("owner lost") to every reader of the store
 within ``store.LEASE_S`` (see ``RunStore.runs``), with no process left to write it.
 
-A script's run holds the same lease on its ps tasks (``hold_ps_tasks``): a ps serving that one run ends once
-``LEASE_S`` of its serving pass without a renewal (``runtime.ps``: ``owner_lost``), instead of listening with
+A script's run holds a lease on its ps tasks too (``hold_ps_tasks``): a ps serving that one run ends once
+``PS_LEASE_S`` of its serving pass without a renewal (``runtime.ps``: ``owner_lost``), instead of listening with
 nobody left.
 """
 
@@ -25,6 +25,9 @@ from ..runtime.protocol import Op
 from ..spec import ClusterSpec
 
 RENEW_S = LEASE_S / 4  # three renewals may be late (a loaded machine, a busy store) before the lease runs out
+# how long a ps outlives its run's owner: a chief started again by its scheduler (or by hand) takes the ps tasks
+# over by then (it imports torch, loads its data and starts its run, on a loaded machine too)
+PS_LEASE_S = 30.0
 
 
 class Lease:
@@ -61,8 +64,8 @@ def hold_ps_tasks(spec: ClusterSpec, run_id: int, owner: str, ended: threading.E
             for ps in spec.ps:
                 try:
                     with PSClient(spec, run_id=run_id, timeout=RENEW_S / 2, only=[ps.index]) as client:
-                        client.request(Op.STATS, meta={"lease": {"owner": owner, "seconds": LEASE_S}})
-                except Exception:  # noqa: BLE001 - lost or busy: the next renewal may pass, its lease lasts LEASE_S
+                        client.request(Op.STATS, meta={"lease": {"owner": owner, "seconds": PS_LEASE_S}})
+                except Exception:  # noqa: BLE001 - lost or busy: a later renewal may pass
                     pass
             if ended.wait(RENEW_S):
                 return

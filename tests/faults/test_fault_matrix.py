@@ -39,12 +39,11 @@ import torch
 
 import pscluster
 from pscluster import environ
-from pscluster.cluster.lease import RENEW_S
+from pscluster.cluster.lease import PS_LEASE_S, RENEW_S
 from pscluster.cluster.reaper import alive
 from pscluster.errors import ConfigError
 from pscluster.evaluate import evaluate
 from pscluster.launch import STOPPED_S, local_spec
-from pscluster.metrics.store import LEASE_S
 from pscluster.runtime import checkpoint
 from tests.integration import launched
 
@@ -421,7 +420,7 @@ def test_a_script_job_under_pscluster_launch(tmp_path, mode, fault, victim, loop
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_ps_left_alone_ends_when_the_run_s_lease_lapses(tmp_path, mode):
     """A job without launch (each task started as another scheduler starts it, with its own config), its chief
-    SIGKILLed mid-run: the ps ends once the run's lease lapses (``LEASE_S`` after the chief's last renewal), in one
+    SIGKILLed mid-run: the ps ends once the run's lease lapses (``PS_LEASE_S`` after the chief's last renewal), in one
     line naming the run, with status 1, instead of listening with nobody left."""
     script = tmp_path / "job.py"
     script.write_text(launched.LOOP)
@@ -434,13 +433,13 @@ def test_a_ps_left_alone_ends_when_the_run_s_lease_lapses(tmp_path, mode):
         chief.process.kill()
         hit_at = time.monotonic()
         ps.wait_for(r"^ps 0 ends: run \d+'s owner \(pid \d+ on .+\) has not renewed its lease for "
-                    rf"{LEASE_S:g}s", timeout=LEASE_S + 30)
+                    rf"{PS_LEASE_S:g}s", timeout=PS_LEASE_S + 30)
         ended_s = round(time.monotonic() - hit_at, 2)  # the chief renewed last at most RENEW_S before its kill
         code = ps.wait(timeout=30)
     finally:
         ps.stop()
         chief.stop()
     assert code == 1, ps.output[-3000:]
-    assert LEASE_S - RENEW_S - 1 <= ended_s <= LEASE_S + RENEW_S, ended_s
+    assert PS_LEASE_S - RENEW_S - 1 <= ended_s <= PS_LEASE_S + RENEW_S, ended_s
     record(f"SIGKILL chief of a job without launch ({mode}): its ps alone", {"ps_ended_s": ended_s,
                                                                             "exit_status": code})
