@@ -13,8 +13,9 @@ running the same script with its own ``PSCLUSTER_CONFIG`` (as ``torchrun`` start
   answers the workers' heartbeats from threads of its own, so a ps busy (or stuck) in Python still answers them,
   and only a process that does not run at all misses them.
 - The chief (worker 0) ends the job: the other tasks get ``TASKS_END_S`` to end after it ended well, and are ended
-  at once after it failed. launch ended by SIGTERM or SIGINT sends the signal on to every task; killed by any
-  signal (SIGKILL too), its tasks die with it.
+  at once after it failed. launch ended by SIGTERM or SIGINT sends the signal on to every task (SIGTERM to the
+  chief first, whose clean stop releases the other workers); killed by any signal (SIGKILL too), its tasks die
+  with it.
 - The exit status: the chief's when it failed (non-zero when its run failed, 128 + N for a signal N), else that of
   a worker that failed with no restart left, else 0; 128 + N when launch itself was sent signal N.
 """
@@ -42,7 +43,7 @@ from .runtime import options
 from .spec import ClusterSpec, TaskSpec
 
 TASKS_END_S = 30.0  # how long the other tasks may take to end once the chief ended well (it finalized the run),
-# and the workers once launch passed them a SIGTERM (the chief's clean stop writes a final checkpoint)
+# and the chief once launch passed it a SIGTERM (its clean stop writes a final checkpoint), or the workers a SIGINT
 KILL_AFTER_S = 5.0  # how long a task may take to end on SIGTERM before it gets SIGKILL
 POLL_S = 0.1
 STOPPED_S = HEARTBEAT_DEADLINE_S  # a task stopped this long is lost, as a notebook's engine missing its heartbeats
@@ -262,13 +263,13 @@ class Launch:
         """End every task: the exit status (see the module)."""
         others = [t for t in self.tasks if not t.chief]
         if self.signalled is not None:
-            # the workers first: a chief's clean stop (train_from_environment's on SIGTERM) writes its final
-            # checkpoint through the ps tasks
+            # SIGTERM to the chief first: its clean stop writes its final checkpoint through the ps tasks and
+            # releases the other workers, whose loops end; SIGINT to every worker (each loop interrupted)
             say(f"{signal.Signals(self.signalled).name}: passing it on to every task")
-            workers = [t for t in self.tasks if t.role == "worker"]
-            for task in workers:
+            first = [self.chief] if self.signalled == signal.SIGTERM else [t for t in self.tasks if t.role == "worker"]
+            for task in first:
                 task.send(self.signalled)
-            self._ended_within(workers, TASKS_END_S)
+            self._ended_within(first, TASKS_END_S)
             for task in self.tasks:
                 task.send(self.signalled)
             self._ended_within(self.tasks, KILL_AFTER_S)

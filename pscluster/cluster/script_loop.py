@@ -23,6 +23,8 @@ TF's ``MonitoredTrainingSession`` or ``torchrun``. The cluster and this process'
   failed. A ``RunEnded`` that escapes the script (a step after the run's end) is the loop's normal end: one line
   says why the run ended, and the status is the run's. Any other exception that escapes the script fails this
   worker's part of the run with it (the chief's: the run).
+- SIGTERM (a scheduler's preemption, ``kill``) to the chief stops its run as ``Run.stop()`` does (status
+  ``stopped``, the final checkpoint, the other workers released), and the chief then ends by that signal.
 
 A lost worker process is its scheduler's to start again (``pscluster launch`` does): it joins the run. A lost ps
 started again (``pscluster launch`` does; a TF_CONFIG job's scheduler must) is recovered as a notebook's is: every
@@ -36,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures.thread  # noqa: F401 - its shutdown hook first, so that ours runs before it: see _at_exit
 import os
 import queue
+import signal
 import sys
 import threading
 from concurrent.futures import Future
@@ -91,6 +94,8 @@ def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "Sc
     # refuses new work from then on: the run's final checkpoint needs it), as threading calls them in reverse
     threading._register_atexit(ctx._at_exit)
     sys.excepthook = ctx._excepthook(sys.excepthook)
+    if task.is_chief and threading.current_thread() is threading.main_thread():  # which alone takes signals
+        signal.signal(signal.SIGTERM, ctx._terminate)
     return ctx
 
 
@@ -119,6 +124,7 @@ class ScriptContext(FirstCallContext):
         self._finishing = False
         self._attempts: queue.Queue = queue.Queue()  # the chief: the plans of the attempts after the first
         self._loop_error: BaseException | None = None  # what escaped the script (``_excepthook``)
+        self._terminated = False  # the chief: SIGTERM came, and stopped its run (``_terminate``)
 
     def _planned_run(self, model, modules, optimizers) -> TrainPlan:
         """The run's plan, from what the loop registered: the chief starts the run; another worker joins the one
@@ -244,10 +250,24 @@ class ScriptContext(FirstCallContext):
         error = self._outcome.exception() if self._outcome.done() else None
         return one_line(error) if error is not None else None
 
+    def _terminate(self, *_) -> None:
+        """The chief's SIGTERM handler: the run stopped, as ``Run.stop()`` does; the loop ends at its next
+        ``should_stop()`` or step, and the process by SIGTERM once the run is finalized (``_exit``). Before the run
+        started, the process ends by SIGTERM now."""
+        if self.run is None:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+        elif not self._terminated:
+            self._terminated = True
+            threading.Thread(target=self.run.supervisor.stop, name="pscluster-sigterm", daemon=True).start()
+
     def _at_exit(self) -> None:
         """The script's end (``threading._shutdown``, while every thread and concurrent.futures still work):
-        the run's end, and this process's exit status, 1 if it failed."""
+        the run's end, and this process's exit status, 1 if it failed (by SIGTERM after it came)."""
         failure = self._failure()
+        if self._terminated:
+            _exit(1, f"pscluster: SIGTERM: run {self.run.id} {self.run.status}" + (f": {failure}" if failure else ""),
+                  by=signal.SIGTERM)
         if failure is not None and self._loop_error is None:  # an exception that escaped exits 1 already
             _exit(1, f"pscluster: {failure}")
 
@@ -261,18 +281,21 @@ class ScriptContext(FirstCallContext):
                 return
             failure = self._failure()
             _exit(1 if failure else 0, f"pscluster: worker {self.worker_index}: {error}" +
-                  (f"; {failure}" if failure else ""))
+                  (f"; {failure}" if failure else ""), by=signal.SIGTERM if self._terminated else None)
 
         return hook
 
 
-def _exit(status: int, line: str) -> None:
+def _exit(status: int, line: str, *, by: signal.Signals | None = None) -> None:
     """Say ``line`` and end the process with ``status`` now (past the interpreter's own exit status, which a
-    hook cannot change), once ZeroMQ has sent what the closed sockets hold (this worker's summary), for up to
-    ``SEND_S``."""
+    hook cannot change), or ``by`` that signal, once ZeroMQ has sent what the closed sockets hold (this worker's
+    summary), for up to ``SEND_S``."""
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     sent = threading.Thread(target=zmq.Context.instance().term, daemon=True)
     sent.start()
     sent.join(SEND_S)
+    if by is not None:
+        signal.signal(by, signal.SIG_DFL)
+        signal.raise_signal(by)
     os._exit(status)

@@ -110,8 +110,9 @@ def test_run_ended_escaping_the_script_is_the_loop_s_normal_end(launch):
 # and async: here the signals launch passes on
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_launch_ended_by_a_signal_leaves_no_task_running(launch, sig):
-    """A loop without should_stop() trains on for ever: its tasks must end with launch. Ctrl-C (SIGINT, passed on
-    to the tasks) ends the run, recorded as interrupted."""
+    """A loop without should_stop() trains on for ever: its tasks must end with launch. SIGTERM (passed on to the
+    chief) stops the run cleanly, the chief ending by it; Ctrl-C (SIGINT, passed on to the workers) ends the run,
+    recorded as interrupted."""
     job = launch(LOOP, "--steps", "1000000", "--log-every", "5", args=loop_args("forever"))
     job.wait_for(PROGRESS.format(index=1))
     tasks = job.pids
@@ -119,9 +120,11 @@ def test_launch_ended_by_a_signal_leaves_no_task_running(launch, sig):
     job.process.send_signal(sig)
     assert job.wait(60) == 128 + sig
     assert not gone_within(tasks, 5.0), job.output[-3000:]
-    if sig == signal.SIGINT:
-        run = pscluster.open_run("job0", store=job_store(job))
-        [end] = run.events().query("kind == 'end'")["detail"]
+    run = pscluster.open_run("job0", store=job_store(job))
+    [end] = run.events().query("kind == 'end'")["detail"]
+    if sig == signal.SIGTERM:
+        assert run.status == "stopped", end
+    else:
         assert run.status == "failed" and "worker 0 was interrupted (KeyboardInterrupt)" in end["error"], end
 
 
