@@ -16,6 +16,7 @@ stops or fails the run as ``plan.on_divergence`` says.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -50,6 +51,7 @@ log = logging.getLogger("pscluster.supervisor")
 # SQLITE_CANTOPEN (a removed directory)
 UNWRITABLE = frozenset({8, 10, 13, 14})
 
+STORE_CHECK_S = 1.0  # how often the monitor checks that the run store's file is still where it was opened
 RESULT_GRACE_S = 2.0  # how long a worker's ipyparallel result may trail its "done" event before the event stands in
 
 Evaluator = Callable[[dict], dict]  # a state dict -> {"loss": ..., "accuracy": ...}
@@ -161,8 +163,8 @@ class Supervisor:
                 self._log(f"[{task}] {line}")
             elif kind == "checkpoint_failed" and isinstance(event.get("errno"), int) and self.failure is None:
                 # the disk, not the run: end it now, while its committed checkpoints restore
-                self._failed(f"{self.name} failed: {event.get('error')}: free space there (or give another "
-                             "checkpoint_dir) and train again; it resumes from its latest checkpoint", task, "")
+                self._failed(f"{self.name} failed: {event.get('error')}: {_disk_fix(event['errno'])} and train "
+                             "again; it resumes from its latest checkpoint", task, "")
 
     def _diverged(self, found: Diverging) -> None:
         """The loss diverges (``found``): recorded, said, and per ``plan.on_divergence`` the run goes on (flag),
@@ -179,6 +181,14 @@ class Supervisor:
             self._failed(f"{self.name} failed: its run store {self.store.path} cannot be written ({e}, "
                          f"{e.sqlite_errorname}): free space there (or set PSCLUSTER_HOME to another disk) and train "
                          "again; it resumes from its latest checkpoint", "controller", _traceback(e))
+
+    def _check_store(self) -> None:
+        """A run store removed mid-run (its home directory deleted, the file replaced) fails the run: SQLite would
+        go on recording it into a file nobody can read."""
+        if (gone := self.store.gone()) is not None and self.failure is None:
+            self._failed(f"{self.name} failed: its run store {self.store.path} was {gone} while it trained: put "
+                         "the store back or set PSCLUSTER_HOME, and train again; it resumes from its latest "
+                         "checkpoint", "controller", "")
 
     def _collector_failed(self, e: Exception) -> None:
         """The collector's thread ended on ``e``: the workers' metrics, their "done" and their logs no longer
@@ -272,7 +282,7 @@ class Supervisor:
 
     def _follow(self) -> None:
         """Until every worker has ended: recovery, checkpoints, evaluations."""
-        next_eval, next_check = self.eval_every, 0.0
+        next_eval, next_check, next_store_check = self.eval_every, 0.0, 0.0
         while True:
             failed, ended = self._any_failed(), all(map(self._worker_ended, range(len(self.worker_results))))
             if self.tasks is not None and (failed or (not ended and time.monotonic() >= next_check)):
@@ -288,6 +298,9 @@ class Supervisor:
                 if self.closed:
                     return
                 continue
+            if self.failure is None and time.monotonic() >= next_store_check:
+                self._check_store()
+                next_store_check = time.monotonic() + STORE_CHECK_S
             if failed or self.failure is not None:
                 self.signal_stop()  # other workers must not wait on the failed one, nor train unrecorded
             elif self.divergence.found and self.plan.on_divergence == "stop" and not self.stop_requested:
@@ -305,8 +318,8 @@ class Supervisor:
         """The supervisor itself failed (finalizing with a ps gone, a store that cannot be written, a bug): the run
         ends ``failed`` with ``e`` as the cause, unless a cause came first; its workers are told to stop."""
         if self.failure is None and isinstance(e, OSError):  # the disk (full, read-only, gone), not the run
-            self._failed(f"{self.name} failed: {one_line(e)}: free space there and train again; it resumes from its "
-                         "latest checkpoint", "controller", _traceback(e))
+            self._failed(f"{self.name} failed: {one_line(e)}: {_disk_fix(e.errno)} and train again; it resumes from "
+                         "its latest checkpoint", "controller", _traceback(e))
         elif self.failure is None:
             what = "could not be finalized" if self.closed else "lost its supervisor"
             self._failed(f"{self.name} {what}: {one_line(e)}", "controller", _traceback(e))
@@ -515,6 +528,17 @@ class Supervisor:
             return checkpoint.Checkpoint.load(self.latest_checkpoint_path()).state_dict()
         except Exception:  # no checkpoint either
             return None
+
+
+def _disk_fix(number: int | None) -> str:
+    """What to do about a file the run could not write, by the error's errno ``number``."""
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        return "free space there"
+    if number in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "make it writable (or give another checkpoint_dir or PSCLUSTER_HOME)"
+    if number == errno.ENOENT:
+        return "it was removed while the run trained: put it back (or give another checkpoint_dir or PSCLUSTER_HOME)"
+    return "fix its file system"
 
 
 def _traceback(e: BaseException) -> str:

@@ -326,6 +326,15 @@ def _refuse_damaged(path: str) -> None:
         raise _damaged(path, f"truncated: {size} bytes of the {pages * page_size} its header counts")
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``, None when there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class RunStore:
     """The run store. ``readonly=True`` opens a reader that never writes or blocks the writer.
     ``timeout``: how long a query waits for a lock another process holds before it fails."""
@@ -352,6 +361,15 @@ class RunStore:
             if isinstance(e, sqlite3.OperationalError):  # a lock, a full disk: the file itself is whole
                 raise
             raise _damaged(self.path, str(e)) from None
+        self._file = _identity(self.path)
+
+    def gone(self) -> str | None:
+        """Why the path no longer names the file this store opened (removed, or replaced, with its directory
+        perhaps), or None while it does. SQLite itself goes on writing to a removed file, which nobody reads."""
+        now = _identity(self.path)
+        if now == self._file:
+            return None
+        return "removed" if now is None else "replaced by another file"
 
     def _use_wal(self, timeout: float) -> None:
         """Switch the file to WAL. On a new file that other processes open at the same moment, SQLite answers

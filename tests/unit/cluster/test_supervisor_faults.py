@@ -98,6 +98,16 @@ def test_a_collector_whose_thread_dies_fails_the_run_with_its_exception(local_ps
         assert supervisor.error_line == "faulty lost its metrics collector: RuntimeError: injected into the collector"
 
 
+def test_a_store_removed_while_the_run_trains_fails_it(local_ps, dataset, tmp_path):
+    # SQLite itself goes on writing into the removed file, where nobody can read the run
+    path = tmp_path / "runs.sqlite"
+    with supervised_run(local_ps, dataset, path) as supervisor:
+        os.unlink(path)
+        assert supervisor.ended.wait(ENDED_S), "wait() was not woken"
+        assert supervisor.status == "failed"
+        assert f"its run store {path} was removed while it trained" in supervisor.error_line
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 4 MB tmpfs (unmounted at teardown)."""
