@@ -70,8 +70,8 @@ class NonFiniteUpdate(TrainingError):
 
 
 class DamagedStore(PSClusterError, RuntimeError):
-    """The run store's file is not a whole SQLite database (truncated, overwritten): it is refused at open, with
-    its path and what to do, before anything is read from it or written to it."""
+    """The run store's file is not a whole SQLite database (truncated, overwritten): SQLite says so when it is
+    opened, and it is refused then, with its path and what to do."""
 
 
 class CheckpointError(PSClusterError, RuntimeError):

@@ -297,33 +297,9 @@ def _upserts() -> tuple[str, str]:
 _UPSERT_MAIN, _UPSERT_EXTRA = _upserts()
 
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
-
-
 def _damaged(path: str, what: str) -> DamagedStore:
     return DamagedStore(f"the run store {path} is damaged ({what}): move it aside (mv {path} {path}.damaged) and "
                         "train again: a new, empty store is made; the runs' checkpoints are kept apart from it")
-
-
-def _refuse_damaged(path: str) -> None:
-    """DamagedStore when ``path`` is not a whole SQLite file: another file's bytes, or a file shorter than the
-    pages its header counts (truncated). Reads the 100-byte header only: stores are opened at every poll."""
-    try:
-        with open(path, "rb") as f:
-            header = f.read(100)
-            size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
-        return
-    if not header:
-        return  # an empty file: SQLite makes a new database of it
-    if len(header) < 100 or not header.startswith(SQLITE_MAGIC):
-        raise _damaged(path, "not an SQLite file")
-    page_size = int.from_bytes(header[16:18], "big")
-    page_size = 65536 if page_size == 1 else page_size
-    pages = int.from_bytes(header[28:32], "big")
-    counted = header[92:96] == header[24:28]  # SQLite's rule: the page count holds when these two agree
-    if counted and size < pages * page_size:
-        raise _damaged(path, f"truncated: {size} bytes of the {pages * page_size} its header counts")
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -346,11 +322,13 @@ class RunStore:
         self._raw: dict[int, list[int]] = {}  # run -> [its raw metric rows, the rowid its oldest is at or after]
         if readonly and not os.path.exists(self.path):
             raise FileNotFoundError(f"no run store at {self.path}: train a run first, or set PSCLUSTER_HOME")
-        _refuse_damaged(self.path)
+        # damage is SQLite's to find: this process may hold the file open already, and closing any other
+        # descriptor of it (a look at its header) would drop that connection's locks
         try:
             if readonly:
                 self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False,
                                            timeout=timeout)
+                self._db.execute("PRAGMA page_count").fetchone()  # reads the header: a truncated file fails here
             else:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
                 self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=timeout)

@@ -308,7 +308,7 @@ async def test_a_locked_store_answers_503_then_recovers(api, home):
 async def test_a_file_that_is_no_store_answers_503(api, home):
     (home / "runs.sqlite").write_bytes(b"not a database, " * 100)
     status, body = await api("GET", "runs")
-    assert status == 503 and "is damaged (not an SQLite file)" in body["error"] and "move it aside" in body["error"]
+    assert status == 503 and "is damaged (file is not a database)" in body["error"] and "move it aside" in body["error"]
 
 
 async def test_entries_of_dead_kernels_and_broken_files_are_skipped(api, home, dead_pid):
