@@ -40,7 +40,7 @@ from . import environ
 from .cluster.launchers.base import HEARTBEAT_DEADLINE_S
 from .errors import ConfigError
 from .runtime import options
-from .spec import ClusterSpec, TaskSpec
+from .spec import ClusterSpec, TaskSpec, threads_per_task
 
 TASKS_END_S = 30.0  # how long the other tasks may take to end once the chief ended well (it finalized the run),
 # and the chief once launch passed it a SIGTERM (its clean stop writes a final checkpoint), or the workers a SIGINT
@@ -189,12 +189,20 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isfile(args.script):
         raise ConfigError(f"no script {args.script!r}: give the path of the script every task runs")
     spec = local_spec(args.ps, args.workers, "pscluster-launch")
-    env = {k: v for k, v in os.environ.items() if k not in (environ.TF_CONFIG, environ.LAUNCH_OPTIONS)}
-    if given:
-        env[environ.LAUNCH_OPTIONS] = json.dumps(given)
-    tasks = [Task(role, i, {**env, environ.CONFIG: spec.config_for(role, i)})
+    tasks = [Task(role, i, {**task_env(args.ps + args.workers, given), environ.CONFIG: spec.config_for(role, i)})
              for role, count in (("ps", args.ps), ("worker", args.workers)) for i in range(count)]
     return Launch(tasks, [sys.executable, args.script, *args.args], args.max_restarts).run()
+
+
+def task_env(tasks: int, given: dict) -> dict:
+    """The environment every one of ``tasks`` tasks starts in: this one's, with the typed run options ``given``,
+    and as many torch threads (``OMP_NUM_THREADS``, unless set) as a notebook's cluster gives an engine: the
+    cores divided among the tasks (torchrun sets it to 1 for several processes on a machine)."""
+    env = {k: v for k, v in os.environ.items() if k not in (environ.TF_CONFIG, environ.LAUNCH_OPTIONS)}
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_task(tasks)))
+    if given:
+        env[environ.LAUNCH_OPTIONS] = json.dumps(given)
+    return env
 
 
 class Launch:

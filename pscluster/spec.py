@@ -10,12 +10,20 @@ without a notebook, the TF_CONFIG analog (see ``task_config``)::
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from dataclasses import asdict, dataclass, field, replace
 
 from .errors import ConfigError
 
 ROLES = ("ps", "worker", "evaluator")
+
+
+def threads_per_task(tasks: int) -> int:
+    """torch threads for each of ``tasks`` processes that share this machine: its cores divided among them (at
+    least one). More, and the tasks' threads only wait on each other's."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // tasks)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..runtime.options import DEFAULTS
 from ..runtime.plan import TrainPlan, describe_variables
 from ..runtime.steps import check_loss, check_step
 from ..runtime.seeding import build_model
-from ..spec import ClusterSpec, TaskSpec
+from ..spec import ClusterSpec, TaskSpec, threads_per_task
 from . import reaper, registry, run_records, scaling
 from .checkpoint_commits import CheckpointCoordinator
 from .engines import EngineSet
@@ -98,8 +98,7 @@ class Cluster:
         if detached and not self.launcher.local:
             raise ConfigError(f"detached=True works with local engines only, not {self.launcher.kind}: "
                               "leave detached out, or keep the kernel running")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.threads = max(1, cores // (ps + workers)) if threads is None else _count("threads", threads, 1)
+        self.threads = threads_per_task(ps + workers) if threads is None else _count("threads", threads, 1)
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus is not None and _count("gpus", gpus, 0) > available and self.launcher.local:
             raise ConfigError(f"gpus={gpus} but this machine has {available}: use gpus <= {available}")

@@ -2,12 +2,13 @@
 ``pscluster.init()`` reads."""
 
 import json
+import os
 
 import pytest
 
 from pscluster import environ
 from pscluster.errors import ConfigError
-from pscluster.launch import parser, typed_options
+from pscluster.launch import parser, task_env, typed_options
 from pscluster.runtime import options
 
 
@@ -33,3 +34,13 @@ def test_the_options_variable_is_a_json_object(monkeypatch):
         environ.launch_options()
     monkeypatch.delenv(environ.LAUNCH_OPTIONS)
     assert environ.launch_options() == {}
+
+
+def test_each_task_gets_its_share_of_the_cores_as_torch_threads_unless_set(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert task_env(3, {})["OMP_NUM_THREADS"] == str(max(1, cores // 3))
+    assert task_env(1, {})["OMP_NUM_THREADS"] == str(cores)
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's own setting stands
+    assert task_env(3, {"mode": "async"})["OMP_NUM_THREADS"] == "5"
+    assert json.loads(task_env(3, {"mode": "async"})[environ.LAUNCH_OPTIONS]) == {"mode": "async"}
