@@ -63,10 +63,11 @@ def free_port() -> int:
 
 
 def local_spec(num_ps: int, num_workers: int, name: str) -> ClusterSpec:
-    """A cluster on this machine: each ps on a free port, the chief's metrics on another."""
+    """A cluster on this machine: each ps on a port free now (the workers must know it before it serves). The
+    chief's metrics go to a port its collector picks itself when it binds (port 0): the tasks learn it from the
+    run's plan, and a port picked here could be taken by another process before the chief's first step."""
     return ClusterSpec(ps=tuple(TaskSpec("ps", i, port=free_port()) for i in range(num_ps)),
-                       workers=tuple(TaskSpec("worker", i, port=free_port() if i == 0 else 0)
-                                     for i in range(num_workers)), name=name)
+                       workers=tuple(TaskSpec("worker", i, port=0) for i in range(num_workers)), name=name)
 
 
 def parser(*, typed_only: bool = False) -> Parser:
