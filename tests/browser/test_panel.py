@@ -469,7 +469,7 @@ def test_the_panel_fits_its_default_width_and_passes_an_accessibility_audit(page
         finished = panel.locator(f'.jp-pscluster-run-details[data-run-id="{runs["finished"]}"]')
         finished.get_by_text("lr=0.1").wait_for()
 
-        widen_side_bar(page, 450)  # wider, the panel shows more columns and still fits
+        widen_side_bar(page, 560)  # wider, the panel shows more columns and still fits
         settings.wait_for()
         assert "seed=1234" in settings.inner_text()
         assert panel.evaluate(OVERFLOW) == []
