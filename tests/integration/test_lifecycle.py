@@ -166,8 +166,13 @@ def test_removing_the_engine_the_others_were_forked_from_stops_that_one_alone():
         [forker] = [e for e, pid in pids.items() if pid in parents]
         rest = sorted(set(pids) - {forker})
         # an engine that shuts down signals every process of its process group (ipykernel does): wait for it,
-        # as a removal may, before the kill that follows
-        engines.client.shutdown(targets=[forker], block=True)
+        # as a removal may, before the kill that follows. Its process's end, not its reply, is waited for: an
+        # engine may exit before its reply leaves, and ipyparallel's blocking shutdown then waits forever
+        engines.client.shutdown(targets=[forker], block=False)
+        deadline = time.monotonic() + 60
+        while alive(pids[forker]):
+            assert time.monotonic() < deadline, "the engine asked to shut down is still running"
+            time.sleep(0.05)
         engines.remove_engines([forker])
         assert not alive(pids[forker])
         assert engines.client[rest].apply_sync(os.getpid) == [pids[e] for e in rest]
