@@ -163,8 +163,7 @@ class Supervisor:
                 self._log(f"[{task}] {line}")
             elif kind == "checkpoint_failed" and isinstance(event.get("errno"), int) and self.failure is None:
                 # the disk, not the run: end it now, while its committed checkpoints restore
-                self._failed(f"{self.name} failed: {event.get('error')}: {_disk_fix(event['errno'])} and train "
-                             "again; it resumes from its latest checkpoint", task, "")
+                self._disk_failed(str(event.get("error")), _disk_fix(event["errno"]), task, "")
 
     def _diverged(self, found: Diverging) -> None:
         """The loss diverges (``found``): recorded, said, and per ``plan.on_divergence`` the run goes on (flag),
@@ -177,18 +176,22 @@ class Supervisor:
     def _store_failed(self, e: sqlite3.Error) -> None:
         """The run store cannot be written (a full disk, a file turned read-only or removed): the run fails with
         that cause, once; its workers are told to stop by the monitor, rather than train unrecorded."""
+        self._disk_failed(f"its run store {self.store.path} cannot be written ({e}, {e.sqlite_errorname})",
+                          "free space there (or set PSCLUSTER_HOME to another disk)", "controller", _traceback(e))
+
+    def _disk_failed(self, what: str, fix: str, task: str, traceback_text: str) -> None:
+        """The run failed for a file it could not write (``what``), unless a cause came first: ``fix`` says what
+        to do, and the run resumes from its latest checkpoint (which the fault left as it was)."""
         if self.failure is None:
-            self._failed(f"{self.name} failed: its run store {self.store.path} cannot be written ({e}, "
-                         f"{e.sqlite_errorname}): free space there (or set PSCLUSTER_HOME to another disk) and train "
-                         "again; it resumes from its latest checkpoint", "controller", _traceback(e))
+            self._failed(f"{self.name} failed: {what}: {fix} and train again; it resumes from its latest checkpoint",
+                         task, traceback_text)
 
     def _check_store(self) -> None:
         """A run store removed mid-run (its home directory deleted, the file replaced) fails the run: SQLite would
         go on recording it into a file nobody can read."""
-        if (gone := self.store.gone()) is not None and self.failure is None:
-            self._failed(f"{self.name} failed: its run store {self.store.path} was {gone} while it trained: put "
-                         "the store back or set PSCLUSTER_HOME, and train again; it resumes from its latest "
-                         "checkpoint", "controller", "")
+        if (gone := self.store.gone()) is not None:
+            self._disk_failed(f"its run store {self.store.path} was {gone} while it trained",
+                              "put the store back or set PSCLUSTER_HOME,", "controller", "")
 
     def _collector_failed(self, e: Exception) -> None:
         """The collector's thread ended on ``e``: the workers' metrics, their "done" and their logs no longer
@@ -317,9 +320,8 @@ class Supervisor:
     def _end_failed(self, e: Exception) -> None:
         """The supervisor itself failed (finalizing with a ps gone, a store that cannot be written, a bug): the run
         ends ``failed`` with ``e`` as the cause, unless a cause came first; its workers are told to stop."""
-        if self.failure is None and isinstance(e, OSError):  # the disk (full, read-only, gone), not the run
-            self._failed(f"{self.name} failed: {one_line(e)}: {_disk_fix(e.errno)} and train again; it resumes from "
-                         "its latest checkpoint", "controller", _traceback(e))
+        if isinstance(e, OSError):  # the disk (full, read-only, gone), not the run
+            self._disk_failed(one_line(e), _disk_fix(e.errno), "controller", _traceback(e))
         elif self.failure is None:
             what = "could not be finalized" if self.closed else "lost its supervisor"
             self._failed(f"{self.name} {what}: {one_line(e)}", "controller", _traceback(e))
