@@ -140,3 +140,31 @@ def test_the_model_graph_is_traced_on_a_batch_of_the_dataset_where_torch_can(tmp
     assert traceable_inputs(batch, step_fn=lambda model, b: 0) is None
     assert traceable_inputs(({"x": torch.ones(1)}, torch.ones(1)), None) is None
     assert traceable_inputs((torch.ones(2, 3), torch.ones(2)), None)[0].shape == (2, 3)
+
+
+def test_a_folder_that_cannot_be_written_is_one_warning_and_its_events_a_count(tmp_path, caplog):
+    (tmp_path / "tensorboard").write_text("a file where the run's folder would be")
+    logdir = tmp_path / "tensorboard" / "run-1"
+    writer = EventWriter(logdir)
+    for i in range(1, 11):
+        writer.add_events([step(0, i), step(1, i), {"kind": "log", "task": "worker:0", "line": "not charted"}])
+    writer.add_evaluation(20, 0.5, 0.9)
+    assert [r.getMessage() for r in caplog.records] == [f"TensorBoard files under {logdir} could not be written: "
+                                                        "[Errno 20] Not a directory; the run goes on without them"]
+    caplog.clear()
+    writer.close()  # never raises: the run goes on, and ends, without them
+    assert writer.errors == 21  # each step and the evaluation, not the log lines, which are never charted
+    assert [r.getMessage() for r in caplog.records] == [
+        f"21 TensorBoard events in all could not be written under {logdir}"]
+
+
+def test_events_after_close_are_counted_not_written_in_a_file_left_open(tmp_path):
+    writer = EventWriter(tmp_path)
+    writer.add_events([step(0, 1)])
+    writer.close()
+    files = sorted(tmp_path.rglob("events.out.tfevents.*"))
+    writer.add_events([step(0, 2)])  # a batch the collector received as the run ended
+    writer.add_evaluation(4, 0.5, 0.9)
+    writer.close()
+    assert sorted(tmp_path.rglob("events.out.tfevents.*")) == files and writer.errors == 2
+    assert [e.step for e in read(tmp_path).Scalars("worker_0", "loss")] == [2]
