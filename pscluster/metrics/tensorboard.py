@@ -56,12 +56,27 @@ def run_logdir(store_path: str | Path, name: str, run_id: int) -> Path:
     return Path(store_path).parent / "tensorboard" / (safe if safe == f"run-{run_id}" else f"{safe}-{run_id}")
 
 
+_IMPORTING = threading.Lock()
+
+
+def _import_writers() -> None:
+    """Import what the event files are written with, one thread at a time: the collector's first event and the
+    graph's trace import these modules at once otherwise, which can deadlock Python's import locks
+    (``_DeadlockError``). Loaded when a run first writes, not with pscluster."""
+    with _IMPORTING:
+        import tensorboard.compat.proto.event_pb2  # noqa: F401
+        import tensorboard.summary.writer.record_writer  # noqa: F401
+        import torch.utils.tensorboard._pytorch_graph  # noqa: F401
+        import torch.utils.tensorboard.summary  # noqa: F401
+
+
 class _EventFile:
     """One folder's event file, in TensorBoard's format: a record of an ``Event`` proto per event, buffered until
     ``flush``."""
 
     def __init__(self, folder: Path):
-        from tensorboard.summary.writer.record_writer import RecordWriter  # loaded when a run first writes
+        _import_writers()
+        from tensorboard.summary.writer.record_writer import RecordWriter
 
         folder.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids)}"
@@ -238,6 +253,8 @@ class EventWriter:
         chief's folder; whether it was written. A model torch cannot trace is left out (counted in ``errors``)
         without a word: the user asked for training, not for a trace."""
         import torch
+
+        _import_writers()
         from torch.utils.tensorboard._pytorch_graph import graph  # what SummaryWriter.add_graph writes
 
         try:
