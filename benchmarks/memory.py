@@ -6,6 +6,7 @@ growth)."""
 from __future__ import annotations
 
 import statistics
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -27,12 +28,15 @@ def _peak_rss(pid: int) -> int:
 
 
 class AdamRun:
-    """A run of ``nbytes`` of float32 parameters with Adam on one ps of ``cluster``, stepped by push-pulls."""
+    """A run of ``nbytes`` of float32 parameters with Adam on one ps of ``cluster``, stepped by push-pulls; with
+    a checkpoint directory, as a run has by default (the ps keeps copies of its state there: ``rescue``)."""
 
     def __init__(self, cluster: procs.PSProcesses, nbytes: int):
+        self.folder = tempfile.TemporaryDirectory(prefix="pscluster-memory-")
         self.client = PSClient(cluster.spec, task=0, timeout=300)
         self.grads = {0: ([0], [torch.full((nbytes // 4,), 1e-3)])}
-        self.client.init(1, self.grads, [procs.ps_config("p", optimizer="Adam", lr=1e-3)])
+        self.client.init(1, self.grads, [procs.ps_config("p", optimizer="Adam", lr=1e-3,
+                                                          checkpoint_dir=self.folder.name)])
         self.step = self.client.pull().step
 
     def steps(self, n: int) -> None:
@@ -41,6 +45,7 @@ class AdamRun:
 
     def close(self) -> None:
         self.client.close()
+        self.folder.cleanup()
 
 
 def peak_gain(nbytes: int) -> float:

@@ -17,14 +17,15 @@ import time
 from pathlib import Path
 
 from . import (convnet, dashboard_scale, exchange, gpu, hidden, input_pipeline, live_page, memory, overheads, overlap,
-               peers, procs, recovery, report, run_view, scaling, user_loop)
+               peers, procs, ps_state, recovery, report, run_view, scaling, user_loop)
 from .common import run_benchmark
 
 BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "overlap": overlap.run, "peers": peers.run,
               "convnet": convnet.run,
               "scaling": scaling.run, "overheads": overheads.run, "memory": memory.run,
               "input_pipeline": input_pipeline.run, "dashboard_scale": dashboard_scale.run, "recovery": recovery.run,
-              "run_view": run_view.run, "live_page": live_page.run, "gpu": gpu.run, "user_loop": user_loop.run}
+              "ps_state": ps_state.run, "run_view": run_view.run, "live_page": live_page.run, "gpu": gpu.run,
+              "user_loop": user_loop.run}
 HERE = Path(__file__).parent
 
 

@@ -12,9 +12,8 @@ where that fails (its host unreachable) it is fenced off: a lost worker's sessio
 - a lost ps: the other ps tasks stop the run (each writes its shard), the workers end (each leaves its copy
   of the parameters), a new engine takes the lost ps's place, and the run starts again as a new attempt whose
   chief restores the newest state there is onto every ps: the checkpoint assembled from those shards and
-  copies (``runtime.rescue``: every ps of one step a few steps back, a ps from a copy with its optimizer state
-  reset), or the latest committed
-  checkpoint when that is as new.
+  copies (``runtime.rescue``: every ps of one step a few steps back, a ps from a copy with its optimizer state of
+  its own state copy, a few steps older), or the latest committed checkpoint when that is as new.
 """
 
 from __future__ import annotations

@@ -185,8 +185,8 @@ class Pieces:
     shape: tuple
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Pieces]) -> tuple[int, str]:
-    """Write ``tensors`` to ``path`` (atomically, fsynced); returns (size, SHA-256 hex)."""
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Pieces], *, fsync: bool = True) -> tuple[int, str]:
+    """Write ``tensors`` to ``path`` (atomically; fsynced unless told not to); returns (size, SHA-256 hex)."""
     entries, datas, offset = [], [], 0
     for key, t in tensors.items():
         pieces = [p.detach().cpu().contiguous() for p in (t.pieces if isinstance(t, Pieces) else (t,))]
@@ -196,7 +196,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Pieces]) -> tupl
         datas += [p.reshape(-1).view(torch.uint8).numpy() for p in pieces if p.numel()]
         offset += nbytes
     header = json.dumps({"tensors": entries}).encode()
-    return _write_file(Path(path), [_LENGTH.pack(len(header)), header, *datas])
+    return _write_file(Path(path), [_LENGTH.pack(len(header)), header, *datas], fsync=fsync)
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -16,7 +16,9 @@ arriving pushes up to T: every ps ends on step T, which the final checkpoint hol
 Checkpoints: when the run has a checkpoint directory, the ps writes its shard (variables and optimizer
 state, see ``checkpoint.py``) every ``checkpoint_every`` steps and every ``eval_every`` steps (the controller
 evaluates those), at steps asked for by CHECKPOINT, and at the end; the controller commits a checkpoint once every
-ps has written its shard of one step. INIT can carry optimizer state and a starting step: a restore.
+ps has written its shard of one step. INIT can carry optimizer state and a starting step: a restore. Between
+shards, the ps keeps a copy of its state as often as a small share of its time allows (``keep_state_copy``): a
+lost ps's optimizer state comes back from it (``rescue``).
 
 Membership (MEMBERSHIP): lost workers are left out (the policy stops waiting for them: sync aggregates the
 gradients of the live workers only, SSP measures the slowest among them) and count as live again from their next
@@ -462,6 +464,8 @@ class ParameterServer(Router):
         elif run.step in run.save_at or any(every and run.step % every == 0
                                             for every in (run.checkpoint_every, run.eval_every)):
             run.save(self.index)
+        else:
+            run.keep_state_copy(self.index)
 
     def refuse_update(self, run: RunState, error: NonFiniteUpdate) -> None:
         """An update refused, nothing of it applied: the run fails at its current step. The held worker requests

@@ -5,15 +5,20 @@ state of the run is still nearly all there:
 
 - every surviving ps writes its shard when it is stopped (values and optimizer state, at its own step);
 - every worker of the failed attempt leaves, on its way out, its copy of the dense variables it last pulled
-  (``write_copy``: ``copies/worker-<i>.tensors`` in the checkpoint directory, and its receipt).
+  (``write_copy``: ``copies/worker-<i>.tensors`` in the checkpoint directory, and its receipt);
+- every ps keeps, as often as a small share of its time allows, a copy of its values and optimizer state at its
+  step (``write_state_copy``: ``copies/ps-<i>.tensors``; see ``run_state.RunState.keep_state_copy``): it
+  outlives the ps's process, not its host.
 
 ``assemble`` commits the newest step for which every ps has a source of that same step (its own shard first:
 it carries the optimizer state; else a worker's copy), when that is newer than the newest committed checkpoint:
-every ps of the restarted run holds one step, never a mix. A ps rebuilt from a worker's copy restarts with its
-optimizer state reset (the manifest's ``rescued`` entry and the returned sources say so). A lost ps that held a
-sparse variable cannot be rebuilt that way (a worker holds only the rows it touched): its only sources are its
-own shards, so unless the others have sources of its newest one, nothing is assembled and every ps rolls back
-to the latest committed checkpoint.
+every ps of the restarted run holds one step, never a mix. A ps rebuilt from a worker's copy takes its optimizer
+state from its newest own state of the run (its state copy, or a shard it wrote: the stopped survivor's, a
+checkpoint's), a few steps older than its values; the returned sources and the manifest's ``rescued`` entry say
+from which step (``state_step``). Only a ps that left no state of the run restarts its optimizer state. A lost ps
+that held a sparse variable cannot be rebuilt that way (a worker holds only the rows it touched): its only
+sources are its own shards, so unless the others have sources of its newest one, nothing is assembled and every
+ps rolls back to the latest committed checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +41,18 @@ _RECEIPT = re.compile(r"^ps-(\d+)\.json$")
 
 def copies_dir(directory) -> Path:
     return Path(directory) / "copies"
+
+
+def write_state_copy(directory, ps: int, step: int, tensors: dict, *, run_id: int, attempt: int) -> None:
+    """Keep ps ``ps``'s values and optimizer state at its step ``step`` (``tensors``: a shard's, see
+    ``checkpoint.shard_tensors``), replacing its previous copy: not fsynced, as it need outlive the ps's process,
+    not the host. OSError when it cannot be written."""
+    folder = copies_dir(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    size, sha = checkpoint.write_tensors(folder / f"ps-{ps}.tensors", tensors, fsync=False)
+    checkpoint.write_json(folder / f"ps-{ps}.json", {"ps": ps, "step": step, "run_id": run_id, "attempt": attempt,
+                                                     "bytes": size, "sha256": sha, "file": f"copies/ps-{ps}.tensors"},
+                          fsync=False)
 
 
 def write_copy(directory, worker: int, step: int, values: dict[str, torch.Tensor], *, run_id: int,
@@ -56,10 +73,15 @@ class Source:
     ps: int
     step: int
     origin: str  # "ps 0" (its own shard) or "worker 1" (a worker's copy)
-    optimizer_state: bool
+    state_step: int | None  # the step of its optimizer state (its own shard's: ``step``); None: restarted
+
+    @property
+    def own(self) -> bool:
+        return self.origin == f"ps {self.ps}"
 
     def to_dict(self) -> dict:
-        return {"ps": self.ps, "step": self.step, "from": self.origin, "optimizer_state": self.optimizer_state}
+        return {"ps": self.ps, "step": self.step, "from": self.origin, "optimizer_state": self.state_step is not None,
+                "optimizer_state_step": self.state_step}
 
 
 @dataclass(frozen=True)
@@ -93,30 +115,34 @@ def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: li
         by_step = candidates[ps] = {}
         for receipt in shards.get(ps, ()):  # its own shard before a copy: it carries the optimizer state
             by_step.setdefault(receipt["step"], []).append(
-                _Candidate(Source(ps, receipt["step"], f"ps {ps}", True), directory / str(receipt.get("file")),
-                           receipt))
+                _Candidate(Source(ps, receipt["step"], f"ps {ps}", receipt["step"]),
+                           directory / str(receipt.get("file")), receipt))
         if not any(v.sparse for v in variables if v.ps == ps):
             for worker, (file, receipt) in sorted(copies.items()):
                 if held <= set(receipt["variables"]):
                     by_step.setdefault(receipt["step"], []).append(
-                        _Candidate(Source(ps, receipt["step"], f"worker {worker}", False), file, receipt))
+                        _Candidate(Source(ps, receipt["step"], f"worker {worker}", None), file, receipt))
     chosen = _newest_common(candidates, after=committed[-1] if committed else -1)
     if chosen is None:
         return None
     step = next(iter(chosen.values())).source.step
     folder = checkpoint.step_dir(directory, step)
     folder.mkdir(parents=True, exist_ok=True)
-    found, read = [], {}  # read: a copy's values, by file (one copy may serve every ps)
+    found, read, sources = [], {}, []  # read: a copy's values, by file (one copy may serve every ps)
     for ps, candidate in chosen.items():
-        if candidate.source.optimizer_state:
+        if candidate.source.own:
             found.append(_place_shard(directory, candidate.receipt, step, attempt))
+            sources.append(candidate.source)
             continue
         if candidate.file not in read:
             read[candidate.file] = checkpoint.read_tensors(candidate.file)
-        values = read[candidate.file]
-        found.append(checkpoint.write_shard(directory, step, ps, {v.name: values[v.name] for v in variables
-                                                                  if v.ps == ps}, run_id=run_id, attempt=attempt))
-    sources = tuple(candidate.source for candidate in chosen.values())
+        held = [v for v in variables if v.ps == ps]
+        state_step, state = _newest_state(directory, run_id, ps, held)
+        found.append(checkpoint.write_shard(directory, step, ps, {**{v.name: read[candidate.file][v.name]
+                                                                     for v in held}, **state},
+                                            run_id=run_id, attempt=attempt))
+        sources.append(replace(candidate.source, state_step=state_step))
+    sources = tuple(sources)
     path = checkpoint.commit(directory, step, run_id, variables, optimizer, optimizer_kwargs, found, keep=keep,
                              state_keys=state_keys, rescued=[s.to_dict() for s in sources])
     return Assembled(step=step, path=path, sources=sources)
@@ -145,9 +171,36 @@ def _newest_common(candidates: dict[int, dict[int, list[_Candidate]]], after: in
                 del candidates[ps][step]
 
 
-def _own_shards(directory: Path, run_id: int, attempt: int) -> dict[int, list[dict]]:
-    """Each ps's shard receipts written in ``attempt`` of run ``run_id`` (committed or not; not yet read back,
-    see ``_newest_common``)."""
+def _newest_state(directory: Path, run_id: int, ps: int, held) -> tuple[int | None, dict[str, torch.Tensor]]:
+    """(its step, the optimizer state entries of ``held``, ps ``ps``'s variables, by shard key) of the newest
+    intact state ps ``ps`` left of run ``run_id``, in any attempt: its state copy or a shard it wrote; (None, {})
+    when it left none that fits its variables."""
+    receipts = list(_own_shards(directory, run_id, None).get(ps, ()))
+    try:
+        copy = json.loads((copies_dir(directory) / f"ps-{ps}.json").read_text())
+        if copy.get("run_id") == run_id and isinstance(copy.get("step"), int):
+            receipts.append(copy)
+    except (OSError, ValueError):
+        pass
+    shapes = {v.name: tuple(v.shape) for v in held}
+    for receipt in sorted(receipts, key=lambda r: r["step"], reverse=True):
+        file = directory / str(receipt.get("file"))
+        if not _intact(file, receipt):
+            continue
+        try:
+            tensors = checkpoint.read_tensors(file)
+        except CheckpointError:
+            continue
+        if any(tuple(tensors.get(name, torch.empty(0)).shape) != shape for name, shape in shapes.items()):
+            continue  # another placement's
+        return receipt["step"], {key: t for key, t in tensors.items()
+                                 if "#" in key and key.partition("#")[0] in shapes}
+    return None, {}
+
+
+def _own_shards(directory: Path, run_id: int, attempt: int | None) -> dict[int, list[dict]]:
+    """Each ps's shard receipts written in ``attempt`` (None: any) of run ``run_id`` (committed or not; not yet
+    read back, see ``_newest_common``)."""
     written: dict[int, list[dict]] = {}
     for entry in directory.iterdir() if directory.is_dir() else ():
         if not (entry.is_dir() and re.fullmatch(r"step-\d{9}", entry.name)):
@@ -159,7 +212,7 @@ def _own_shards(directory: Path, run_id: int, attempt: int) -> dict[int, list[di
                 receipt = json.loads(receipt_path.read_text())
             except (OSError, ValueError):
                 continue
-            if receipt.get("run_id") == run_id and receipt.get("attempt") == attempt and isinstance(
+            if receipt.get("run_id") == run_id and attempt in (None, receipt.get("attempt")) and isinstance(
                     receipt.get("step"), int):
                 written.setdefault(receipt.get("ps"), []).append(receipt)
     return written

@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from ..errors import CheckpointError
-from . import checkpoint, protocol
+from . import checkpoint, protocol, rescue
 from .emitter import MetricsEmitter
 from .optim import OptimizerSpec, PsOptimizer, build
 from .plan import PsConfig
@@ -20,6 +20,8 @@ from .protocol import Message
 from .steps import PRECISIONS
 from .streamed import ChunkSums
 
+STATE_COPY_SHARE = 0.02  # the most of a ps's time its state copies take (see ``keep_state_copy``)
+STATE_COPY_MIN_S = 0.1  # and the least time between two
 SENT_WAIT_S = 0.01  # how long an update waits for ZeroMQ to let go of values it sends zero-copy (see release_sent)
 RUN_JSON_BYTES = 64 << 10  # the JSON frame of a request during a run (INIT excepted)
 
@@ -66,6 +68,7 @@ class RunState:
     save_at: set = field(default_factory=set)  # steps to write a shard at (CHECKPOINT)
     saved: set = field(default_factory=set)
     checkpoint_errors: int = 0
+    state_copy_due: float = 0.0  # monotonic time of the next state copy (``keep_state_copy``)
     lost: set = field(default_factory=set)  # workers lost (or added by scaling) and not heard from yet
     park_at: int | None = None  # a stop in two phases: hold pushes from this step on
     parked: list = field(default_factory=list)  # (identity, push) held while parked
@@ -182,6 +185,26 @@ class RunState:
             self.snapshot = (self.applied, values, protocol.PayloadTags())
         return self.snapshot[1], self.snapshot[2]
 
+    def keep_state_copy(self, index: int) -> None:
+        """Once the previous one is old enough, a copy of this ps's values and optimizer state at its step
+        (``rescue.write_state_copy``): where this ps, if it is lost, gets its optimizer state back from. The copies
+        take at most ``STATE_COPY_SHARE`` of the ps's time (one that took 2 ms is followed by the next 100 ms
+        later); one that cannot be written fails the run as a shard would (``checkpoint_failed``)."""
+        now = time.monotonic()
+        if not self.checkpoint_dir or now < self.state_copy_due:
+            return
+        states = [self.optimizer_state(i, join=checkpoint.Pieces) for i in range(len(self.ids))]
+        try:
+            rescue.write_state_copy(self.checkpoint_dir, index, self.step,
+                                    checkpoint.shard_tensors(self.names, self.params, states), run_id=self.run_id,
+                                    attempt=self.attempt)
+        except OSError as e:
+            self.state_copy_due = float("inf")  # said once: the run ends on it
+            self._write_failed(f"ps {index}'s state copy of step {self.step} was not written: "
+                               f"{type(e).__name__}: {e}", e.errno)
+            return
+        self.state_copy_due = now + max(STATE_COPY_MIN_S, (time.monotonic() - now) / STATE_COPY_SHARE)
+
     def save(self, index: int) -> bool:
         """Write shard ``index`` of the current step (once); False when checkpointing is off or failed."""
         if not self.checkpoint_dir:
@@ -196,12 +219,16 @@ class RunState:
             checkpoint.write_shard(self.checkpoint_dir, self.step, index, tensors, run_id=self.run_id,
                                    attempt=self.attempt, schedule=self.optimizer.schedule_state())
         except CheckpointError as e:  # a full disk (``errno`` says which fault), a diverged state, never written
-            self.checkpoint_errors += 1
-            if self.emitter is not None:
-                self.emitter.emit("checkpoint_failed", step=self.step, error=f"{type(e).__name__}: {e}",
-                                  errno=getattr(e.__cause__, "errno", None))
+            self._write_failed(f"{type(e).__name__}: {e}", getattr(e.__cause__, "errno", None))
             return False
         return True
+
+    def _write_failed(self, error: str, errno: int | None) -> None:
+        """A shard or state copy not written: counted, and told to the supervisor (which ends the run on a file
+        system's ``errno``)."""
+        self.checkpoint_errors += 1
+        if self.emitter is not None:
+            self.emitter.emit("checkpoint_failed", step=self.step, error=error, errno=errno)
 
 
 def _frame_numel(param: torch.Tensor, half: torch.dtype | None) -> int:

@@ -31,8 +31,8 @@ def assemble(directory):
 
 
 def test_a_lost_ps_and_the_survivor_come_back_from_one_step_never_a_mix(tmp_path):
-    write_own_shard(tmp_path, 0, 600, 0.0)
-    write_own_shard(tmp_path, 1, 600, 0.0)
+    write_own_shard(tmp_path, 0, 600, 50.0)
+    write_own_shard(tmp_path, 1, 600, 50.0)
     checkpoint.commit_ready(tmp_path, num_ps=2, run_id=RUN_ID, attempt=ATTEMPT, variables=VARIABLES,
                             optimizer="adam", optimizer_kwargs={})
     write_own_shard(tmp_path, 0, 705, 100.0)  # the survivor, stopped at 705
@@ -42,16 +42,18 @@ def test_a_lost_ps_and_the_survivor_come_back_from_one_step_never_a_mix(tmp_path
 
     assembled = assemble(tmp_path)
 
-    # the lost ps has no source of step 705: both come from the newest step each has, 704, the freshest copy
+    # the lost ps has no source of step 705: both come from the newest step each has, 704, the freshest copy;
+    # each with its own newest optimizer state: the survivor's of 705, the lost ps's of its checkpoint of 600
     assert assembled.step == 704
-    assert {(s.ps, s.origin, s.step, s.optimizer_state) for s in assembled.sources} == {
-        (0, "worker 1", 704, False), (1, "worker 1", 704, False)}
+    assert {(s.ps, s.origin, s.step, s.state_step) for s in assembled.sources} == {
+        (0, "worker 1", 704, 705), (1, "worker 1", 704, 600)}
     ckpt = checkpoint.latest(tmp_path)
     assert ckpt.step == 704
     restored, states = checkpoint.reshard(ckpt, VARIABLES)
     for v in VARIABLES:
         assert torch.equal(restored[v.id], values(300.0)[v.name])
-        assert states[v.id] == {}
+        assert torch.equal(states[v.id]["exp_avg"], torch.full(v.shape, -100.0 if v.ps == 0 else -50.0)), v.name
+        assert states[v.id]["step"] == 3
 
 
 def test_a_survivor_keeps_its_optimizer_state_when_its_own_shard_is_of_the_rescued_step(tmp_path):
@@ -65,8 +67,52 @@ def test_a_survivor_keeps_its_optimizer_state_when_its_own_shard_is_of_the_rescu
     assert torch.equal(restored[1], values(300.0)["w1"])
     assert torch.equal(states[0]["exp_avg"], torch.full((4, 3), -100.0))
     assert states[1] == {}
-    # a table split across the survivor and the rebuilt ps restarts its optimizer state whole, not in part
+    # the lost ps left no state: a table split across the survivor and it restarts its state whole, not in part
     assert states[2] == {} and states[3] == {}
+
+
+def write_state_copy(directory, ps: int, step: int, seed: float, *, run_id=RUN_ID):
+    names = [v.name for v in VARIABLES if v.ps == ps]
+    params = [values(seed)[n] for n in names]
+    states = [{"exp_avg": torch.full_like(p, -seed), "step": step} for p in params]
+    rescue.write_state_copy(directory, ps, step, checkpoint.shard_tensors(names, params, states), run_id=run_id,
+                            attempt=ATTEMPT)
+
+
+def test_a_lost_ps_takes_its_optimizer_state_from_its_newest_state_copy_or_shard(tmp_path):
+    write_own_shard(tmp_path, 1, 500, 5.0, attempt=ATTEMPT - 1)  # a shard of an earlier attempt of the run
+    write_state_copy(tmp_path, 1, 690, 69.0)  # the lost ps's copy of its state, a few steps before its loss
+    write_own_shard(tmp_path, 0, 705, 100.0)
+    rescue.write_copy(tmp_path, 0, 705, values(300.0), run_id=RUN_ID, attempt=ATTEMPT)
+
+    assembled = assemble(tmp_path)
+
+    assert {(s.ps, s.origin, s.state_step) for s in assembled.sources} == {(0, "ps 0", 705), (1, "worker 0", 690)}
+    restored, states = checkpoint.reshard(checkpoint.latest(tmp_path), VARIABLES)
+    assert torch.equal(restored[1], values(300.0)["w1"])  # its values of the rescued step, its state of 690
+    assert torch.equal(states[1]["exp_avg"], torch.full((3,), -69.0)) and states[1]["step"] == 690
+    # the table's two parts both carry a state now: joined, each part's rows its own ps's
+    assert torch.equal(states[2]["exp_avg"], torch.full((5, 2), -100.0))
+    assert torch.equal(states[3]["exp_avg"], torch.full((3, 2), -69.0))
+
+
+def test_a_damaged_state_copy_or_another_runs_is_passed_over_for_an_older_shard(tmp_path):
+    write_own_shard(tmp_path, 1, 500, 5.0)
+    write_state_copy(tmp_path, 1, 690, 69.0)
+    with open(tmp_path / "copies" / "ps-1.tensors", "r+b") as f:  # a bit flipped on disk
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    write_own_shard(tmp_path, 0, 705, 100.0)
+    rescue.write_copy(tmp_path, 0, 705, values(300.0), run_id=RUN_ID, attempt=ATTEMPT)
+    assert {(s.ps, s.state_step) for s in assemble(tmp_path).sources} == {(0, 705), (1, 500)}
+
+    other = tmp_path / "other"
+    write_state_copy(other, 1, 690, 69.0, run_id=RUN_ID + 1)
+    write_own_shard(other, 0, 705, 100.0)
+    rescue.write_copy(other, 0, 705, values(300.0), run_id=RUN_ID, attempt=ATTEMPT)
+    assert {(s.ps, s.state_step) for s in assemble(other).sources} == {(0, 705), (1, None)}
 
 
 def test_a_lost_ps_with_a_sparse_table_rolls_every_ps_back_to_its_own_newest_shard(tmp_path):
