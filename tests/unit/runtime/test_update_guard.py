@@ -83,3 +83,62 @@ def test_a_sparse_update_keeps_and_puts_back_only_its_rows():
         step_kept(optimizer, table, torch.sparse_coo_tensor(rows, torch.full((2, 2), 1e30), (5, 2)))
     assert torch.equal(table.detach(), before)
     assert torch.equal(optimizer.state[table]["sum"], total)
+
+
+def pending_step(optimizer_class, *, value=1.0, grad=0.5, dtype=torch.float32, steps=1, **options):
+    """An optimizer of ``optimizer_class`` over one parameter, stepped ``steps - 1`` times with ``grad`` and that
+    gradient set again for its next step."""
+    param = torch.nn.Parameter(torch.full((4,), value, dtype=dtype))
+    optimizer = optimizer_class([param], **options)
+    for _ in range(steps - 1):
+        param.grad = torch.full_like(param, grad)
+        optimizer.step()
+    param.grad = torch.full_like(param, grad)
+    return optimizer
+
+
+BOUNDED = [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4}),
+           (torch.optim.Adam, {"lr": 1e-3, "amsgrad": True}), (torch.optim.AdamW, {"lr": 1e-3}),
+           (torch.optim.Adagrad, {"lr": 0.1}), (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5})]
+
+
+@pytest.mark.parametrize("optimizer_class, options", BOUNDED)
+def test_a_step_of_sane_inputs_and_options_is_bounded_and_needs_no_copy(optimizer_class, options):
+    assert update_guard.bounded([pending_step(optimizer_class, steps=3, **options)])
+
+
+@pytest.mark.parametrize("why, optimizer", [
+    ("a gradient past SAFE_MAGNITUDE", lambda: pending_step(torch.optim.Adam, grad=1e13, lr=1e-3)),
+    ("a value that is NaN", lambda: pending_step(torch.optim.Adam, value=math.nan, lr=1e-3)),
+    ("an optimizer outside the bounded ones", lambda: pending_step(torch.optim.NAdam, lr=1e-3)),
+    ("centered RMSprop (a square root of a difference)", lambda: pending_step(torch.optim.RMSprop, centered=True)),
+    ("a learning rate past 1e2", lambda: pending_step(torch.optim.SGD, lr=1e3)),
+    ("an eps below 1e-12", lambda: pending_step(torch.optim.Adam, lr=1e-3, eps=1e-20)),
+    ("float16 values", lambda: pending_step(torch.optim.SGD, lr=0.1, momentum=0.9, dtype=torch.float16))])
+def test_a_step_the_bounds_do_not_cover_is_kept(why, optimizer):
+    assert not update_guard.bounded([optimizer()]), why
+
+
+@pytest.mark.parametrize("optimizer_class, options", [
+    (torch.optim.SGD, {"lr": 1e2, "momentum": 1 - 1e-4, "nesterov": True, "weight_decay": 1e2}),
+    (torch.optim.Adam, {"lr": 1e2, "betas": (1 - 1e-4, 1 - 1e-4), "eps": 1e-12, "weight_decay": 1e2}),
+    (torch.optim.AdamW, {"lr": 1e2, "betas": (1 - 1e-4, 0.0), "eps": 1e-12, "weight_decay": 1e2, "amsgrad": True}),
+    (torch.optim.Adagrad, {"lr": 1e2, "eps": 1e-12, "weight_decay": 1e2, "initial_accumulator_value": 0.0}),
+    (torch.optim.RMSprop, {"lr": 1e2, "alpha": 0.0, "eps": 1e-12, "momentum": 1 - 1e-4, "weight_decay": 1e2})])
+def test_the_bounds_hold_at_their_extremes(optimizer_class, options):
+    """What ``bounded`` lets through without a copy stays finite: the largest inputs and options it allows, of
+    either sign and next to zeros (the smallest denominators), in float32."""
+    generator = torch.Generator().manual_seed(0)
+    extremes = torch.tensor([update_guard.SAFE_MAGNITUDE, -update_guard.SAFE_MAGNITUDE, 0.0, 1e-30])
+    param = torch.nn.Parameter(extremes[torch.randint(4, (4096,), generator=generator)])
+    optimizer = optimizer_class([param], **options)
+    steps = 0
+    for _ in range(5):
+        param.grad = extremes[torch.randint(4, (4096,), generator=generator)]
+        if not update_guard.bounded([optimizer]):
+            break  # the values grew past the bound: the next step is kept, as a ps would
+        optimizer.step()
+        steps += 1
+        tensors = [param.detach(), *(v for v in optimizer.state[param].values() if isinstance(v, torch.Tensor))]
+        assert all(bool(torch.isfinite(t).all()) for t in tensors), optimizer_class.__name__
+    assert steps >= 1
