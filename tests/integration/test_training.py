@@ -115,6 +115,19 @@ def test_a_worker_s_error_says_its_cause_first_and_the_cluster_stays_usable(clus
     assert again.global_step == 20
 
 
+def test_a_diverging_run_with_on_divergence_fail_wakes_its_waiter_with_the_cause(cluster_1ps_2w, digits_train):
+    """lr=1e6 with a cross-entropy loss: the loss rises to ~1e5 and stays there, never NaN (before divergence was
+    watched, such a run finished, nothing flagged)."""
+    run = cluster_1ps_2w.train(mlp, digits_train, LOSS, lr=1e6, steps=20_000, on_divergence="fail")
+    with pytest.raises(TrainingError, match=r"diverging since step \d+: the loss \(smoothed\)"):
+        run.wait(timeout=120, verbose=False)
+    woke = time.time()
+    assert run.status == "failed" and run.global_step < 20_000
+    failed = run.events()
+    assert woke - failed[failed["kind"] == "diverging"]["time"].iloc[0] < 10
+    assert run.failure["task"] == "controller" and "lower the learning rate" in run.failure["cause"]
+
+
 def pretrained_head():
     """A model whose first layer starts from weights in a file, read where the model is built: the path is
     ``PRETRAINED`` in that process's environment (a shared folder that one host may lack)."""
