@@ -111,6 +111,7 @@ class Supervisor:
         self._workers_left: dict[str, tuple] = {}  # task: (attempt, error, global step) of its "left" event
         self._steps_left: dict[tuple[str, int], int] = {}  # (task, attempt): the local steps it left that attempt with
         self.event_files = EventWriter(run_logdir(store.path, self.name, plan.run_id))
+        self._tensorboard_failure_said = False
         self.collector = (Collector(self._on_batch, spec.key, host=metrics_host, port=metrics_port, run_id=plan.run_id,
                                     on_failure=self._collector_failed)
                           if metrics_port or not metrics_ports else
@@ -143,6 +144,11 @@ class Supervisor:
             self._store_failed(e)
             return
         self.event_files.add_events(events)
+        if self.event_files.failure is not None and not self._tensorboard_failure_said:
+            self._tensorboard_failure_said = True  # the run trains on: said in its events and logs, once
+            self.say("tensorboard_failed", f"TensorBoard files under {self.event_files.logdir} could not be written: "
+                     f"{self.event_files.failure}; the run trains on without them",
+                     {"folder": str(self.event_files.logdir), "error": self.event_files.failure})
         for event in events:
             kind, task = event.get("kind"), event.get("task")
             if not isinstance(task, str):

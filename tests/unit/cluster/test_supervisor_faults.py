@@ -140,3 +140,23 @@ def test_a_full_disk_under_the_run_store_fails_the_run_naming_the_store(local_ps
         assert supervisor.status == "failed"
         assert f"its run store {path} cannot be written" in supervisor.error_line
         assert "SQLITE_FULL" in supervisor.error_line and "free space there" in supervisor.error_line
+
+
+def test_tensorboard_files_that_cannot_be_written_are_said_once_and_the_run_trains_on(local_ps, dataset, tmp_path):
+    """Its TensorBoard folder cannot be created (a file where the folder goes): one event and one log line name the
+    folder and the cause, and the run goes on recording its steps in the store."""
+    blocked = tmp_path / "tensorboard"
+    blocked.write_text("not a folder")
+    with supervised_run(local_ps, dataset, tmp_path / "runs.sqlite") as supervisor:
+        reached = supervisor.latest_step
+        assert wait_until(lambda: supervisor.latest_step >= reached + 20, 30), "the run stopped training"
+        assert supervisor.failure is None and supervisor.event_files.errors > 0
+        supervisor.stop()
+    assert supervisor.status == "stopped"
+    with RunStore(str(tmp_path / "runs.sqlite")) as store:
+        events = store.events(supervisor.id)
+    said = events[events["kind"] == "tensorboard_failed"]
+    assert len(said) == 1 and said.iloc[0]["detail"]["folder"].startswith(str(blocked))
+    assert "Not a directory" in said.iloc[0]["detail"]["error"] or "File exists" in said.iloc[0]["detail"]["error"]
+    lines = [line for line in supervisor.logs if "TensorBoard files under" in line]
+    assert len(lines) == 1 and lines[0].endswith("the run trains on without them")
