@@ -189,9 +189,10 @@ class RunState:
         """Once the previous one is old enough, a copy of this ps's values and optimizer state at its step
         (``rescue.write_state_copy``): where this ps, if it is lost, gets its optimizer state back from. The copies
         take at most ``STATE_COPY_SHARE`` of the ps's time (one that took 2 ms is followed by the next 100 ms
-        later); one that cannot be written fails the run as a shard would (``checkpoint_failed``)."""
+        later); one that cannot be written fails the run as a shard would (``checkpoint_failed``). None on a ps that
+        holds a sparse variable: a rescue rolls it back to its own shards (``rescue``), never reads its copy."""
         now = time.monotonic()
-        if not self.checkpoint_dir or now < self.state_copy_due:
+        if not self.checkpoint_dir or now < self.state_copy_due or any(self.sparse):
             return
         states = [self.optimizer_state(i, join=checkpoint.Pieces) for i in range(len(self.ids))]
         try:

@@ -57,11 +57,12 @@ class LocalPS:
         assert not any(s.running for s in self.servers), "a ps server did not stop"
 
 
-def ps_config(names, *, mode="sync", steps=100, replicas=1, optimizer="sgd", workers=1, **optimizer_kwargs) -> dict:
+def ps_config(names, *, mode="sync", steps=100, replicas=1, optimizer="sgd", workers=1, checkpoint_dir=None,
+              **optimizer_kwargs) -> dict:
     """The INIT configuration of one ps task, as the chief sends it."""
     return PsConfig(mode=mode, steps=steps, replicas_to_aggregate=replicas, num_workers=workers,
                     optimizer=OptimizerSpec(optimizer, optimizer_kwargs or {"lr": 0.1}).to_dict(),
-                    names=tuple(names)).to_dict()
+                    names=tuple(names), checkpoint_dir=checkpoint_dir).to_dict()
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """The ps server in this process, driven through PSClient over 127.0.0.1."""
 
 import gc
+import json
 import re
 import socket
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -12,7 +14,7 @@ import zmq
 
 from pscluster.errors import ConfigError, PeerLost, RuntimeTimeout, StaleTask, TrainingError
 from pscluster.metrics.collector import Collector
-from pscluster.runtime import protocol
+from pscluster.runtime import checkpoint, protocol
 from pscluster.runtime.client import PSClient
 from pscluster.runtime.protocol import Flag, Message, Op
 from pscluster.runtime.ps import PASSED, ParameterServer
@@ -303,6 +305,27 @@ def test_adam_state_lives_on_the_ps(start_run, values):
         state = optimizer.state[p]
         assert state["exp_avg"].shape == initial.shape and state["exp_avg_sq"].shape == initial.shape
         assert int(state["step"]) == 2
+
+
+def test_a_ps_keeps_a_copy_of_its_values_and_optimizer_state_at_its_step(start_run, values, tmp_path):
+    """The copy a lost ps's optimizer state comes back from (``rescue``): values and Adam's slots as the ps holds
+    them at the step the receipt names; written again once the last one is old enough (``keep_state_copy``)."""
+    run = start_run(values, mode="async", optimizer="adam", lr=0.01, checkpoint_dir=str(tmp_path))
+    server = run.servers[0].run
+    client = run.client(task=0)
+    client.push(0, run.split(grads(0, run.initial)))
+    receipt = json.loads((tmp_path / "copies" / "ps-0.json").read_text())
+    assert receipt["step"] == 1 and receipt["run_id"] == RUN_ID
+    client.push(1, run.split(grads(1, run.initial)))
+    time.sleep(max(0.0, server.state_copy_due - time.monotonic()))
+    client.push(2, run.split(grads(2, run.initial)))
+    receipt = json.loads((tmp_path / "copies" / "ps-0.json").read_text())
+    assert receipt["step"] == 3
+    held, slots = checkpoint.split_state(checkpoint.read_tensors(tmp_path / receipt["file"]))
+    for name, param in zip(server.names, server.params):
+        assert torch.equal(held[name], param.detach())
+        state = server.optimizer.optimizers[0].state[param]
+        assert torch.equal(slots[name]["exp_avg_sq"], state["exp_avg_sq"]) and int(slots[name]["step"]) == 3
 
 
 def test_a_push_carries_the_learning_rate_of_its_update(start_run, values):
