@@ -34,16 +34,29 @@ $(LABEXT_BUILT): $(wildcard labextension/src/*.ts labextension/style/*) labexten
 
 labextension: $(LABEXT_BUILT)
 
-# The sdist and the wheel in dist/, both built from the tree with the side panel prebuilt inside (installing
-# either needs no node).
-dist: $(LABEXT_BUILT)
+# The sdist and the wheel in dist/, both with the side panel prebuilt inside (installing either needs no node),
+# from a venv of their own holding only `build` (no torch, no .venv): `python -m build` installs the build backend
+# of pyproject.toml into an isolated env, whose hatch-jupyter-builder builds the side panel with jlpm (from
+# jupyter-builder) and node when it is missing. One older than its sources is rebuilt, then reinstalled into .venv
+# when there is one (as `make labextension` does).
+BUILD_VENV  := .build-venv
+BUILD_STAMP := $(BUILD_VENV)/.installed
+$(BUILD_STAMP):
+	$(PYTHON) -m venv $(BUILD_VENV)
+	$(BUILD_VENV)/bin/python -m pip install --quiet "build>=1.2"
+	touch $(BUILD_STAMP)
+
+LABEXT_SOURCES := $(wildcard labextension/src/*.ts labextension/style/*) labextension/package.json
+dist: $(BUILD_STAMP)
 	rm -rf dist
-	$(BIN)/python -m pip install --quiet "build>=1.2"
-	$(BIN)/python -m build --sdist --wheel --outdir dist .
+	stale="$$(find $(LABEXT_SOURCES) -newer $(LABEXT_BUILT) 2>/dev/null)"; \
+	if [ -n "$$stale" ]; then rm -rf pscluster/labextension; fi; \
+	$(BUILD_VENV)/bin/python -m build --sdist --wheel --outdir dist . && \
+	if [ -n "$$stale" ] && [ -f $(STAMP) ]; then $(BIN)/python -m pip install --quiet --no-deps -e .; fi
 
 # The wheel installed into a fresh venv, torch from TORCH_SPEC first: %load_ext pscluster, both extensions
 # enabled, the side panel drawn by a JupyterLab of that venv in chromium (tests/packaging).
-wheel-check: dist chromium
+wheel-check: $(STAMP) dist chromium
 	PSCLUSTER_WHEEL="$$(ls dist/pscluster-*.whl)" TORCH_SPEC="$(TORCH_SPEC)" IPP_NONINTERACTIVE=1 \
 		$(BIN)/python -m pytest tests/packaging
 
@@ -118,4 +131,4 @@ faults: $(STAMP) bytecode
 	PSCLUSTER_FUZZ_SCALE=10 $(BIN)/python -m pytest -m fuzz tests/unit tests/labserver
 
 clean:
-	rm -rf $(VENV) reports .pytest_cache dist pscluster/labextension labextension/lib labextension/node_modules
+	rm -rf $(VENV) $(BUILD_VENV) reports .pytest_cache dist pscluster/labextension labextension/lib labextension/node_modules
