@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from . import (convnet, dashboard_scale, exchange, gpu, hidden, input_pipeline, live_page, memory, overheads, overlap,
-               peers, procs, ps_state, recovery, report, run_view, scaling, user_loop)
+from . import (convnet, dashboard_scale, exchange, floor, gpu, hidden, input_pipeline, live_page, memory, overheads,
+               overlap, peers, procs, ps_state, recovery, report, run_view, scaling, user_loop)
 from .common import run_benchmark
 
 BENCHMARKS = {"exchange": exchange.run, "hidden": hidden.run, "overlap": overlap.run, "peers": peers.run,
-              "convnet": convnet.run,
+              "floor": floor.run, "convnet": convnet.run,
               "scaling": scaling.run, "overheads": overheads.run, "memory": memory.run,
               "input_pipeline": input_pipeline.run, "dashboard_scale": dashboard_scale.run, "recovery": recovery.run,
               "ps_state": ps_state.run, "run_view": run_view.run, "live_page": live_page.run, "gpu": gpu.run,
