@@ -28,7 +28,8 @@ bytecode: $(STAMP)
 # The side panel's labextension, rebuilt when its sources change, then reinstalled into the venv (an install
 # from a clean tree builds it through hatch-jupyter-builder). jlpm ships in jupyter-builder.
 LABEXT_BUILT := pscluster/labextension/static/style.js
-$(LABEXT_BUILT): $(wildcard labextension/src/*.ts labextension/style/*) labextension/package.json | $(STAMP)
+LABEXT_SOURCES := $(wildcard labextension/src/*.ts labextension/style/*) labextension/package.json
+$(LABEXT_BUILT): $(LABEXT_SOURCES) | $(STAMP)
 	cd labextension && PATH=$(CURDIR)/$(BIN):$$PATH jlpm install && PATH=$(CURDIR)/$(BIN):$$PATH jlpm build:prod
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 
@@ -46,7 +47,6 @@ $(BUILD_STAMP):
 	$(BUILD_VENV)/bin/python -m pip install --quiet "build>=1.2"
 	touch $(BUILD_STAMP)
 
-LABEXT_SOURCES := $(wildcard labextension/src/*.ts labextension/style/*) labextension/package.json
 dist: $(BUILD_STAMP)
 	rm -rf dist
 	stale="$$(find $(LABEXT_SOURCES) -newer $(LABEXT_BUILT) 2>/dev/null)"; \
