@@ -14,7 +14,7 @@ from ..metrics.store import default_path
 from ..runtime import options
 from ..tensorboard_server import TensorBoard
 from .cells import cell_function, defined_names
-from .parsers import CELL_COMMANDS, LAUNCHER_OPTIONS, USAGE, HelpShown, parsers
+from .parsers import CELL_COMMANDS, USAGE, HelpShown, launcher_options, parsers
 
 
 @magics_class
@@ -54,11 +54,9 @@ class PSClusterMagics(Magics):
     def _start(self, args, cell):
         if self.cluster is not None and self.cluster.running:
             raise UsageError(f"cluster {self.cluster.name} is already running: %pscluster stop it first")
-        launcher_options = {k: v for k in LAUNCHER_OPTIONS if (v := getattr(args, k))}
-        launcher_options.update(args.launcher_opts)
         cluster = Cluster(ps=args.ps, workers=args.workers, gpus=args.gpus, name=args.name, threads=args.threads,
                           detached=args.detached, launcher=args.launcher, encrypt=args.encrypt, spares=args.spares,
-                          **launcher_options)
+                          **launcher_options(args))
         self.cluster = cluster.start(progress=True)
         return self.cluster
 

@@ -14,8 +14,6 @@ from ..runtime import options
 
 USAGE = ("usage: %pscluster start|attach|train|run|status|placement|checkpoint|kill|scale|tensorboard|stop [options]  "
          "(%pscluster <command> --help for options)")
-LAUNCHER_OPTIONS = ("hosts", "ps_hosts", "interface", "ports", "ssh_args", "remote_python", "partition", "account",
-                    "time_limit", "qos", "sbatch_args", "mpi_args")  # and --launcher-opt KEY=VALUE
 CELL_COMMANDS = ("train", "run")
 CLUSTER_DEFAULTS = {name: p.default for name, p in inspect.signature(Cluster).parameters.items()}
 
@@ -56,6 +54,13 @@ def launcher_name(name: str) -> str:
     return name
 
 
+def launcher_options(args) -> dict:
+    """The launcher options ``%pscluster start``'s parsed ``args`` give (``launchers.flags``), and its
+    ``--launcher-opt`` ones."""
+    given = {f.name: v for f in launchers.flags() if (v := getattr(args, f.name, None))}
+    return {**given, **dict(args.launcher_opts)}
+
+
 def _with_wait(parser: Parser) -> Parser:
     parser.add_argument("--wait", action="store_true",
                         help="block until the run ends, with a progress bar and the workers' log lines")
@@ -86,26 +91,12 @@ def parsers() -> dict[str, Parser]:
                        metavar="KEY=VALUE",
                        help="another option of the launcher (repeatable), e.g. --launcher pbs --launcher-opt "
                             "queue=long (a trait of ipyparallel's launcher)")
-    start.add_argument("--hosts", default=None, metavar="HOST[=N],...",
-                       help="ssh: [user@]host[:port], N engines there (default: as the ps/worker rule places them)")
-    start.add_argument("--ps-hosts", default=None, metavar="HOST,...",
-                       help="the hosts of the ps tasks (default: the first host); the workers go to the others")
-    start.add_argument("--interface", default=None, metavar="IP",
-                       help="the address the controller and the metrics collector listen on (default: 127.0.0.1 "
-                            "for local and mpi, else this machine's address on the route to the first host)")
-    start.add_argument("--ports", default=None, metavar="LO-HI", help="pick the data-plane and metrics ports here")
-    start.add_argument("--ssh-arg", dest="ssh_args", action="append", default=[], metavar="ARG",
-                       help="ssh: an argument for ssh and scp (repeatable), e.g. --ssh-arg=-i --ssh-arg=KEY")
-    start.add_argument("--remote-python", default=None, help="ssh: the Python on the hosts (default: this one's path)")
-    start.add_argument("--partition", default=None, help="slurm: the partition")
-    start.add_argument("--account", default=None, help="slurm: the account")
-    start.add_argument("--time-limit", default=None, help="slurm: the job's time limit, e.g. 01:00:00")
-    start.add_argument("--qos", default=None, help="slurm: the QoS")
-    start.add_argument("--sbatch-arg", dest="sbatch_args", action="append", default=[], metavar="ARG",
-                       help="slurm: an extra #SBATCH argument of each engine's job (repeatable), "
-                            "e.g. --sbatch-arg=--gres=gpu:1")
-    start.add_argument("--mpi-arg", dest="mpi_args", action="append", default=[], metavar="ARG",
-                       help="mpi: an mpiexec argument (repeatable), e.g. --mpi-arg=--hostfile --mpi-arg=hosts.txt")
+    for f in launchers.flags():  # the launchers' own options (--launcher-opt KEY=VALUE for any other)
+        help_text = f"{f.owner}: {f.help}" if f.owner else f.help
+        if f.repeat:
+            start.add_argument(f.flag, dest=f.name, action="append", default=[], metavar=f.metavar, help=help_text)
+        else:
+            start.add_argument(f.flag, dest=f.name, default=None, metavar=f.metavar, help=help_text)
 
     train = _with_wait(options.add_flags(Parser(prog="%%pscluster train"), options.TRAIN))
     train.add_argument("--lr", type=float, default=0.01, help="learning rate")

@@ -10,12 +10,13 @@
 The interface every launcher implements, and how a name finds its class, are in ``base``; each of
 pscluster's own launchers is a module here (``local``, ``ssh``, ``mpi``, ``slurm``), ipyparallel's others run
 through ``ipp``. A new kind (Kubernetes, say) is one ``Launcher`` subclass, made known by ``register`` or the
-entry point group ``pscluster.launchers``.
+entry point group ``pscluster.launchers``; its options declared with ``option`` are ``%pscluster start``'s flags
+too (``flags``) once it is registered.
 """
 
 from .base import (CONTROLLER_HB_MISSES, DEFAULT, HB_PERIOD_MS, HEARTBEAT_DEADLINE_S, LOCAL_HB_MISSES,
-                   LOCAL_HB_PERIOD_MS, LOOPBACK, ORPHAN_DEADLINE_S, Launcher, find, host_name, names, parse_hosts,
-                   parse_ports, register)
+                   LOCAL_HB_PERIOD_MS, LOOPBACK, ORPHAN_DEADLINE_S, Flag, Launcher, find, flags, host_name, names,
+                   option, parse_hosts, parse_ports, register)
 from .ipp import BatchLauncher, IPyParallelLauncher
 from .local import LocalLauncher
 from .mpi import MPILauncher
@@ -26,6 +27,6 @@ for _name, _cls in (("local", LocalLauncher), ("ssh", SSHLauncher), ("mpi", MPIL
     register(_name, _cls)
 
 __all__ = ["CONTROLLER_HB_MISSES", "DEFAULT", "HB_PERIOD_MS", "HEARTBEAT_DEADLINE_S", "LOCAL_HB_MISSES",
-           "LOCAL_HB_PERIOD_MS", "LOOPBACK", "ORPHAN_DEADLINE_S", "BatchLauncher", "IPyParallelLauncher", "Launcher",
-           "LocalLauncher", "MPILauncher", "SSHLauncher", "SlurmLauncher", "find", "host_name", "names",
-           "parse_hosts", "parse_ports", "register"]
+           "LOCAL_HB_PERIOD_MS", "LOOPBACK", "ORPHAN_DEADLINE_S", "BatchLauncher", "Flag", "IPyParallelLauncher",
+           "Launcher", "LocalLauncher", "MPILauncher", "SSHLauncher", "SlurmLauncher", "find", "flags", "host_name",
+           "names", "option", "parse_hosts", "parse_ports", "register"]

@@ -155,6 +155,41 @@ class _ByKind(abc.ABCMeta):
         return made.from_options(kind, options)
 
 
+def option(default=dataclasses.MISSING, *, help: str, metavar: str | None = None, repeat: bool = False,
+           default_factory=dataclasses.MISSING):
+    """A launcher's option: a dataclass field that is also a flag of ``%pscluster start`` (``flags``): ``--name``
+    with ``help`` and ``metavar``; ``repeat``: a sequence given one value a flag (``--ssh-arg A --ssh-arg B``)."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"help": help, "metavar": metavar, "repeat": repeat})
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A flag of ``%pscluster start`` made from a launcher's option (``flags``)."""
+
+    name: str  # the option's name, the keyword of ``Cluster(...)``
+    owner: str | None  # the launcher that takes it (None: every launcher does)
+    help: str
+    metavar: str | None
+    repeat: bool
+
+    @property
+    def flag(self) -> str:
+        """``--ps-hosts``; a repeated option's in the singular: ``--ssh-arg``."""
+        return "--" + (self.name.removesuffix("s") if self.repeat else self.name).replace("_", "-")
+
+
+def flags() -> list[Flag]:
+    """The flags of every registered launcher's options (those declared with ``option``): the common ones, then
+    each launcher's own, in the order of registration, each named once."""
+    made: dict[str, Flag] = {}
+    for owner, cls in ((None, Launcher), *_REGISTERED.items()):
+        for f in dataclasses.fields(cls):
+            if "help" in f.metadata and f.name not in made:
+                made[f.name] = Flag(f.name, owner, f.metadata["help"], f.metadata["metavar"], f.metadata["repeat"])
+    return list(made.values())
+
+
 @dataclass(frozen=True)
 class Launcher(metaclass=_ByKind):
     """How the engines of a cluster start and end. Options every launcher takes: ``interface`` (the address the
@@ -169,9 +204,12 @@ class Launcher(metaclass=_ByKind):
     """
 
     kind: str = ""
-    interface: str | None = None
-    ports: tuple[int, int] | None = None
-    ps_hosts: tuple[str, ...] = ()
+    interface: str | None = option(None, metavar="IP", help="the address the controller and the metrics collector "
+                                   "listen on (default: 127.0.0.1 for local and mpi, else this machine's address on "
+                                   "the route to the first host)")
+    ports: tuple[int, int] | None = option(None, metavar="LO-HI", help="pick the data-plane and metrics ports here")
+    ps_hosts: tuple[str, ...] = option((), metavar="HOST,...", help="the hosts of the ps tasks (default: the first "
+                                       "host); the workers go to the others")
 
     local: ClassVar[bool] = False  # the engines are processes of this machine, signalled and watched by pid here
     ipp_class: ClassVar[str | type | None] = None  # ipyparallel's engine set launcher (an entry point name)

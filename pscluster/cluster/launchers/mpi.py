@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
-from .base import LOOPBACK, Engines, Launcher
+from .base import LOOPBACK, Engines, Launcher, option
 
 if TYPE_CHECKING:
     from ...spec import TaskSpec
@@ -18,7 +18,8 @@ class MPILauncher(Launcher):
     ``--allow-run-as-root``). A replacement engine is one more mpiexec of one process."""
 
     kind: str = "mpi"
-    mpi_args: tuple[str, ...] = ()
+    mpi_args: tuple[str, ...] = option((), metavar="ARG", repeat=True, help="an mpiexec argument (repeatable), e.g. "
+                                       "--mpi-arg=--hostfile --mpi-arg=hosts.txt")
 
     ipp_class: ClassVar[str] = "mpi"
     default_interface: ClassVar[str] = LOOPBACK

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
+from .base import option
 from .ipp import BatchLauncher
 
 DRAIN_S = 15.0  # how long stop() waits for the cancelled jobs to leave the queue
@@ -39,11 +40,12 @@ class SlurmLauncher(BatchLauncher):
     taken too (``options=``, ``namespace=``...)."""
 
     kind: str = "slurm"
-    partition: str | None = None
-    account: str | None = None
-    time_limit: str | None = None
-    qos: str | None = None
-    sbatch_args: tuple[str, ...] = ()
+    partition: str | None = option(None, help="the partition")
+    account: str | None = option(None, help="the account")
+    time_limit: str | None = option(None, help="the job's time limit, e.g. 01:00:00")
+    qos: str | None = option(None, help="the QoS")
+    sbatch_args: tuple[str, ...] = option((), metavar="ARG", repeat=True, help="an extra #SBATCH argument of each "
+                                          "engine's job (repeatable), e.g. --sbatch-arg=--gres=gpu:1")
 
     ipp_class: ClassVar[str] = "slurm"
     hosts_fix: ClassVar[str] = ("Slurm places the engines' jobs on the partition's nodes: ask for nodes with "

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from ...errors import ClusterStateError, ConfigError
-from .base import Engines, Launcher, host_name, parse_hosts
+from .base import Engines, Launcher, host_name, option, parse_hosts
 
 if TYPE_CHECKING:
     from ...spec import TaskSpec
@@ -24,9 +24,11 @@ class SSHLauncher(Launcher):
     ``remote_python`` (default: this interpreter's path), ``remote_profile_dir``."""
 
     kind: str = "ssh"
-    hosts: dict = field(default_factory=dict)
-    ssh_args: tuple[str, ...] = ()
-    remote_python: str | None = None
+    hosts: dict = option(default_factory=dict, metavar="HOST[=N],...", help="[user@]host[:port], N engines there "
+                         "(default: as the ps/worker rule places them)")
+    ssh_args: tuple[str, ...] = option((), metavar="ARG", repeat=True, help="an argument for ssh and scp "
+                                       "(repeatable), e.g. --ssh-arg=-i --ssh-arg=KEY")
+    remote_python: str | None = option(None, help="the Python on the hosts (default: this one's path)")
     remote_profile_dir: str | None = None
 
     ipp_class: ClassVar[str] = "ssh"

@@ -20,7 +20,7 @@ from pscluster.cluster.launchers import (LOCAL_HB_PERIOD_MS, BatchLauncher, IPyP
 from pscluster.cluster.launchers import base as launcher_base
 from pscluster.cluster.roles import EngineInfo, assign_roles, host_gpus
 from pscluster.errors import ConfigError
-from pscluster.magics.parsers import parsers
+from pscluster.magics.parsers import launcher_options, parsers
 from pscluster.runtime.network import bind_in_range, ephemeral_ports, route_address
 
 from ...ports import quiet_port_range
@@ -167,6 +167,35 @@ def test_start_magic_takes_the_launcher_options():
         parsers()["start"].parse_args(["--launcher", "nfs"])
     args = parsers()["start"].parse_args(["--launcher", "pbs", "--launcher-opt", "queue=long"])
     assert (args.launcher, args.launcher_opts) == ("pbs", [("queue", "long")])
+
+
+@dataclasses.dataclass(frozen=True)
+class KubeLauncher(launchers.SSHLauncher):
+    """A new kind with options of its own: nothing else is written for its flags."""
+
+    kind: str = "kube"
+    namespace: str | None = launchers.option(None, help="the namespace of the engines' pods")
+    pod_args: tuple[str, ...] = launchers.option((), metavar="ARG", repeat=True, help="a pod option (repeatable)")
+
+
+def test_a_registered_launcher_s_options_are_start_flags_with_no_other_file_changed(monkeypatch):
+    monkeypatch.setitem(launcher_base._REGISTERED, "kube", KubeLauncher)
+    start = parsers()["start"]
+    assert "kube: the namespace of the engines' pods" in start.format_help()
+    args = start.parse_args(["--launcher", "kube", "--hosts", "a,b", "--namespace", "ml", "--pod-arg=--cpu=2",
+                             "--pod-arg=--mem=4G", "--launcher-opt", "remote_profile_dir='/p'"])
+    given = launcher_options(args)
+    assert given == {"hosts": "a,b", "namespace": "ml", "pod_args": ["--cpu=2", "--mem=4G"],
+                     "remote_profile_dir": "/p"}
+    made = Launcher(args.launcher, **given)
+    assert isinstance(made, KubeLauncher) and (made.namespace, made.pod_args) == ("ml", ["--cpu=2", "--mem=4G"])
+    # a flag of a launcher the cluster does not use is refused in one line naming its owner
+    with pytest.raises(ConfigError, match="namespace are kube launcher options"):
+        Launcher("mpi", **launcher_options(start.parse_args(["--launcher", "mpi", "--namespace", "ml"])))
+    # every flag is one option's: the launchers' and the cluster's own flags never share a name
+    flags = [f.flag for f in launchers.flags()]
+    assert len(flags) == len(set(flags)) and "--namespace" in flags
+    assert not set(flags) & {"--ps", "--workers", "--gpus", "--name", "--threads", "--spares", "--launcher"}
 
 
 def test_any_ipyparallel_engine_launcher_by_name_or_class():
