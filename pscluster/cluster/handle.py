@@ -63,7 +63,7 @@ class Cluster:
     ``launcher``: the name of a launcher (``launchers.names()``: ``local``, engines on this machine, the default;
     ``ssh``, ``mpi``, ``slurm``; any of ipyparallel's engine launchers such as ``pbs``; a registered one), an
     importable class, or a ``Launcher``; ``launcher_options`` are that launcher's: ``hosts``, ``ps_hosts``,
-    ``interface``, ``ports``, ``ssh_args``, ``remote_python``, ``partition``, ``account``, ``time_limit``,
+    ``interface``, ``ports``, ``ssh_args``, ``remote_python``, ``slurm_partition``, ``account``, ``time_limit``,
     ``sbatch_args``, ``mpi_args``... (see ``pscluster.cluster.launchers``). The ps tasks go to the ps hosts,
     the workers to the others.
 

@@ -2,7 +2,7 @@
 
     %pscluster start --ps 1 --workers 2
     %pscluster start --launcher ssh --hosts node1,node2=2 --ps-hosts node1 --interface 10.0.0.1 --ports 20000-20100
-    %pscluster start --launcher slurm --partition gpu --account proj --time-limit 01:00:00 --sbatch-arg=--gres=gpu:1
+    %pscluster start --launcher slurm --slurm-partition gpu --account proj --time-limit 01:00:00 --sbatch-arg=--gres=gpu:1
     %pscluster start --launcher pbs --launcher-opt queue=long --interface 10.0.0.1   (any ipyparallel launcher)
     %pscluster start --launcher mpi --mpi-arg=--hostfile --mpi-arg=hosts.txt --interface 10.0.0.1
     %%pscluster train --mode sync --steps 600 --batch-size 64 --optimizer sgd --lr 0.1 [--wait] [--name N --resume]

@@ -192,7 +192,7 @@ def _wait(condition, timeout: float, what: str, log, *processes) -> None:
 @pytest.mark.timeout(240)
 def test_slurm_jobs_train_a_cancelled_workers_job_is_replaced_and_stop_leaves_no_job(slurm, tmp_path):
     digits = pscluster.datasets.digits("train")
-    cluster = pscluster.Cluster(ps=1, workers=2, launcher="slurm", partition=PARTITION, time_limit="10",
+    cluster = pscluster.Cluster(ps=1, workers=2, launcher="slurm", slurm_partition=PARTITION, time_limit="10",
                                 interface="127.0.0.1")
     assert isinstance(cluster.launcher, SlurmLauncher)
     started = time.monotonic()
@@ -248,7 +248,7 @@ def test_slurm_jobs_train_a_cancelled_workers_job_is_replaced_and_stop_leaves_no
 def test_slurm_batch_script_carries_partition_account_time_and_extra_options(tmp_path):
     from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 
-    launcher = Launcher("slurm", partition="gpu", account="proj42", time_limit="01:30:00", qos="normal",
+    launcher = Launcher("slurm", slurm_partition="gpu", account="proj42", time_limit="01:30:00", qos="normal",
                         sbatch_args=("--gres=gpu:4", "--mem=8G"))
     engines = SlurmEngineSetLauncher(work_dir=str(tmp_path), profile_dir=str(tmp_path), cluster_id="c1",
                                      **launcher.engine_options())
@@ -260,7 +260,7 @@ def test_slurm_batch_script_carries_partition_account_time_and_extra_options(tmp
     assert "srun" in script and "ipyparallel.engine" in script
     assert launcher.job_variable() == "SLURM_JOB_ID"
     # a size in sbatch_args: the first engines are one job of that size (a replacement, one job of one task)
-    sized = Launcher("slurm", partition="gpu", sbatch_args=("--nodes=2",))
+    sized = Launcher("slurm", slurm_partition="gpu", sbatch_args=("--nodes=2",))
     engines = SlurmEngineSetLauncher(work_dir=str(tmp_path), profile_dir=str(tmp_path), cluster_id="c2",
                                      **sized.engine_options())
     engines.write_batch_script(5)

@@ -2,7 +2,7 @@
 
     Launcher()                                              # local engines (the default)
     Launcher("ssh", hosts=("node1", "node2=3"), ps_hosts=("node1",), ports=(20000,20100))
-    Launcher("slurm", partition="gpu", account="proj", time_limit="01:00:00", sbatch_args=("--gres=gpu:1",))
+    Launcher("slurm", slurm_partition="gpu", account="proj", time_limit="01:00:00", sbatch_args=("--gres=gpu:1",))
     Launcher("mpi", mpi_args=("--hostfile", "hosts.txt"), interface="10.0.0.1")
     Launcher("pbs", queue="long")                           # any of ipyparallel's engine launchers, by name
     Launcher("mysite.launchers.K8sEngineSetLauncher")       # or by class

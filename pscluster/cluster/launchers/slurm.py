@@ -34,13 +34,13 @@ def _template() -> str:
 
 @dataclass(frozen=True)
 class SlurmLauncher(BatchLauncher):
-    """``partition``, ``account``, ``time_limit``, ``qos``: those of each engine's job; ``sbatch_args``: more
+    """``slurm_partition``, ``account``, ``time_limit``, ``qos``: those of each engine's job; ``sbatch_args``: more
     ``#SBATCH`` lines of each, e.g. ``--gres=gpu:1``, ``--mem=8G``, ``--constraint=FEATURE`` (or ``--nodes=2``:
     the first engines one job over two nodes). Other traits of ipyparallel's ``SlurmEngineSetLauncher`` are
     taken too (``options=``, ``namespace=``...)."""
 
     kind: str = "slurm"
-    partition: str | None = option(None, help="the partition")
+    slurm_partition: str | None = option(None, help="the Slurm partition of the engines' jobs")
     account: str | None = option(None, help="the account")
     time_limit: str | None = option(None, help="the job's time limit, e.g. 01:00:00")
     qos: str | None = option(None, help="the QoS")
@@ -60,7 +60,7 @@ class SlurmLauncher(BatchLauncher):
 
     def _options(self, sbatch_args: Sequence[str]) -> dict:
         options = dict(self.traits)  # more of ipyparallel's SlurmEngineSetLauncher, e.g. options=, namespace=
-        options.update({k: v for k, v in (("queue", self.partition), ("account", self.account),
+        options.update({k: v for k, v in (("queue", self.slurm_partition), ("account", self.account),
                                           ("timelimit", self.time_limit), ("qos", self.qos)) if v})
         if sbatch_args:  # ipyparallel's own engine job script, with these lines after its first; the task count
             # stated too (ipyparallel would take a line that starts with --n for one and leave it out)

@@ -31,11 +31,11 @@ from ...ports import quiet_port_range
     ({"kind": "nfs"}, "use one of local, ssh, mpi, slurm"),
     ({"kind": "local", "hosts": ["a"]}, "use launcher='ssh'"),
     ({"kind": "slurm", "hosts": ["a"]}, "--nodes=2"),
-    ({"kind": "pbs", "partition": "gpu"}, "partition are slurm launcher options"),
+    ({"kind": "pbs", "slurm_partition": "gpu"}, "slurm_partition are slurm launcher options"),
     ({"kind": "pbs", "queeu": "long"}, "nor a trait of ipyparallel's PBSEngineSetLauncher"),
     ({"kind": "local", "workres": 2}, "'workres' is not an option of a cluster or of the local launcher"),
     ({"kind": "no_such_module.Launcher"}, "does not import"),
-    ({"kind": "ssh", "hosts": ["a"], "partition": "gpu"}, "partition are slurm launcher options"),
+    ({"kind": "ssh", "hosts": ["a"], "slurm_partition": "gpu"}, "slurm_partition are slurm launcher options"),
     ({"kind": "local", "mpi_args": ["-n"]}, "mpi_args are mpi launcher options"),
     ({"kind": "ssh", "hosts": ["a", "b"], "ps_hosts": ["c"]}, "ps host 'c' is not one of the hosts"),
     ({"kind": "ssh", "hosts": ["a"], "interface": "eth0"}, "give an IP address"),
@@ -95,7 +95,7 @@ def test_ipyparallel_options_of_each_launcher():
     assert any(a.startswith("--HeartMonitor.max_heartmonitor_misses=") for a in cluster["controller_args"])
     assert Launcher("mpi", mpi_args=["--hostfile", "h"]).engine_options()["mpi_args"] == ["--hostfile", "h"]
     assert Launcher("mpi", interface="127.0.0.1").controller_ip() == "127.0.0.1"
-    slurm = Launcher("slurm", partition="p", account="a", time_limit="10", interface="10.1.2.3").engine_options()
+    slurm = Launcher("slurm", slurm_partition="p", account="a", time_limit="10", interface="10.1.2.3").engine_options()
     assert slurm == {"queue": "p", "account": "a", "timelimit": "10"}
     assert Launcher("slurm", interface="10.1.2.3").bind_host("10.1.2.9") == "10.1.2.9"
 
@@ -158,9 +158,9 @@ def test_route_address_is_this_machines_address_towards_a_target():
 
 def test_start_magic_takes_the_launcher_options():
     args = parsers()["start"].parse_args(
-        ["--launcher", "slurm", "--partition", "gpu", "--account", "a", "--time-limit", "01:00:00",
+        ["--launcher", "slurm", "--slurm-partition", "gpu", "--account", "a", "--time-limit", "01:00:00",
          "--sbatch-arg=--nodes=2", "--ports", "40000-40100", "--interface", "10.0.0.1", "--encrypt"])
-    assert (args.launcher, args.partition, args.time_limit, args.sbatch_args) == ("slurm", "gpu", "01:00:00",
+    assert (args.launcher, args.slurm_partition, args.time_limit, args.sbatch_args) == ("slurm", "gpu", "01:00:00",
                                                                                   ["--nodes=2"])
     assert args.encrypt and not parsers()["start"].parse_args([]).encrypt
     with pytest.raises(ConfigError, match="launcher 'nfs': use one of local, ssh, mpi, slurm, .*pbs"):
@@ -196,6 +196,8 @@ def test_a_registered_launcher_s_options_are_start_flags_with_no_other_file_chan
     flags = [f.flag for f in launchers.flags()]
     assert len(flags) == len(set(flags)) and "--namespace" in flags
     assert not set(flags) & {"--ps", "--workers", "--gpus", "--name", "--threads", "--spares", "--launcher"}
+    for command in ("train", "run"):  # nor with a run's (--partition was a Slurm partition and a variable's split)
+        assert not set(flags) & {s for action in parsers()[command]._actions for s in action.option_strings}
 
 
 def test_any_ipyparallel_engine_launcher_by_name_or_class():
@@ -213,7 +215,7 @@ def test_any_ipyparallel_engine_launcher_by_name_or_class():
     assert type(by_path) is type(by_class) and by_class.job_variable() == "LSB_JOBID"
     assert {"local", "ssh", "mpi", "slurm", "pbs", "sge", "lsf", "htcondor"} <= set(launchers.names())
     assert launchers.names()[:4] == ["local", "ssh", "mpi", "slurm"]
-    slurm = Launcher("slurm", partition="p", namespace={"x": 1})  # a trait of ipyparallel's Slurm launcher too
+    slurm = Launcher("slurm", slurm_partition="p", namespace={"x": 1})  # a trait of ipyparallel's Slurm launcher too
     assert isinstance(slurm, SlurmLauncher) and slurm.engine_options() == {"queue": "p", "namespace": {"x": 1}}
 
 

@@ -260,7 +260,7 @@ def testdefined_names(cell, names):
     ("start --launcher ssh --hosts a,b --ps-hosts c", ["ps host 'c' is not one of the hosts", "list it in hosts"]),
     ("start --launcher ssh --hosts a=1,b=1 --workers 2", ["do not hold 1 ps + 2 workers", "adding up to 3"]),
     ("start --hosts a", ["hosts are for the ssh launcher", "launcher='ssh'"]),
-    ("start --launcher mpi --partition gpu", ["partition are slurm launcher options", "launcher='slurm'"]),
+    ("start --launcher mpi --slurm-partition gpu", ["slurm_partition are slurm launcher options", "launcher='slurm'"]),
     ("start --ports 80-90", ["ports 80-90", "1024 <= LO <= HI <= 65535"]),
     ("start --launcher ssh --hosts a --interface eth0", ["interface 'eth0'", "give an IP address"]),
     ("start --launcher ssh --hosts a --detached", ["detached=True works with local engines only", "keep the kernel"]),
