@@ -4,7 +4,6 @@ run ends ``failed`` with a cause that names the path and the fault, ``run.wait()
 not raise, no step folder is left without its shards, and the checkpoint committed before the fault restores
 where it is still there. Runs with ``make faults``."""
 
-import contextlib
 import shutil
 import subprocess
 import time
@@ -16,6 +15,8 @@ import torch
 import pscluster
 from pscluster.errors import TrainingError
 from pscluster.runtime import checkpoint
+
+from ..disks import fill, mounted
 
 LOSS = torch.nn.CrossEntropyLoss()
 
@@ -29,25 +30,11 @@ def small_home(tmp_path, monkeypatch):
     """PSCLUSTER_HOME on a 24 MB tmpfs, and its folder ``checkpoints`` bind-mounted on ``tmp_path/checkpoints``
     (a file system cannot turn read-only while a file is open on it for writing, as the run store is: its
     checkpoints' can, between two writes); unmounted at teardown."""
-    home, checkpoints = tmp_path / "home", tmp_path / "checkpoints"
-    home.mkdir()
-    checkpoints.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(home)], check=True)
-    (home / "checkpoints").mkdir()
-    subprocess.run(["mount", "--bind", str(home / "checkpoints"), str(checkpoints)], check=True)
-    monkeypatch.setenv("PSCLUSTER_HOME", str(home))
-    try:
-        yield home
-    finally:
-        subprocess.run(["umount", "-l", str(checkpoints)], check=True)
-        subprocess.run(["umount", "-l", str(home)], check=True)
-
-
-def fill(disk) -> None:
-    with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
-        while True:
-            f.write(b"\0" * (1 << 20))
-            f.flush()
+    with mounted(tmp_path / "home", size="24m") as home:
+        (home / "checkpoints").mkdir()
+        with mounted(tmp_path / "checkpoints", bind=home / "checkpoints"):
+            monkeypatch.setenv("PSCLUSTER_HOME", str(home))
+            yield home
 
 
 def read_only(home) -> None:

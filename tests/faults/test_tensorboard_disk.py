@@ -2,10 +2,8 @@
 goes on without them, and the user reads why in one warning, not in a writer thread's traceback on stderr. Runs
 with ``make faults`` (it mounts a tmpfs: root)."""
 
-import contextlib
 import logging
 import os
-import subprocess
 import threading
 import time
 
@@ -14,25 +12,14 @@ from tensorboard.backend.event_processing.event_multiplexer import EventMultiple
 
 from pscluster.metrics.tensorboard import POINT_S, EventWriter
 
+from ..disks import fill, mounted
+
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 2 MB tmpfs, unmounted at teardown."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], check=True)
-    try:
+    """A 2 MB tmpfs."""
+    with mounted(tmp_path / "disk", size="2m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
-
-
-def fill(disk, leave: int = 0) -> None:
-    """``disk`` filled up, then ``leave`` bytes of it given back."""
-    with open(disk / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
-        while True:
-            f.write(b"\0" * 4096)
-    os.truncate(disk / "filler", max(0, os.path.getsize(disk / "filler") - leave))
 
 
 def steps(first: int, n: int) -> list[dict]:

@@ -4,7 +4,6 @@ Real parts: in-process ps servers, workers in threads on the library's loop, a r
 
 import contextlib
 import os
-import subprocess
 import threading
 import time
 from dataclasses import replace
@@ -17,6 +16,7 @@ from pscluster.metrics.store import RunStore
 from pscluster.runtime.waiting import wait_until
 from pscluster.runtime.worker import run_worker
 
+from ...disks import fill, mounted
 from ..runtime.test_worker_inprocess import dataset, make_plan, mlp  # noqa: F401
 
 ENDED_S = 10  # the issue's bound: from the failure to every wait() woken
@@ -110,24 +110,9 @@ def test_a_store_removed_while_the_run_trains_fails_it(local_ps, dataset, tmp_pa
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 4 MB tmpfs (unmounted at teardown)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
-    try:
+    """A 4 MB tmpfs."""
+    with mounted(tmp_path / "disk", size="4m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
-
-
-def fill(disk) -> None:
-    """Take every free byte of ``disk``."""
-    with open(disk / "filler", "wb") as f:
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-                os.fsync(f.fileno())
 
 
 def test_a_full_disk_under_the_run_store_fails_the_run_naming_the_store(local_ps, dataset, small_disk):
