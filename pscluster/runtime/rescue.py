@@ -6,9 +6,9 @@ state of the run is still nearly all there:
 - every surviving ps writes its shard when it is stopped (values and optimizer state, at its own step);
 - every worker of the failed attempt leaves, on its way out, its copy of the dense variables it last pulled
   (``write_copy``: ``copies/worker-<i>.tensors`` in the checkpoint directory, and its receipt);
-- every ps keeps, as often as a small share of its time allows, a copy of its values and optimizer state at its
-  step (``write_state_copy``: ``copies/ps-<i>.tensors``; see ``run_state.RunState.keep_state_copy``): it
-  outlives the ps's process, not its host.
+- every ps keeps, as often as a small share of its time allows, a copy of its optimizer state at its step
+  (``write_state_copy``: ``copies/ps-<i>.tensors``; see ``run_state.RunState.keep_state_copy``): it outlives the
+  ps's process, not its host.
 
 ``assemble`` commits the newest step for which every ps has a source of that same step (its own shard first:
 it carries the optimizer state; else a worker's copy), when that is newer than the newest committed checkpoint:
@@ -43,16 +43,18 @@ def copies_dir(directory) -> Path:
     return Path(directory) / "copies"
 
 
-def write_state_copy(directory, ps: int, step: int, tensors: dict, *, run_id: int, attempt: int) -> None:
-    """Keep ps ``ps``'s values and optimizer state at its step ``step`` (``tensors``: a shard's, see
-    ``checkpoint.shard_tensors``), replacing its previous copy: not fsynced, as it need outlive the ps's process,
-    not the host. OSError when it cannot be written."""
+def write_state_copy(directory, ps: int, step: int, state: dict, shapes: dict[str, list[int]], *, run_id: int,
+                     attempt: int) -> None:
+    """Keep ps ``ps``'s optimizer state at its step ``step`` (``state``: a shard's ``name#slot`` entries, see
+    ``checkpoint.shard_tensors``; its values are the workers' to keep), for variables of ``shapes`` (name: shape,
+    every variable the ps holds), replacing its previous copy: not fsynced, as it need outlive the ps's process, not
+    the host. OSError when it cannot be written."""
     folder = copies_dir(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    size, sha = checkpoint.write_tensors(folder / f"ps-{ps}.tensors", tensors, fsync=False)
+    size, sha = checkpoint.write_tensors(folder / f"ps-{ps}.tensors", state, fsync=False)
     checkpoint.write_json(folder / f"ps-{ps}.json", {"ps": ps, "step": step, "run_id": run_id, "attempt": attempt,
-                                                     "bytes": size, "sha256": sha, "file": f"copies/ps-{ps}.tensors"},
-                          fsync=False)
+                                                     "bytes": size, "sha256": sha, "file": f"copies/ps-{ps}.tensors",
+                                                     "shapes": shapes}, fsync=False)
 
 
 def write_copy(directory, worker: int, step: int, values: dict[str, torch.Tensor], *, run_id: int,
@@ -191,7 +193,8 @@ def _newest_state(directory: Path, run_id: int, ps: int, held) -> tuple[int | No
             tensors = checkpoint.read_tensors(file)
         except CheckpointError:
             continue
-        if any(tuple(tensors.get(name, torch.empty(0)).shape) != shape for name, shape in shapes.items()):
+        saved = receipt.get("shapes") or {name: t.shape for name, t in tensors.items() if "#" not in name}
+        if any(tuple(saved.get(name, ())) != shape for name, shape in shapes.items()):
             continue  # another placement's
         return receipt["step"], {key: t for key, t in tensors.items()
                                  if "#" in key and key.partition("#")[0] in shapes}

@@ -186,7 +186,7 @@ class RunState:
         return self.snapshot[1], self.snapshot[2]
 
     def keep_state_copy(self, index: int) -> None:
-        """Once the previous one is old enough, a copy of this ps's values and optimizer state at its step
+        """Once the previous one is old enough, a copy of this ps's optimizer state at its step
         (``rescue.write_state_copy``): where this ps, if it is lost, gets its optimizer state back from. The copies
         take at most ``STATE_COPY_SHARE`` of the ps's time (one that took 2 ms is followed by the next 100 ms
         later); one that cannot be written fails the run as a shard would (``checkpoint_failed``). None on a ps that
@@ -194,10 +194,11 @@ class RunState:
         now = time.monotonic()
         if not self.checkpoint_dir or now < self.state_copy_due or any(self.sparse):
             return
-        states = [self.optimizer_state(i, join=checkpoint.Pieces) for i in range(len(self.ids))]
+        state = {f"{self.names[i]}#{slot}": t for i in self.trained
+                 for slot, t in checkpoint.encode_state(self.optimizer_state(i, join=checkpoint.Pieces)).items()}
+        shapes = {name: list(p.shape) for name, p in zip(self.names, self.params)}
         try:
-            rescue.write_state_copy(self.checkpoint_dir, index, self.step,
-                                    checkpoint.shard_tensors(self.names, self.params, states), run_id=self.run_id,
+            rescue.write_state_copy(self.checkpoint_dir, index, self.step, state, shapes, run_id=self.run_id,
                                     attempt=self.attempt)
         except OSError as e:
             self.state_copy_due = float("inf")  # said once: the run ends on it

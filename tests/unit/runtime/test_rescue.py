@@ -72,10 +72,10 @@ def test_a_survivor_keeps_its_optimizer_state_when_its_own_shard_is_of_the_rescu
 
 
 def write_state_copy(directory, ps: int, step: int, seed: float, *, run_id=RUN_ID):
-    names = [v.name for v in VARIABLES if v.ps == ps]
-    params = [values(seed)[n] for n in names]
-    states = [{"exp_avg": torch.full_like(p, -seed), "step": step} for p in params]
-    rescue.write_state_copy(directory, ps, step, checkpoint.shard_tensors(names, params, states), run_id=run_id,
+    held = [v for v in VARIABLES if v.ps == ps]
+    state = {f"{v.name}#{slot}": t for v in held
+             for slot, t in checkpoint.encode_state({"exp_avg": torch.full(v.shape, -seed), "step": step}).items()}
+    rescue.write_state_copy(directory, ps, step, state, {v.name: list(v.shape) for v in held}, run_id=run_id,
                             attempt=ATTEMPT)
 
 
