@@ -192,7 +192,10 @@ class RunState:
         later); one that cannot be written fails the run as a shard would (``checkpoint_failed``). None on a ps that
         holds a sparse variable: a rescue rolls it back to its own shards (``rescue``), never reads its copy."""
         now = time.monotonic()
-        if not self.checkpoint_dir or now < self.state_copy_due or any(self.sparse):
+        if not self.checkpoint_dir or now < self.state_copy_due:
+            return
+        if any(self.sparse):
+            self.state_copy_due = float("inf")  # never: not looked at again every step
             return
         state = {f"{self.names[i]}#{slot}": t for i in self.trained
                  for slot, t in checkpoint.encode_state(self.optimizer_state(i, join=checkpoint.Pieces)).items()}
