@@ -107,7 +107,8 @@ def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: li
     """Commit the newest state of attempt ``attempt`` of run ``run_id`` that every ps has at one step (see the
     module docstring); None when there is none newer than the newest committed checkpoint."""
     directory = Path(directory)
-    shards = _own_shards(directory, run_id, attempt)
+    written = _own_shards(directory, run_id)  # every attempt's: a lost ps's optimizer state may be older
+    shards = {ps: [r for r in receipts if r.get("attempt") == attempt] for ps, receipts in written.items()}
     copies = _worker_copies(directory, run_id, attempt)
     committed = checkpoint.committed_steps(directory)
     # ps -> step -> its sources of that step, best first
@@ -139,7 +140,7 @@ def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: li
         if candidate.file not in read:
             read[candidate.file] = checkpoint.read_tensors(candidate.file)
         held = [v for v in variables if v.ps == ps]
-        state_step, state = _newest_state(directory, run_id, ps, held)
+        state_step, state = _newest_state(directory, run_id, ps, held, written.get(ps, ()))
         found.append(checkpoint.write_shard(directory, step, ps, {**{v.name: read[candidate.file][v.name]
                                                                      for v in held}, **state},
                                             run_id=run_id, attempt=attempt))
@@ -173,11 +174,12 @@ def _newest_common(candidates: dict[int, dict[int, list[_Candidate]]], after: in
                 del candidates[ps][step]
 
 
-def _newest_state(directory: Path, run_id: int, ps: int, held) -> tuple[int | None, dict[str, torch.Tensor]]:
+def _newest_state(directory: Path, run_id: int, ps: int, held,
+                  shards) -> tuple[int | None, dict[str, torch.Tensor]]:
     """(its step, the optimizer state entries of ``held``, ps ``ps``'s variables, by shard key) of the newest
-    intact state ps ``ps`` left of run ``run_id``, in any attempt: its state copy or a shard it wrote; (None, {})
-    when it left none that fits its variables."""
-    receipts = list(_own_shards(directory, run_id, None).get(ps, ()))
+    intact state ps ``ps`` left of run ``run_id``, in any attempt: its state copy or a shard it wrote (``shards``:
+    their receipts); (None, {}) when it left none that fits its variables."""
+    receipts = list(shards)
     try:
         copy = json.loads((copies_dir(directory) / f"ps-{ps}.json").read_text())
         if copy.get("run_id") == run_id and isinstance(copy.get("step"), int):
@@ -201,9 +203,9 @@ def _newest_state(directory: Path, run_id: int, ps: int, held) -> tuple[int | No
     return None, {}
 
 
-def _own_shards(directory: Path, run_id: int, attempt: int | None) -> dict[int, list[dict]]:
-    """Each ps's shard receipts written in ``attempt`` (None: any) of run ``run_id`` (committed or not; not yet
-    read back, see ``_newest_common``)."""
+def _own_shards(directory: Path, run_id: int) -> dict[int, list[dict]]:
+    """Each ps's shard receipts written in any attempt of run ``run_id`` (committed or not; not yet read back, see
+    ``_newest_common``)."""
     written: dict[int, list[dict]] = {}
     for entry in directory.iterdir() if directory.is_dir() else ():
         if not (entry.is_dir() and re.fullmatch(r"step-\d{9}", entry.name)):
@@ -215,8 +217,7 @@ def _own_shards(directory: Path, run_id: int, attempt: int | None) -> dict[int, 
                 receipt = json.loads(receipt_path.read_text())
             except (OSError, ValueError):
                 continue
-            if receipt.get("run_id") == run_id and attempt in (None, receipt.get("attempt")) and isinstance(
-                    receipt.get("step"), int):
+            if receipt.get("run_id") == run_id and isinstance(receipt.get("step"), int):
                 written.setdefault(receipt.get("ps"), []).append(receipt)
     return written
 
