@@ -16,6 +16,12 @@ it takes the first of ``<name>.2``, ``<name>.3``... that holds a checkpoint of a
 continues that one) or none, and says why in one line (event ``not_resuming``). A folder asked for
 (``checkpoint_dir=``, ``resume=``) is continued whatever the settings, the line naming each difference.
 
+A run from scratch (``restore=False``) in a folder that holds checkpoints (given, or a script's default folder)
+first moves them into its subfolder ``before-run-<run id>`` (``checkpoint.set_aside``) and says so in one line
+(event ``set_aside``): the folder is then the new run's alone (its pruning deletes no other run's checkpoints and
+no other run's pruning its steps; a later restore from the folder takes the new run's latest), and what was
+trained restores from the subfolder.
+
 ``end_orphans``: a script's chief started again (after a kill, or the whole job) marks the runs it takes over
 (not ended, same checkpoint folder: their chief is gone) ``failed``, naming the run that continues them.
 """
@@ -55,7 +61,8 @@ class Resumed:
 @dataclass(frozen=True)
 class Notice:
     """What a new run says about the checkpoint it starts from, or does not: ``line``, shown with the run's log
-    lines, and the event that records it, ``kind`` (``resuming``, ``not_resuming``) with ``detail``."""
+    lines, and the event that records it, ``kind`` (``resuming``, ``not_resuming``, ``set_aside``) with
+    ``detail``."""
 
     kind: str
     line: str
@@ -84,7 +91,7 @@ def create_run(store: RunStore, plan: TrainPlan, *, name: str | None, cluster: s
     script's default folder, named by the script, shared by its runs on purpose) a run with ``restore`` takes the
     first folder of its family whose checkpoint's run has its ``EXPERIMENT`` settings, or holds none. A given or
     resumed folder whose latest checkpoint does not fit the plan's model is refused now (CheckpointError naming
-    the fix), with nothing recorded."""
+    the fix), with nothing recorded. A run without ``restore`` sets the checkpoints of its folder aside."""
     resumed = _resumed(store, name, resume, checkpoint_dir, plan.restore, default_dir)
     chosen = checkpoint_dir or (resumed.checkpoint_dir if resumed else None)
     notices = []
@@ -106,6 +113,8 @@ def create_run(store: RunStore, plan: TrainPlan, *, name: str | None, cluster: s
         notices += said
     else:
         directory = Path(default_dir(run_id))
+    if not plan.restore:
+        notices += _set_aside(store, directory, run_id)
     plan = replace(plan, run_id=run_id, checkpoint_dir=str(directory))
     store.set_config(run_id, _config(plan))
     store.record_placement(run_id, plan.variables)
@@ -153,6 +162,20 @@ def _shared(store: RunStore, plan: TrainPlan, default: Path) -> tuple[Path, list
     return folder, [Notice("not_resuming", line, {"run": found.run_id, "step": found.step,
                                                   "checkpoint_dir": str(found.folder), "differs": differs,
                                                   "into": str(folder)})]
+
+
+def _set_aside(store: RunStore, directory: Path, run_id: int) -> list[Notice]:
+    """What run ``run_id``, from scratch in ``directory``, says of the checkpoints it moved out of its way there
+    (see the module); nothing when there were none."""
+    into = checkpoint.set_aside(directory, f"before-run-{run_id}")
+    if into is None:
+        return []
+    found = _latest(store, into)
+    run, step = (found.run_id, found.step) if found is not None else (None, None)
+    held = f"the newest: global step {step} of run {run}" if found is not None else "none of them committed"
+    line = (f"restore=False: the checkpoints in {directory} ({held}) were moved to {into}; this run starts from "
+            f"scratch in {directory}")
+    return [Notice("set_aside", line, {"checkpoint_dir": str(directory), "into": str(into), "run": run, "step": step})]
 
 
 def _continued(store: RunStore, plan: TrainPlan, folder: Path, asked: str, resumed: Resumed | None) -> list[Notice]:

@@ -383,7 +383,9 @@ def commit_ready(directory, *, num_ps: int, run_id: int, attempt: int, variables
 
 def prune(directory, keep: int) -> None:
     """Delete all but the newest ``keep`` committed checkpoints (manifest first: a half-deleted one is
-    never taken for a checkpoint), and the shard folders of older uncommitted steps."""
+    never taken for a checkpoint), and the shard folders of older uncommitted steps. A folder holds one line of
+    training (a run and those that restore from it: a run from scratch sets the earlier one aside, see
+    ``set_aside``), so its newest steps are the writing run's own."""
     steps = committed_steps(directory)
     for step in steps[:-keep] if keep > 0 else steps:
         manifest_path(directory, step).unlink(missing_ok=True)
@@ -392,6 +394,36 @@ def prune(directory, keep: int) -> None:
         for step in uncommitted_steps(directory):
             if step < steps[-1]:
                 shutil.rmtree(step_dir(directory, step), ignore_errors=True)
+
+
+def set_aside(directory, into_name: str) -> Path | None:
+    """Move pscluster's own entries at the top of ``directory`` (step folders, their manifests, refused ones too,
+    and the ``copies`` folder of ``rescue``) into a new subfolder ``into_name``, or ``<into_name>.2``... where that
+    exists (one set aside earlier is never written into), with renames; the subfolder, or None when there was
+    nothing to move. Nothing else of ``directory`` is touched. The checkpoints are whole in the subfolder (they
+    restore from there) and out of the way of a run from scratch in ``directory``: ``committed_steps`` and
+    ``uncommitted_steps`` list the top only. Each step's manifest leaves before its folder, so a process killed
+    while moving leaves no manifest in ``directory`` whose shards are gone (at most one step split: its folder
+    there, uncommitted, and its manifest in the subfolder, refused by a restore from it)."""
+    directory = Path(directory)
+    own = []  # (step, whether a folder, name): each step's manifests before its folder, the copies last
+    for entry in os.scandir(directory) if directory.is_dir() else ():
+        m = re.fullmatch(r"step-(\d{9})(\.manifest\.json(\.refused)?)?", entry.name)
+        if m and bool(m.group(2)) != entry.is_dir():
+            own.append((int(m.group(1)), entry.is_dir(), entry.name))
+        elif entry.name == "copies" and entry.is_dir():
+            own.append((math.inf, True, entry.name))
+    if not own:
+        return None
+    into, k = directory / into_name, 2
+    while into.exists():
+        into, k = directory / f"{into_name}.{k}", k + 1
+    into.mkdir()
+    for *_, name in sorted(own):
+        os.rename(directory / name, into / name)
+    _fsync_dir(into)
+    _fsync_dir(directory)
+    return into
 
 
 def committed_steps(directory) -> list[int]:

@@ -182,6 +182,16 @@ def test_a_checkpoint_dir_of_another_model_is_refused_at_train_and_loses_nothing
     fresh = cluster_1ps_2w.train(wider_mlp, digits_train, LOSS, lr=0.1, steps=30, checkpoint_dir=folder,
                                  restore=False).wait(verbose=False)
     assert fresh.global_step == 30
+    # ...having set the earlier checkpoints aside, whole, where they still restore: before, it wrote its steps
+    # beside them, its commits pruned them by step number, and its own in-flight step 30 folder (< 120) with them
+    aside = folder / f"before-run-{fresh.id}"
+    assert checkpoint.committed_steps(aside)[-1] == 120 and checkpoint.latest(aside).step == 120
+    assert checkpoint.committed_steps(folder)[-1] == 30
+    [said] = fresh.events().query("kind == 'set_aside'")["detail"]
+    assert said == {"checkpoint_dir": str(folder), "into": str(aside), "run": again.id, "step": 120}
+    # the folder is the new run's: restoring from it continues the wider model from its step 30
+    later = cluster_1ps_2w.train(wider_mlp, digits_train, LOSS, lr=0.1, steps=40, checkpoint_dir=folder)
+    assert later.wait(verbose=False).global_step == 40 and sum(r["local_steps"] for r in later.results) == 10 * 2
 
 
 def test_second_train_while_one_runs_is_refused(cluster_1ps_2w, digits_train):

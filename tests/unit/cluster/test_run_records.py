@@ -107,7 +107,13 @@ def test_a_folder_asked_for_is_continued_whatever_the_settings_and_the_line_says
                             f"in {folder}, as checkpoint_dir= asks, though its mode was sync, this run's is async")
     _, said = new(store, replace(plan, seed=5), name="c", resume=sync.run_id)
     assert said[0].line.endswith(f"as resume={sync.run_id} asks, though its seed was 0, this run's is 5")
-    assert new(store, replace(plan, mode="async", restore=False), name="d", checkpoint_dir=folder)[1] == []
+    fresh, said = new(store, replace(plan, mode="async", restore=False), name="d", checkpoint_dir=folder)
+    aside = folder / f"before-run-{fresh.run_id}"  # the folder is the run's from scratch alone, nothing lost
+    assert fresh.checkpoint_dir == str(folder) and checkpoint.committed_steps(aside) == [10]
+    assert checkpoint.committed_steps(folder) == [] and [(n.kind, n.line) for n in said] == [(
+        "set_aside", f"restore=False: the checkpoints in {folder} (the newest: global step 10 of run {sync.run_id}) "
+        f"were moved to {aside}; this run starts from scratch in {folder}")]
+    assert new(store, replace(plan, restore=False), name="e", checkpoint_dir=folder)[1] == []  # nothing there now
 
 
 def test_a_checkpoint_of_a_run_the_store_does_not_know_is_continued_and_said(store, plan, tmp_path):

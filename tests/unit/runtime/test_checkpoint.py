@@ -182,6 +182,41 @@ class WiderBags(BagModel):
         self.out = torch.nn.Linear(self.embedding.embedding_dim, 1)
 
 
+def test_set_aside_moves_only_the_checkpoint_files_whole_into_a_new_subfolder(tmp_path):
+    """What a run from scratch does to the checkpoints of its folder: they move, whole (they restore from the
+    subfolder), out of its way; a user's files stay; a folder set aside earlier is never written into."""
+    assert checkpoint.set_aside(tmp_path / "absent", "before-run-2") is None
+    assert checkpoint.set_aside(tmp_path, "before-run-2") is None and list(tmp_path.iterdir()) == []
+
+    def committed(step):
+        checkpoint.commit(tmp_path, step, 1, [], "sgd", {},
+                          [checkpoint.write_shard(tmp_path, step, 0, {"w": torch.full((3,), step)}, run_id=1)])
+
+    committed(10)
+    committed(20)
+    checkpoint.write_shard(tmp_path, 30, 0, {"w": torch.ones(3)}, run_id=1)  # in flight
+    checkpoint.manifest_path(tmp_path, 5).with_suffix(".json.refused").write_text("{}")
+    (tmp_path / "copies").mkdir()
+    (tmp_path / "copies" / "worker-0.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "step-000000040").write_text("a file, not a step folder")
+    (tmp_path / "data").mkdir()
+    into = checkpoint.set_aside(tmp_path, "before-run-2")
+    assert into == tmp_path / "before-run-2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["before-run-2", "data", "notes.txt", "step-000000040"]
+    assert sorted(p.name for p in into.iterdir()) == [
+        "copies", "step-000000005.manifest.json.refused", "step-000000010", "step-000000010.manifest.json",
+        "step-000000020", "step-000000020.manifest.json", "step-000000030"]
+    assert checkpoint.committed_steps(tmp_path) == checkpoint.uncommitted_steps(tmp_path) == []
+    assert checkpoint.committed_steps(into) == [10, 20] and checkpoint.uncommitted_steps(into) == [30]
+    latest = checkpoint.latest(into)  # its shards' checksums hold
+    assert latest.step == 20 and checkpoint.read_tensors(into / latest.shards[0]["file"])["w"].eq(20).all()
+    committed(10)  # the next run's, set aside in turn: into a folder of its own
+    again = checkpoint.set_aside(tmp_path, "before-run-2")
+    assert again == tmp_path / "before-run-2.2" and checkpoint.committed_steps(again) == [10]
+    assert checkpoint.committed_steps(into) == [10, 20] and checkpoint.latest(into).step == 20
+
+
 def test_a_checkpoint_of_another_model_is_refused_from_its_manifest_alone(local_ps, bags, tmp_path):
     train(local_ps, bags, num_ps=2, partition={"embedding": 2}, steps=5, directory=tmp_path)
     spec = local_ps.start(num_ps=3, num_workers=1)
