@@ -46,7 +46,6 @@ FORMAT_VERSION = 1
 _LENGTH = struct.Struct("<Q")
 _MAX_HEADER = 64 << 20
 _MANIFEST = re.compile(r"^step-(\d{9})\.manifest\.json$")
-_CHUNK = 16 << 20
 _DIRECT_MIN = 1 << 20  # smaller files go through the page cache
 _DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write, a multiple of any file system's block size
 _DIRECT_ALIGN = 4096  # what O_DIRECT asks of offsets and lengths on common file systems
@@ -168,14 +167,6 @@ def write_json(path: Path, obj, *, fsync: bool = True) -> None:
     _write_file(path, [json.dumps(obj, indent=1).encode()], fsync=fsync)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 @dataclass(frozen=True)
 class Pieces:
     """A tensor of ``shape`` given as the consecutive flat ``pieces`` it is made of (the optimizer state of a
@@ -199,11 +190,28 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Pieces], *, fsyn
     return _write_file(Path(path), [_LENGTH.pack(len(header)), header, *datas], fsync=fsync)
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a file written by ``write_tensors``; CheckpointError naming the file when it is
-    not one (truncated, or a header that does not fit the file)."""
+def read_tensors(path: Path, receipt: dict | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a file written by ``write_tensors``, read once into one buffer they all view (no copy);
+    with ``receipt`` (its ``bytes`` and ``sha256``) checked against it first. CheckpointError naming the file
+    when it is missing, not one (truncated, or a header that does not fit the file), or not what ``receipt``
+    says."""
     path = Path(path)
-    raw = path.read_bytes()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            raw = bytearray(os.fstat(f.fileno()).st_size)
+            with memoryview(raw) as view:
+                filled = 0
+                while filled < len(raw) and (n := f.readinto(view[filled:])):
+                    filled += n
+            del raw[filled:]  # a file that shrank meanwhile
+    except OSError as e:
+        raise CheckpointError(f"{path} could not be read ({e.strerror}): restore from another checkpoint") from None
+    if receipt is not None:
+        if len(raw) != receipt["bytes"]:
+            raise CheckpointError(f"{path} has {len(raw)} bytes, {receipt['bytes']} were written: it is truncated "
+                                  "or damaged")
+        if hashlib.sha256(raw).hexdigest() != receipt["sha256"]:
+            raise CheckpointError(f"{path} fails its SHA-256 checksum: it is damaged")
     try:
         (length,) = _LENGTH.unpack_from(raw)
         if length > min(_MAX_HEADER, len(raw) - _LENGTH.size):
@@ -220,9 +228,8 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
             start = base + int(e["offset"])
             if nbytes != e["nbytes"] or start < base or start + nbytes > len(raw):
                 raise ValueError(f"tensor {e['key']} outside the file")
-            data = bytearray(raw[start:start + nbytes])
-            out[e["key"]] = (torch.frombuffer(data, dtype=dtype).reshape(shape) if nbytes
-                             else torch.empty(shape, dtype=dtype))
+            out[e["key"]] = (torch.frombuffer(raw, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape)
+                             if nbytes else torch.empty(shape, dtype=dtype))
         return out
     except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
         raise CheckpointError(f"{path} is not a readable tensor file ({e}): it is damaged, "
@@ -454,11 +461,13 @@ class Checkpoint:
     optimizer_kwargs: dict
     state_keys: tuple[tuple[str, str], ...] = ()
     schedule: dict = field(default_factory=dict)  # the learning-rate schedule's state at this step
+    _read_back: dict = field(default_factory=dict, repr=False, compare=False)  # shard file -> its checked tensors
 
     @classmethod
     def load(cls, path) -> "Checkpoint":
-        """The checkpoint of manifest ``path``; CheckpointError naming the file that is missing, of the
-        wrong size or with a bad checksum."""
+        """The checkpoint of manifest ``path``, each shard read back and checked (``_read``), and kept for
+        ``tensors``: a restore reads every shard once. CheckpointError naming the file that is missing, of the
+        wrong size, with a bad checksum or with a value that is not finite."""
         path = Path(path)
         try:
             m = json.loads(path.read_text())
@@ -473,38 +482,31 @@ class Checkpoint:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{path} is not a readable manifest ({e})") from None
         for shard in ckpt.shards:
-            ckpt._verify(shard)
+            ckpt._read_back[shard["file"]] = ckpt._read(shard)
         return ckpt
 
-    def check_finite(self) -> None:
-        """CheckpointError when a shard holds a NaN or an infinity (a checkpoint written before they were refused,
-        see ``write_shard``)."""
-        for shard in self.shards:
-            bad = non_finite(read_tensors(self.path.parent / shard["file"]))
-            if bad is not None:
-                raise CheckpointError(f"checkpoint of step {self.step} holds NaN or infinite values ({bad} in "
-                                      f"{shard['file']}): a diverged state is never restored")
-
-    def _verify(self, shard: dict) -> None:
+    def _read(self, shard: dict) -> dict[str, torch.Tensor]:
+        """The tensors of ``shard``, checked: there, of its manifest's size and SHA-256, every value finite (a
+        checkpoint written before diverged states were refused, see ``write_shard``, holds none)."""
         file = self.path.parent / shard["file"]
-        try:
-            size = file.stat().st_size
-        except OSError:
-            raise CheckpointError(f"{file} is missing: checkpoint of step {self.step} is incomplete") from None
-        if size != shard["bytes"]:
-            raise CheckpointError(f"{file} has {size} bytes, its manifest says {shard['bytes']}: "
-                                  "the shard is truncated or damaged")
-        if file_sha256(file) != shard["sha256"]:
-            raise CheckpointError(f"{file} fails its SHA-256 checksum: the shard is damaged")
+        if not file.exists():
+            raise CheckpointError(f"{file} is missing: checkpoint of step {self.step} is incomplete")
+        tensors = read_tensors(file, shard)
+        bad = non_finite(tensors)
+        if bad is not None:
+            raise CheckpointError(f"checkpoint of step {self.step} holds NaN or infinite values ({bad} in "
+                                  f"{shard['file']}): a diverged state is never restored")
+        return tensors
 
     def tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-        """(whole parameters by parameter name, optimizer state by parameter name): the shards of a
+        """(whole parameters by parameter name, optimizer state by parameter name), views of the buffers the
+        shard files were read into where a parameter is whole in one shard (not to be written to): the shards of a
         partitioned parameter joined in row order, per-row optimizer slots likewise; other slots (step
         counts) are those of the first shard. A parameter some of whose parts carry no optimizer state (a
         rescued checkpoint's, see ``rescue``) has none: it restarts from a fresh state."""
         values, states = {}, {}
         for shard in self.shards:
-            v, s = split_state(read_tensors(self.path.parent / shard["file"]))
+            v, s = split_state(self._read_back[shard["file"]])
             values.update(v)
             states.update(s)
         params, slots = {}, {}
@@ -521,8 +523,9 @@ class Checkpoint:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state at this checkpoint, as ``model.state_dict()`` holds it: parameters, buffers, every
-        key of a tied parameter, in the model's order."""
-        return state_dict_of(self.state_keys, self.tensors()[0])
+        key of a tied parameter, in the model's order; each its own copy (``tensors`` gives views of the shard files'
+        buffers, which ``torch.save`` would write whole)."""
+        return state_dict_of(self.state_keys, {name: t.clone() for name, t in self.tensors()[0].items()})
 
 
 def _per_row(slot, shape) -> bool:
@@ -544,7 +547,6 @@ def latest(directory, *, on_refused=None) -> Checkpoint | None:
         path = manifest_path(directory, step)
         try:
             found = Checkpoint.load(path)
-            found.check_finite()
             return found
         except CheckpointError as e:
             try:

@@ -59,13 +59,15 @@ def write_state_copy(directory, ps: int, step: int, state: dict, shapes: dict[st
 
 def write_copy(directory, worker: int, step: int, values: dict[str, torch.Tensor], *, run_id: int,
                attempt: int) -> None:
-    """Keep worker ``worker``'s copy of the variables (by variable name) it pulled at global step ``step``."""
+    """Keep worker ``worker``'s copy of the variables (by variable name) it pulled at global step ``step``: not
+    fsynced, as a state copy (it need outlive the worker's process, not the host), and so still in the page cache
+    when a rescue reads it back a moment later."""
     folder = copies_dir(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    size, sha = checkpoint.write_tensors(folder / f"worker-{worker}.tensors", values)
+    size, sha = checkpoint.write_tensors(folder / f"worker-{worker}.tensors", values, fsync=False)
     checkpoint.write_json(folder / f"worker-{worker}.json", {"worker": worker, "step": step, "run_id": run_id,
                                                              "attempt": attempt, "bytes": size, "sha256": sha,
-                                                             "variables": sorted(values)})
+                                                             "variables": sorted(values)}, fsync=False)
 
 
 @dataclass(frozen=True)
@@ -125,20 +127,19 @@ def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: li
                 if held <= set(receipt["variables"]):
                     by_step.setdefault(receipt["step"], []).append(
                         _Candidate(Source(ps, receipt["step"], f"worker {worker}", None), file, receipt))
-    chosen = _newest_common(candidates, after=committed[-1] if committed else -1)
+    read: dict[Path, dict[str, torch.Tensor] | None] = {}  # each file's tensors, read back once (None: damaged)
+    chosen = _newest_common(candidates, read, after=committed[-1] if committed else -1)
     if chosen is None:
         return None
     step = next(iter(chosen.values())).source.step
     folder = checkpoint.step_dir(directory, step)
     folder.mkdir(parents=True, exist_ok=True)
-    found, read, sources = [], {}, []  # read: a copy's values, by file (one copy may serve every ps)
+    found, sources = [], []
     for ps, candidate in chosen.items():
         if candidate.source.own:
             found.append(_place_shard(directory, candidate.receipt, step, attempt))
             sources.append(candidate.source)
             continue
-        if candidate.file not in read:
-            read[candidate.file] = checkpoint.read_tensors(candidate.file)
         held = [v for v in variables if v.ps == ps]
         state_step, state = _newest_state(directory, run_id, ps, held, written.get(ps, ()))
         found.append(checkpoint.write_shard(directory, step, ps, {**{v.name: read[candidate.file][v.name]
@@ -151,11 +152,12 @@ def assemble(directory, *, num_ps: int, run_id: int, attempt: int, variables: li
     return Assembled(step=step, path=path, sources=sources)
 
 
-def _newest_common(candidates: dict[int, dict[int, list[_Candidate]]], after: int) -> dict[int, _Candidate] | None:
+def _newest_common(candidates: dict[int, dict[int, list[_Candidate]]], read: dict,
+                   after: int) -> dict[int, _Candidate] | None:
     """Each ps's best source at the newest step past ``after`` at which every ps has one, or None. A source's
-    file is read back (size, SHA-256) before it is taken, once however many ps it serves: a damaged one is never
-    a source (that ps's next source of the step is tried, or the step given up)."""
-    intact: dict[Path, bool] = {}
+    file is read back and checked (size, SHA-256) before it is taken, once however many ps it serves (into
+    ``read``, by file): a damaged one is never a source (that ps's next source of the step is tried, or the step
+    given up)."""
     while True:
         common = set.intersection(*(set(by_step) for by_step in candidates.values())) if candidates else set()
         newer = [s for s in common if s > after]
@@ -163,9 +165,9 @@ def _newest_common(candidates: dict[int, dict[int, list[_Candidate]]], after: in
             return None
         step = max(newer)
         for best in (by_step[step][0] for by_step in candidates.values()):
-            if best.file not in intact:
-                intact[best.file] = _intact(best.file, best.receipt)
-        damaged = [ps for ps, by_step in candidates.items() if not intact[by_step[step][0].file]]
+            if best.file not in read:
+                read[best.file] = _read_back(best.file, best.receipt)
+        damaged = [ps for ps, by_step in candidates.items() if read[by_step[step][0].file] is None]
         if not damaged:
             return {ps: by_step[step][0] for ps, by_step in candidates.items()}
         for ps in damaged:
@@ -188,12 +190,8 @@ def _newest_state(directory: Path, run_id: int, ps: int, held,
         pass
     shapes = {v.name: tuple(v.shape) for v in held}
     for receipt in sorted(receipts, key=lambda r: r["step"], reverse=True):
-        file = directory / str(receipt.get("file"))
-        if not _intact(file, receipt):
-            continue
-        try:
-            tensors = checkpoint.read_tensors(file)
-        except CheckpointError:
+        tensors = _read_back(directory / str(receipt.get("file")), receipt)
+        if tensors is None:
             continue
         saved = receipt.get("shapes") or {name: t.shape for name, t in tensors.items() if "#" not in name}
         if any(tuple(saved.get(name, ())) != shape for name, shape in shapes.items()):
@@ -222,12 +220,12 @@ def _own_shards(directory: Path, run_id: int) -> dict[int, list[dict]]:
     return written
 
 
-def _intact(file: Path, receipt: dict) -> bool:
-    """Whether ``file`` holds what its receipt says was written: its size and SHA-256."""
+def _read_back(file: Path, receipt: dict) -> dict[str, torch.Tensor] | None:
+    """The tensors of ``file`` when it holds what its receipt says was written (its size and SHA-256), else None."""
     try:
-        return file.stat().st_size == receipt["bytes"] and checkpoint.file_sha256(file) == receipt["sha256"]
-    except (OSError, KeyError):
-        return False
+        return checkpoint.read_tensors(file, receipt)
+    except (CheckpointError, KeyError, TypeError):
+        return None
 
 
 def _worker_copies(directory: Path, run_id: int, attempt: int) -> dict[int, tuple[Path, dict]]:

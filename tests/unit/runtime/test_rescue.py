@@ -1,5 +1,7 @@
 """After a lost ps: the checkpoint assembled from the survivors' shards and the workers' copies."""
 
+from pathlib import Path
+
 import torch
 
 from pscluster.runtime import checkpoint, rescue
@@ -154,16 +156,34 @@ def test_a_lost_ps_that_held_a_sparse_table_is_not_rebuilt_from_worker_copies(tm
     assert checkpoint.committed_steps(tmp_path) == []
 
 
+def reads(monkeypatch) -> list[tuple[str, bool]]:
+    """The tensor files read from now on: (name, whether checked against a receipt as it was read)."""
+    read, read_tensors = [], checkpoint.read_tensors
+    monkeypatch.setattr(checkpoint, "read_tensors",
+                        lambda path, receipt=None: read.append((Path(path).name, receipt is not None)) or
+                        read_tensors(path, receipt))
+    return read
+
+
 def test_a_rescue_reads_back_one_copy_for_every_ps_it_serves(tmp_path, monkeypatch):
-    # the lost ps's recovery waits on this: the workers' copies of one step are alike, one is read (and checked)
+    # the lost ps's recovery waits on this: the workers' copies of one step are alike, one is read, once, and
+    # checked as it is read
     for worker in range(3):
         rescue.write_copy(tmp_path, worker, 704, values(300.0), run_id=RUN_ID, attempt=ATTEMPT)
-    checked = []
-    sha256 = checkpoint.file_sha256
-    monkeypatch.setattr(checkpoint, "file_sha256", lambda path: checked.append(path.name) or sha256(path))
+    read = reads(monkeypatch)
     assembled = assemble(tmp_path)
     assert assembled.step == 704 and {s.origin for s in assembled.sources} == {"worker 0"}
-    assert checked == ["worker-0.tensors"]
+    assert read == [("worker-0.tensors", True)]
+
+
+def test_a_restore_reads_each_shard_once_checked_as_it_is_read(tmp_path, monkeypatch):
+    # the restarted run's chief waits on this: it read, hashed and parsed every shard three times
+    rescue.write_copy(tmp_path, 0, 704, values(300.0), run_id=RUN_ID, attempt=ATTEMPT)
+    assemble(tmp_path)
+    read = reads(monkeypatch)
+    restored, _ = checkpoint.reshard(checkpoint.latest(tmp_path), VARIABLES)
+    assert sorted(read) == [("ps-0.tensors", True), ("ps-1.tensors", True)]
+    assert all(torch.equal(restored[v.id], values(300.0)[v.name]) for v in VARIABLES if not v.partitioned)
 
 
 def test_a_damaged_worker_copy_is_passed_over(tmp_path):
