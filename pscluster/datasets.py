@@ -12,6 +12,7 @@ whole split as ``tensors()``, and accepts a list or 1-D tensor of indices in
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import os
@@ -106,19 +107,26 @@ def digits(split: str = "train") -> Digits:
     return Digits(split)
 
 
+@functools.cache
 def _digits_table() -> np.ndarray:
-    """scikit-learn's digits as one table, a row per image: its 64 pixels (0-16), then its label. Read from the
-    file scikit-learn bundles, without importing scikit-learn: that import costs a second of CPU in every
+    """scikit-learn's digits as one table, a row per image: its 64 pixels (0-16), then its label; read-only, read
+    once a process (a worker's next attempt after a lost ps read it again: 0.1 s on a loaded engine). Read from
+    the file scikit-learn bundles, without importing scikit-learn: that import costs a second of CPU in every
     process that loads the digits (a worker that replaces a lost one waited on it)."""
     found = importlib.util.find_spec("sklearn")
+    table = None
     for folder in (found.submodule_search_locations or []) if found else []:
         path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
         if path.exists():
-            return np.loadtxt(path, delimiter=",")
-    from sklearn.datasets import load_digits  # a scikit-learn that keeps the file elsewhere
+            table = np.loadtxt(path, delimiter=",")
+            break
+    if table is None:
+        from sklearn.datasets import load_digits  # a scikit-learn that keeps the file elsewhere
 
-    bunch = load_digits()
-    return np.column_stack([bunch.data, bunch.target])
+        bunch = load_digits()
+        table = np.column_stack([bunch.data, bunch.target])
+    table.setflags(write=False)
+    return table
 
 
 def _load_digits(split: str) -> tuple[torch.Tensor, torch.Tensor]:

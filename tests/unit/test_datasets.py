@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from pscluster import datasets
 from pscluster.datasets import Digits, IdxDataset, digits, idx, read_idx, write_idx
 from pscluster.errors import ConfigError
 
@@ -109,6 +110,16 @@ def test_digits_loads_lazily_and_pickles_small():
     for i in (0, 17, 359):
         assert torch.equal(copy[i][0], ds[i][0]) and copy[i][1] == ds[i][1]
     assert len(cloudpickle.dumps(ds)) < 200
+
+
+def test_digits_are_read_from_their_file_once_a_process(monkeypatch):
+    # a worker's next attempt after a lost ps unpickles the dataset anew: it read the file again, on a loaded engine
+    datasets._digits_table()
+    monkeypatch.setattr(datasets.np, "loadtxt", lambda *a, **k: pytest.fail("the digits' file read again"))
+    ds = pickle.loads(pickle.dumps(Digits("train")))
+    assert len(ds) == 1437 and ds[0][0].shape == (64,)
+    with pytest.raises(ValueError):  # one table shared by every split and copy: none may change it
+        datasets._digits_table()[0, 0] = 1.0
 
 
 def test_digits_repr(test_split):
