@@ -1,14 +1,16 @@
 """Session-wide safety net: no engine, controller or ps process outlives the test run."""
 
 import os
+import shutil
 import tempfile
 
 import psutil
 import pytest
 
 os.environ.setdefault("IPP_NONINTERACTIVE", "1")
-# Run stores and registries of the tests go to a fresh directory, never the user's.
-os.environ["PSCLUSTER_HOME"] = tempfile.mkdtemp(prefix="pscluster-tests-")
+# Run stores and registries of the tests go to a fresh directory, never the user's; removed at the end (below: the
+# fault matrix's checkpoints alone fill 6 GB a session)
+HOME = os.environ["PSCLUSTER_HOME"] = tempfile.mkdtemp(prefix="pscluster-tests-")
 # the fault matrix has its own target (make faults): about 15 minutes more than the suite
 collect_ignore = [] if os.environ.get("PSCLUSTER_FAULT_MATRIX") else ["faults"]
 # the wheel check has its own target too (make wheel-check): it builds a venv from nothing
@@ -26,7 +28,7 @@ def _leftovers() -> list[psutil.Process]:
 
 @pytest.fixture(scope="session", autouse=True)
 def reap_leftover_processes():
-    """Kill (and report) any child process the tests left behind."""
+    """Kill (and report) any child process the tests left behind, then remove the tests' ``PSCLUSTER_HOME``."""
     yield
     from pscluster.cluster import forkserver
 
@@ -40,3 +42,4 @@ def reap_leftover_processes():
     psutil.wait_procs(left, timeout=5)
     if left:
         print("\nreaped leftover processes:", ", ".join(f"{p.pid}" for p in left))
+    shutil.rmtree(HOME, ignore_errors=True)  # every process that wrote there is gone
