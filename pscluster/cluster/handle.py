@@ -18,7 +18,6 @@ import secrets
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,14 +33,14 @@ from ..runtime.plan import TrainPlan, describe_variables
 from ..runtime.steps import check_loss, check_step
 from ..runtime.seeding import build_model
 from ..spec import ClusterSpec, TaskSpec, threads_per_task
-from . import reaper, registry, run_records, scaling
-from .checkpoint_commits import CheckpointCoordinator
+from . import reaper, registry, scaling
 from .engines import EngineSet
 from . import launchers
 from .launchers import Launcher
 from .progress import StartProgress, in_kernel
 from .roles import assign_roles, host_gpus, worker_devices
 from .run import Run
+from .run_start import adopt_run, start_run
 from .script_tasks import PeerWorker
 from .supervisor import Supervisor
 from .shipping import ship
@@ -248,7 +247,7 @@ class Cluster:
         results = [self._engines.client.get_result(ids[0], block=False) if ids else
                    LostWorker(ClusterStateError("its engine was lost before it started"))
                    for ids in state["msg_ids"]]
-        run = Run.adopt(self.spec, plan, self.store, results, tasks=self,
+        run = adopt_run(self.spec, plan, self.store, results, tasks=self,
                         payload=registry.read_payload(self.name, plan.run_id))
         self.runs.append(run)
         self.record()
@@ -291,7 +290,8 @@ class Cluster:
               name: str | None = DEFAULTS.name, code: str | None = None, test_dataset=None,
               eval_every: int | None = DEFAULTS.eval_every, placement=DEFAULTS.placement,
               partition: dict | None = DEFAULTS.partition, staleness_bound: int = DEFAULTS.staleness_bound,
-              max_lead: float | None = DEFAULTS.max_lead, checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
+              max_lead: float | None = DEFAULTS.max_lead,
+              checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
               checkpoint_every: int = DEFAULTS.checkpoint_every,
               checkpoint_secs: float | None = DEFAULTS.checkpoint_secs,
               keep_checkpoints: int = DEFAULTS.keep_checkpoints, restore: bool = DEFAULTS.restore,
@@ -516,26 +516,23 @@ class Cluster:
                 model_fn, loss_fn=None, step_fn=None, collate_fn=None, test_dataset=None, eval_every=None,
                 example_batch=None, name, code, checkpoint_dir, checkpoint_secs, keep_checkpoints, resume,
                 chief: "ChiefCalls | None" = None) -> Run:
-        """Record the run, give the ps tasks what its optimizer needs, and start its workers under a supervisor
-        (``payload``: what each worker is given, see ``remote.train_worker``; ``chief``: worker 0 begun already,
-        waiting for the run's plan)."""
-        checkpoints = CheckpointCoordinator(self.store, every_s=checkpoint_secs or None, keep=keep_checkpoints)
-        run_plan, notices = run_records.create_run(
-            self.store, run_plan, name=name, cluster=self.name, spec=spec.public_dict(), code=code,
-            checkpoint_dir=checkpoint_dir, resume=resume, own_default=True,
-            default_dir=lambda run_id: Path(self.store.path).parent / "checkpoints" / f"run-{run_id}")
+        """Give the ps tasks what the run's optimizers need, then start the run (``start_run``) in the notebook's
+        checkpoint folders (``payload``: what each worker is given, see ``remote.train_worker``; ``chief``: worker 0
+        begun already, waiting for the run's plan)."""
         self._ship_to_ps({name: obj for o in optimizers for name, obj in optim.shipped(o).items()})
-        run = Run(spec, run_plan, model_fn, loss_fn, self.store, step_fn=step_fn, collate_fn=collate_fn,
-                  test_dataset=test_dataset, eval_every=eval_every, tasks=self, checkpoints=checkpoints,
-                  payload=payload, metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports,
-                  example_batch=example_batch)
-        if self.detached:
-            registry.write_payload(self.name, run_plan.run_id, payload)  # for replacement workers after an attach
-        for notice in notices:
-            run.supervisor.say(notice.kind, notice.line, notice.detail)
-        run.supervisor.start(lambda supervisor: [chief.go_on(supervisor.plan) if chief is not None and t.index == 0
-                                                 else self.launch_worker(spec, t.index, supervisor)
-                                                 for t in spec.workers])
+
+        def launch(supervisor: Supervisor) -> list:
+            if self.detached:  # for replacement workers after an attach
+                registry.write_payload(self.name, supervisor.plan.run_id, payload)
+            return [chief.go_on(supervisor.plan) if chief is not None and t.index == 0
+                    else self.launch_worker(spec, t.index, supervisor) for t in spec.workers]
+
+        run = start_run(self.store, spec, run_plan, launch=launch, name=name, cluster=self.name, code=code,
+                        checkpoint_dir=checkpoint_dir, resume=resume, checkpoint_secs=checkpoint_secs,
+                        keep_checkpoints=keep_checkpoints, model_fn=model_fn, loss_fn=loss_fn, step_fn=step_fn,
+                        collate_fn=collate_fn, test_dataset=test_dataset, eval_every=eval_every,
+                        example_batch=example_batch, tasks=self, payload=payload,
+                        metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports)
         self.runs.append(run)
         self.record()
         return run

@@ -227,5 +227,5 @@ class Registration:
         try:
             remove(self.cluster.name)
         except OSError as e:
-            log.warning("cluster %s: its registry entry cannot be removed (%s): the side panel lists it until this process ends",
-                        self.cluster.name, e)
+            log.warning("cluster %s: its registry entry cannot be removed (%s): the side panel lists it until this "
+                        "process ends", self.cluster.name, e)

@@ -8,8 +8,6 @@ afterwards), the run store's metrics and events, the dashboard.
 from __future__ import annotations
 
 import html
-import math
-import os
 import queue
 import sys
 import threading
@@ -20,16 +18,11 @@ import torch
 
 from ..errors import RuntimeTimeout, TrainingError
 from ..metrics import epochs, speed
-from ..metrics.store import RunStore
 from ..runtime import checkpoint
-from ..runtime.evaluation import evaluate
 from ..runtime.plan import TrainPlan
-from ..runtime.policies import policy_for
-from ..runtime.steps import traceable_inputs
-from ..runtime.seeding import build_model
 from ..spec import ClusterSpec
-from . import recovery, user_traceback
-from .checkpoint_commits import CheckpointCoordinator
+from . import run_summary, user_traceback
+from .model_code import ModelCode
 from .progress import StepProgress
 from .supervisor import Supervisor
 
@@ -39,50 +32,18 @@ DASHBOARD_END_S = 10.0  # the most wait() waits for a dashboard it displayed to 
 class Run:
     """A training run on a cluster. ``cluster.train(...)`` returns one; it trains in the background.
 
-    Its ``supervisor`` follows the workers, evaluates the model on ``test_dataset``
-    at every multiple of ``eval_every`` global steps, exactly (from the checkpoints the ps tasks write there), and
-    at the end (into the run store: ``evaluations()``), commits the checkpoints the ps tasks write,
-    replaces lost tasks (with ``tasks``, the cluster; see ``recovery``), and finalizes the run when the
-    workers end. ``example_batch``: a batch of the dataset, on which the model's graph is traced for
-    TensorBoard. The rest of the arguments are the supervisor's.
+    A handle on the ``supervisor`` that follows the run (see ``run_start``, which starts both): it reads what the
+    supervisor and the run store hold, and asks the supervisor to stop or checkpoint. ``code``: the model, loss,
+    step and collate functions, with which ``model()`` and ``evaluate()`` build the trained model in this process.
     """
 
-    def __init__(self, spec: ClusterSpec, plan: TrainPlan, model_fn, loss_fn, store: RunStore, *, step_fn=None,
-                 collate_fn=None, test_dataset=None, eval_every: int | None = None,
-                 tasks: recovery.Tasks | None = None, checkpoints: CheckpointCoordinator | None = None,
-                 payload: bytes = b"", metrics_port: int = 0, metrics_host: str = "127.0.0.1",
-                 metrics_ports: tuple[int, int] | None = None, example_batch=None):
-        self.store = store
-        self._model_fn = model_fn
-        self._loss_fn = loss_fn
-        self._step_fn = step_fn
-        self._collate_fn = collate_fn
-        self._rates, self._rates_row = speed.RunRates(), 0  # from the store's metric rows up to that row
-        self._rates_lock = threading.Lock()
+    def __init__(self, supervisor: Supervisor, code: ModelCode = ModelCode()):
+        self.supervisor = supervisor
+        self.store = supervisor.store
+        self.name = supervisor.name
+        self._code = code
         self._dashboards = []  # those run.dashboard() displayed: wait() returns once they show the end
         self._displays: list[threading.Thread] = []  # each shows this run's end in an output that showed it live
-        evaluator = None if test_dataset is None else lambda state: self._evaluate_state(state, test_dataset)
-        self.supervisor = Supervisor(spec, plan, store, tasks=tasks, checkpoints=checkpoints, payload=payload,
-                                     evaluator=evaluator, eval_every=eval_every, summarize=self.summary,
-                                     metrics_port=metrics_port, metrics_host=metrics_host,
-                                     metrics_ports=metrics_ports)
-        self.name = self.supervisor.name
-        inputs = traceable_inputs(example_batch, step_fn)
-        if inputs is not None:
-            self.supervisor.event_files.trace_graph(build_model(model_fn, plan.seed), inputs)
-
-    @classmethod
-    def adopt(cls, spec: ClusterSpec, plan: TrainPlan, store: RunStore, worker_results, *, tasks: recovery.Tasks,
-              payload: bytes) -> "Run":
-        """Follow a run that another process started (on a detached cluster) and trains still: its metrics are
-        received again at the address its tasks send to, and it is finalized here. Its model and loss
-        functions stay on the engines (``state_dict()`` works, ``model()`` does not)."""
-        host, port = plan.metrics_address[len("tcp://"):].rsplit(":", 1) if plan.metrics_address else ("127.0.0.1", 0)
-        run = cls(spec, plan, None, None, store, tasks=tasks, payload=payload, metrics_port=int(port),
-                  metrics_host=host)
-        run.supervisor.note("adopted", "controller", {"pid": os.getpid()})
-        run.supervisor.start(lambda _: worker_results, adopted=True)
-        return run
 
     @property
     def id(self) -> int:
@@ -138,11 +99,6 @@ class Run:
     def finished(self) -> float | None:
         return self.supervisor.finished
 
-    def _evaluate_state(self, state: dict, dataset) -> dict:
-        model = build_model(self._model_fn, self.plan.seed)
-        model.load_state_dict(state)
-        return evaluate(model, dataset, self._loss_fn, step_fn=self._step_fn, collate_fn=self._collate_fn)
-
     def latest_checkpoint_step(self) -> int | None:
         """The global step of the run's newest committed checkpoint (None: none yet)."""
         return self.supervisor.latest_checkpoint_step()
@@ -172,12 +128,11 @@ class Run:
     @property
     def local_steps(self) -> list[int] | None:
         """Each worker's local steps once the run is over, over every attempt of the run (a lost ps restarts it)."""
-        return None if self.results is None else [r["local_steps"] + self.supervisor.earlier_local_steps(r["task"])
-                                                  for r in self.results]
+        return run_summary.local_steps(self.supervisor)
 
     @property
     def wall_s(self) -> float:
-        return (self.finished or time.time()) - self.started
+        return run_summary.wall_s(self.supervisor)
 
     # --- control -------------------------------------------------------------------------
     def wait(self, timeout: float | None = None, *, verbose: bool = True, progress: bool = False) -> "Run":
@@ -263,18 +218,12 @@ class Run:
     def model(self, timeout: float | None = None) -> torch.nn.Module:
         """A model built by ``model_fn`` in this process, holding the trained state (loaded strictly; waits for the
         run's end as ``state_dict`` does)."""
-        if self._model_fn is None:
-            raise TrainingError(f"{self.name} was started by another process, whose model_fn this one does not "
-                                "have: build the model and load run.state_dict() into it")
-        model = build_model(self._model_fn, self.plan.seed)
-        model.load_state_dict(self.state_dict(timeout))
-        return model
+        return self._code.model(self.state_dict(timeout), self.name)
 
     def evaluate(self, dataset, *, batch_size: int = 1024, timeout: float | None = None) -> dict:
         """``{"loss": ..., "accuracy": ...}`` of the trained model on ``dataset`` (waits for the run's end as
         ``state_dict`` does)."""
-        return evaluate(self.model(timeout), dataset, self._loss_fn, step_fn=self._step_fn, batch_size=batch_size,
-                        collate_fn=self._collate_fn)
+        return self._code.evaluate(self.model(timeout), dataset, batch_size=batch_size)
 
     def dashboard(self) -> None:
         """Display this run's dashboard: live while it trains, the final figures once it is over.
@@ -302,40 +251,16 @@ class Run:
 
     def staleness(self) -> dict[int, int]:
         """Histogram of push staleness, counted by ps 0 (async runs)."""
-        stats = self.ps_stats or self.supervisor.read_ps_stats(5.0) or [{}]
-        return {int(k): v for k, v in stats[0].get("staleness", {}).items()}
+        return run_summary.staleness(self.supervisor)
 
     def rates(self) -> speed.RunRates:
         """The run's steps/s (global and each worker's, by ``speed.rate``) and the span of its reported steps,
         from the metric rows the run store holds so far."""
-        with self._rates_lock:
-            new = self.store.metrics(self.id, after_row=self._rates_row)
-            if len(new):
-                self._rates.add(new)
-                self._rates_row = int(new["row"].max())
-            return self._rates
+        return self.supervisor.rates.now()
 
     def summary(self) -> dict:
-        """The run as plain data (for reports): mode, sizes, steps, speed, times.
-
-        ``steps_per_s`` (global) and ``worker_steps_per_s`` (local, by worker index) by ``speed.rate``: over
-        the last ``speed.RECENT_S`` seconds while the run trains, over all its rows once it ended; None
-        where there is no rate. ``wall_s``, ``startup_s`` (to the first reported step) and ``training_s``
-        (from the first reported step to the last) by ``speed.phases``."""
-        results = self.results or []
-        samples = sum(r["samples"] for r in results)
-        stats = self.ps_stats or [{}]
-        rates, live = self.rates(), self.finished is None
-        return {"name": self.name, "run_id": self.plan.run_id, "mode": self.mode,
-                "ps": len(self.spec.ps), "workers": len(self.spec.workers),
-                "replicas_to_aggregate": self.plan.replicas_to_aggregate, "steps": self.plan.steps,
-                "global_step": stats[0].get("step"), "local_steps": self.local_steps,
-                "dropped_stale": stats[0].get("dropped_stale"), "late": stats[0].get("late"),
-                "staleness": self.staleness() if policy_for(self.mode).counts_staleness else None,
-                "samples_per_sec": samples / self.wall_s if self.done and self.wall_s > 0 else None,
-                "steps_per_s": _number(rates.run(live=live)),
-                "worker_steps_per_s": {w: _number(r) for w, r in rates.workers(live=live).items()},
-                **speed.phases(self.started, self.finished, rates.span(), time.time()), "status": self.status}
+        """The run as plain data (for reports): mode, sizes, steps, speed, times (``run_summary.summary``)."""
+        return run_summary.summary(self.supervisor)
 
     @property
     def status(self) -> str:
@@ -378,11 +303,6 @@ class Run:
             self._displays.append(threading.Thread(target=show_end, name=f"pscluster-{self.name}-display",
                                                    daemon=True))
             self._displays[-1].start()
-
-
-def _number(v: float) -> float | None:
-    """``v``, or None for NaN (a summary is JSON)."""
-    return None if math.isnan(v) else v
 
 
 def _fmt(v) -> str:

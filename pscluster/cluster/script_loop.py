@@ -55,9 +55,8 @@ from ..runtime.context import FirstCallContext, WorkerContext, loop_plan, settin
 from ..runtime.options import OPTIONS, RECORD_OPTIONS, SCRIPT, take
 from ..runtime.plan import TrainPlan
 from ..task_config import from_environment
-from . import run_records
-from .checkpoint_commits import CheckpointCoordinator
 from .run import Run
+from .run_start import start_run
 from .script_run import close_run
 from .script_tasks import ScriptTasks
 from .supervisor import one_line
@@ -88,15 +87,8 @@ def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "Sc
                           "(if ctx.is_chief: ...), and leave the evaluator out of the cluster")
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
     record["name"] = record["name"] or script.stem or "script"
-    ctx = ScriptContext(spec, task.index, given, store=store, log=log,
-                        code=script.read_text() if script.is_file() else None, **record)
-    # the interpreter's own shutdown hooks run after the main module: ours before concurrent.futures' (which
-    # refuses new work from then on: the run's final checkpoint needs it), as threading calls them in reverse
-    threading._register_atexit(ctx._at_exit)
-    sys.excepthook = ctx._excepthook(sys.excepthook)
-    if task.is_chief and threading.current_thread() is threading.main_thread():  # which alone takes signals
-        signal.signal(signal.SIGTERM, ctx._terminate)
-    return ctx
+    return ScriptContext(spec, task.index, given, store=store, log=log,
+                         code=script.read_text() if script.is_file() else None, **record)
 
 
 def _flag(name: str, value) -> str:
@@ -108,7 +100,8 @@ def _flag(name: str, value) -> str:
 class ScriptContext(FirstCallContext):
     """A script's worker context: its plan is made at the loop's first training call (a registered module's first
     forward once an optimizer is registered, a batch of ``ctx.shard``, ``ctx.global_step``...), from every module
-    and optimizer registered by then."""
+    and optimizer registered by then. One a process: made, it takes the process's exit hook (``_at_exit``), its
+    hook of uncaught exceptions (``_excepthook``) and, on the chief, SIGTERM (``_terminate``)."""
 
     def __init__(self, spec, index: int, options: dict, *, name: str, store, checkpoint_dir, checkpoint_secs,
                  keep_checkpoints: int, log, code: str | None):
@@ -125,6 +118,12 @@ class ScriptContext(FirstCallContext):
         self._attempts: queue.Queue = queue.Queue()  # the chief: the plans of the attempts after the first
         self._loop_error: BaseException | None = None  # what escaped the script (``_excepthook``)
         self._terminated = False  # the chief: SIGTERM came, and stopped its run (``_terminate``)
+        # the interpreter's own shutdown hooks run after the main module: ours before concurrent.futures' (which
+        # refuses new work from then on: the run's final checkpoint needs it), as threading calls them in reverse
+        threading._register_atexit(self._at_exit)
+        sys.excepthook = self._excepthook(sys.excepthook)
+        if self._task.is_chief and threading.current_thread() is threading.main_thread():  # which alone takes signals
+            signal.signal(signal.SIGTERM, self._terminate)
 
     def _planned_run(self, model, modules, optimizers) -> TrainPlan:
         """The run's plan, from what the loop registered: the chief starts the run; another worker joins the one
@@ -141,22 +140,15 @@ class ScriptContext(FirstCallContext):
         workers; the run's plan."""
         record = self._run_record
         runs = RunStore(record["store"])
-        plan, notices = run_records.create_run(
-            runs, plan, name=record["name"], cluster=self._spec.name, spec=self._spec.public_dict(),
-            code=record["code"], checkpoint_dir=record["checkpoint_dir"],
-            default_dir=lambda _: Path(runs.path).parent / "checkpoints" / record["name"])
-        run_records.end_orphans(runs, plan)
         tasks = ScriptTasks(self._chief_worker)
-        self.run = Run(self._spec, plan, self._modules.model, None, runs, tasks=tasks,
-                       checkpoints=CheckpointCoordinator(runs, every_s=record["checkpoint_secs"] or None,
-                                                         keep=record["keep_checkpoints"]),
-                       metrics_host=self._task.host, metrics_port=self._task.port)
-        for notice in notices:  # the run's events, and this worker's log (the chief follows its run silently)
-            self.run.supervisor.say(notice.kind, notice.line, notice.detail)
-            if self._log is not None:
-                self._log(notice.line)
-        self.run.supervisor.start(lambda supervisor: [tasks.launch_worker(self._spec, t.index, supervisor)
-                                                      for t in self._spec.workers])
+        spec = self._spec
+        # the notices go to this worker's log too: the chief follows its run silently
+        self.run = start_run(runs, spec, plan, name=record["name"], cluster=spec.name, scripted=True,
+                             code=record["code"], checkpoint_dir=record["checkpoint_dir"],
+                             checkpoint_secs=record["checkpoint_secs"], keep_checkpoints=record["keep_checkpoints"],
+                             log=self._log, model_fn=self._modules.model, loss_fn=None, tasks=tasks,
+                             metrics_host=self._task.host, metrics_port=self._task.port,
+                             launch=lambda run: [tasks.launch_worker(spec, t.index, run) for t in spec.workers])
         return self.run.plan
 
     def _chief_worker(self, plan: TrainPlan, join: bool) -> dict:

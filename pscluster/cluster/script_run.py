@@ -42,9 +42,8 @@ from ..runtime.steps import check_step
 from ..runtime.seeding import build_model
 from ..runtime.worker import run_worker
 from ..task_config import from_environment
-from . import run_records
-from .checkpoint_commits import CheckpointCoordinator
 from .run import Run
+from .run_start import start_run
 from .script_evaluator import evaluate_checkpoints
 from .script_tasks import ScriptTasks
 
@@ -86,20 +85,15 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
     name = name or script.stem or "script"
     runs = RunStore(store)
-    plan, notices = run_records.create_run(runs, plan, name=name, cluster=spec.name, spec=spec.public_dict(),
-                                           code=script.read_text() if script.is_file() else None,
-                                           checkpoint_dir=checkpoint_dir,
-                                           default_dir=lambda _: Path(runs.path).parent / "checkpoints" / name)
-    run_records.end_orphans(runs, plan)
     tasks = ScriptTasks(lambda plan, join: run_worker(spec, 0, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
                                                       collate_fn=collate_fn, join=join))
-    run = Run(spec, plan, model_fn, loss_fn, runs, step_fn=step_fn, collate_fn=collate_fn,
-              test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every, tasks=tasks,
-              checkpoints=CheckpointCoordinator(runs, every_s=checkpoint_secs or None, keep=keep_checkpoints),
-              metrics_host=task.host, metrics_port=task.port, example_batch=example_batch)
-    for notice in notices:  # printed with the run's log lines by run.wait
-        run.supervisor.say(notice.kind, notice.line, notice.detail)
-    run.supervisor.start(lambda supervisor: [tasks.launch_worker(spec, t.index, supervisor) for t in spec.workers])
+    run = start_run(runs, spec, plan, name=name, cluster=spec.name, scripted=True,
+                    code=script.read_text() if script.is_file() else None, checkpoint_dir=checkpoint_dir,
+                    checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints,
+                    launch=lambda supervisor: [tasks.launch_worker(spec, t.index, supervisor) for t in spec.workers],
+                    model_fn=model_fn, loss_fn=loss_fn, step_fn=step_fn, collate_fn=collate_fn,
+                    test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every, tasks=tasks,
+                    metrics_host=task.host, metrics_port=task.port, example_batch=example_batch)
     with _stopped_on_sigterm(run):
         try:
             run.wait(verbose=log is not None)

@@ -41,7 +41,7 @@ from ..runtime.network import bind_in_range
 from ..runtime.plan import TrainPlan, assemble, state_dict_of
 from ..runtime.waiting import wait_until
 from ..spec import ClusterSpec, TaskSpec
-from . import recovery, scaling
+from . import recovery, run_summary, scaling
 from .checkpoint_commits import CheckpointCoordinator
 from .lease import Lease
 from .worker_output import WorkerOutput
@@ -62,15 +62,14 @@ class Supervisor:
 
     ``tasks``: the cluster (``recovery.Tasks``); None: nothing is replaced, a lost task fails the run.
     ``payload``: the shipped (model_fn, dataset, loss_fn), for the workers it starts. ``evaluator`` scores
-    the parameters every ``eval_every`` global steps and at the end (into the run store); ``summarize()`` gives
-    the summary the store keeps with the final status (``Run.summary``). The tasks' metrics
+    the parameters every ``eval_every`` global steps and at the end (into the run store); the store keeps the
+    run's summary (``run_summary``) with its final status. The tasks' metrics
     arrive on ``metrics_host`` only: on ``metrics_port``, or a free port of ``metrics_ports``.
     """
 
     def __init__(self, spec: ClusterSpec, plan: TrainPlan, store: RunStore, *, tasks: recovery.Tasks | None = None,
                  checkpoints: CheckpointCoordinator | None = None, payload: bytes = b"",
-                 evaluator: Evaluator | None = None, eval_every: int | None = None,
-                 summarize: Callable[[], dict] = dict, metrics_port: int = 0,
+                 evaluator: Evaluator | None = None, eval_every: int | None = None, metrics_port: int = 0,
                  metrics_host: str = "127.0.0.1", metrics_ports: tuple[int, int] | None = None):
         self.spec = spec
         self.plan = plan
@@ -85,7 +84,6 @@ class Supervisor:
         self.evaluated: set[int] = set()  # the global steps evaluated
         if evaluator is not None and plan.checkpoint_dir:  # every ps writes a shard at each step to evaluate
             plan = replace(plan, eval_every=self.eval_every)
-        self.summarize = summarize
         self.membership = threading.Lock()  # held while workers are replaced, added or removed
         self.closed = False  # set (under membership) once the run ends: no member changes after that
         self.worker_results = []  # one per worker of the spec, by index
@@ -96,6 +94,7 @@ class Supervisor:
         self.pending_logs: queue.Queue = queue.Queue()  # lines not yet printed by Run.wait
         self.output = WorkerOutput(self._log)  # what the workers print, among the logs
         self.latest_step = 0  # the latest global step a worker reported
+        self.rates = run_summary.StoreRates(store, plan.run_id)  # steps/s from the rows the store holds
         self.divergence = DivergenceWatch()  # the workers' losses, in the order they arrive
         self.divergence.found = store.divergence(plan.run_id)  # an adopted run's, found by its first supervisor
         # the outcome, set once by _finish
@@ -521,7 +520,8 @@ class Supervisor:
                 self._record_evaluation(step, self.state_dict)
         else:
             self.state_dict = self._last_state()
-        self.store.set_status(self.id, self.status, self.summarize(), failure=self.failure, ended=self.finished)
+        self.store.set_status(self.id, self.status, run_summary.summary(self), failure=self.failure,
+                              ended=self.finished)
         self.store.add_event(self.id, "controller", "end", {"status": self.status, "error": self.error_line,
                                                              "traceback": self.error})
 
