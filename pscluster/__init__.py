@@ -51,11 +51,20 @@ def __getattr__(name):
 
 
 def runs(store=None):
-    """Past runs in the run store (default ``$PSCLUSTER_HOME/runs.sqlite``), newest first, as a DataFrame."""
+    """Past runs in the run store (default ``$PSCLUSTER_HOME/runs.sqlite``), newest first, as a DataFrame (see
+    ``RunStore.runs``), ``started`` and ``ended`` as dates in this machine's time zone (``NaT``: not ended)."""
+    from datetime import datetime
+
+    import pandas as pd
+
     from .metrics.store import RunStore
 
     with RunStore(store) as s:
-        return s.runs()
+        found = s.runs()
+    zone = datetime.now().astimezone().tzinfo
+    for column in ("started", "ended"):
+        found[column] = pd.to_datetime(found[column], unit="s", utc=True).dt.tz_convert(zone)
+    return found
 
 
 def clusters() -> list[dict]:

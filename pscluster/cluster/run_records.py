@@ -39,7 +39,8 @@ from ..errors import ConfigError
 from ..metrics.store import UNENDED, RunStore
 from ..runtime import checkpoint
 from ..runtime.plan import TrainPlan
-from ..runtime.policies import policy_for
+from ..runtime.policies import POLICIES, policy_for
+from ..runtime.tagged import shown
 
 # the settings that make a run another experiment than the run whose checkpoint it would start from: how the ps
 # tasks combine the workers' gradients, the optimizer with its options, groups and schedule, what each step sees.
@@ -123,8 +124,11 @@ def create_run(store: RunStore, plan: TrainPlan, *, name: str | None, cluster: s
 
 def _config(plan: TrainPlan) -> dict:
     """What the store keeps of a run's settings: the plan's, and what its mode means for the views (which do not
-    import the runtime): ``aggregates_steps``, whether each global step waits for the workers' gradients."""
-    return {**plan.settings(), "aggregates_steps": policy_for(plan).aggregates_steps}
+    import the runtime): ``aggregates_steps``, whether each global step waits for the workers' gradients, and
+    ``other_modes_options``, the options only other modes read (the views leave them out)."""
+    policy = policy_for(plan)
+    return {**plan.settings(), "aggregates_steps": policy.aggregates_steps,
+            "other_modes_options": sorted({o for p in POLICIES.values() for o in p.options} - set(policy.options))}
 
 
 def _unused(directory: Path) -> Path:
@@ -219,8 +223,7 @@ def _differences(found: _Found, plan: TrainPlan) -> dict[str, list]:
 
 
 def _said(differs: dict[str, list]) -> str:
-    shown = {k: [v if isinstance(v, str) else json.dumps(v) for v in pair] for k, pair in differs.items()}
-    return "; ".join(f"its {k} was {then}, this run's is {now}" for k, (then, now) in shown.items())
+    return "; ".join(f"its {k} was {shown(then)}, this run's is {shown(now)}" for k, (then, now) in differs.items())
 
 
 def _described(found: _Found) -> str:

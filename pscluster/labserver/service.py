@@ -20,6 +20,7 @@ from ..cluster import control, registry
 from ..errors import DamagedStore
 from ..metrics import epochs, speed
 from ..metrics.store import RAW_WINDOW, RunStore, default_path
+from ..runtime.tagged import shown
 from .models import (ActionResult, ClusterInfo, ClusterList, Divergence, Evaluation, Failure, LearningRate, RunInfo,
                      RunList, SeriesData, SkippedCluster, TaskInfo)
 
@@ -270,11 +271,12 @@ def _cluster_info(entry: dict) -> ClusterInfo:
 
 
 def _hyperparameters(config: dict) -> dict:
-    """What tells runs apart, from a run's config: the optimizer and its arguments, then HYPERPARAMETERS
-    (settings that are None are left out)."""
+    """What tells runs apart, from a run's config: the optimizer and its arguments as the user wrote them
+    (``tagged.shown``), then HYPERPARAMETERS but those only other modes read (settings that are None are left
+    out)."""
     found = {"optimizer": config.get("optimizer")} | dict(config.get("optimizer_kwargs") or {})
-    found |= {k: config.get(k) for k in HYPERPARAMETERS}
-    return {k: v if isinstance(v, (int, float, bool)) else str(v) for k, v in found.items() if v is not None}
+    found |= {k: config.get(k) for k in HYPERPARAMETERS if k not in config.get("other_modes_options", ())}
+    return {k: v if isinstance(v, (int, float, bool)) else shown(v) for k, v in found.items() if v is not None}
 
 
 def _nulls(column: pd.Series) -> list:

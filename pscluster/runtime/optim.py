@@ -44,6 +44,7 @@ from torch.optim import lr_scheduler
 
 from ..errors import ConfigError
 from . import update_guard
+from .tagged import COUNTER, TENSOR, TUPLE, tag_of
 
 # What the ps can apply sparse gradients with (Adam and AdamW as the lazy SparseAdam)
 SPARSE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam, torch.optim.AdamW)
@@ -242,14 +243,14 @@ def _encode(value, what: str):
                               f"{_MAX_TENSOR_ELEMENTS} elements, or a number")
         if value.is_floating_point() and not torch.isfinite(value).all():
             raise ConfigError(f"{what}: a tensor with NaN or infinite elements; give finite values")
-        return {"$tensor": {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
+        return {TENSOR: {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
                             "data": value.detach().cpu().flatten().tolist()}}
     if isinstance(value, tuple):
-        return {"$tuple": [_encode(v, what) for v in value]}
+        return {TUPLE: [_encode(v, what) for v in value]}
     if isinstance(value, list):
         return [_encode(v, what) for v in value]
     if isinstance(value, Counter):
-        return {"$counter": [[_encode(k, what), _encode(v, what)] for k, v in value.items()]}
+        return {COUNTER: [[_encode(k, what), _encode(v, what)] for k, v in value.items()]}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {k: _encode(v, f"{what}[{k!r}]") for k, v in value.items()}
     raise ConfigError(f"{what}={value!r} has no JSON form (the ps tasks get the spec, and checkpoints keep the "
@@ -262,13 +263,14 @@ def _decode(data):
         return type(data)(_decode(v) for v in data)
     if not isinstance(data, dict):
         return data
-    if len(data) == 1:
-        (tag, body), = data.items()
-        if tag == "$tuple":
+    tagged = tag_of(data)
+    if tagged is not None:
+        tag, body = tagged
+        if tag == TUPLE:
             return tuple(_decode(v) for v in body)
-        if tag == "$counter":
+        if tag == COUNTER:
             return Counter({_decode(k): _decode(v) for k, v in body})
-        if tag == "$tensor":
+        if tag == TENSOR:
             dtype = getattr(torch, str(body["dtype"]), None)
             if not isinstance(dtype, torch.dtype):
                 raise ConfigError(f"tensor of dtype {body['dtype']!r}: give a torch dtype name such as 'float32'")

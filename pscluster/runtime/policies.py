@@ -140,6 +140,9 @@ class Policy(ABC):
     one step older than the values it is applied to, is applied, not dropped, and no answer is held for its
     staleness."""
 
+    options: ClassVar[tuple[str, ...]] = ()
+    """The run options (``runtime.options``) that only this mode reads: the views show them for its runs alone."""
+
     def __init__(self, server: Server, config):
         """``config``: the run's ``plan.PsConfig``."""
         self.server = server
@@ -171,6 +174,7 @@ class Sync(Policy):
 
     name = "sync"
     aggregates_steps = True
+    options = ("replicas_to_aggregate",)
 
     def __init__(self, server: Server, config):
         super().__init__(server, config)
@@ -252,6 +256,7 @@ class Async(Policy):
     name = "async"
     counts_staleness = True
     allows_pipeline = True
+    options = ("max_lead", "pipeline")
 
     def __init__(self, server: Server, config):
         super().__init__(server, config)
@@ -328,6 +333,7 @@ class SSP(Async):
 
     name = "ssp"
     allows_pipeline = False
+    options = ("staleness_bound",)
 
     def __init__(self, server: Server, config):
         super().__init__(server, config)

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import torch
@@ -91,7 +92,11 @@ def test_store_holds_metrics_placement_and_events_of_a_run(stored_cluster, digit
 
 def test_runs_survive_the_process_that_trained_them(stored_cluster):
     _, path = stored_cluster
-    code = f"import pscluster; print(pscluster.runs({str(path)!r}).to_json(orient='records'))"
+    code = f"import pscluster; print(pscluster.runs({str(path)!r}).to_json(orient='records', date_format='iso'))"
     listing = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     runs = json.loads(listing.stdout)
     assert [r["name"] for r in runs] == ["stored-sync"] and runs[0]["status"] == "finished"
+    # its times as dates, not seconds since 1970
+    started, ended = (datetime.fromisoformat(runs[0][k]) for k in ("started", "ended"))
+    assert timedelta(0) < ended - started < timedelta(minutes=10) and datetime.now(timezone.utc) - ended < \
+        timedelta(hours=1)

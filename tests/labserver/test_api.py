@@ -9,11 +9,14 @@ import time
 
 import pandas as pd
 import pytest
+import torch
 
-from pscluster.cluster import registry
+from pscluster.cluster import registry, run_records
 from pscluster.labserver.service import SPARK_POINTS
 from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
+from pscluster.runtime import optim
+from pscluster.runtime.plan import TrainPlan
 
 ROUTES = [("GET", ("clusters",)), ("POST", ("clusters", "c", "stop")),
           ("POST", ("clusters", "c", "tasks", "worker", "1", "kill")),
@@ -41,6 +44,23 @@ def epoch(worker: int, number: int, t: float) -> dict:
 def new_run(store: RunStore, cluster: str = "gone-cluster", steps_target: int = 500) -> int:
     return store.create_run(name=None, cluster=cluster, mode="sync", config={**CONFIG, "steps": steps_target},
                             spec={})
+
+
+@pytest.mark.parametrize("mode, only_its_mode", [("sync", {"replicas_to_aggregate": 2}), ("async", {}),
+                                                  ("ssp", {"staleness_bound": 3})])
+async def test_a_run_s_settings_are_those_its_mode_reads_as_the_user_wrote_them(api, home, mode, only_its_mode):
+    # as the run store keeps them: an async run showed replicas_to_aggregate=2, Adam's betas {'$tuple': [...]}
+    model = torch.nn.Linear(3, 2)
+    adam = optim.spec_of(torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9)),
+                         list(model.named_parameters()))
+    plan = TrainPlan(run_id=1, mode=mode, steps=100, batch_size=8, num_workers=2, replicas_to_aggregate=2,
+                     staleness_bound=3, optimizer=adam.optimizer, optimizer_kwargs=adam.kwargs)
+    with RunStore() as store:
+        store.create_run(name=None, cluster="gone-cluster", mode=mode, config=run_records._config(plan), spec={})
+    status, body = await api("GET", "runs")
+    shown = body["runs"][0]["hyperparameters"]
+    assert status == 200 and shown["betas"] == "(0.8, 0.9)" and shown["lr"] == 0.01 and shown["mode"] == mode
+    assert {k: shown[k] for k in ("replicas_to_aggregate", "staleness_bound") if k in shown} == only_its_mode
 
 
 @pytest.mark.parametrize("method,path", ROUTES)

@@ -4,6 +4,7 @@ import functools
 import json
 import time
 import warnings
+from collections import Counter
 
 import cloudpickle
 import pytest
@@ -11,7 +12,7 @@ import torch
 from torch.optim import lr_scheduler
 
 from pscluster.errors import ConfigError
-from pscluster.runtime import checkpoint, optim
+from pscluster.runtime import checkpoint, optim, tagged
 from pscluster.runtime.optim import (OptimizerSpec, build, check, optimizer_name, register, resolve_optimizer,
                                      resolve_scheduler, shipped)
 
@@ -732,3 +733,14 @@ def test_a_keyword_neither_the_caller_nor_the_optimizer_takes_names_the_closest_
 
     optim.check_keywords(AnyOption, {"stpes": 3}, of=train, caller="train()")  # it takes any keyword
     optim.check_keywords("no such optimizer", {"stpes": 3}, of=train, caller="train()")  # refused where it is built
+
+
+@pytest.mark.parametrize("value, as_written", [
+    ((0.9, 0.999), "(0.9, 0.999)"), ((0.5,), "(0.5,)"), ([1, (2, 3)], "[1, (2, 3)]"),
+    (Counter({3: 2}), "Counter({3: 2})"),
+    (torch.tensor([0.5, 0.25]), "tensor([0.5, 0.25])"), (torch.tensor(0.1, dtype=torch.float64), "tensor(0.1)"),
+    ({"a": (1, 2)}, "{'a': (1, 2)}"), ("cosine", "cosine"), (None, "None")])
+def test_an_option_s_json_form_is_shown_as_it_was_written(value, as_written):
+    # the views show the run store's options (they load no torch): never the form's tags ({'$tuple': [...]})
+    form = json.loads(json.dumps(optim._encode(value, "option")))
+    assert tagged.shown(form) == as_written
