@@ -50,6 +50,7 @@ def cluster(start_cluster):
 def ip(cluster):
     """The process's IPython shell, with the magics following ``cluster``."""
     shell = get_ipython() or start_ipython()  # one shell a process: another module may have made it
+    shell.run_cell("import torch")  # as a notebook's first cell does (the cells below use it)
     shell.run_line_magic("load_ext", "pscluster")
     magics = shell.magics_manager.registry["PSClusterMagics"]
     before, magics.cluster = magics.cluster, cluster
