@@ -97,9 +97,9 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[os.write(fd, view):]
 
 
-def _write_direct(tmp: Path, views: list[memoryview], size: int) -> bool:
-    """Write ``views`` to ``tmp`` with O_DIRECT through an aligned buffer, then fsync; False (nothing
-    to keep written) where the system or the file system has no O_DIRECT."""
+def _write_direct(tmp: Path, views: list[memoryview], size: int, place) -> bool:
+    """Write ``views`` to ``tmp`` with O_DIRECT through an aligned buffer, fsync, then ``place()`` it while it is
+    still open; False (nothing to keep written) where the system or the file system has no O_DIRECT."""
     if not hasattr(os, "O_DIRECT"):
         return False
     try:
@@ -125,33 +125,44 @@ def _write_direct(tmp: Path, views: list[memoryview], size: int) -> bool:
                 _write_all(fd, out[:padded])
                 os.ftruncate(fd, size)
         os.fsync(fd)
-        return True
     except OSError as e:
         if e.errno == errno.EINVAL:  # a file system that opens with O_DIRECT but refuses its writes
             return False
         raise
+    else:
+        place()
+        return True
     finally:
         os.close(fd)
 
 
-def _write_file(path: Path, pieces, *, fsync: bool = True) -> tuple[int, str]:
-    """Write ``pieces`` (bytes-like) to ``path`` through a temporary file and a rename; with ``fsync``,
-    the data is on disk before the rename (the folder is not fsynced: the commit does that). Returns
-    (size, SHA-256 hex)."""
+def _write_file(path: Path, pieces, *, fsync: bool = True, new_folder: bool = False) -> tuple[int, str]:
+    """Write ``pieces`` (bytes-like) to ``path`` through a temporary file renamed while still open; with
+    ``fsync``, the data is on disk before the rename (the folder is not fsynced: the commit does that). With
+    ``new_folder``, ``path``'s folder is made only then (the temporary file is written beside it): the folder never
+    exists without its file, even where the file system turns read-only meanwhile (it cannot while a file on it
+    is open for writing), which would leave it empty for good. Returns (size, SHA-256 hex)."""
     views = [memoryview(p).cast("B") for p in pieces]
     size = sum(len(v) for v in views)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = (path.parent.parent / f".{path.parent.name}-{path.name}.{os.getpid()}.tmp" if new_folder else
+           path.with_name(f".{path.name}.{os.getpid()}.tmp"))
+
+    def place() -> None:
+        if new_folder:
+            path.parent.mkdir(exist_ok=True)
+        os.replace(tmp, path)
+
     with ThreadPoolExecutor(1) as hashing:
         sha = hashing.submit(_sha256, views)
         try:
-            if not (fsync and size >= _DIRECT_MIN and _write_direct(tmp, views, size)):
+            if not (fsync and size >= _DIRECT_MIN and _write_direct(tmp, views, size, place)):
                 with open(tmp, "wb") as f:
                     for view in views:
                         f.write(view)
+                    f.flush()
                     if fsync:
-                        f.flush()
                         os.fsync(f.fileno())
-            os.replace(tmp, path)
+                    place()
         except OSError as e:
             tmp.unlink(missing_ok=True)
             if e.filename is None:  # a write or close that failed (a full disk) says which file: this one
@@ -176,8 +187,10 @@ class Pieces:
     shape: tuple
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Pieces], *, fsync: bool = True) -> tuple[int, str]:
-    """Write ``tensors`` to ``path`` (atomically; fsynced unless told not to); returns (size, SHA-256 hex)."""
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Pieces], *, fsync: bool = True,
+                  new_folder: bool = False) -> tuple[int, str]:
+    """Write ``tensors`` to ``path`` (atomically; fsynced unless told not to; ``new_folder``: see ``_write_file``);
+    returns (size, SHA-256 hex)."""
     entries, datas, offset = [], [], 0
     for key, t in tensors.items():
         pieces = [p.detach().cpu().contiguous() for p in (t.pieces if isinstance(t, Pieces) else (t,))]
@@ -187,7 +200,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Pieces], *, fsyn
         datas += [p.reshape(-1).view(torch.uint8).numpy() for p in pieces if p.numel()]
         offset += nbytes
     header = json.dumps({"tensors": entries}).encode()
-    return _write_file(Path(path), [_LENGTH.pack(len(header)), header, *datas], fsync=fsync)
+    return _write_file(Path(path), [_LENGTH.pack(len(header)), header, *datas], fsync=fsync, new_folder=new_folder)
 
 
 def read_tensors(path: Path, receipt: dict | None = None) -> dict[str, torch.Tensor]:
@@ -306,8 +319,8 @@ def write_shard(directory, step: int, ps: int, tensors: dict[str, torch.Tensor],
                               "(the run diverged: lower the learning rate, or clip with max_grad_norm=...)")
     folder = step_dir(directory, step)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        size, sha = write_tensors(folder / f"ps-{ps}.tensors", tensors)
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        size, sha = write_tensors(folder / f"ps-{ps}.tensors", tensors, new_folder=True)
         receipt = {"ps": ps, "step": step, "run_id": run_id, "attempt": attempt,
                    "file": f"{folder.name}/ps-{ps}.tensors", "bytes": size, "sha256": sha, "schedule": schedule or {}}
         write_json(folder / f"ps-{ps}.json", receipt, fsync=False)  # the commit fsyncs the folder

@@ -1,5 +1,6 @@
 """Sharded checkpoints: files, commit, refusal of damaged ones, restore onto another number of ps, export."""
 
+import errno
 import hashlib
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 import textwrap
 import time
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -327,3 +329,17 @@ def test_a_committed_checkpoint_holding_a_nan_is_refused_and_the_previous_is_res
     assert checkpoint.latest(tmp_path, on_refused=refused.append).step == 10
     assert refused == [f"checkpoint of step 20 holds NaN or infinite values ({name} in {shard['file']}): a diverged "
                        "state is never restored"]
+
+
+@pytest.mark.parametrize("elements", [10, 300_000])  # through the page cache, and with O_DIRECT
+def test_a_shard_that_fails_leaves_no_step_folder_even_where_nothing_can_be_removed(tmp_path, monkeypatch,
+                                                                                    elements):
+    # the file system turned read-only mid-write: the shard fails, and so would removing a folder made for it
+    def read_only(*_, **__):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "fsync", read_only)
+    monkeypatch.setattr(Path, "rmdir", read_only)
+    with pytest.raises(CheckpointError, match="EROFS Read-only file system"):
+        checkpoint.write_shard(tmp_path, 60, 0, {"w": torch.ones(elements)}, run_id=RUN_ID)
+    assert list(tmp_path.iterdir()) == []  # no step folder left empty, nor the shard's temporary file
