@@ -46,6 +46,7 @@ FORMAT_VERSION = 1
 _LENGTH = struct.Struct("<Q")
 _MAX_HEADER = 64 << 20
 _MANIFEST = re.compile(r"^step-(\d{9})\.manifest\.json$")
+_SHARD_TMP = re.compile(r"\.step-(\d{9})-ps-\d+\.tensors\.\d+\.tmp")  # a shard being written (``_write_file``)
 _DIRECT_MIN = 1 << 20  # smaller files go through the page cache
 _DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write, a multiple of any file system's block size
 _DIRECT_ALIGN = 4096  # what O_DIRECT asks of offsets and lengths on common file systems
@@ -403,7 +404,8 @@ def commit_ready(directory, *, num_ps: int, run_id: int, attempt: int, variables
 
 def prune(directory, keep: int) -> None:
     """Delete all but the newest ``keep`` committed checkpoints (manifest first: a half-deleted one is
-    never taken for a checkpoint), and the shard folders of older uncommitted steps. A folder holds one line of
+    never taken for a checkpoint), and the shard folders of older uncommitted steps and the temporary shard files
+    of older steps (a ps killed while writing leaves one, see ``_write_file``). A folder holds one line of
     training (a run and those that restore from it: a run from scratch sets the earlier one aside, see
     ``set_aside``), so its newest steps are the writing run's own."""
     steps = committed_steps(directory)
@@ -414,6 +416,10 @@ def prune(directory, keep: int) -> None:
         for step in uncommitted_steps(directory):
             if step < steps[-1]:
                 shutil.rmtree(step_dir(directory, step), ignore_errors=True)
+        for entry in os.scandir(directory):
+            written = _SHARD_TMP.fullmatch(entry.name)
+            if written and int(written.group(1)) < steps[-1]:
+                Path(entry.path).unlink(missing_ok=True)
 
 
 def set_aside(directory, into_name: str) -> Path | None:

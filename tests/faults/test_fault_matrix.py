@@ -141,10 +141,10 @@ def wait_for_step(run, step):
 
 
 def writing_shard(directory: Path, ps: int) -> bool:
-    """Whether ps ``ps`` is writing a shard file now (its temporary file exists)."""
+    """Whether ps ``ps`` is writing a shard file now (its temporary file exists, beside the step folders: a step's
+    folder is made once its shard is whole, see ``checkpoint._write_file``)."""
     try:
-        folders = [e for e in os.scandir(directory) if e.is_dir() and e.name.startswith("step-")]
-        return any(n.startswith(f".ps-{ps}.") for f in folders for n in os.listdir(f.path))
+        return any(re.fullmatch(rf"\.step-\d{{9}}-ps-{ps}\.tensors\.\d+\.tmp", n) for n in os.listdir(directory))
     except OSError:
         return False
 

@@ -19,7 +19,7 @@ import torch
 from pscluster.cluster import recovery
 from pscluster.errors import CheckpointError
 from pscluster.runtime import checkpoint
-from pscluster.runtime.plan import assemble
+from pscluster.runtime.plan import VariableSpec, assemble
 from pscluster.runtime.seeding import build_model
 from pscluster.runtime.worker import run_worker
 
@@ -343,3 +343,16 @@ def test_a_shard_that_fails_leaves_no_step_folder_even_where_nothing_can_be_remo
     with pytest.raises(CheckpointError, match="EROFS Read-only file system"):
         checkpoint.write_shard(tmp_path, 60, 0, {"w": torch.ones(elements)}, run_id=RUN_ID)
     assert list(tmp_path.iterdir()) == []  # no step folder left empty, nor the shard's temporary file
+
+
+def test_prune_removes_what_a_ps_killed_mid_write_left_of_an_older_step(tmp_path):
+    variables = [VariableSpec(id=0, name="w", shape=(3,), dtype="float32", ps=0)]
+    for step in (10, 20):
+        checkpoint.write_shard(tmp_path, step, 0, {"w": torch.ones(3)}, run_id=RUN_ID)
+        checkpoint.commit_ready(tmp_path, num_ps=1, run_id=RUN_ID, attempt=0, variables=variables, optimizer="SGD",
+                                optimizer_kwargs={})
+    left, writing = tmp_path / ".step-000000015-ps-0.tensors.99.tmp", tmp_path / ".step-000000030-ps-0.tensors.99.tmp"
+    left.write_bytes(b"half a shard")
+    writing.write_bytes(b"a shard being written")
+    checkpoint.prune(tmp_path, keep=5)
+    assert not left.exists() and writing.exists() and checkpoint.committed_steps(tmp_path) == [10, 20]
