@@ -46,7 +46,8 @@ FORMAT_VERSION = 1
 _LENGTH = struct.Struct("<Q")
 _MAX_HEADER = 64 << 20
 _MANIFEST = re.compile(r"^step-(\d{9})\.manifest\.json$")
-_SHARD_TMP = re.compile(r"\.step-(\d{9})-ps-\d+\.tensors\.\d+\.tmp")  # a shard being written (``_write_file``)
+# the temporary file of a shard being written, beside its step's folder (``_write_file``): step, ps
+SHARD_BEING_WRITTEN = re.compile(r"\.step-(\d{9})-ps-(\d+)\.tensors\.\d+\.tmp")
 _DIRECT_MIN = 1 << 20  # smaller files go through the page cache
 _DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write, a multiple of any file system's block size
 _DIRECT_ALIGN = 4096  # what O_DIRECT asks of offsets and lengths on common file systems
@@ -417,7 +418,7 @@ def prune(directory, keep: int) -> None:
             if step < steps[-1]:
                 shutil.rmtree(step_dir(directory, step), ignore_errors=True)
         for entry in os.scandir(directory):
-            written = _SHARD_TMP.fullmatch(entry.name)
+            written = SHARD_BEING_WRITTEN.fullmatch(entry.name)
             if written and int(written.group(1)) < steps[-1]:
                 Path(entry.path).unlink(missing_ok=True)
 

@@ -28,7 +28,6 @@ Runs with ``make faults`` (about 15 minutes on 2 cores), not in ``make test``.
 
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -144,7 +143,8 @@ def writing_shard(directory: Path, ps: int) -> bool:
     """Whether ps ``ps`` is writing a shard file now (its temporary file exists, beside the step folders: a step's
     folder is made once its shard is whole, see ``checkpoint._write_file``)."""
     try:
-        return any(re.fullmatch(rf"\.step-\d{{9}}-ps-{ps}\.tensors\.\d+\.tmp", n) for n in os.listdir(directory))
+        return any((m := checkpoint.SHARD_BEING_WRITTEN.fullmatch(n)) and int(m.group(2)) == ps
+                   for n in os.listdir(directory))
     except OSError:
         return False
 
