@@ -13,13 +13,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.browser.lab import (CHROMIUM, FIGURES_DRAWN, LIVE_CELLS, LIVE_STEPS, SHOW_UNDRAWN_FIGURE, LabServer,
-                               MainThread, launch_chromium)
+from tests.browser.lab import (CHROMIUM, FIGURES_DRAWN, LIVE_CELLS, LIVE_STEPS, NOTEBOOK, SHOW_UNDRAWN_FIGURE,
+                               LabServer, MainThread, launch_chromium, open_notebook)
 
 from .common import Result, Target, alternate, compare, repetitions
 
 VIEWPORT = {"width": 1400, "height": 900}  # the browser tests' page
-NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 FIGURES = 6
 
 
@@ -28,8 +27,7 @@ def start_live_run(page, lab: LabServer) -> None:
     """Open the live notebook, run all its cells, wait until every figure is drawn with data (scrolled into view in
     turn), then scroll back to the dashboard's header."""
     page.goto(f"{lab.url}/lab?reset&token={lab.token}")
-    page.locator(".jp-DirListing-itemText", has_text="live.ipynb").dblclick()
-    page.locator(NOTEBOOK).wait_for(timeout=60_000)
+    open_notebook(page, "live.ipynb")
     deadline = time.monotonic() + 90
     while not any(k["execution_state"] == "idle" and k["connections"] for k in lab.kernels()):
         if time.monotonic() > deadline:

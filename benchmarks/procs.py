@@ -253,12 +253,15 @@ def runtime_worker(model_fn, dataset, loss_fn, *, run_id: int, log, **options) -
     summary."""
     from dataclasses import replace
 
-    from pscluster.runtime.standalone import script_plan
+    from pscluster.runtime.options import TRAIN_SCRIPT
+    from pscluster.runtime.plan import training_plan
     from pscluster.runtime.worker import run_worker
     from pscluster.task_config import from_environment
 
     spec, task = from_environment()
-    plan, dataset, collate_fn = script_plan(spec, model_fn, dataset, **options)
+    plan, _, dataset, collate_fn, _ = training_plan(model_fn, dataset, options, entry=TRAIN_SCRIPT,
+                                                    of=runtime_worker, num_ps=len(spec.ps),
+                                                    num_workers=len(spec.workers))
     return run_worker(spec, task.index, replace(plan, run_id=run_id), model_fn, dataset, loss_fn,
                       collate_fn=collate_fn, log=log)
 
@@ -267,14 +270,17 @@ def runtime_loop(train_fn, *, run_id: int, log, mode: str, steps: int, **options
     """Run ``train_fn(ctx)`` as the worker PSCLUSTER_CONFIG names, on the runtime alone, as ``runtime_worker`` runs
     the library's loop: the plan made at its loop's first training call (as ``Cluster.run``'s chief makes it); its
     summary."""
+    from dataclasses import replace
+
     from pscluster.runtime.context import loop_plan, run_loop, settings_plan
     from pscluster.task_config import from_environment
 
     spec, task = from_environment()
-    placing = {name: options.pop(name) for name in ("placement", "partition") if name in options}
-    settings = dict(options, run_id=run_id, mode=mode, steps=steps, num_workers=len(spec.workers))
-    return run_loop(spec, task.index, settings_plan(**settings), train_fn, log=log,
-                    planned=lambda *registered: loop_plan(*registered, num_ps=len(spec.ps), **placing, **settings))
+    given = dict(options, mode=mode, steps=steps)
+    return run_loop(spec, task.index, replace(settings_plan(given, num_workers=len(spec.workers)), run_id=run_id),
+                    train_fn, log=log,
+                    planned=lambda *registered: replace(loop_plan(*registered, given, num_ps=len(spec.ps),
+                                                                  num_workers=len(spec.workers)), run_id=run_id))
 
 
 def serve_rounds(run_round) -> None:
@@ -338,5 +344,5 @@ class PSProcesses:
 
 def ps_config(*names: str, optimizer: str = "SGD", lr: float = 0.0, workers: int = 1, **fields) -> dict:
     """The INIT config of a ps holding variables ``names`` in an endless async run (what a chief would send)."""
-    return PsConfig(mode="async", steps=10**9, replicas_to_aggregate=1, num_workers=workers, names=names,
-                    optimizer=OptimizerSpec(optimizer, {"lr": lr}).to_dict(), **fields).to_dict()
+    return PsConfig.of(mode="async", steps=10**9, replicas_to_aggregate=1, num_workers=workers, names=names,
+                       optimizer=OptimizerSpec(optimizer, {"lr": lr}).to_dict(), **fields).to_dict()

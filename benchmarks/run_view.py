@@ -30,8 +30,8 @@ CLICKED = """() => { performance.clearResourceTimings();
 DRAWN_MS = """(selector) => { const plot = document.querySelector(selector);
     return plot && plot.querySelector('.main-svg .scatterlayer .trace')
         && performance.now() - window.psclusterClickedAt; }"""
-# the view's series request: milliseconds from the click to its answer's last byte, and its body's bytes
-SERIES = """() => { const e = performance.getEntriesByType('resource').find(e => e.name.includes('/series?'));
+# the view's figures request: milliseconds from the click to its answer's last byte, and its body's bytes
+SERIES = """() => { const e = performance.getEntriesByType('resource').find(e => e.name.includes('/figures?'));
     return e ? [e.responseEnd - window.psclusterClickedAt, e.encodedBodySize] : [NaN, 0]; }"""
 
 
@@ -73,7 +73,7 @@ class RunViews:
             page.wait_for_function("() => !!window.Plotly", timeout=60_000)
             page.evaluate(CLICKED)
             row.locator(".jp-pscluster-run-name").click()
-            loss = f'.jp-pscluster-runview[data-run-id="{run}"] .jp-pscluster-plot[data-chart="loss"]'
+            loss = f'.jp-pscluster-runview[data-run-id="{run}"] .jp-pscluster-plot[data-chart="convergence"]'
             drawn_ms = page.wait_for_function(DRAWN_MS, arg=loss, polling="raf", timeout=30_000).json_value()
             answered_ms, nbytes = page.evaluate(SERIES)
             self.series.setdefault(run, []).append((answered_ms, nbytes))

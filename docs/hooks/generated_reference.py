@@ -63,14 +63,15 @@ def options_markdown() -> str:
 
     entries = [(options.TRAIN, "`train`"), (options.RUN, "`run`"), (options.SESSION, "`session`"),
                (options.SCRIPT, "`init`"), (options.TRAIN_SCRIPT, "`train_from_environment`")]
-    rows = ["| option | default | flag | taken by | meaning |", "|---|---|---|---|---|"]
+    read_by = {options.PLAN: "the workers and ps", options.START: "the run's start", options.BUILD: "the plan"}
+    rows = ["| option | default | flag | taken by | read by | meaning |", "|---|---|---|---|---|---|"]
     for name, option in options.OPTIONS.items():
         by = ", ".join(label for entry, label in entries if entry in option.entries)
         flag = f"`{option.flag_name}`" if options.TRAIN in option.entries or options.RUN in option.entries else ""
         meaning = option.help.replace("|", "\\|")
         if option.choices:
             meaning += " (" + ", ".join(f"`{c}`" for c in option.choices) + ")"
-        rows.append(f"| `{name}` | `{option.default!r}` | {flag} | {by} | {meaning} |")
+        rows.append(f"| `{name}` | `{option.default!r}` | {flag} | {by} | {read_by[option.scope]} | {meaning} |")
     return "\n".join(rows) + "\n"
 
 

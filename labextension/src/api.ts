@@ -72,6 +72,7 @@ export interface RunInfo {
   final: Record<string, number | null>;
   hyperparameters: Record<string, string | number | boolean>;
   sparkline: number[];
+  sparkline_path: string;
   failure: Failure | null;
   epochs: Record<string, number>;
   epochs_text: string;
@@ -111,6 +112,25 @@ export interface SeriesData {
   evaluations: Evaluation[];
   learning_rates: LearningRate[];
   speed_window_s: number;
+}
+
+/** A figure as the notebook draws it, for plotly.js: `data` (its traces) and `layout`. */
+export interface Figure {
+  name: string;
+  data: object[];
+  layout: Record<string, unknown>;
+}
+
+export interface FigureList {
+  run: RunInfo;
+  figures: Figure[];
+}
+
+export interface Comparison {
+  runs: RunInfo[];
+  metric: string;
+  available: string[];
+  figure: Figure;
 }
 
 export interface ActionResult {

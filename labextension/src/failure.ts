@@ -9,9 +9,10 @@ export function failureWhere(failure: Failure): string {
 }
 
 /** The cause in one line under where it happened; with `traceback`, the whole traceback folded under it. */
-export function failureNode(failure: Failure, traceback: boolean): HTMLElement {
+function failureNode(failure: Failure, traceback: boolean): HTMLElement {
   const node = document.createElement('div');
   node.className = 'jp-pscluster-failure';
+  node.dataset.failure = JSON.stringify(failure);
   const where = document.createElement('b');
   where.textContent = `${failureWhere(failure)}: `;
   const cause = document.createElement('span');
@@ -28,4 +29,11 @@ export function failureNode(failure: Failure, traceback: boolean): HTMLElement {
     node.append(details);
   }
   return node;
+}
+
+/** The failure node in `within` when it shows `failure` already, else a new one: a view that refreshes keeps its
+ * node (a traceback the reader unfolded stays unfolded, a reader of its text keeps it attached). */
+export function keptFailureNode(within: HTMLElement, failure: Failure, traceback: boolean): HTMLElement {
+  const shown = within.querySelector<HTMLElement>(':scope > .jp-pscluster-failure');
+  return shown?.dataset.failure === JSON.stringify(failure) ? shown : failureNode(failure, traceback);
 }

@@ -1,8 +1,9 @@
 /**
  * The left side panel: running clusters with their tasks, and a table of every run of the stores. A run's row
- * shows its status (with ⚠ when its loss diverges) and global step; its divergence's words, its step target, epochs, loss (and sparkline), steps/s, wall time and
- * hyperparameters show when the panel is wide enough (CSS container queries), and always in its details, which its
- * disclosure button opens under it. Runs checked there open compared. It refreshes while it is visible only.
+ * shows its status (with ⚠ when its loss diverges) and global step; its divergence's words, its step target,
+ * epochs, loss (and its sparkline, as the server draws it), steps/s, wall time and hyperparameters show when the
+ * panel is wide enough (CSS container queries), and always in its details, which its disclosure button opens under
+ * it. Runs checked there open compared. It refreshes while it is visible only.
  */
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { LabIcon, caretRightIcon, refreshIcon, stopIcon } from '@jupyterlab/ui-components';
@@ -20,7 +21,7 @@ import {
   runPath
 } from './api';
 import { sparkline } from './charts';
-import { failureNode, failureWhere } from './failure';
+import { failureWhere, keptFailureNode } from './failure';
 import { duration, finals, settings, sig } from './format';
 import { loadPlotly } from './plotly';
 import { PollingWidget } from './polling';
@@ -286,7 +287,8 @@ export class ClusterPanel extends PollingWidget {
       group.failure.onclick = () => this.openRuns([run]);
       group.row.after(group.failure);
     }
-    group.failure.cells[0].replaceChildren(failureNode(run.failure, false));
+    const cell = group.failure.cells[0];
+    cell.replaceChildren(keptFailureNode(cell, run.failure, false));
     group.failure.title = `${failureWhere(run.failure)}: ${run.failure.cause}`;
   }
 
@@ -374,13 +376,18 @@ export class ClusterPanel extends PollingWidget {
     name.title = `${run.name} on ${run.cluster} (${run.mode}): open its plots`;
     const diverging = run.divergence ? `, ${run.divergence.words}` : '';
     group.row.setAttribute('aria-label', `${run.name}, ${run.status}${diverging}: Enter opens its plots`);
-    status.replaceChildren(run.status);
-    status.className = `jp-pscluster-run-status jp-pscluster-status-${run.status}`;
-    if (run.divergence) {
-      const warning = el('span', 'jp-pscluster-diverging', ' ⚠');
-      warning.append(el('span', 'jp-pscluster-diverging-words', ` ${run.divergence.words}`));
-      status.append(warning);
+    // rebuilt only when it changes: a refresh leaves the nodes a reader (or a screen reader) is on in place
+    const shown = `${run.status}\n${run.divergence?.words ?? ''}`;
+    if (status.dataset.shown !== shown) {
+      status.dataset.shown = shown;
+      status.replaceChildren(run.status);
+      if (run.divergence) {
+        const warning = el('span', 'jp-pscluster-diverging', ' ⚠');
+        warning.append(el('span', 'jp-pscluster-diverging-words', ` ${run.divergence.words}`));
+        status.append(warning);
+      }
     }
+    status.className = `jp-pscluster-run-status jp-pscluster-status-${run.status}`;
     status.title = run.divergence?.line ?? '';
     step.replaceChildren(String(run.global_step));
     if (run.steps) {
@@ -391,7 +398,7 @@ export class ClusterPanel extends PollingWidget {
     }
     step.title = run.epochs_text;
     speed.textContent = sig(run.steps_per_s, 3);
-    loss.replaceChildren(el('span', 'jp-pscluster-run-final', sig(run.loss)), sparkline(run.sparkline));
+    loss.replaceChildren(el('span', 'jp-pscluster-run-final', sig(run.loss)), sparkline(run.sparkline_path));
     loss.title = `final ${finals(run.final, 6).join(', ')}`;
     wall.textContent = duration(run.wall_s);
     config.textContent = settings(run.hyperparameters);
@@ -424,7 +431,7 @@ export class ClusterPanel extends PollingWidget {
     for (const [label, text] of runFacts(run)) {
       facts.get(label)!.textContent = text;
     }
-    facts.get('final')!.append(sparkline(run.sparkline));
+    facts.get('final')!.append(sparkline(run.sparkline_path));
   }
 
   /** A button that runs `action` (a confirmed request) and refreshes the panel after it. It shows `label`, or

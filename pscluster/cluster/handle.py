@@ -25,11 +25,11 @@ import torch
 from ..errors import ClusterStateError, ConfigError, PeerLost, RuntimeTimeout
 from ..metrics.store import RunStore
 from ..runtime import remote
-from ..runtime.data import first_batch, training_input
+from ..runtime.data import first_batch
 from ..runtime import optim
 from ..runtime import options as run_options
 from ..runtime.options import DEFAULTS
-from ..runtime.plan import TrainPlan, describe_variables
+from ..runtime.plan import TrainPlan, describe_variables, training_plan
 from ..runtime.steps import check_loss, check_step
 from ..runtime.seeding import build_model
 from ..spec import ClusterSpec, TaskSpec, threads_per_task
@@ -282,26 +282,10 @@ class Cluster:
             raise ClusterStateError(f"cannot {what}: the cluster is not running, start() it first")
         return self.spec
 
-    def train(self, model_fn, dataset, loss_fn=None, *, step_fn=None, optimizer=DEFAULTS.optimizer,
-              param_groups=None, scheduler=None, scheduler_options: dict | None = None, mode: str = DEFAULTS.mode,
-              steps: int = DEFAULTS.steps, batch_size: int | None = DEFAULTS.batch_size,
-              replicas_to_aggregate: int | None = DEFAULTS.replicas_to_aggregate, seed: int = DEFAULTS.seed,
-              log_every: int = DEFAULTS.log_every, request_timeout: float = DEFAULTS.request_timeout,
-              name: str | None = DEFAULTS.name, code: str | None = None, test_dataset=None,
-              eval_every: int | None = DEFAULTS.eval_every, placement=DEFAULTS.placement,
-              partition: dict | None = DEFAULTS.partition, staleness_bound: int = DEFAULTS.staleness_bound,
-              max_lead: float | None = DEFAULTS.max_lead,
-              checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
-              checkpoint_every: int = DEFAULTS.checkpoint_every,
-              checkpoint_secs: float | None = DEFAULTS.checkpoint_secs,
-              keep_checkpoints: int = DEFAULTS.keep_checkpoints, restore: bool = DEFAULTS.restore,
-              resume: str | int | None = DEFAULTS.resume, shared_memory: bool = DEFAULTS.shared_memory,
-              pipeline: bool = DEFAULTS.pipeline, overlap: bool = DEFAULTS.overlap, buffers: str = DEFAULTS.buffers,
-              max_grad_norm: float | None = DEFAULTS.max_grad_norm, on_nonfinite: str = DEFAULTS.on_nonfinite,
-              on_divergence: str = DEFAULTS.on_divergence,
-              precision: str = DEFAULTS.precision, collate_fn=None, loader_workers: int = DEFAULTS.loader_workers,
-              prefetch_factor: int | None = DEFAULTS.prefetch_factor, pin_memory: bool = DEFAULTS.pin_memory,
-              **optimizer_kwargs) -> Run:
+    @run_options.keywords(run_options.TRAIN)
+    def train(self, model_fn, dataset, loss_fn=None, *, step_fn=None, param_groups=None, scheduler=None,
+              scheduler_options: dict | None = None, code: str | None = None, test_dataset=None, collate_fn=None,
+              **keywords) -> Run:
         """Start training in the background and return its Run (``run.wait()`` blocks).
 
         ``dataset``: a map-style dataset (each worker reads its own shard, reshuffled every epoch, as
@@ -390,38 +374,20 @@ class Cluster:
         if step_fn is not None and not callable(step_fn):
             raise ConfigError("step_fn must be a function f(model, batch) -> loss or (loss, {'metric': value})")
         check_loss(loss_fn, step_fn)
-        optim.check_keywords(optimizer, optimizer_kwargs, of=self.train, caller="train()")
-        dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
-                                                                 prefetch_factor, pin_memory)
-        if precision == "fp16" and not all(t.device.startswith("cuda") for t in spec.workers):
+        run_plan, options, dataset, collate_fn, model = training_plan(
+            model_fn, dataset, keywords, entry=run_options.TRAIN, of=self.train, num_ps=self.num_ps,
+            num_workers=self.num_workers, param_groups=param_groups, scheduler=scheduler,
+            scheduler_options=scheduler_options, collate_fn=collate_fn)
+        if options.precision == "fp16" and not all(t.device.startswith("cuda") for t in spec.workers):
             raise ConfigError("precision='fp16' needs CUDA workers (this cluster's workers run on the CPU): use "
                               "precision='bf16'")
-        replicas = self.num_workers if replicas_to_aggregate is None else replicas_to_aggregate
-        model = build_model(model_fn, seed)
-        if not any(True for _ in model.parameters()):
-            raise ConfigError("the model has no parameters to train: check model_fn")
-        groups = optim.named_groups(param_groups or (), (model_fn if isinstance(model_fn, torch.nn.Module) else model)
-                                     .named_parameters())
-        optimizer_spec = optim.OptimizerSpec(optimizer, optimizer_kwargs, groups=groups,
-                                             scheduler=scheduler, scheduler_options=scheduler_options or {})
-        run_plan = TrainPlan.for_model(model, optimizer_spec, num_ps=self.num_ps, placement=placement,
-                                       partition=partition, run_id=1, mode=mode, steps=steps, batch_size=batch_size,
-                                       replicas_to_aggregate=replicas, num_workers=self.num_workers,
-                                       staleness_bound=staleness_bound, max_lead=max_lead, seed=seed,
-                                       log_every=log_every,
-                                       request_timeout=request_timeout, checkpoint_every=checkpoint_every,
-                                       restore=restore, shared_memory=shared_memory, pipeline=pipeline,
-                                       overlap=overlap,
-                                       buffers=buffers, max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite,
-                                       on_divergence=on_divergence, precision=precision, loader=loader)
-        optim.check(model, optimizer_spec, steps=steps)
+        optim.check(model, run_plan.optimizer_spec, steps=options.steps)
         example_batch = first_batch(dataset, 2, collate_fn)
         check_step(model, loss_fn, step_fn, example_batch)
-        return self._launch(spec, run_plan, [optimizer_spec], ship(model_fn, dataset, loss_fn, step_fn, collate_fn),
+        return self._launch(spec, run_plan, [run_plan.optimizer_spec],
+                            ship(model_fn, dataset, loss_fn, step_fn, collate_fn), options.of(run_options.START),
                             model_fn=model_fn, loss_fn=loss_fn, step_fn=step_fn, collate_fn=collate_fn,
-                            test_dataset=test_dataset, eval_every=eval_every, example_batch=example_batch, name=name,
-                            code=code or _source(model_fn), checkpoint_dir=checkpoint_dir,
-                            checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints, resume=resume)
+                            test_dataset=test_dataset, example_batch=example_batch, code=code or _source(model_fn))
 
     def run(self, train_fn, *, code: str | None = None, **options) -> Run:
         """Run ``train_fn(ctx)`` on every worker, the user's own training loop (see ``pscluster.runtime.context``),
@@ -449,30 +415,23 @@ class Cluster:
                                     "wait for it (run.wait()) or stop it (run.stop())")
         if not callable(train_fn):
             raise ConfigError("train_fn must be a function of the worker's context: def train_fn(ctx): ...")
-        given = run_options.take(run_options.RUN, options, caller="Cluster.run()")
-        launch = {name: given.pop(name) for name in run_options.RECORD_OPTIONS}
-        placing = {name: given.pop(name) for name in ("placement", "partition")}
-        settings = dict(given, run_id=1, num_workers=self.num_workers)
+        given = run_options.RunOptions.take(run_options.RUN, options, caller="Cluster.run()")
         payload = ship(train_fn)
-        chief = ChiefCalls(self._engines.view(spec.task("worker", 0).engine_id), spec, settings_plan(**settings),
-                           payload)
+        chief = ChiefCalls(self._engines.view(spec.task("worker", 0).engine_id), spec,
+                           settings_plan(given, num_workers=self.num_workers), payload)
         model, modules, optimizers = chief.registered()
         try:
             for optimizer_spec in optimizers:
-                optim.check(model, optimizer_spec, steps=given["steps"])
-            run_plan = loop_plan(model, modules, optimizers, num_ps=self.num_ps, **placing, **settings)
-            return self._launch(spec, run_plan, optimizers, payload, model_fn=model, code=code or _source(train_fn),
-                                chief=chief, **launch)
+                optim.check(model, optimizer_spec, steps=given.steps)
+            run_plan = loop_plan(model, modules, optimizers, given, num_ps=self.num_ps, num_workers=self.num_workers)
+            return self._launch(spec, run_plan, optimizers, payload, given.of(run_options.START), model_fn=model,
+                                code=code or _source(train_fn), chief=chief)
         except BaseException:
             chief.cancel()
             raise
 
-    def session(self, model_fn, optimizer, loss_fn=None, *, step_fn=None, name: str | None = DEFAULTS.name,
-                seed: int = DEFAULTS.seed, placement=DEFAULTS.placement, partition: dict | None = DEFAULTS.partition,
-                request_timeout: float = DEFAULTS.request_timeout,
-                checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
-                checkpoint_secs: float | None = DEFAULTS.checkpoint_secs,
-                keep_checkpoints: int = DEFAULTS.keep_checkpoints, **optimizer_kwargs) -> "Session":
+    @run_options.keywords(run_options.SESSION)
+    def session(self, model_fn, optimizer, loss_fn=None, *, step_fn=None, **keywords) -> "Session":
         """A session over the workers for a loop the notebook drives (seed 004's in-graph replication; see
         ``pscluster.cluster.session``): ``session.step(batch)`` splits the batch across the workers, the ps tasks
         apply one averaged update (sync), and it returns the batch's loss and metrics.
@@ -494,31 +453,31 @@ class Cluster:
         if self.detached:
             raise ConfigError("a session follows the notebook's loop: start the cluster without detached=True")
         check_loss(loss_fn, step_fn)
-        model = build_model(model_fn, seed)
+        given, optimizer_kwargs = run_options.split(run_options.SESSION, keywords)
+        options = run_options.RunOptions.take(run_options.SESSION, given, caller="session()")
+        model = build_model(model_fn, options.seed)
         local = build_optimizer(optimizer, model, optimizer_kwargs)
         optimizer_spec = optim.spec_of(local, list(model.named_parameters()))
         optim.check(model, optimizer_spec)
-        run_plan = loop_plan(model, (type(model).__name__,), [optimizer_spec], num_ps=self.num_ps,
-                             placement=placement, partition=partition, run_id=1, mode="sync", steps=SESSION_STEPS,
-                             num_workers=self.num_workers, seed=seed, request_timeout=request_timeout, session=True)
+        run_plan = loop_plan(model, (type(model).__name__,), [optimizer_spec],
+                             options.replace(mode="sync", steps=SESSION_STEPS), num_ps=self.num_ps,
+                             num_workers=self.num_workers, session=True)
         run = self._launch(spec, run_plan, [optimizer_spec],
-                           ship(model_fn, optimizer, optimizer_kwargs, loss_fn, step_fn), model_fn=model,
-                           loss_fn=loss_fn, step_fn=step_fn, name=name, code=_source(model_fn),
-                           checkpoint_dir=checkpoint_dir, checkpoint_secs=checkpoint_secs,
-                           keep_checkpoints=keep_checkpoints, resume=None)
-        return Session(self, run, local, model, request_timeout)
+                           ship(model_fn, optimizer, optimizer_kwargs, loss_fn, step_fn),
+                           options.of(run_options.START), model_fn=model, loss_fn=loss_fn, step_fn=step_fn,
+                           code=_source(model_fn))
+        return Session(self, run, local, model, options.request_timeout)
 
     def task_view(self, task: TaskSpec):
         """The ipyparallel view of ``task``'s engine."""
         return self._engines.view(task.engine_id)
 
-    def _launch(self, spec: ClusterSpec, run_plan: TrainPlan, optimizers: list[optim.OptimizerSpec], payload: bytes, *,
-                model_fn, loss_fn=None, step_fn=None, collate_fn=None, test_dataset=None, eval_every=None,
-                example_batch=None, name, code, checkpoint_dir, checkpoint_secs, keep_checkpoints, resume,
-                chief: "ChiefCalls | None" = None) -> Run:
-        """Give the ps tasks what the run's optimizers need, then start the run (``start_run``) in the notebook's
-        checkpoint folders (``payload``: what each worker is given, see ``remote.train_worker``; ``chief``: worker 0
-        begun already, waiting for the run's plan)."""
+    def _launch(self, spec: ClusterSpec, run_plan: TrainPlan, optimizers: list[optim.OptimizerSpec], payload: bytes,
+                started: run_options.RunOptions, *, model_fn, loss_fn=None, step_fn=None, collate_fn=None,
+                test_dataset=None, example_batch=None, code, chief: "ChiefCalls | None" = None) -> Run:
+        """Give the ps tasks what the run's optimizers need, then start the run (``start_run``, with the options
+        read at its start, ``started``) in the notebook's checkpoint folders (``payload``: what each worker is
+        given, see ``remote.train_worker``; ``chief``: worker 0 begun already, waiting for the run's plan)."""
         self._ship_to_ps({name: obj for o in optimizers for name, obj in optim.shipped(o).items()})
 
         def launch(supervisor: Supervisor) -> list:
@@ -527,11 +486,9 @@ class Cluster:
             return [chief.go_on(supervisor.plan) if chief is not None and t.index == 0
                     else self.launch_worker(spec, t.index, supervisor) for t in spec.workers]
 
-        run = start_run(self.store, spec, run_plan, launch=launch, name=name, cluster=self.name, code=code,
-                        checkpoint_dir=checkpoint_dir, resume=resume, checkpoint_secs=checkpoint_secs,
-                        keep_checkpoints=keep_checkpoints, model_fn=model_fn, loss_fn=loss_fn, step_fn=step_fn,
-                        collate_fn=collate_fn, test_dataset=test_dataset, eval_every=eval_every,
-                        example_batch=example_batch, tasks=self, payload=payload,
+        run = start_run(self.store, spec, run_plan, started, launch=launch, cluster=self.name, code=code,
+                        model_fn=model_fn, loss_fn=loss_fn, step_fn=step_fn, collate_fn=collate_fn,
+                        test_dataset=test_dataset, example_batch=example_batch, tasks=self, payload=payload,
                         metrics_host=self.launcher.controller_ip(), metrics_ports=self.launcher.ports)
         self.runs.append(run)
         self.record()

@@ -38,6 +38,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..metrics.store import UNENDED, RunStore
 from ..runtime import checkpoint
+from ..runtime.options import OPTIONS
 from ..runtime.plan import TrainPlan
 from ..runtime.policies import POLICIES, policy_for
 from ..runtime.tagged import shown
@@ -123,12 +124,15 @@ def create_run(store: RunStore, plan: TrainPlan, *, name: str | None, cluster: s
 
 
 def _config(plan: TrainPlan) -> dict:
-    """What the store keeps of a run's settings: the plan's, and what its mode means for the views (which do not
+    """What the store keeps of a run's settings: the plan's, and what they mean for the views (which do not
     import the runtime): ``aggregates_steps``, whether each global step waits for the workers' gradients, and
-    ``other_modes_options``, the options only other modes read (the views leave them out)."""
+    ``shown``, the settings that tell runs apart (the workers, the schedule, and the options defined as shown but
+    those only other modes read)."""
     policy = policy_for(plan)
+    others = {o for p in POLICIES.values() for o in p.options} - set(policy.options)
     return {**plan.settings(), "aggregates_steps": policy.aggregates_steps,
-            "other_modes_options": sorted({o for p in POLICIES.values() for o in p.options} - set(policy.options))}
+            "shown": ["num_workers", "scheduler", *(name for name, o in OPTIONS.items() if o.shown and
+                                                    name not in others and name in plan.options)]}
 
 
 def _unused(directory: Path) -> Path:

@@ -12,10 +12,11 @@ script's chief takes over runs its earlier self left (``run_records.end_orphans`
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ..metrics.store import RunStore
+from ..runtime.options import START, defaults
 from ..runtime.plan import TrainPlan
 from ..runtime.seeding import build_model
 from ..runtime.steps import traceable_inputs
@@ -27,14 +28,14 @@ from .run import Run
 from .supervisor import Supervisor
 
 
-def start_run(store: RunStore, spec: ClusterSpec, plan: TrainPlan, *, launch: Callable[[Supervisor], list],
-              name: str | None, cluster: str, code: str | None, scripted: bool = False, checkpoint_dir=None,
-              resume=None, checkpoint_secs: float | None = None, keep_checkpoints: int, model_fn=None, loss_fn=None,
-              step_fn=None, collate_fn=None, test_dataset=None, eval_every: int | None = None, example_batch=None,
+def start_run(store: RunStore, spec: ClusterSpec, plan: TrainPlan, started: Mapping, *,
+              launch: Callable[[Supervisor], list], cluster: str, code: str | None, scripted: bool = False,
+              model_fn=None, loss_fn=None, step_fn=None, collate_fn=None, test_dataset=None, example_batch=None,
               tasks=None, payload: bytes = b"", log: Callable[[str], None] | None = None, **metrics) -> Run:
     """Run ``plan`` of ``spec`` as a new run of ``store``, started: its workers begun by ``launch(supervisor)``
     (their results, as ``Supervisor.start`` takes them), its plan with the run's id and checkpoint folder; the
-    ``Run`` handle on its supervisor.
+    ``Run`` handle on its supervisor. ``started``: the run's options read at its start (``options.START``; an
+    entry that does not take one of them has it at its default).
 
     ``name``, ``cluster``, ``code``, ``checkpoint_dir`` and ``resume``: the run's record (see
     ``run_records.create_run``). Its checkpoints go, unless told otherwise, to a folder beside the store: a
@@ -47,6 +48,8 @@ def start_run(store: RunStore, spec: ClusterSpec, plan: TrainPlan, *, launch: Ca
     ``tasks`` (the cluster, ``recovery.Tasks``), ``payload`` and ``metrics`` (where the tasks' metrics arrive):
     the supervisor's. ``log``: where the run's notices are printed too (the supervisor records and shows them
     anyway)."""
+    started = {**defaults(START), **started}
+    name, checkpoint_dir, resume = started["name"], started["checkpoint_dir"], started["resume"]
     checkpoints = Path(store.path).parent / "checkpoints"
     plan, notices = run_records.create_run(
         store, plan, name=name, cluster=cluster, spec=spec.public_dict(), code=code, checkpoint_dir=checkpoint_dir,
@@ -56,10 +59,10 @@ def start_run(store: RunStore, spec: ClusterSpec, plan: TrainPlan, *, launch: Ca
         run_records.end_orphans(store, plan)
     code = ModelCode(model_fn, plan.seed, loss_fn, step_fn, collate_fn)
     supervisor = Supervisor(spec, plan, store, tasks=tasks, payload=payload,
-                            checkpoints=CheckpointCoordinator(store, every_s=checkpoint_secs or None,
-                                                              keep=keep_checkpoints),
+                            checkpoints=CheckpointCoordinator(store, every_s=started["checkpoint_secs"] or None,
+                                                              keep=started["keep_checkpoints"]),
                             evaluator=None if test_dataset is None else code.evaluator(test_dataset),
-                            eval_every=eval_every, **metrics)
+                            eval_every=started["eval_every"], **metrics)
     inputs = traceable_inputs(example_batch, step_fn)
     if inputs is not None:
         supervisor.event_files.trace_graph(build_model(model_fn, plan.seed), inputs)

@@ -52,7 +52,7 @@ from ..errors import ConfigError, RunEnded, RuntimeTimeout, TrainingError
 from ..metrics.store import RunStore
 from ..runtime import standalone
 from ..runtime.context import FirstCallContext, WorkerContext, loop_plan, settings_plan
-from ..runtime.options import OPTIONS, RECORD_OPTIONS, SCRIPT, take
+from ..runtime.options import OPTIONS, SCRIPT, START, RunOptions
 from ..runtime.plan import TrainPlan
 from ..task_config import from_environment
 from .run import Run
@@ -73,8 +73,7 @@ def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "Sc
     prints its progress lines; None: silent) as ``train_from_environment``'s. A worker's process ends as the
     module says (its exit status, ``RunEnded``)."""
     launched = environ.launch_options()
-    given = take(SCRIPT, {**launched, **options}, caller="pscluster.init()")
-    record = {name: given.pop(name) for name in RECORD_OPTIONS if name in given}
+    given = RunOptions.take(SCRIPT, {**launched, **options}, caller="pscluster.init()")
     spec, task = from_environment()
     overridden = [name for name in launched if name in options and options[name] != launched[name]]
     if overridden and task.is_chief and log is not None:
@@ -86,9 +85,9 @@ def init(*, store: str | os.PathLike | None = None, log=print, **options) -> "Sc
         raise ConfigError(f"a {task.role} task with pscluster.init(): evaluate in the loop on the chief "
                           "(if ctx.is_chief: ...), and leave the evaluator out of the cluster")
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
-    record["name"] = record["name"] or script.stem or "script"
-    return ScriptContext(spec, task.index, given, store=store, log=log,
-                         code=script.read_text() if script.is_file() else None, **record)
+    started = given.of(START)
+    return ScriptContext(spec, task.index, given, started.replace(name=started.name or script.stem or "script"),
+                         store=store, log=log, code=script.read_text() if script.is_file() else None)
 
 
 def _flag(name: str, value) -> str:
@@ -103,15 +102,13 @@ class ScriptContext(FirstCallContext):
     and optimizer registered by then. One a process: made, it takes the process's exit hook (``_at_exit``), its
     hook of uncaught exceptions (``_excepthook``) and, on the chief, SIGTERM (``_terminate``)."""
 
-    def __init__(self, spec, index: int, options: dict, *, name: str, store, checkpoint_dir, checkpoint_secs,
-                 keep_checkpoints: int, log, code: str | None):
-        self._placement = {k: options.pop(k) for k in ("placement", "partition")}
-        # the run's settings; its variables and optimizer come at ctx.optimizer()
-        self._settings = {**options, "run_id": 1, "num_workers": len(spec.workers),
-                          "replicas_to_aggregate": options.get("replicas_to_aggregate") or len(spec.workers)}
-        super().__init__(spec, index, settings_plan(**self._settings), self._planned_run, log=log)
-        self._run_record = dict(name=name, store=store, checkpoint_dir=checkpoint_dir, checkpoint_secs=checkpoint_secs,
-                                keep_checkpoints=keep_checkpoints, code=code)
+    def __init__(self, spec, index: int, options: RunOptions, started: RunOptions, *, store, log, code: str | None):
+        """``options``: the run's (its variables and optimizer come at ``ctx.optimizer()``); ``started``: those read
+        at its start (``options.START``), its name given."""
+        self._run_options = options
+        super().__init__(spec, index, settings_plan(options, num_workers=len(spec.workers)), self._planned_run,
+                         log=log)
+        self._run_record = dict(started=started, store=store, code=code)
         self.run: Run | None = None  # the chief's, once the run started
         self._outcome: Future = Future()  # this worker's summary (the chief's supervisor follows it)
         self._finishing = False
@@ -128,7 +125,8 @@ class ScriptContext(FirstCallContext):
     def _planned_run(self, model, modules, optimizers) -> TrainPlan:
         """The run's plan, from what the loop registered: the chief starts the run; another worker joins the one
         the chief started on the ps tasks."""
-        plan = loop_plan(model, modules, optimizers, num_ps=len(self._spec.ps), **self._placement, **self._settings)
+        plan = loop_plan(model, modules, optimizers, self._run_options, num_ps=len(self._spec.ps),
+                         num_workers=len(self._spec.workers))
         if self._task.is_chief:
             return self._start_run(plan)
         held = standalone.started_run(self._spec, plan.request_timeout)
@@ -143,11 +141,9 @@ class ScriptContext(FirstCallContext):
         tasks = ScriptTasks(self._chief_worker)
         spec = self._spec
         # the notices go to this worker's log too: the chief follows its run silently
-        self.run = start_run(runs, spec, plan, name=record["name"], cluster=spec.name, scripted=True,
-                             code=record["code"], checkpoint_dir=record["checkpoint_dir"],
-                             checkpoint_secs=record["checkpoint_secs"], keep_checkpoints=record["keep_checkpoints"],
-                             log=self._log, model_fn=self._modules.model, loss_fn=None, tasks=tasks,
-                             metrics_host=self._task.host, metrics_port=self._task.port,
+        self.run = start_run(runs, spec, plan, record["started"], cluster=spec.name, scripted=True,
+                             code=record["code"], log=self._log, model_fn=self._modules.model, loss_fn=None,
+                             tasks=tasks, metrics_host=self._task.host, metrics_port=self._task.port,
                              launch=lambda run: [tasks.launch_worker(spec, t.index, run) for t in spec.workers])
         return self.run.plan
 

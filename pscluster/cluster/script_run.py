@@ -37,9 +37,9 @@ from ..runtime import standalone
 from ..runtime.steps import check_loss
 from ..runtime.client import PSClient
 from ..runtime.data import first_batch
-from ..runtime.options import DEFAULTS
+from ..runtime.options import START, TRAIN_SCRIPT, keywords
+from ..runtime.plan import training_plan
 from ..runtime.steps import check_step
-from ..runtime.seeding import build_model
 from ..runtime.worker import run_worker
 from ..task_config import from_environment
 from .run import Run
@@ -47,12 +47,11 @@ from .run_start import start_run
 from .script_evaluator import evaluate_checkpoints
 from .script_tasks import ScriptTasks
 
-def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, name: str | None = DEFAULTS.name,
-                           store: str | os.PathLike | None = None, test_dataset=None,
-                           eval_every: int | None = DEFAULTS.eval_every,
-                           checkpoint_dir: str | os.PathLike | None = DEFAULTS.checkpoint_dir,
-                           checkpoint_secs: float | None = DEFAULTS.checkpoint_secs,
-                           keep_checkpoints: int = DEFAULTS.keep_checkpoints, log=print, **options):
+
+@keywords(TRAIN_SCRIPT)
+def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, store: str | os.PathLike | None = None,
+                           test_dataset=None, param_groups=None, scheduler=None, scheduler_options: dict | None = None,
+                           collate_fn=None, log=print, **keywords):
     """Run this process's task of the cluster in ``TF_CONFIG`` / ``PSCLUSTER_CONFIG``: the chief returns the
     ``Run`` (as ``Cluster.train(...).wait()`` does), another worker its summary, a ps task
     ``{"task", "role": "ps", "global_step"}``, the evaluator ``{"task", "role": "evaluator", "run_id",
@@ -70,29 +69,30 @@ def train_from_environment(model_fn, dataset, loss_fn=None, *, step_fn=None, nam
     if task.role == "ps":
         return standalone.serve_run(spec, task)
     check_loss(loss_fn, step_fn)
-    plan, dataset, collate_fn = standalone.script_plan(spec, model_fn, dataset, collate_fn=options.pop(
-        "collate_fn", None), **options)
+    plan, options, dataset, collate_fn, model = training_plan(
+        model_fn, dataset, keywords, entry=TRAIN_SCRIPT, of=train_from_environment, num_ps=len(spec.ps),
+        num_workers=len(spec.workers), param_groups=param_groups, scheduler=scheduler,
+        scheduler_options=scheduler_options, collate_fn=collate_fn)
     if task.role == "evaluator":
         return evaluate_checkpoints(spec, plan, model_fn, test_dataset, loss_fn, step_fn=step_fn,
                                     collate_fn=collate_fn, store=store, log=log)
     if not task.is_chief:
         return standalone.join_run(spec, task.index, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
                                    collate_fn=collate_fn, log=log)
-    model = build_model(model_fn, plan.seed)
     standalone.check_options(plan, model)
     example_batch = first_batch(dataset, 2, collate_fn)
     check_step(model, loss_fn, step_fn, example_batch)
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("script")
-    name = name or script.stem or "script"
+    started = options.of(START)
+    started = started.replace(name=started.name or script.stem or "script")
     runs = RunStore(store)
     tasks = ScriptTasks(lambda plan, join: run_worker(spec, 0, plan, model_fn, dataset, loss_fn, step_fn=step_fn,
                                                       collate_fn=collate_fn, join=join))
-    run = start_run(runs, spec, plan, name=name, cluster=spec.name, scripted=True,
-                    code=script.read_text() if script.is_file() else None, checkpoint_dir=checkpoint_dir,
-                    checkpoint_secs=checkpoint_secs, keep_checkpoints=keep_checkpoints,
+    run = start_run(runs, spec, plan, started, cluster=spec.name, scripted=True,
+                    code=script.read_text() if script.is_file() else None,
                     launch=lambda supervisor: [tasks.launch_worker(spec, t.index, supervisor) for t in spec.workers],
                     model_fn=model_fn, loss_fn=loss_fn, step_fn=step_fn, collate_fn=collate_fn,
-                    test_dataset=None if spec.evaluator else test_dataset, eval_every=eval_every, tasks=tasks,
+                    test_dataset=None if spec.evaluator else test_dataset, tasks=tasks,
                     metrics_host=task.host, metrics_port=task.port, example_batch=example_batch)
     with _stopped_on_sigterm(run):
         try:

@@ -259,14 +259,14 @@ class Supervisor:
     def restart(self) -> None:
         """A new attempt that restores the newest state there is, its workers started and followed instead of
         those of the last one."""
-        self.plan = replace(self.plan, attempt=self.plan.attempt + 1, restore=True)
+        self.plan = self.plan.replace(attempt=self.plan.attempt + 1, restore=True)
         self._workers_done.clear()
         self.worker_results = [self.tasks.launch_worker(self.spec, i, self) for i in range(len(self.spec.workers))]
 
     def take_workers(self, spec: ClusterSpec, replicas_to_aggregate: int) -> None:
         """``spec``, with another number of workers than the run's, as the run's (every ps told already)."""
         n = len(spec.workers)
-        self.plan = replace(self.plan, num_workers=n, replicas_to_aggregate=replicas_to_aggregate)
+        self.plan = self.plan.replace(num_workers=n, replicas_to_aggregate=replicas_to_aggregate)
         self.spec = spec
         self.store.set_spec(self.id, spec.public_dict())
         self.note("scaled", "controller", {"workers": n, "replicas_to_aggregate": replicas_to_aggregate})

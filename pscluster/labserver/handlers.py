@@ -1,5 +1,6 @@
 """Thin tornado handlers under ``<base_url>/pscluster/api/``: parse, call LabService, answer JSON (or a file:
-a run's metrics as CSV or Parquet); and plotly.js at ``<base_url>/pscluster/static/plotly.min.js``.
+a run's metrics as CSV or Parquet); and under ``<base_url>/pscluster/static/``, plotly.js (``plotly.min.js``) and
+the notebook's own drawing of its figures for the side panel (``figures.js``: ``widgets.live.PANEL_SCRIPT``).
 
 A run is named by its id and, as the query argument ``store``, the path of its run store (the
 ``store`` of its RunInfo; default: the default store).
@@ -21,6 +22,7 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.ioloop import IOLoop
 
+from ..widgets.live import PANEL_SCRIPT
 from .models import ErrorReply, to_json
 from .service import MAX_POINTS, ApiError, LabService
 
@@ -32,9 +34,17 @@ LARGEST_ID = 2**63 - 1      # SQLite's largest integer: no run id (nor task inde
 FORMULA_LEADS = ("=", "+", "-", "@", "\t", "\r")  # a CSV cell beginning so is a formula to a spreadsheet
 
 
+def digits(value: str) -> bool:
+    """Whether ``value`` is ASCII digits only (``str.isdigit`` and the routes' ``\\d`` take ``²`` too, which
+    ``int()`` refuses)."""
+    return value.isascii() and value.isdigit()
+
+
 def whole_number(value: str, what: str) -> int:
-    """``value`` (digits, as the routes take them) as an int; 400 naming ``what`` past ``LARGEST_ID`` (a number
-    of thousands of digits included, which ``int()`` itself refuses)."""
+    """``value`` (digits, as the routes take them) as an int; 400 naming ``what`` for other digits than ASCII's or
+    past ``LARGEST_ID`` (a number of thousands of digits included, which ``int()`` itself refuses)."""
+    if not digits(value):
+        raise web.HTTPError(400, reason=f"{what} {value[:20]!r}: give it in the digits 0-9")
     if len(value) > len(str(LARGEST_ID)) or int(value) > LARGEST_ID:
         raise web.HTTPError(400, reason=f"{what} {value[:20]}{'...' if len(value) > 20 else ''} is larger than "
                                         f"any there can be ({LARGEST_ID}): give one that pscluster lists")
@@ -68,7 +78,7 @@ class _Handler(APIHandler):
         value = self.get_query_argument("points", "")
         if not value:
             return default
-        if not value.isdigit() or len(value) > 9 or not 2 <= int(value) <= MAX_POINTS:
+        if not digits(value) or len(value) > 9 or not 2 <= int(value) <= MAX_POINTS:
             raise web.HTTPError(400, reason=f"points={value!r}: give a number of points from 2 to {MAX_POINTS}")
         return int(value)
 
@@ -125,6 +135,41 @@ class SeriesHandler(_Handler):
         if number is not None and not math.isfinite(number):
             raise web.HTTPError(400, reason=f"{name}={value[:40]!r}: give a finite number, or leave it out")
         return number
+
+
+class FiguresHandler(_Handler):
+    @web.authenticated
+    async def get(self, run_id: str):
+        await self.answer(self.service.figures, whole_number(run_id, "run id"),
+                          self.get_query_argument("store", None))
+
+
+class CompareHandler(_Handler):
+    """``?run=ID:STORE`` once per run (``ID`` alone: of the default store), ``metric`` (default: loss)."""
+
+    @web.authenticated
+    async def get(self):
+        runs = [self.run(value) for value in self.get_query_arguments("run")]
+        if len(runs) < 2:
+            raise web.HTTPError(400, reason="give two runs or more to compare, each as run=ID:STORE "
+                                            "(its id, then its store)")
+        await self.answer(self.service.compare, runs, self.get_query_argument("metric", "loss"))
+
+    def run(self, value: str) -> tuple[int, str | None]:
+        run_id, _, store = value.partition(":")
+        if not digits(run_id):
+            raise web.HTTPError(400, reason=f"run={value[:40]!r}: give a run as ID:STORE, its id and its store")
+        return whole_number(run_id, "run id"), store or None
+
+
+class FiguresScriptHandler(JupyterHandler):
+    """The script that draws the side panel's figures as the notebook draws its own (``PANEL_SCRIPT``)."""
+
+    @web.authenticated
+    def get(self):
+        self.set_header("Content-Type", "text/javascript")
+        self.set_header("Cache-Control", "no-cache")  # it changes with pscluster, and is small
+        self.finish(PANEL_SCRIPT)
 
 
 DOWNLOAD_TYPES = {"csv": "text/csv", "json": "application/json", "parquet": "application/vnd.apache.parquet"}
@@ -191,7 +236,10 @@ def routes(base_url: str, service: LabService) -> list:
         (TASK + r"/(?P<action>kill|restart)", TaskActionHandler),
         ("runs", RunsHandler),
         (r"runs/(?P<run_id>\d+)/series", SeriesHandler),
+        (r"runs/(?P<run_id>\d+)/figures", FiguresHandler),
+        ("compare", CompareHandler),
         (r"runs/(?P<run_id>\d+)/metrics\.(?P<kind>csv|json|parquet)", DownloadHandler),
         (r"runs/(?P<run_id>\d+)/stop", StopRunHandler),
     )] + [(url_path_join(base_url, "pscluster", "static", r"(plotly\.min\.js)"), PlotlyHandler,
-           {"path": str(pathlib.Path(plotly.__file__).parent / "package_data")})]
+           {"path": str(pathlib.Path(plotly.__file__).parent / "package_data")}),
+          (url_path_join(base_url, "pscluster", "static", r"figures\.js"), FiguresScriptHandler)]

@@ -85,7 +85,8 @@ class RunInfo:
     ``metrics.speed.rate`` defines it (its last seconds while it trains, all its rows once it ended);
     ``wall_s`` from its start to its end (to now while it trains); ``loss`` the last loss reported,
     ``final`` the last value of each of its metrics; ``hyperparameters`` the optimizer, its arguments and the
-    run's settings from its config; ``sparkline`` the loss over the run (at most 40 points); ``failure`` why it
+    run's settings from its config; ``sparkline`` the loss over the run (at most 40 points) and ``sparkline_path``
+    the SVG path of its line in the unit square (``figures.sparkline_path``); ``failure`` why it
     failed (or was lost), null for any other run; ``epochs`` each worker's epoch of its ``ctx.shard`` loader, by
     worker index (empty for a loop without epochs), and ``epochs_text`` the same in words (``metrics.epochs``:
     ``epoch 3``, or each worker's where they differ; '' without); ``divergence`` what the divergence rule found
@@ -107,6 +108,7 @@ class RunInfo:
     final: dict[str, float | None]
     hyperparameters: dict[str, str | float | int | bool]
     sparkline: list[float]
+    sparkline_path: str
     failure: Failure | None
     epochs: dict[str, int]
     epochs_text: str
@@ -168,6 +170,36 @@ class SeriesData:
 
 
 @dataclass
+class Figure:
+    """A figure as the notebook's dashboard draws it, ready for plotly.js: its ``name`` (``convergence``,
+    ``speed``...: ``widgets.run_figures``), its traces (``data``) and its ``layout`` (``live.figure_json``). The
+    convergence figure's ``layout.meta.controls`` asks for the viewer's controls (``widgets/controls.js``)."""
+
+    name: str
+    data: list[dict]
+    layout: dict
+
+
+@dataclass
+class FigureList:
+    """Every figure of a ``run``, in the order the notebook's dashboard shows them."""
+
+    run: RunInfo
+    figures: list[Figure]
+
+
+@dataclass
+class Comparison:
+    """``runs`` compared as ``pscluster.compare`` draws them (``figures.compare_spec``): their ``metric`` against
+    the global step and their speeds, in one ``figure``; ``available``: every metric any of them has."""
+
+    runs: list[RunInfo]
+    metric: str
+    available: list[str]
+    figure: Figure
+
+
+@dataclass
 class ActionResult:
     """What an action started: ``state`` is the state of ``target`` now (e.g. stopping)."""
 
@@ -184,7 +216,7 @@ class ErrorReply:
 
 
 PAYLOADS = (TaskInfo, ClusterInfo, SkippedCluster, ClusterList, Failure, Divergence, RunInfo, RunList, Evaluation,
-            LearningRate, SeriesData, ActionResult, ErrorReply)
+            LearningRate, SeriesData, Figure, FigureList, Comparison, ActionResult, ErrorReply)
 
 
 def to_json(payload) -> dict:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 import os
 import sqlite3
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 
 import numpy as np
@@ -21,8 +23,11 @@ from ..errors import DamagedStore
 from ..metrics import epochs, speed
 from ..metrics.store import RAW_WINDOW, RunStore, default_path
 from ..runtime.tagged import shown
-from .models import (ActionResult, ClusterInfo, ClusterList, Divergence, Evaluation, Failure, LearningRate, RunInfo,
-                     RunList, SeriesData, SkippedCluster, TaskInfo)
+from ..widgets import figures, run_figures
+from ..widgets.figure_specs import Spec, expanded
+from ..widgets.live import figure_json
+from .models import (ActionResult, ClusterInfo, ClusterList, Comparison, Divergence, Evaluation, Failure, Figure,
+                     FigureList, LearningRate, RunInfo, RunList, SeriesData, SkippedCluster, TaskInfo)
 
 ENDED = ("finished", "failed", "stopped")
 LOCK_WAIT_S = 1.0      # a query waits this long for another process's lock before the answer is 503
@@ -31,8 +36,12 @@ SUMMARY_POINTS = 4 * SPARK_POINTS  # buckets per worker a run's summary reads: a
 RATE_POINTS = 500      # buckets per worker a live run's steps/s is read from (raw rows when it has fewer)
 MAX_POINTS = 10_000    # the most points per worker a series answer may ask for
 DEFAULT_NAMES = ("loss", "accuracy")
-HYPERPARAMETERS = ("batch_size", "mode", "num_workers", "steps", "replicas_to_aggregate", "staleness_bound",
-                   "scheduler", "max_grad_norm", "precision", "seed")
+FOLLOWED_RUNS = 16     # runs whose figures the server keeps, to read only their new rows at the next request
+COMPARE_POINTS = 2000  # per worker of each compared run, as pscluster.compare reads them
+# A metric as the views name it, where the run store's column is named otherwise: a worker's pushes dropped as
+# stale (run.summary()'s and the ps's count has this name).
+SHOWN_NAMES = {"dropped": "dropped_stale"}
+STORED_NAMES = {v: k for k, v in SHOWN_NAMES.items()}
 CONTROL_STATUS = {"not_found": 404, "conflict": 409, "invalid": 400, "unavailable": 504, "forbidden": 502}
 
 
@@ -51,6 +60,8 @@ class LabService:
 
     def __init__(self):
         self._ended: dict[tuple[str, int], RunInfo] = {}
+        self._followed: OrderedDict[tuple[str, int], run_figures.FollowedRun] = OrderedDict()  # least recent first
+        self._following = threading.Lock()  # requests are answered in threads
 
     # --- reading ------------------------------------------------------------------------
     def clusters(self) -> ClusterList:
@@ -81,13 +92,15 @@ class LabService:
         live = {e["name"] for e in registry.read_all()[0]}
         with self._store_with(run_id, store_path) as store, _readable(store.path):
             row = _run_row(store, run_id)
-            available = store.series_names(run_id)
+            available = [_shown(n) for n in store.series_names(run_id)]
             if names is None:
                 names = [n for n in DEFAULT_NAMES if n in available]
             elif missing := [n for n in names if n not in available]:
                 raise ApiError(400, f"run {run_id} has no metric {', '.join(missing)}: ask for some of "
                                     f"{', '.join(available) or 'none yet'}")
-            df = store.series(run_id, tuple(names), x=x, start=start, stop=stop, max_points=points)
+            df = store.series(run_id, tuple(STORED_NAMES.get(n, n) for n in names), x=x, start=start, stop=stop,
+                              max_points=points)
+            df = df.rename(columns=_shown_column)
             info = self._run_info(store, row, live)
             evaluations = [Evaluation(int(e.global_step), float(e.time), _number(e.loss), _number(e.accuracy))
                            for e in store.evaluations(run_id).itertuples()]
@@ -99,6 +112,45 @@ class LabService:
         return SeriesData(run=info, x=x, start=start, stop=stop, names=names, available=available,
                           resolution=float(df.attrs.get("resolution", 0)), workers=workers, evaluations=evaluations,
                           learning_rates=rates, speed_window_s=speed.RECENT_S)
+
+    def figures(self, run_id: int, store_path: str | None) -> FigureList:
+        """Every figure of run ``run_id`` as the notebook's dashboard draws it from the run store
+        (``run_figures``), as plotly.js takes it: the run's rows stored since the last request for it are read, as
+        the dashboard reads them at each refresh (for ``FOLLOWED_RUNS`` runs at most; then the least recently
+        asked for is read again whole)."""
+        live = {e["name"] for e in registry.read_all()[0]}
+        with self._store_with(run_id, store_path) as store, _readable(store.path):
+            info = self._run_info(store, _run_row(store, run_id), live)
+            with self._following:
+                key = (store.path, run_id)
+                followed = self._followed.pop(key, None) or run_figures.FollowedRun(run_id)
+                self._followed[key] = followed
+                while len(self._followed) > FOLLOWED_RUNS:
+                    self._followed.popitem(last=False)
+                specs = followed.update(store).specs()
+        return FigureList(run=info, figures=[_figure(name, s) for name, s in specs.items()])
+
+    def compare(self, runs: list[tuple[int, str | None]], metric: str) -> Comparison:
+        """Runs ``runs`` (id, store path) compared as ``pscluster.compare`` draws them, by ``metric`` (one of their
+        metrics); 400 for a metric none of them has."""
+        live, infos, compared, available = {e["name"] for e in registry.read_all()[0]}, [], [], {}
+        for run_id, path in runs:
+            with self._store_with(run_id, path) as store, _readable(store.path):
+                info = self._run_info(store, _run_row(store, run_id), live)
+                names = store.series_names(run_id)
+                label = info.name + (f" #{run_id}" if any(info.name == i.name for i in infos) else "")
+                stored = STORED_NAMES.get(metric, metric)
+                compared.append(figures.compared_run(store, run_id, label, (stored,) if stored in names else (),
+                                                     points=COMPARE_POINTS))
+            infos.append(info)
+            available.update(dict.fromkeys(_shown(n) for n in names))
+        if metric not in available:
+            raise ApiError(400, f"none of runs {', '.join(str(r) for r, _ in runs)} has a metric {metric}: ask for "
+                                f"one of {', '.join(available) or 'none yet'}")
+        spec = figures.compare_spec(compared, STORED_NAMES.get(metric, metric))
+        if metric in STORED_NAMES:  # the axis says the metric's name as the views say it
+            spec.layout["yaxis"]["title_text"] = f"{metric} (mean over workers)"
+        return Comparison(runs=infos, metric=metric, available=list(available), figure=_figure("compare", spec))
 
     def download(self, run_id: int, store_path: str | None, points: int | None) -> tuple[pd.DataFrame, str]:
         """Run ``run_id``'s metrics as a frame to download, and a line that says what it holds: the raw rows
@@ -151,13 +203,15 @@ class LabService:
         spark = store.series(row.id, tuple(names), max_points=SUMMARY_POINTS)
         worker_epochs = store.epochs(row.id)
         found = store.divergence(row.id)
+        line = _sparkline(spark)
         info = RunInfo(id=int(row.id), store=store.path, name=row.name, cluster=row.cluster, mode=row.mode,
                        status=status, started=float(row.started), ended=ended, steps=config.get("steps"),
                        global_step=int(spark["step_last"].max()) if len(spark) else 0,
                        steps_per_s=_speed(store, row.id, spark, live=status not in (*ENDED, "lost")),
                        wall_s=speed.phases(float(row.started), ended, None, now=time.time())["wall_s"],
-                       loss=_final(spark, "loss"), final={n: _final(spark, n) for n in names},
-                       hyperparameters=_hyperparameters(config), sparkline=_sparkline(spark),
+                       loss=_final(spark, "loss"), final=_finals(spark, names),
+                       hyperparameters=_hyperparameters(config), sparkline=line,
+                       sparkline_path=figures.sparkline_path(line),
                        failure=Failure(**failure) if failure else None,
                        epochs={str(w): e for w, e in worker_epochs.items()},
                        epochs_text=epochs.words(worker_epochs),
@@ -272,10 +326,10 @@ def _cluster_info(entry: dict) -> ClusterInfo:
 
 def _hyperparameters(config: dict) -> dict:
     """What tells runs apart, from a run's config: the optimizer and its arguments as the user wrote them
-    (``tagged.shown``), then HYPERPARAMETERS but those only other modes read (settings that are None are left
-    out)."""
+    (``tagged.shown``), then the settings the config says to show (``shown``: the options defined as shown that
+    its mode reads, see ``run_records``); settings that are None are left out."""
     found = {"optimizer": config.get("optimizer")} | dict(config.get("optimizer_kwargs") or {})
-    found |= {k: config.get(k) for k in HYPERPARAMETERS if k not in config.get("other_modes_options", ())}
+    found |= {k: config.get(k) for k in config.get("shown", ())}
     return {k: v if isinstance(v, (int, float, bool)) else shown(v) for k, v in found.items() if v is not None}
 
 
@@ -297,6 +351,31 @@ def _local_speed(rows: pd.DataFrame) -> pd.Series:
     steps = np.column_stack([rows["local_first"], rows["local_last"]]).ravel()
     since = np.repeat(rows["time_first"].to_numpy(dtype=float), 2)
     return pd.Series(speed.over_time(times, steps, since=since)[1::2])
+
+
+def _shown(name: str) -> str:
+    """A metric's name as the views say it (``SHOWN_NAMES``)."""
+    return SHOWN_NAMES.get(name, name)
+
+
+def _shown_column(column: str) -> str:
+    """A column of ``RunStore.series`` (``{name}_mean``...) named as the views name its metric."""
+    name, _, kind = column.rpartition("_")
+    return f"{SHOWN_NAMES[name]}_{kind}" if name in SHOWN_NAMES else column
+
+
+def _figure(name: str, spec: Spec) -> Figure:
+    """Figure ``name`` of ``spec`` as plotly.js takes it: what the notebook's live figure is sent."""
+    return Figure(name=name, **figure_json(expanded(spec)))
+
+
+def _finals(spark: pd.DataFrame, names: list[str]) -> dict[str, float | None]:
+    """The last value of each metric of ``names``; of the pushes dropped as stale, how many (``dropped_stale``, as
+    ``run.summary()`` counts them)."""
+    finals = {_shown(n): _final(spark, n) for n in names if n not in SHOWN_NAMES}
+    if "dropped" in names:
+        finals["dropped_stale"] = float(np.nansum(spark["dropped_mean"] * spark["count"]))
+    return finals
 
 
 def _final(spark: pd.DataFrame, name: str) -> float | None:

@@ -5,8 +5,10 @@ request id (see ``protocol``), and every wait has a timeout. A ps whose connecti
 ZeroMQ heartbeats went unanswered for ``HEARTBEAT_TIMEOUT_MS``), or that refuses the handshake (one side
 encrypted and not the other), fails the requests waiting on it at once with PeerLost instead of at the timeout;
 a send that ZeroMQ cannot queue (a connection the handshake ended) fails within the timeout. A worker on the same
-host as a ps moves its dense values through a shared-memory lane (``share``, see ``lanes``). A request may also
-leave in parts as its payloads become ready (``open``: a sync worker's push during backward, see ``overlap``).
+host as a ps moves its dense values through a shared-memory lane (``share``, see ``lanes``), and its lane
+requests and their replies through a bell beside it (``bells``: pipes, which wake the thread waiting on them). A
+request may also leave in parts as its payloads become ready (``open``: a sync worker's push during backward, see
+``overlap``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from zmq.utils.monitor import recv_monitor_message
 from ..errors import ConfigError, PeerLost, ProtocolError, RunOver, RuntimeTimeout, StaleTask, TrainingError
 from ..spec import ClusterSpec
 from . import curve, host_copies, parts, protocol
-from .lanes import Lane, LaneError
+from .bells import Bell, frame
+from .lanes import Lane, LaneError, value_set
 from .options import DEFAULTS
 from .protocol import Flag, Message, Op
 
@@ -94,8 +97,8 @@ class PSClient:
     ``spec.encrypt``); the constructor opens a session with each ps (HELLO)."""
 
     def __init__(self, spec: ClusterSpec, *, task: int = protocol.NO_TASK, run_id: int = 0,
-                 timeout: float = DEFAULTS.request_timeout, context: zmq.Context | None = None, only: list[int] | None = None,
-                 pinned: bool = False):
+                 timeout: float = DEFAULTS.request_timeout, context: zmq.Context | None = None,
+                 only: list[int] | None = None, pinned: bool = False):
         """``only``: connect to these ps tasks alone (the survivors, when one was lost). ``pinned``: replies that
         arrive in parts are assembled in page-locked memory (a CUDA worker's: from there they go to the GPU
         without waiting, see ``host_copies``)."""
@@ -112,6 +115,8 @@ class PSClient:
         self._socks, self._monitors, self._index = {}, {}, {}  # ps index -> socket, socket -> ps index
         self._refused: dict[int, int] = {}  # ps index -> connection attempts refused
         self._lanes: dict[int, Lane] = {}  # ps index -> the shared-memory lane of its session
+        self._bells: dict[int, Bell] = {}  # ps index -> the bell its lane's requests ring (see ``bells``)
+        self._bell_of: dict[int, int] = {}  # a bell's pipe, polled -> its ps index
         self._assembling = parts.Assemblies(spec.key, pinned)  # by ps index: replies arriving in parts
         self._destination: Callable[[int], torch.Tensor | None] | None = None  # see receive_into
         self._poller = zmq.Poller()
@@ -145,6 +150,8 @@ class PSClient:
         for lane in self._lanes.values():
             lane.unpin()
         self._lanes = {}
+        for i in list(self._bells):
+            self._drop_bell(i)
 
     def __enter__(self):
         return self
@@ -184,8 +191,9 @@ class PSClient:
         copies.wait()
         pending = {}
         for i, msg in messages.items():
-            for frames in parts.messages(msg, self.spec.key):
-                self._send_frames(i, op, frames)
+            if not self._ring(i, msg):
+                for frames in parts.messages(msg, self.spec.key):
+                    self._send_frames(i, op, frames)
             pending[i] = (msg.request_id, msg.nonce)
         for i, request in opened.items():
             pending[i] = (request.message.request_id, request.message.nonce)
@@ -272,28 +280,39 @@ class PSClient:
                     if i in pending and i not in replies:
                         raise PeerLost(f"ps {i} at {self.spec.ps[i].address} {_lost(event, op)}")
                     continue
-                i = self._index[sock]
-                msg = self._receive(i, sock, pending.get(i))
-                if msg is None:
-                    continue  # a head, or a part, of a message in parts not yet whole
-                if i not in pending or not _answers(msg, *pending[i], hello=op is Op.HELLO):
-                    continue  # a late reply to a request that timed out earlier
-                if msg.flags & Flag.SHARED:
-                    self._from_lane(i, msg)
-                if op is Op.HELLO and msg.op is Op.OK:
-                    self._nonces[i] = msg.nonce
-                    self._max_frame[i] = int((msg.meta or {}).get("max_frame_bytes", 0)) or 2**63
-                if msg.op is Op.ERROR:
-                    meta = msg.meta or {}
-                    error = StaleTask if meta.get("fenced") else RunOver if meta.get("over") else TrainingError
-                    raise error(f"ps {i}: {meta.get('error', 'error')}")
-                replies[i] = msg
+                if sock in self._bell_of:
+                    i = self._bell_of[sock]
+                    arrived = self._bells[i].receive()
+                    if self._bells[i].closed:
+                        self._drop_bell(i)  # the ps closed it (or ended: its socket's monitor tells)
+                else:
+                    i = self._index[sock]
+                    arrived = [sock.recv_multipart(copy=False)]
+                for frames in arrived:
+                    msg = self._receive(i, frames, pending.get(i))
+                    if msg is None:
+                        continue  # a head, or a part, of a message in parts not yet whole
+                    if i not in pending or not _answers(msg, *pending[i], hello=op is Op.HELLO):
+                        continue  # a late reply to a request that timed out earlier
+                    replies[i] = self._answer(i, op, msg)
         return [replies[i] for i in sorted(replies)]
 
-    def _receive(self, i: int, sock: zmq.Socket, request: tuple[int, bytes] | None) -> Message | None:
-        """The next message from ps ``i``, or None while a message in parts is not yet whole (its head, or
+    def _answer(self, i: int, op: Op, msg: Message) -> Message:
+        """Ps ``i``'s answer ``msg`` to ``op``, its lane's values in front; raises what an ERROR answer says."""
+        if msg.flags & Flag.SHARED:
+            self._from_lane(i, msg)
+        if op is Op.HELLO and msg.op is Op.OK:
+            self._nonces[i] = msg.nonce
+            self._max_frame[i] = int((msg.meta or {}).get("max_frame_bytes", 0)) or 2**63
+        if msg.op is Op.ERROR:
+            meta = msg.meta or {}
+            error = StaleTask if meta.get("fenced") else RunOver if meta.get("over") else TrainingError
+            raise error(f"ps {i}: {meta.get('error', 'error')}")
+        return msg
+
+    def _receive(self, i: int, frames: list, request: tuple[int, bytes] | None) -> Message | None:
+        """The message of ``frames`` from ps ``i``, or None while a message in parts is not yet whole (its head, or
         one of its parts, came). ``request``: the one awaited from ps ``i`` (see ``receive_into``)."""
-        frames = sock.recv_multipart(copy=False)
         self.bytes_received += sum(len(f) for f in frames)
         if parts.is_part(frames):  # none open: the rest of a message whose head was refused (that raised)
             return self._assembling.take(i, frames) if i in self._assembling else None
@@ -313,8 +332,9 @@ class PSClient:
             return Flag.NONE, ids, tensors
         if lane.pinned:
             copies.fence()  # the ps writes the lane's values, which the GPU may still be reading
+        flags = lane.flags()
         if op is Op.PULL:
-            return Flag.SHARED, ids, tensors
+            return flags, ids, tensors
         n = len(lane.ids)
         if ids[:n] != lane.ids:
             return Flag.NONE, ids, tensors
@@ -325,16 +345,26 @@ class PSClient:
                 if t is not slot:
                     copies.into(slot, t)
         self.bytes_sent += lane.nbytes
-        return Flag.SHARED, ids[n:], tensors[n:]
+        return flags, ids[n:], tensors[n:]
 
     def _from_lane(self, i: int, msg: Message) -> None:
-        """Put the dense values a reply left in the lane in front of its other tensors."""
+        """Put the dense values a reply left in the lane (the set it names) in front of its other tensors."""
         lane = self._lanes.get(i)
         if lane is None:
             raise ProtocolError(f"ps {i} answered through a shared-memory lane this client does not have")
+        slot = value_set(msg.flags)
+        if slot == lane.held:
+            raise ProtocolError(f"ps {i} wrote its values into the lane's set that the model holds")
         msg.ids = lane.ids + msg.ids
-        msg.tensors = lane.params + msg.tensors
+        msg.tensors = lane.values[slot] + msg.tensors
         self.bytes_received += lane.nbytes
+
+    def hold(self, held: dict[int, int]) -> None:
+        """The model has taken the values of these lanes' sets as its memory (ps index -> 0 or 1: the set of
+        ``Flag.SECOND``, see ``lanes``): later requests to those ps tasks ask for their values in the other set."""
+        for i, slot in held.items():
+            if i in self._lanes:
+                self._lanes[i].held = slot
 
     @staticmethod
     def merge(messages: list[Message]) -> Reply:
@@ -358,26 +388,71 @@ class PSClient:
         self.run_id = run_id
         self.request(Op.INIT, per_ps, meta=configs)
 
-    def share(self, reply: Reply) -> list[int]:
+    def share(self, reply: Reply, note: Callable[[str], None] | None = None) -> list[int]:
         """Open a shared-memory lane (see ``lanes``) with every ps on this host, laid out as the dense values
-        of ``reply`` (a pull's): later pushes and pulls move those values through it. Returns the ps indices
-        with a lane; the others (on other hosts, or where there is no shared memory) go on over the socket."""
-        lanes = {}
+        of ``reply`` (a pull's), and a bell beside it (see ``bells``): later pushes and pulls move those values
+        through the lane and ring the bell. Returns the ps indices with a lane; the others (on other hosts, or
+        where there is no shared memory) go on over the socket. ``note(line)``: told why, when this process could
+        make no lane (no room in shared memory...)."""
+        lanes, bells = {}, {}
         for i, msg in zip(sorted(self._socks), reply.messages):
             if msg.tensors and i not in self._lanes:
                 try:
                     lanes[i] = Lane.for_tensors(msg.ids, msg.tensors)
-                except LaneError:
+                except LaneError as e:
+                    if note is not None:
+                        note(f"the values go over the socket: {e}")
                     break  # no shared memory for this process: none for the others either
+                try:
+                    bells[i] = Bell.make()
+                except LaneError:
+                    pass  # the lane without a bell: its requests go over the socket
         if lanes:
+            meta = [None] * (max(lanes) + 1)
+            for i, lane in lanes.items():
+                meta[i] = lane.request() | ({"bell": bells[i].request()} if i in bells else {})
             try:
-                answers = self.request(Op.SHARE, targets=sorted(lanes),
-                                       meta=[lanes[i].request() if i in lanes else None for i in range(max(lanes) + 1)])
+                answers = self.request(Op.SHARE, targets=sorted(lanes), meta=meta)
             finally:
                 for lane in lanes.values():
                     lane.unlink()
-            self._lanes.update((i, lanes[i]) for i, answer in zip(sorted(lanes), answers) if answer.value == 1)
+                for bell in bells.values():
+                    bell.unlink()
+            for i, answer in zip(sorted(lanes), answers):
+                if answer.value == 1:
+                    self._lanes[i] = lanes[i]
+                    if i in bells and (answer.meta or {}).get("bell"):
+                        self._add_bell(i, bells.pop(i))
+        for bell in bells.values():
+            bell.close()
         return sorted(self._lanes)
+
+    def _add_bell(self, i: int, bell: Bell) -> None:
+        if i in self._bells:
+            self._drop_bell(i)
+        self._bells[i] = bell
+        self._bell_of[bell.fileno()] = i
+        self._poller.register(bell.fileno(), zmq.POLLIN)
+
+    def _drop_bell(self, i: int) -> None:
+        bell = self._bells.pop(i)
+        self._poller.unregister(bell.fileno())
+        del self._bell_of[bell.fileno()]
+        bell.close()
+
+    def _ring(self, i: int, msg: Message) -> bool:
+        """Send ``msg`` (a whole lane request) to ps ``i`` by its bell; False when it goes over the socket (no bell,
+        another op, too large, the pipe full)."""
+        bell = self._bells.get(i)
+        if bell is None or msg.op not in _LANE_OPS or msg.nbytes() > parts.PART_BYTES:
+            return False
+        framed = frame(protocol.encode(msg, self.spec.key))
+        if framed is None or not bell.send(framed):
+            if bell.closed:  # the ps closed it
+                self._drop_bell(i)
+            return False
+        self.bytes_sent += len(framed)
+        return True
 
     def pull(self, attempt: int | None = None) -> Reply | None:
         """Current parameters, or None while the chief has not initialized the run (its ``attempt``); a reply

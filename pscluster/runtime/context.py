@@ -14,6 +14,12 @@ A loop written for one process becomes a worker's loop by a few changed lines::
                 optimizer.step()                                      # push, update on the ps, pull
                 ctx.log(loss=loss.item())
 
+The run's rules are the context's, the same for every loop (``Cluster.train``'s, ``worker.library_loop``, is a
+``train_fn`` too): ``optimizer.step()`` clips the gradients to ``max_grad_norm`` and applies ``on_nonfinite``
+(``steps.GradientRules``); ``with ctx.autocast():`` around forward and loss, and ``ctx.backward(loss)`` in place of
+``loss.backward()``, give the run's ``precision`` (fp16 loss scaling, an overflow left out), the loss checked with
+the gradients, and ``overlap``'s pushes begun. A loop with its own ``torch.autocast`` and ``GradScaler`` keeps them.
+
 Call order on a worker (``run_loop``):
 
 1. The worker's random streams are seeded (``seeding``: ``ctx.seed``), then ``train_fn(ctx)`` is called.
@@ -44,28 +50,29 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
 
-from ..errors import ConfigError, NonFiniteError, PeerLost, RunEnded, StaleTask
+from ..errors import ConfigError, PeerLost, RunEnded, StaleTask
 from ..spec import ClusterSpec
 from . import seeding
 from .client import PSClient
 from .data import training_input, worker_batches
 from .shard_loader import ShardLoader, shard_loader
 from .emitter import MetricsEmitter
-from .loop_overlap import LoopOverlap
+from .loop_overlap import LoopOverlap, begin_backward
 from .member import Shards, SparseRows, StepTally, join_run, leave, local_device, merge_pushes
 from .optim import OptimizerSpec, group_options, literal_pattern, spec_of
-from .options import DEFAULTS
+from .options import DEFAULTS, PLAN, RunOptions
 from .overlap import EarlyPush
 from .plan import TrainPlan
 from .policies import policy_for
 from .protocol import Flag
 from .staging import GradientStaging
-from .steps import PRECISIONS, grad_norm, metric_values
+from .steps import PRECISIONS, GradientRules, Precision, metric_values
 from .streams import Batches
 
 MAX_NAME = 64
@@ -158,30 +165,30 @@ class Optimizers:
                               "set requires_grad=False on it (the ps trains every trainable parameter)")
 
 
-def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list[OptimizerSpec], *, num_ps: int,
-              placement=DEFAULTS.placement, partition=None, **settings) -> TrainPlan:
+def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list[OptimizerSpec], options: Mapping, *,
+              num_ps: int, num_workers: int, **fields) -> TrainPlan:
     """The plan of a user's loop over ``model`` (its ``modules``) with ``optimizers`` in the run's order (see
-    ``Optimizers``): each trained variable says which optimizer updates it; sync aggregates every worker's gradients
-    unless ``replicas_to_aggregate`` says otherwise. With several optimizers, no
-    shared-memory lanes (a lane carries every variable, a push only one optimizer's) and, in sync mode, no backup
-    workers (each optimizer's step waits for every worker). No ``max_lead``: a loop of the user's may stop pushing
-    for its own reasons (its data ends, it evaluates) while it still counts as live, and would hold the others."""
+    ``Optimizers``) and the run's ``options`` (an entry's: its placement, partition and those the plan carries;
+    ``fields``: more of the plan's, as ``session``): each trained variable says which optimizer updates it; sync
+    aggregates every worker's gradients unless ``replicas_to_aggregate`` says otherwise. With several optimizers,
+    no shared-memory lanes (a lane carries every variable, a push only one optimizer's) and, in sync mode, no
+    backup workers (each optimizer's step waits for every worker). No ``max_lead``: a loop of the user's may stop
+    pushing for its own reasons (its data ends, it evaluates) while it still counts as live, and would hold the
+    others."""
     first, *more = optimizers
-    settings = {**settings, "replicas_to_aggregate": settings.get("replicas_to_aggregate") or settings["num_workers"]}
-    if more and policy_for(settings.get("mode", DEFAULTS.mode)).aggregates_steps and \
-            settings["replicas_to_aggregate"] != settings["num_workers"]:
+    plan = TrainPlan.for_model(model, first, num_ps=num_ps, placement=options.get("placement", DEFAULTS.placement),
+                               partition=options.get("partition"), run_id=1, num_workers=num_workers,
+                               modules=modules, more_optimizers=tuple(spec.to_dict() for spec in more),
+                               options=_loop_options(options), **fields)
+    if more and policy_for(plan).aggregates_steps and plan.replicas_to_aggregate != num_workers:
         raise ConfigError("several optimizers with replicas_to_aggregate other than the number of workers: "
                           "leave replicas_to_aggregate out, or train with one optimizer")
-    if more and settings.get("pipeline"):
+    if more and plan.pipeline:
         raise ConfigError("pipeline=True with several optimizers: each optimizer's step needs the values the "
                           "other's gave; run without pipeline")
-    if more:
-        settings = {**settings, "shared_memory": False}
-    plan = TrainPlan.for_model(model, first, num_ps=num_ps, placement=placement, partition=partition,
-                               batch_size=None, modules=modules, max_lead=None,
-                               more_optimizers=tuple(spec.to_dict() for spec in more), **settings)
     if not more:
         return plan
+    plan = plan.replace(shared_memory=False)
     which = [set(n for g in spec.groups for n in g["params"]) for spec in optimizers]
     of_param = {v.parameter: next(k for k, names in enumerate(which) if literal_pattern(v.parameter) in names)
                 for v in plan.variables if v.kind == "param"}
@@ -195,11 +202,16 @@ def loop_plan(model: torch.nn.Module, modules: tuple[str, ...], optimizers: list
         for v in plan.variables))
 
 
-def settings_plan(**settings) -> TrainPlan:
-    """The plan of a user's loop until its first training call (``FirstCallContext``): the run's ``settings`` (those
-    of ``loop_plan`` but ``placement`` and ``partition``: ``run_id``, ``num_workers``...), no variables yet."""
-    return TrainPlan(batch_size=None, optimizer="SGD", **{
-        **settings, "replicas_to_aggregate": settings.get("replicas_to_aggregate") or settings["num_workers"]})
+def settings_plan(options: Mapping, *, num_workers: int) -> TrainPlan:
+    """The plan of a user's loop until its first training call (``FirstCallContext``): the run's ``options`` (as
+    ``loop_plan``'s), no variables yet."""
+    return TrainPlan(run_id=1, optimizer="SGD", num_workers=num_workers, options=_loop_options(options))
+
+
+def _loop_options(options: Mapping) -> RunOptions:
+    """What a user's loop's plan carries of the run's ``options``: the batches are the loop's own, no ``max_lead``
+    (see ``loop_plan``)."""
+    return RunOptions(options).of(PLAN).replace(batch_size=None, max_lead=None)
 
 
 class _Context:
@@ -242,7 +254,14 @@ class _Context:
         during backward (sync, CPU workers, pushes of a few MB) and a GPU worker copies them to the host during
         it, as ``Cluster.train``'s do. Clip with the run's ``max_grad_norm``, not after backward; accumulate the
         micro-batches before the last under ``ctx.no_sync()``; a gradient changed after backward fails the step
-        (see ``loop_overlap``). With ``pipeline=True`` (async), ``step()`` does not wait for the new values."""
+        (see ``loop_overlap``). With ``pipeline=True`` (async), ``step()`` does not wait for the new values.
+
+        Every ``step()`` applies the run's rules to the gradients before they leave (``steps.GradientRules``):
+        clipped to ``max_grad_norm``, checked finite (``on_nonfinite``), and with ``ctx.backward`` under fp16, an
+        overflow of the loss scale leaves the step out. It returns False for a step left out.
+
+        ``ctx.optimizer()`` without one (``Cluster.train``'s loop): the optimizer of a plan that names its own
+        (``optimizer=``, ``lr=``, ``scheduler=``), which runs on the ps tasks alone (``PlanOptimizer``)."""
         self._modules.optimizer_spec(optimizer)  # what is wrong with it, said at once
         self._optimizers.add(optimizer, global_step)
         self._overlap = self._overlap or bool(overlap)
@@ -269,21 +288,30 @@ class _Context:
                                             self._batches, loader_kwargs, self._epoch_began))
 
     def endless_shard(self, dataset, batch_size: int | None = None, *, collate_fn=None, loader_workers: int = 0,
-                      prefetch_factor: int | None = None, pin_memory: bool = False) -> Batches:
+                      prefetch_factor: int | None = None, pin_memory: bool = False, shuffle: bool = True,
+                      drop_last: bool = False, always_read_ahead: bool = False) -> Batches:
         """This worker's endless stream of batches of ``dataset`` (a map-style dataset, an IterableDataset, or a
         DataLoader taken apart as ``Cluster.train`` takes it), for a loop that counts steps, not epochs: its part of
-        each epoch, reshuffled every epoch with the run's seed, epoch after epoch, in ``loader_workers`` loader
-        processes that live as long as the stream. ``batch_size``: per worker (default 64, or the DataLoader's).
-        It ends once the run has ended; batches are read ahead as ``shard``'s are."""
+        each epoch, reshuffled every epoch with the run's seed (unless ``shuffle=False``), epoch after epoch, in
+        ``loader_workers`` loader processes that live as long as the stream. ``batch_size``: per worker (default 64,
+        or the DataLoader's). Its first batch is read before the run starts; it ends once the run has ended;
+        batches are read ahead as ``shard``'s are, or with ``always_read_ahead`` even where reading them draws
+        random numbers: for a loop that draws none between ``optimizer.step()`` and its next batch (the library's
+        loop), the same batches and draws, in the same order, with each read during the exchange."""
+        if isinstance(dataset, torch.utils.data.DataLoader) and (not shuffle or drop_last):
+            raise ConfigError("a DataLoader given to ctx.endless_shard brings its own shuffle and drop_last: set "
+                              "them on the DataLoader, or give its dataset")
         dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
                                                                  prefetch_factor, pin_memory)
+        if not shuffle or drop_last:
+            loader = replace(loader, shuffle=shuffle, drop_last=drop_last)
         return self._stream_of(self._batches(lambda: worker_batches(
             dataset, self.worker_index, self.num_workers, batch_size, self._run_seed, loader, collate_fn,
-            self.device)))
+            self.device), first_before_begin=True, always_ahead=always_read_ahead))
 
-    def _batches(self, make) -> Batches:
+    def _batches(self, make, **options) -> Batches:
         """Batches of the iterator ``make()`` starts, as this context hands them out (see ``streams``)."""
-        return Batches(make, begin=self._training_call, counted=self._count, ended=self._ended)
+        return Batches(make, begin=self._training_call, counted=self._count, ended=self._ended, **options)
 
     def _stream_of(self, stream):
         """``stream``, read ahead during each exchange and closed with the context."""
@@ -345,12 +373,16 @@ class WorkerContext(_Context):
         self._reply = None  # the last settled reply: the values the model holds are of its step
         self._in_flight = None  # the push-pull sent and not settled: (its reply's wait, its optimizer)
         self._pending: dict[str, float] = {}  # ctx.log's scalars since the last exchange
-        self._step_numbers: tuple | None = None  # the library's loop: its last step's (loss, accuracy, metrics)
         self._sent_options: dict[int, list[dict]] = {}  # per optimizer: the group options the ps tasks have now
         self._unrecorded: dict | None = None  # the last exchange's step, recorded with them at the next one
         self._stop_reason: str | None = None
         self._wire = PRECISIONS[plan.precision]
-        self._skipped = 0
+        self._precision = Precision(plan.precision, self.device)  # ``autocast``, ``backward``
+        self._rules = GradientRules(self._precision, index, self._emit)  # what ``step()`` does to the gradients
+        self._loss: torch.Tensor | None = None  # the step's loss as ``backward`` was given it, for the rules
+        self._scaled = False  # this step's backward went through the fp16 loss scale
+        self._plan_optimizer: PlanOptimizer | None = None  # ``optimizer()`` of a plan that names its own
+        self._parameters: dict[int, tuple[list, list]] = {}  # per optimizer: (its parameters, named as the model's)
         self._since = time.perf_counter()  # the end of the last global step's exchange
         self._exchanging = 0.0  # exchanges since then
         self._bytes = (0, 0)  # the client's bytes sent and received then
@@ -413,8 +445,10 @@ class WorkerContext(_Context):
         self._since = time.perf_counter()
         self._bytes = (self._client.bytes_sent, self._client.bytes_received)
 
-    def optimizer(self, optimizer: torch.optim.Optimizer, *, global_step: bool | None = None,
+    def optimizer(self, optimizer: torch.optim.Optimizer | None = None, *, global_step: bool | None = None,
                   overlap: bool = False) -> torch.optim.Optimizer:
+        if optimizer is None:
+            return self._plans_optimizer(overlap)
         if self._reply is not None:
             raise ConfigError(f"ctx.optimizer() after the run started: the run's plan has "
                               f"{len(self._plan.optimizer_specs)} optimizers; register each before the loop")
@@ -422,6 +456,18 @@ class WorkerContext(_Context):
         if self._registered_all():
             self._start()  # the run's registrations are complete: its values before the first forward
         return optimizer
+
+    def _plans_optimizer(self, overlap: bool) -> PlanOptimizer:
+        """``optimizer()`` without one: that of a plan that names its own (see ``_Context.optimizer``)."""
+        if self._plan.modules or not self._plan.variables or self._plan_optimizer is not None:
+            raise ConfigError("ctx.optimizer() without an optimizer: give your loop's torch optimizer, "
+                              "ctx.optimizer(torch.optim.SGD(model.parameters(), lr=0.1)); a run's own optimizer "
+                              "is Cluster.train's, taken once")
+        if len(self._modules.names) != 1 or self._reply is not None:
+            raise ConfigError("ctx.optimizer() before its loop's first batch and after ctx.model(model), once")
+        self._overlap = self._overlap or bool(overlap)
+        self._plan_optimizer = PlanOptimizer(self, list(self._modules.model.parameters()))
+        return self._plan_optimizer
 
     def _registered_all(self) -> bool:
         """Whether every optimizer of the run is registered (the plan says how many)."""
@@ -444,6 +490,42 @@ class WorkerContext(_Context):
         joined run is at)."""
         self._training_call()
         return self._reply.step
+
+    @property
+    def plan(self) -> TrainPlan:
+        """The run's plan, read-only: its options as attributes (``ctx.plan.mode``, ``.steps``, ``.precision``,
+        ``.max_grad_norm``, ``.on_nonfinite``, ``.pipeline``, ``.seed``, ``.attempt``...), its variables and their
+        placement. A ``Cluster.run`` chief's, until its loop's first training call: the run's settings, no
+        variables yet."""
+        return self._plan
+
+    def autocast(self):
+        """The run's ``precision`` around a step's forward and loss: ``torch.autocast`` on this worker's device
+        with bf16 or fp16 (the parameters stay fp32), nothing under fp32. Its backward goes through
+        ``ctx.backward``."""
+        return self._precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` under the run's rules, which the next ``optimizer.step()`` applies: with
+        ``precision="fp16"`` the loss is scaled and the gradients unscaled after it (a step whose gradients
+        overflowed the scale is left out, the scale halved, as torch's GradScaler does); ``loss`` is checked
+        with the gradients (``on_nonfinite``); with ``overlap`` (``ctx.optimizer(..., overlap=True)``) the
+        pushes, and a GPU's copies of its gradients to the host, begin here (not under ``ctx.no_sync()``)."""
+        self._training_call()
+        self._loss = loss
+        if self._overlap and self._syncing:
+            if self._loop_overlap is not None:
+                self._loop_overlap.begin(loss)
+            else:
+                begin_backward(self._early, self._staging, self._reply.step, loss)
+        self._precision.backward(loss, self._model)
+        if self._precision.scale is not None:
+            self._scaled = True
+            if self._loop_overlap is not None:
+                self._loop_overlap.unscaled()
+
+    def _emit(self, kind: str, **fields) -> None:
+        self._emitter.emit(kind, **fields)
 
     def should_stop(self) -> bool:
         """Whether the loop should end: the run reached its target step, was stopped (from the notebook, the side
@@ -501,7 +583,8 @@ class WorkerContext(_Context):
         raise lost
 
     def _step(self, optimizer) -> bool:
-        """``_exchange`` of a run that has not ended."""
+        """``_exchange`` of a run that has not ended: the last push settled (``pipeline``), the gradients through
+        the run's rules (``steps.GradientRules``), pushed; the reply settled at once unless ``pipeline``."""
         plan, k = self._plan, optimizer._pscluster_set
         computed_on = self._reply.step  # the global step of the values this step's gradients were computed on
         if self._in_flight is not None:
@@ -510,29 +593,38 @@ class WorkerContext(_Context):
                 return False
         if self._loop_overlap is not None:
             self._loop_overlap.check()  # before max_grad_norm clips them
-        mine = [p for g in optimizer.param_groups for p in g["params"]]
-        if not torch.isfinite(grad_norm(self._model, plan.max_grad_norm, params=mine)):
-            step = self.global_step
-            if plan.on_nonfinite == "fail":
-                raise NonFiniteError(f"worker {self.worker_index} computed a non-finite gradient at global step "
-                                     f"{step}: lower the learning rate, clip with max_grad_norm=..., or run with "
-                                     "on_nonfinite='skip'")
-            self._skipped += 1
-            self._emitter.emit("nonfinite", global_step=step, local_step=self._local_steps + 1,
-                               problem="gradient")
+        loss, scaled, self._loss, self._scaled = self._loss, self._scaled, None, False
+        params, named = self._parameters_of(optimizer)
+        checked = self._early.checked() if self._early is not None else frozenset()  # finite, checked already
+        if not self._rules.passes(plan, loss, params, named, scaled=scaled, checked=checked, step=computed_on,
+                                  local_step=self._local_steps):
             return False
-        # the group options go when they changed (an lr the loop set): the ps tasks keep them for the attempt
-        groups = group_options(optimizer)
-        meta = {"optimizer": k} if k else {}
-        if groups != self._sent_options.get(k):
-            meta["groups"] = groups
-        self._push(computed_on, k, meta=meta or None)
-        self._sent_options[k] = groups
+        if isinstance(optimizer, PlanOptimizer):  # the plan's optimizer and schedule: the ps tasks' own
+            self._push(computed_on)
+        else:  # the group options go when they changed (an lr the loop set): the ps tasks keep them for the attempt
+            groups = group_options(optimizer)
+            meta = {"optimizer": k} if k else {}
+            if groups != self._sent_options.get(k):
+                meta["groups"] = groups
+            self._push(computed_on, k, meta=meta or None)
+            self._sent_options[k] = groups
         if not plan.pipeline:
             for stream in self._streams:
-                stream.read_ahead()  # while the push-pull is in flight, as the library's loop reads its next batch
+                stream.read_ahead()  # the loop's next batches, while the push-pull is in flight
             self._settle()
         return True
+
+    def _parameters_of(self, optimizer) -> tuple[list, list]:
+        """(The parameters ``optimizer`` steps, in its order; those of them as the model names them)."""
+        k = optimizer._pscluster_set
+        if k not in self._parameters:
+            if isinstance(optimizer, PlanOptimizer):
+                params = optimizer.params
+            else:
+                params = [p for g in optimizer.param_groups for p in g["params"]]
+            mine = {id(p) for p in params}
+            self._parameters[k] = params, [(n, p) for n, p in self._model.named_parameters() if id(p) in mine]
+        return self._parameters[k]
 
     @property
     def _local_steps(self) -> int:
@@ -546,13 +638,16 @@ class WorkerContext(_Context):
         first, with what the loop logged since it."""
         if k == 0 and self._unrecorded is not None:
             self._record()
+        samples = 0
+        if k == 0:  # the batches handed out since the last push are this step's
+            samples, self._samples = self._samples, 0
         began = time.perf_counter()
         opened = self._early.finish() if self._early is not None else {}
         staged = self._staging.take() if self._staging is not None else None
         pushed = merge_pushes(self._shards.grads(self._wire, sent=opened, staged=staged), self._sparse.grads())
         if self._plan.more_optimizers:
             pushed = {ps: self._of_optimizer(ids, tensors, k) for ps, (ids, tensors) in pushed.items()}
-        self._in_flight = (self._client.start_push_pull(step, pushed, opened, meta=meta), k)
+        self._in_flight = (self._client.start_push_pull(step, pushed, opened, meta=meta), k, samples)
         if self._plan.pipeline:
             for p in self._model.parameters():
                 p.grad = None  # they leave with the push: the next backward must not write into them
@@ -565,22 +660,21 @@ class WorkerContext(_Context):
         optimizer's) is a step to record; the others' time counts in the next one's."""
         if self._in_flight is None:
             return
-        (wait, k), self._in_flight = self._in_flight, None
+        (wait, k, samples), self._in_flight = self._in_flight, None
         began = time.perf_counter()
         reply = wait()
-        self._shards.load(reply, (lambda v: v.optimizer == k) if self._plan.more_optimizers else None)
+        keep = (lambda v: v.optimizer == k) if self._plan.more_optimizers else None
+        self._client.hold(self._shards.load(reply, keep))
         self._reply = reply
         settled = time.perf_counter()
         self._exchanging += settled - began
         if k == 0:
             sent, received = self._client.bytes_sent, self._client.bytes_received
-            self._unrecorded = dict(reply=reply, samples=self._samples,
+            self._unrecorded = dict(reply=reply, samples=samples,
                                     compute_s=settled - self._since - self._exchanging, exchange_s=self._exchanging,
                                     bytes_sent=sent - self._bytes[0], bytes_received=received - self._bytes[1])
-            self._samples, self._exchanging, self._bytes = 0, 0.0, (sent, received)
+            self._exchanging, self._bytes = 0.0, (sent, received)
             self._since = settled
-            if self._step_numbers is not None:
-                self._record()  # the library's loop gave the step's numbers before its reply: recorded as it comes
 
     def _of_optimizer(self, ids: list[int], tensors: list, k: int) -> tuple[list[int], list]:
         """What a push of optimizer ``k`` carries of ``(ids, tensors)``: its variables' gradients, and every buffer
@@ -589,19 +683,10 @@ class WorkerContext(_Context):
                 if (v := self._shards.by_id[vid]).kind == "buffer" or v.optimizer == k]
         return [vid for vid, _ in kept], [t for _, t in kept]
 
-    def _log_step(self, loss: float, accuracy: float | None, metrics: dict[str, float]) -> None:
-        """The library's loop: the numbers of the step in flight, as they are (a step_fn's metric may be named
-        ``accuracy``), recorded when its reply is settled. A user's loop logs a step's numbers after its
-        ``step()`` (``log``): its step is recorded at the next one."""
-        self._step_numbers = (loss, accuracy, metrics)
-
     def _record(self) -> None:
         """The last exchange's step, with what the loop logged since (``loss`` and ``accuracy`` as the step's)."""
         logged, self._pending = self._pending, {}
-        if self._step_numbers is not None:
-            (loss, accuracy, metrics), self._step_numbers = self._step_numbers, None
-        else:
-            loss, accuracy, metrics = logged.pop("loss", float("nan")), logged.pop("accuracy", None), logged
+        loss, accuracy, metrics = logged.pop("loss", float("nan")), logged.pop("accuracy", None), logged
         self._tally.record(**self._unrecorded, loss=loss, accuracy=accuracy, metrics=metrics)
         self._unrecorded = None
 
@@ -619,7 +704,7 @@ class WorkerContext(_Context):
             self._emitter.emit("loop_returned", global_step=self.global_step, local_step=self._local_steps)
         if self._unrecorded is not None:
             self._record()
-        return self._tally.summary(self.global_step, self._client, self._emitter.dropped, skipped=self._skipped,
+        return self._tally.summary(self.global_step, self._client, self._emitter.dropped, skipped=self._rules.skipped,
                                    overlapped_pushes=self._early.pushes if self._early is not None else 0,
                                    staged_steps=self._staging.steps if self._staging is not None else 0)
 
@@ -644,7 +729,8 @@ class WorkerContext(_Context):
             self._emitter.close()
         if self._client is not None:
             self._client.close()
-        self._reply = self._in_flight = self._unrecorded = self._step_numbers = None
+        self._reply = self._in_flight = self._unrecorded = self._loss = None
+        self._scaled = False
         self._pending, self._sent_options = {}, {}  # a restarted ps knows no group options yet
 
     def close(self) -> None:
@@ -702,6 +788,27 @@ class FirstCallContext(WorkerContext):
             raise ConfigError("train_fn returned before its loop's first training call (a forward of a registered "
                               "module, a batch of ctx.shard, optimizer.step()...): give it a loop that trains")
         return super().finish()
+
+
+class PlanOptimizer:
+    """``ctx.optimizer()``'s: the optimizer of a plan that names its own (``Cluster.train``'s ``optimizer=``,
+    ``lr=``, ``scheduler=``), which lives on the ps tasks alone. ``step()`` is the run's exchange of every
+    parameter's gradient, as a registered torch optimizer's is; ``zero_grad()`` sets the gradients to None."""
+
+    _pscluster_set = 0  # the optimizer of the run's global steps
+
+    def __init__(self, context: WorkerContext, params: list[torch.nn.Parameter]):
+        self._pscluster_context, self.params = context, params
+
+    def step(self) -> bool:
+        return self._pscluster_context._exchange(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
 
 _classes: dict[type, type] = {}

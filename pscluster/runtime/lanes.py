@@ -1,12 +1,17 @@
 """Shared-memory lanes: a worker and a ps on the same host exchange dense values through memory both
 map, instead of through the socket.
 
-A lane belongs to one session (see ``protocol``) and holds two segments laid out the same way, one slot
-per dense variable of the ps in its order: ``grads`` (the worker writes the gradients of a push there) and
-``params`` (the ps writes the parameters of its reply there). Requests and replies still go over the
-socket, signed as always; a message with ``Flag.SHARED`` has its dense values in the lane instead of in
-payload frames (sparse rows stay in frames). The worker waits for each reply before it touches the lane
-again, and the ps reads a push's gradients before it answers: a lane is never written by both at once.
+A lane belongs to one session (see ``protocol``) and holds two segments, one slot per dense variable of the
+ps in its order: ``grads`` (the worker writes the gradients of a push there) and ``values``, twice over (the ps
+writes the parameters of its reply into the first or the second set of slots, as the request says with
+``Flag.SECOND``). Requests and replies still go by the socket or the bell (``bells``), signed as always; a
+message with ``Flag.SHARED`` has its dense values in the lane instead of in payload frames (sparse rows stay in
+frames). The worker waits for each reply before it writes the gradients again, and the ps reads a push's
+gradients before it answers: no slot is written by both at once.
+
+Why two sets of values: the worker's model may take a reply's values as its own memory instead of copying them
+(``Shards.load``); it then ``holds`` that set, and its next requests name the other, so that the ps never writes
+what the model computes with (with ``pipeline``, while the model computes the next step).
 
 Attaching (op SHARE): the client creates both segments under random names in ``SHM_DIR``, writes a
 random token at the start of ``grads``, and sends the names and the token in a signed SHARE request. The
@@ -29,6 +34,7 @@ import secrets
 import torch
 
 from . import host_copies
+from .protocol import Flag
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # each slot starts on a cache line
@@ -38,6 +44,12 @@ _NAME = re.compile(r"pscluster-[0-9a-f]{32}")
 
 class LaneError(OSError):
     """A lane could not be created or attached (no shared memory here, another host, sizes that differ)."""
+
+
+def value_set(flags: Flag) -> int | None:
+    """The set of a lane's values a message's ``flags`` name (0, or 1 with ``Flag.SECOND``); None when its values
+    are not in a lane (no ``Flag.SHARED``)."""
+    return (1 if flags & Flag.SECOND else 0) if flags & Flag.SHARED else None
 
 
 def slots(layout: list[tuple[torch.Size, torch.dtype]], start: int = 0) -> tuple[list[int], int]:
@@ -66,12 +78,26 @@ class Segment:
             raise LaneError(f"shared memory {self.path}: {e.strerror}") from None
         try:
             if create:
-                os.ftruncate(fd, size)
+                self._reserve(fd, size)
             elif os.fstat(fd).st_size != size:
                 raise LaneError(f"shared memory {self.path} holds {os.fstat(fd).st_size} bytes, {size} expected")
             self.map = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                self.unlink()
+            raise
         finally:
             os.close(fd)
+
+    def _reserve(self, fd: int, size: int) -> None:
+        """Give the new file ``size`` bytes of memory now: a file only sized would take its pages as they are first
+        written, and a full ``SHM_DIR`` would then end the process that writes (SIGBUS) instead of refusing the
+        lane here."""
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            raise LaneError(f"shared memory {self.path}: no room for {size:,} bytes ({e.strerror}): the worker "
+                            f"goes on over the socket; give {SHM_DIR} more room (docker: --shm-size)") from None
 
     def tensors(self, layout, offsets) -> list[torch.Tensor]:
         """Views of the segment at ``offsets`` with the shapes and dtypes of ``layout``."""
@@ -92,35 +118,43 @@ class Segment:
 
 
 class Lane:
-    """The two segments of one session, as tensor views: ``grads`` and ``params``, one per variable id
-    of ``ids``. ``create``: make new segments (the client); otherwise map the named ones (the ps)."""
+    """The two segments of one session, as tensor views: ``grads`` and the two sets of ``values``, one slot per
+    variable id of ``ids`` in each. ``create``: make new segments (the client); otherwise map the named ones (the
+    ps)."""
 
     def __init__(self, ids: list[int], layout: list[tuple[torch.Size, torch.dtype]], *, names=None,
                  token: bytes | None = None):
         self.ids = list(ids)
         grad_offsets, grad_size = slots(layout, TOKEN_BYTES)
-        param_offsets, param_size = slots(layout)
+        value_offsets, value_size = slots(layout * 2)
         create = names is None
         if create:
             names = [f"pscluster-{secrets.token_hex(16)}" for _ in range(2)]
             token = secrets.token_bytes(TOKEN_BYTES)
         grads = Segment(names[0], grad_size, create=create)
         try:
-            params = Segment(names[1], param_size, create=create)
+            values = Segment(names[1], value_size, create=create)
         except LaneError:
             if create:
                 grads.unlink()
             raise
-        self.segments = (grads, params)
+        self.segments = (grads, values)
         if create:
             grads.map[:TOKEN_BYTES] = token
         elif grads.map[:TOKEN_BYTES] != token:
             raise LaneError("shared memory holds another token: not the client's segment")
         self.token = token
         self.grads = grads.tensors(layout, grad_offsets)
-        self.params = params.tensors(layout, param_offsets)
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.params)
+        n = len(layout)
+        self.values = (values.tensors(layout, value_offsets[:n]), values.tensors(layout, value_offsets[n:]))
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.grads)  # one way, one step
         self.pinned: list[int] | None = None  # segments page-locked for a CUDA worker's copies (None: not tried)
+        self.held: int | None = None  # the worker's side: the set of values its model holds (``PSClient.hold``)
+
+    def flags(self) -> Flag:
+        """The flags of a request through this lane: its values in the lane, in the set the worker's model does not
+        hold (``value_set``)."""
+        return Flag.SHARED | Flag.SECOND if self.held == 0 else Flag.SHARED
 
     @classmethod
     def for_tensors(cls, ids: list[int], tensors: list[torch.Tensor]) -> "Lane":
@@ -129,14 +163,14 @@ class Lane:
 
     def request(self) -> dict:
         """What a SHARE request carries: the segments' names and the token."""
-        return {"grads": self.segments[0].name, "params": self.segments[1].name, "token": self.token.hex()}
+        return {"grads": self.segments[0].name, "values": self.segments[1].name, "token": self.token.hex()}
 
     @classmethod
     def attach(cls, ids: list[int], params: list[torch.Tensor], request: dict) -> "Lane":
         """The ps's side: map the segments a SHARE request names, laid out for ``params``; LaneError when
         they are not there as described."""
         try:
-            names, token = [str(request["grads"]), str(request["params"])], bytes.fromhex(str(request["token"]))
+            names, token = [str(request["grads"]), str(request["values"])], bytes.fromhex(str(request["token"]))
         except (KeyError, ValueError):
             raise LaneError("a SHARE request names two segments and a token") from None
         return cls(ids, [(p.shape, p.dtype) for p in params], names=names, token=token)

@@ -1,11 +1,12 @@
 """Overlap in a user's loop (``ctx.optimizer(optimizer, overlap=True)``): the library's early pushes (``overlap``)
 and a GPU's host copies (``staging``), begun where a user's loop has no call to begin them in.
 
-The library's loop begins them between its forward and its backward. A user's loop is watched instead: each
-forward of a registered module with gradients enabled hooks its output, whose gradient is the first thing
-backward computes through the module; the step's pushes begin there, after every forward of the step (the
-buffers are final). Under ``ctx.no_sync()`` (the micro-batches of an accumulation but the last) nothing begins and
-nothing is pushed.
+A loop that calls ``ctx.backward(loss)`` begins them there, between its forward and its backward (``begin``;
+``Cluster.train``'s loop, whose gradients are final by construction, has no ``LoopOverlap``: its ``ctx.backward``
+calls ``begin_backward`` alone). A loop that calls ``loss.backward()`` itself is watched instead: each forward of
+a registered module with gradients enabled hooks its output, whose gradient is the first thing backward computes
+through the module; the step's pushes begin there, after every forward of the step (the buffers are final).
+Under ``ctx.no_sync()`` (the micro-batches of an accumulation but the last) nothing begins and nothing is pushed.
 
 The pushes take each gradient as backward leaves it, so ``step()`` first makes sure it still is (``check``): a
 gradient changed after backward (clipped, unscaled by a GradScaler) or produced by a second backward outside
@@ -15,6 +16,8 @@ so a loop that would push what it did not mean to fails on any machine, not only
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -49,13 +52,15 @@ class LoopOverlap:
             first.register_hook(self._backward)
 
     def _backward(self, grad: torch.Tensor) -> None:
-        if self._begun or self._paused():
-            return
-        self._begun = True
-        if self._staging is not None:
-            self._staging.begin()
-        if self._early is not None:
-            self._early.begin(self._step_of())
+        if not self._paused():
+            self.begin()
+
+    def begin(self, loss: torch.Tensor | None = None) -> None:
+        """This step's backward begins (``ctx.backward(loss)``, or the hook of a registered module's output):
+        its pushes and host copies begin, once a step."""
+        if not self._begun:
+            self._begun = True
+            begin_backward(self._early, self._staging, self._step_of(), loss)
 
     def _produced(self, param: torch.Tensor) -> None:
         if self._paused() or not self._begun:
@@ -63,6 +68,11 @@ class LoopOverlap:
         if id(param) in self._left:
             self._twice = self._names[id(param)]
         self._left[id(param)] = (self._names[id(param)], param, param.grad, param.grad._version)
+
+    def unscaled(self) -> None:
+        """``ctx.backward`` unscaled this backward's gradients in place (fp16): they are as backward left them."""
+        for vid, (name, param, grad, _) in self._left.items():
+            self._left[vid] = (name, param, grad, grad._version)
 
     def check(self) -> None:
         """At ``step()``: ConfigError unless every gradient is as this step's one backward left it; the next step
@@ -75,6 +85,16 @@ class LoopOverlap:
         for name, param, grad, version in left.values():
             if param.grad is not grad or grad._version != version:
                 raise ConfigError(f"overlap=True: the gradient of {name} changed after backward had pushed it: {FIX}")
+
+
+def begin_backward(early: EarlyPush | None, staging: GradientStaging | None, step: int,
+                   loss: torch.Tensor | None = None) -> None:
+    """Before a backward on the values of global ``step``: a GPU's host copies begin (``staging``), and the pushes
+    that leave during it (``early``) unless ``loss`` is known not to be finite (the step will not go)."""
+    if staging is not None:
+        staging.begin()
+    if early is not None and (loss is None or math.isfinite(loss.detach().item())):
+        early.begin(step)
 
 
 def _first_tensor(output) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ from ..errors import ConfigError, RuntimeTimeout
 from ..spec import TaskSpec
 from . import checkpoint, rescue
 from .client import PSClient
+from .lanes import value_set
 from .optim import sparse_modules
 from .plan import PsConfig, TrainPlan, VariableSpec, model_tensors
 from .protocol import Flag
@@ -131,22 +132,30 @@ class Shards:
             self._spares[vid] = torch.empty(t.shape, dtype=t.dtype)
         return self._spares[vid]
 
-    @torch.no_grad()
-    def load(self, reply, keep=None) -> None:
+    def load(self, reply, keep=None) -> dict[int, int]:
         """The reply's values into the model: a value that arrived in its ``spare`` becomes the variable's memory
         (the old memory its next spare), the others are copied; to a GPU without waiting (see ``host_copies``).
-        ``keep(variable)``: whether to load it (default: all)."""
+        ``keep(variable)``: whether to load it (default: all). Loading all, the values a ps left in its lane
+        (``Flag.SHARED``) become the memory of the variables that may swap theirs: returns those lanes' sets of
+        values the model holds now, by ps index (for ``PSClient.hold``, so that the ps writes the other set)."""
+        held = {}
         for msg in reply.messages:
+            lane_set = value_set(msg.flags) if keep is None else None
             for vid, t in zip(msg.ids, msg.tensors):
                 if keep is not None and not keep(self.by_id[vid]):
                     continue
-                if t is self._spares.get(vid):
-                    tensor = self.params[self.by_id[vid].parameter]
-                    self._spares[vid] = tensor.data
+                if (lane_set is not None and vid in self._swappable) or t is self._spares.get(vid):
+                    v = self.by_id[vid]
+                    tensor = self.params[v.parameter]
+                    if lane_set is None:
+                        self._spares[vid] = tensor.data
+                    else:
+                        held[v.ps] = lane_set
                     tensor.data = t
                     continue
-                value = self.view(self.by_id[vid])
+                value = self.view(self.by_id[vid])  # detached: no autograd record of the copy
                 value.copy_(t, non_blocking=value.is_cuda)
+        return held
 
 
 class SparseRows:
@@ -309,7 +318,7 @@ def join_run(client: PSClient, shards: Shards, plan: TrainPlan, is_chief: bool, 
     if shards.has_frozen:
         shards.load(client.pull_frozen())
     if plan.shared_memory:
-        client.share(reply)
+        client.share(reply, note=lambda line: emit("log", line=line))
     return reply
 
 

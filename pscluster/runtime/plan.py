@@ -7,21 +7,23 @@ an environment variable.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 
 from ..errors import ConfigError
 from ..footprint import placement_line
-from .data import LoaderOptions
-from .options import BUFFER_RULES, DEFAULTS, OPTIONS, check
-from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, resolve_optimizer, sparse_modules
+from .data import LoaderOptions, training_input
+from .options import DEFAULTS, OPTIONS, PLAN, RunOptions, defaults, split
+from .optim import SPARSE_OPTIMIZERS, OptimizerSpec, check_keywords, named_groups, resolve_optimizer, sparse_modules
 from .policies import POLICIES, policy_for
 from .protocol import NO_TASK
+from .seeding import build_model
 from .sharding import Variable, shard_map
-from .steps import PRECISIONS
 
 KINDS = ("param", "frozen", "buffer")
 
@@ -139,42 +141,72 @@ def state_dict_of(state_keys, values: dict[str, torch.Tensor]) -> dict[str, torc
     return {key: values[name] for key, name in state_keys}
 
 
+class CarriesOptions:
+    """A frozen dataclass with an ``options`` field: the run's options of scope ``PLAN`` (those the ps tasks and
+    workers read), every one of them (those not given at their defaults; ``replicas_to_aggregate``, one per
+    worker unless given). They read as its attributes
+    (``plan.mode`` is ``plan.options.mode``) and are given and changed by name beside its own fields (``of``,
+    ``replace``); its dict and JSON forms hold them as ``options``."""
+
+    def _fill_options(self) -> None:
+        given = RunOptions(self.options)
+        stray = [name for name in given if OPTIONS[name].scope != PLAN]
+        if stray:
+            raise ValueError(f"{type(self).__name__} carries the run options the ps tasks and workers read, not "
+                             f"{stray}")
+        options = RunOptions({**defaults(PLAN), **given})
+        if options.replicas_to_aggregate is None:  # one gradient per worker
+            options = options.replace(replicas_to_aggregate=self.num_workers)
+        object.__setattr__(self, "options", options)
+
+    def __getattr__(self, name: str):
+        options = self.__dict__.get("options")
+        if options is not None and name in options:
+            return options[name]
+        raise AttributeError(f"{type(self).__name__} has no {name!r}")
+
+    @classmethod
+    def _split(cls, settings: dict) -> tuple[dict, dict]:
+        own = {f.name for f in fields(cls)} - {"options"}
+        return {k: v for k, v in settings.items() if k in own}, {k: v for k, v in settings.items() if k not in own}
+
+    @classmethod
+    def of(cls, options=(), **settings):
+        """One made of ``settings``, its own fields and run options by name, and of ``options`` (RunOptions or a
+        dict) for the options not named."""
+        own, named = cls._split(settings)
+        return cls(**own, options=RunOptions({**dict(options), **named}))
+
+    def replace(self, **changes):
+        """This one with ``changes``: its own fields and run options by name."""
+        own, options = self._split(changes)
+        return dataclasses.replace(self, **own, options=self.options.replace(**options))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "options": dict(self.options)}
+
+
 @dataclass(frozen=True)
-class TrainPlan:
-    """Everything the ps and the workers need to know about one run."""
+class TrainPlan(CarriesOptions):
+    """Everything the ps and the workers need to know about one run: its options (``options``, read as attributes:
+    ``plan.mode``, ``plan.steps``; see ``CarriesOptions``) and what the run made of the others. ``steps``: None for
+    a user's loop that ends when every worker's loop returns; ``batch_size``: None for a user's loop, whose
+    batches are its own (``ctx.shard``); ``replicas_to_aggregate``: resolved (one per worker unless given)."""
 
     run_id: int
-    mode: str
-    steps: int | None  # the global step target; None: a user's loop that ends when every worker's loop returns
-    batch_size: int | None  # per worker; None: a user's loop, whose batches are its own (``ctx.shard``)
     optimizer: str  # the optimizer of every ps: its name, options, parameter groups and schedule (``optim``)
+    options: RunOptions = field(default_factory=RunOptions)
     optimizer_kwargs: dict = field(default_factory=dict)
     optimizer_groups: tuple = ()
     scheduler: str | None = None
     scheduler_options: dict = field(default_factory=dict)
-    replicas_to_aggregate: int = 1
     num_workers: int = 1
     variables: tuple[VariableSpec, ...] = ()
-    seed: int = DEFAULTS.seed
-    log_every: int = DEFAULTS.log_every
     metrics_address: str | None = None
-    request_timeout: float = DEFAULTS.request_timeout
-    staleness_bound: int = DEFAULTS.staleness_bound
-    max_lead: float | None = DEFAULTS.max_lead
     checkpoint_dir: str | None = None  # where the ps tasks write their shards (None: no checkpoints)
-    checkpoint_every: int = DEFAULTS.checkpoint_every
     eval_every: int = 0  # global steps between the checkpoints the controller evaluates (0: no evaluation)
-    restore: bool = DEFAULTS.restore  # the chief starts from the latest checkpoint in checkpoint_dir, if there is one
     attempt: int = 0  # restarts of this run after a lost ps
-    shared_memory: bool = DEFAULTS.shared_memory
-    pipeline: bool = DEFAULTS.pipeline
-    overlap: bool = DEFAULTS.overlap  # pushes leave (``overlap``), GPU gradients are copied (``staging``) in backward
     state_keys: tuple[tuple[str, str], ...] = ()  # every key of the model's state_dict and the variable it holds
-    buffers: str = DEFAULTS.buffers
-    max_grad_norm: float | None = DEFAULTS.max_grad_norm
-    on_nonfinite: str = DEFAULTS.on_nonfinite
-    on_divergence: str = DEFAULTS.on_divergence  # what the supervisor does once the loss diverges (``divergence``)
-    precision: str = DEFAULTS.precision  # autocast in the workers, and the gradients' dtype (steps.PRECISIONS)
     loader: LoaderOptions = LoaderOptions()  # how each worker reads its batches (loader processes, prefetch...)
     modules: tuple[str, ...] = ()  # a user's loop: the names of the modules it registers (``context``); () for train's
     session: bool = False  # a notebook's session: the workers' loop takes its batches from it (``session_worker``)
@@ -183,7 +215,7 @@ class TrainPlan:
     more_optimizers: tuple[dict, ...] = ()
 
     def __post_init__(self):
-        check(**{name: getattr(self, name) for name in PLAN_OPTIONS})
+        self._fill_options()
         for name in ("replicas_to_aggregate", "num_workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -221,11 +253,11 @@ class TrainPlan:
                   partition=None, **settings) -> "TrainPlan":
         """The plan of training ``model`` with ``optimizer`` on ``num_ps`` ps tasks: its state as variables placed by
         ``placement`` and ``partition`` (``describe_variables``), its state_dict keys, the optimizer's fields, and
-        ``settings`` for the other fields."""
-        return cls(variables=describe_variables(model, num_ps, placement, partition),
-                   state_keys=model_tensors(model)[1], optimizer=optimizer.optimizer, optimizer_kwargs=optimizer.kwargs,
-                   optimizer_groups=optimizer.groups, scheduler=optimizer.scheduler,
-                   scheduler_options=optimizer.scheduler_options, **settings)
+        ``settings`` for the other fields and options (see ``of``)."""
+        return cls.of(variables=describe_variables(model, num_ps, placement, partition),
+                      state_keys=model_tensors(model)[1], optimizer=optimizer.optimizer,
+                      optimizer_kwargs=optimizer.kwargs, optimizer_groups=optimizer.groups,
+                      scheduler=optimizer.scheduler, scheduler_options=optimizer.scheduler_options, **settings)
 
     @property
     def optimizer_specs(self) -> list[OptimizerSpec]:
@@ -240,12 +272,11 @@ class TrainPlan:
     def variables_on(self, ps: int) -> tuple[VariableSpec, ...]:
         return tuple(v for v in self.variables if v.ps == ps)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     def settings(self) -> dict:
-        """The run's settings as the run store keeps them: the plan less its id and its model's variables."""
-        return {k: v for k, v in self.to_dict().items() if k not in ("run_id", "variables", "state_keys")}
+        """The run's settings as the run store keeps them, its options among its other fields: the plan less its
+        id and its model's variables."""
+        d = self.to_dict()
+        return {**d.pop("options"), **{k: v for k, v in d.items() if k not in ("run_id", "variables", "state_keys")}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -259,11 +290,45 @@ class TrainPlan:
         d["modules"] = tuple(d.get("modules", ()))
         d["more_optimizers"] = tuple(d.get("more_optimizers", ()))
         d["loader"] = LoaderOptions(**d.get("loader", {}))
+        d["options"] = RunOptions(d.get("options", {}))
         return cls(**d)
 
 
-# the run's options a plan holds, checked as the options are (its eval_every is the controller's: 0 for none)
-PLAN_OPTIONS = tuple(f.name for f in fields(TrainPlan) if f.name in OPTIONS and f.name != "eval_every")
+class Training(NamedTuple):
+    """What ``training_plan`` makes of an entry's arguments."""
+
+    plan: TrainPlan
+    options: RunOptions  # every option of the entry, as given or at its default
+    dataset: object  # a DataLoader given as the dataset: its dataset
+    collate_fn: object
+    model: torch.nn.Module  # as model_fn builds it under the run's seed
+
+
+def training_plan(model_fn, dataset, keywords: dict, *, entry: str, of, num_ps: int, num_workers: int,
+                  param_groups=None, scheduler=None, scheduler_options: dict | None = None,
+                  collate_fn=None) -> Training:
+    """The run of pscluster's own loop that ``of`` (``Cluster.train``, a script's ``train_from_environment``)
+    was asked for: ``keywords`` are ``entry``'s options and the optimizer's keyword arguments; the optimizer is the
+    ``optimizer`` option with them, ``param_groups`` (name patterns) and its schedule; a DataLoader given as
+    ``dataset`` is taken apart. Checks the input, the options, the placement and the optimizer's keywords, each a
+    one-line ConfigError; what torch refuses of the optimizer is ``optim.check``'s."""
+    given, optimizer_kwargs = split(entry, keywords)
+    options = RunOptions.take(entry, given, caller=f"{of.__name__}()")
+    check_keywords(options.optimizer, optimizer_kwargs, of=of, caller=f"{of.__name__}()")
+    dataset, batch_size, collate_fn, loader = training_input(dataset, options.batch_size, collate_fn,
+                                                             options.loader_workers, options.prefetch_factor,
+                                                             options.pin_memory)
+    model = build_model(model_fn, options.seed)
+    if not any(True for _ in model.parameters()):
+        raise ConfigError("the model has no parameters to train: check model_fn")
+    groups = named_groups(param_groups or (), (model_fn if isinstance(model_fn, torch.nn.Module) else model)
+                          .named_parameters())
+    optimizer = OptimizerSpec(options.optimizer, optimizer_kwargs, groups=groups, scheduler=scheduler,
+                              scheduler_options=scheduler_options or {})
+    plan = TrainPlan.for_model(model, optimizer, num_ps=num_ps, placement=options.placement,
+                               partition=options.partition, run_id=1, num_workers=num_workers, loader=loader,
+                               options=options.of(PLAN).replace(batch_size=batch_size))
+    return Training(plan, options, dataset, collate_fn, model)
 
 
 # the target a ps serves a run without one to: no run reaches it, and it fits the wire's signed 64-bit step
@@ -271,29 +336,23 @@ UNBOUNDED_STEPS = 2**62
 
 
 @dataclass(frozen=True)
-class PsConfig:
-    """What the chief tells one ps at INIT (as JSON, beside the initial values): the run's settings, taken from its
-    TrainPlan and nothing else (``for_ps``), the variables this ps holds, and for a restore the step it starts
-    from, the names of the optimizer state tensors sent after the values and the schedule's state. Checked on
-    construction, where the ps reads it too: a config out of bounds is a ValueError."""
+class PsConfig(CarriesOptions):
+    """What the chief tells one ps at INIT (as JSON, beside the initial values): the run's options and settings,
+    taken from its TrainPlan and nothing else (``for_ps``; a run without a step target has ``UNBOUNDED_STEPS``),
+    the variables this ps holds, and for a restore the step it starts from, the names of the optimizer state
+    tensors sent after the values and the schedule's state. Checked on construction, where the ps reads it too: a
+    config out of bounds is a ValueError."""
 
-    mode: str
-    steps: int
-    replicas_to_aggregate: int
     num_workers: int
     optimizer: dict  # optim.OptimizerSpec.to_dict()
     names: tuple[str, ...]
+    options: RunOptions = field(default_factory=RunOptions)
     sparse: tuple[bool, ...] = ()
     kinds: tuple[str, ...] = ()
     more_optimizers: tuple[dict, ...] = ()  # a user's loop with several: the others' specs (``TrainPlan``)
     optimizer_of: tuple[int, ...] = ()  # per variable: the optimizer that trains it (0 for all when empty)
-    staleness_bound: int = DEFAULTS.staleness_bound
-    max_lead: float | None = DEFAULTS.max_lead
-    buffers: str = DEFAULTS.buffers
-    precision: str = DEFAULTS.precision  # bf16 / fp16: the gradients of fp32 variables arrive in that dtype
     metrics_address: str | None = None
     checkpoint_dir: str | None = None
-    checkpoint_every: int = DEFAULTS.checkpoint_every
     eval_every: int = 0  # a shard at every multiple of it too, for the controller's evaluations
     attempt: int = 0
     step: int = 0
@@ -301,6 +360,9 @@ class PsConfig:
     schedule_state: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        self._fill_options()
+        if self.steps is None:
+            raise ValueError("a ps serves a run to a step target: UNBOUNDED_STEPS for one without")
         n = len(self.names)
         object.__setattr__(self, "names", tuple(str(name) for name in self.names))
         object.__setattr__(self, "sparse", tuple(bool(x) for x in self.sparse) or (False,) * n)
@@ -311,11 +373,6 @@ class PsConfig:
         if len(self.optimizer_of) != n or not all(0 <= k <= len(self.more_optimizers) for k in self.optimizer_of):
             raise ValueError(f"optimizer_of {list(self.optimizer_of)} for {n} variables and "
                              f"{1 + len(self.more_optimizers)} optimizers")
-        policy_for(self)  # a ConfigError (a ValueError) naming the modes for an unknown one
-        if self.buffers not in BUFFER_RULES:
-            raise ValueError(f"buffers {self.buffers!r}: use one of {BUFFER_RULES}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r}: use one of {tuple(PRECISIONS)}")
         if len(self.sparse) != n or len(self.kinds) != n or not set(self.kinds) <= set(KINDS):
             raise ValueError(f"{len(self.sparse)} sparse flags and kinds {list(self.kinds)} for {n} variables: one "
                              f"each, kinds of {KINDS}")
@@ -331,24 +388,17 @@ class PsConfig:
     def for_ps(cls, plan: TrainPlan, ps: int) -> "PsConfig":
         """The config of ps ``ps`` for ``plan`` (a fresh start: step 0)."""
         mine = plan.variables_on(ps)
-        return cls(mode=plan.mode, steps=UNBOUNDED_STEPS if plan.steps is None else plan.steps,
-                   replicas_to_aggregate=plan.replicas_to_aggregate,
+        return cls(options=plan.options.replace(steps=UNBOUNDED_STEPS if plan.steps is None else plan.steps),
                    num_workers=plan.num_workers, optimizer=plan.optimizer_spec.to_dict(),
                    more_optimizers=plan.more_optimizers, optimizer_of=tuple(v.optimizer for v in mine),
                    names=tuple(v.name for v in mine), sparse=tuple(v.sparse for v in mine),
-                   kinds=tuple(v.kind for v in mine), staleness_bound=plan.staleness_bound, max_lead=plan.max_lead,
-                   buffers=plan.buffers,
-                   precision=plan.precision,
-                   metrics_address=plan.metrics_address, checkpoint_dir=plan.checkpoint_dir,
-                   checkpoint_every=plan.checkpoint_every, eval_every=plan.eval_every, attempt=plan.attempt)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+                   kinds=tuple(v.kind for v in mine), metrics_address=plan.metrics_address,
+                   checkpoint_dir=plan.checkpoint_dir, eval_every=plan.eval_every, attempt=plan.attempt)
 
     @classmethod
     def from_dict(cls, d: dict) -> "PsConfig":
         """The config an INIT carries; ValueError naming what does not fit."""
         try:
-            return cls(**d)
+            return cls(**{**d, "options": RunOptions(d.get("options", {}))})
         except TypeError as e:
             raise ValueError(f"INIT config: {e}") from None

@@ -134,10 +134,11 @@ class Flag(IntFlag):
     DROPPED = 2  # the pushed gradient was stale (sync) or late (after stop) and was not applied
     SHARED = 4  # the dense values are in the session's shared-memory lane, not in payload frames
     PARTS = 8  # the payload frames follow in messages of their own (see ``parts``)
+    SECOND = 16  # with SHARED: the values go into (a request), are in (a reply), the lane's second set (``lanes``)
 
 
 _OP_BY_CODE = {int(op): op for op in Op}
-_FLAGS = int(Flag.STOPPED | Flag.DROPPED | Flag.SHARED | Flag.PARTS)
+_FLAGS = int(Flag.STOPPED | Flag.DROPPED | Flag.SHARED | Flag.PARTS | Flag.SECOND)
 _FLAG_BY_CODE = {code: Flag(code) for code in range(_FLAGS + 1) if not code & ~_FLAGS}  # enum calls cost microseconds
 
 _DTYPES = {

@@ -41,7 +41,8 @@ renewal (a ps busy in one request for ``BUSY_S`` counts its lease again from the
 work). A ps serving one run (``standalone.serve_run``) then ends.
 
 Same host: a worker may map a shared-memory lane for its session (SHARE, see ``lanes``); its pushes then
-leave their dense gradients in the lane and the parameters of its replies are written there. A run keeps
+leave their dense gradients in the lane and the parameters of its replies are written there, and its requests
+and their replies may ring a bell instead of crossing the socket (``bells``). A run keeps
 at most ``MAX_LANES`` lanes (least recently mapped first out); a new run's INIT drops them all.
 """
 
@@ -58,7 +59,7 @@ import zmq
 from ..errors import MalformedMessage, NonFiniteUpdate, ProtocolError, Refused
 from . import gradients, protocol, updates
 from .emitter import MetricsEmitter
-from .lanes import Lane, LaneError
+from .lanes import Lane, LaneError, value_set
 from .plan import PsConfig
 from .policies import policy_for
 from .policy_handles import PushRequest, RunHandle
@@ -171,9 +172,9 @@ class ParameterServer(Router):
         lane = self._lanes.get(req.nonce) if with_params and req.flags & Flag.SHARED else None
         if lane is not None:
             with torch.no_grad():
-                for slot, p in zip(lane.params, run.dense_params):
+                for slot, p in zip(lane.values[value_set(req.flags)], run.dense_params):
                     slot.copy_(p)
-            reply.flags |= Flag.SHARED
+            reply.flags |= req.flags & (Flag.SHARED | Flag.SECOND)
             self.bytes_out += lane.nbytes
         elif with_params:
             reply.ids = run.dense_ids
@@ -216,8 +217,9 @@ class ParameterServer(Router):
                     meta={"ps": self.index, "max_frame_bytes": self.max_frame_bytes})
 
     def _share(self, identity, msg):
-        """Map the shared-memory lane a worker on this host created for its session; value 1: mapped, 0: not
-        (another host, or no such segments: the worker goes on over the socket)."""
+        """Map the shared-memory lane a worker on this host created for its session, and open its bell when it
+        made one (``bells``); value 1: mapped, 0: not (another host, or no such segments: the worker goes on over
+        the socket); meta "bell": whether the bell opened."""
         run = self._current(identity, msg)
         if run is None:
             return
@@ -230,7 +232,8 @@ class ParameterServer(Router):
             return
         lane.unlink()
         protocol.remember(self._lanes, msg.nonce, lane, MAX_LANES)
-        self._reply(identity, msg, Op.OK, value=1)
+        bell = "bell" in msg.meta and self.bells.open(msg.nonce, identity, msg.meta["bell"])
+        self._reply(identity, msg, Op.OK, value=1, meta={"bell": bell})
 
     def _init(self, identity, msg):
         try:
@@ -344,14 +347,15 @@ class ParameterServer(Router):
             self.lease = OwnerLease.renewed_by(msg)
         run = self.run
         meta = {"ps": self.index, "rejected": dict(self.rejected), "failed_requests": self.failed_requests,
-                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "bells": len(self.bells),
+                "bell_requests": self.bell_requests}
         if run is not None:
             meta.update(run_id=run.run_id, attempt=run.attempt, metrics_address=run.metrics_address,
                         checkpoint_dir=run.checkpoint_dir, mode=run.mode, step=run.step, steps=run.steps,
                         stopped=run.stopped, finalized=run.finalized,
                         pushes=run.pushes, pulls=run.pulls, pulled=sorted(run.pulled), applied=run.applied,
                         dropped_stale=run.dropped_stale, late=run.late, **run.policy.stats(),
-                        variables=run.names, lanes=len(self._lanes))
+                        variables=run.names, lanes=len(self._lanes), options=dict(run.options))
         self._reply(identity, msg, Op.OK, meta=meta)
 
     def _stop_run(self, identity, msg):

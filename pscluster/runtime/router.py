@@ -11,6 +11,10 @@ few MB, whatever the model, as tensors travel in chunks), and a subclass holds e
 (``_limits``). A message may arrive in parts (``parts``), put together (or streamed, ``_streamed``) before it is
 served.
 
+Same host: a worker with a lane may ring a bell (``bells``: two pipes, polled beside the socket) with its lane
+requests; each is checked and served as the socket's are, and answered through the bell while the answer fits one
+pipe write (else over the socket, to the connection that opened the bell).
+
 A subclass gives ``_HANDLERS`` (op -> method), ``_reply`` (how a request is answered), and may override
 ``_limits``, ``_streamed``, ``_tick`` (run every ``TICK_S``) and ``_closing`` (before the socket closes).
 A handler that raises ProtocolError, KeyError, TypeError or ValueError refuses its request with an ERROR reply
@@ -30,6 +34,7 @@ import zmq
 
 from ..errors import FencedOff, MalformedMessage, ProtocolError, Refused
 from . import curve, parts, protocol
+from .bells import Bells, frame
 from .protocol import Flag, Message, Op
 
 POLL_MS = 100
@@ -68,11 +73,15 @@ class Router(ABC):
             self._sock.close(linger=0)
             raise
         self._sessions = protocol.Sessions()
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self.bells = Bells(lambda fd: self._poller.register(fd, zmq.POLLIN), self._poller.unregister)
         self.assembling = parts.Assemblies(key)  # by connection identity: messages arriving in parts
         self.rejected: Counter = Counter(dict.fromkeys(REJECTED, 0))  # messages dropped or refused, by reason
         self.failed_requests = 0
         self.bytes_in = 0
         self.bytes_out = 0
+        self.bell_requests = 0  # messages that came by a bell (``bells``), not the socket
         self.last_request = time.monotonic()  # when the last authenticated request arrived
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,18 +94,20 @@ class Router(ABC):
         return self
 
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         last_tick = 0.0
         try:
             while not self._stop.is_set():
-                if poller.poll(POLL_MS):
-                    self._handle(protocol.receive(self._sock, protocol.DEFAULT_LIMITS.max_frames + 1))
+                for ready, _ in self._poller.poll(POLL_MS):
+                    if ready is self._sock:
+                        self._handle(protocol.receive(self._sock, protocol.DEFAULT_LIMITS.max_frames + 1))
+                    else:
+                        self._ring(ready)
                 if time.monotonic() - last_tick >= TICK_S:
                     last_tick = time.monotonic()
                     self._tick()
         finally:
             self._closing()
+            self.bells.close_all()
             self._sock.close(linger=0)
 
     def _tick(self) -> None:
@@ -122,9 +133,34 @@ class Router(ABC):
             return
         identity, body = frames[0].bytes, frames[1:]
         frames.clear()  # body alone holds the payload frames, which decode lets go of as it copies them
+        self._take(identity, body)
+
+    def _ring(self, fd: int) -> None:
+        """Serve the messages a bell (``bells``) brought: each a whole message, checked as the socket's are."""
+        found = self.bells.at(fd)
+        if found is None:
+            return
+        identity, bell = found
+        try:
+            messages = bell.receive()
+        except MalformedMessage:
+            self.rejected["malformed"] += 1
+            messages = []
+        if bell.closed:  # its worker ended, or it broke the framing
+            self.bells.close(bell)
+        self.bell_requests += len(messages)
+        for body in messages:
+            self._take(identity, body, whole=True)
+
+    def _take(self, identity: bytes, body: list, *, whole: bool = False) -> None:
+        """Check one received message (its frames ``body``, from ``identity``) and serve it, or drop and count
+        it. ``whole``: a message in parts, or a part, is refused (a bell's: see ``bells``)."""
         self.bytes_in += sum(len(f) for f in body)
         if parts.is_part(body):
-            self._take_part(identity, body)
+            if whole:
+                self.rejected["malformed"] += 1
+            else:
+                self._take_part(identity, body)
             return
         try:
             msg = protocol.decode(body, self.key, self._limits(body), release=True)
@@ -138,6 +174,9 @@ class Router(ABC):
             return
         except ProtocolError as e:
             self.rejected[e.counter] += 1
+            return
+        if msg.flags & Flag.PARTS and whole:
+            self.rejected["malformed"] += 1
             return
         if msg.flags & Flag.PARTS:  # served once its parts are in (one message in parts per connection)
             self.assembling.open(identity, msg, body[0], self._streamed(msg))
@@ -184,6 +223,15 @@ class Router(ABC):
               track: bool = False):
         """Send ``msg``; with ``track``, a zmq.MessageTracker that is done once ZeroMQ is done with every frame
         sent without a copy (pyzmq's ``send_multipart`` tracks its last frame only)."""
+        bell, identity = self.bells.route(identity)
+        if bell is not None and not track and msg.nbytes() <= parts.PART_BYTES:
+            frames = protocol.encode(msg, self.key, tags)
+            framed = frame(frames)
+            if framed is not None and bell.send(framed):
+                self.bytes_out += len(framed)
+                return None
+            if bell.closed:  # its worker is gone
+                self.bells.close(bell)
         trackers = []
         for frames in parts.messages(msg, self.key, tags):
             self.bytes_out += sum(memoryview(f).nbytes for f in frames)

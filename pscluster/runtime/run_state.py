@@ -5,6 +5,7 @@ and a starting step; what the run's mode does with pushes is its policy's (``pol
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class RunState:
     params: list[torch.Tensor]  # parameters (trained or frozen) and buffers, in the order of ids
     optimizer: PsOptimizer  # of the trained variables, with the run's schedule (see ``optim``)
     sparse: list[bool]
+    options: Mapping = field(default_factory=dict)  # the run's options as its INIT gave them (``PsConfig.options``)
     kinds: list[str] = field(default_factory=list)  # per variable: param, frozen or buffer (plan.KINDS)
     optimizer_of: list[int] = field(default_factory=list)  # per variable: which of a user's optimizers trains it
     buffer_rule: str = "chief"  # plan.BUFFER_RULES
@@ -119,7 +121,7 @@ class RunState:
         optimizer = parts[0] if len(parts) == 1 else PsOptimizer.merged(parts)
         run = cls(run_id=msg.run_id, mode=cfg.mode, steps=cfg.steps, replicas=cfg.replicas_to_aggregate,
                   ids=list(msg.ids[:n]), names=list(cfg.names), params=params, optimizer=optimizer,
-                  sparse=list(cfg.sparse), num_workers=cfg.num_workers, step=cfg.step,
+                  sparse=list(cfg.sparse), options=cfg.options, num_workers=cfg.num_workers, step=cfg.step,
                   checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every,
                   attempt=cfg.attempt, kinds=list(cfg.kinds), buffer_rule=cfg.buffers,
                   optimizer_of=list(cfg.optimizer_of), half=half, metrics_address=cfg.metrics_address)

@@ -6,7 +6,7 @@
   ``PS_QUIET_S`` after its end without a request, or ``NO_RUN_S`` without a run and without a request (started
   again with nobody left); it ends the process (status 1, one line) once the run's owner lets its lease on the ps
   lapse (the chief is gone: ``ParameterServer.owner_lost``).
-- ``script_plan``: the run's plan, which every task derives alike from the same arguments (placement is a
+- The run's plan (``plan.training_plan``) every task derives alike from the same arguments (placement is a
   pure function of the model), so no coordinator hands it out; ``check_options`` checks its optimizer options
   as ``train()`` does (the chief, at once; another task only while it waits for a run: see ``started_run``).
 - ``join_run``: a worker other than the chief: it learns the run's id, attempt, metrics address and checkpoint
@@ -28,9 +28,7 @@ from ..errors import ConfigError, PeerLost, RunOver, RuntimeTimeout, StaleTask
 from ..spec import ClusterSpec, TaskSpec
 from ..task_config import from_environment
 from .client import PSClient
-from .data import training_input
-from .optim import OptimizerSpec, check, check_keywords, named_groups
-from .options import DEFAULTS
+from .optim import check
 from .plan import TrainPlan
 from .ps import ParameterServer
 from .seeding import build_model
@@ -86,44 +84,6 @@ def _serve(spec: ClusterSpec, task: TaskSpec, *, idle_s: float | None) -> int | 
         raise SystemExit(f"ps {task.index} ends: {owner_lost} (start the whole job again: it resumes from its "
                          "latest checkpoint)")
     return server.run.step if server.run is not None else None
-
-
-def script_plan(spec: ClusterSpec, model_fn, dataset, *, optimizer=DEFAULTS.optimizer, param_groups=None,
-                scheduler=None, scheduler_options: dict | None = None, mode: str = DEFAULTS.mode,
-                steps: int = DEFAULTS.steps, batch_size: int | None = DEFAULTS.batch_size,
-                replicas_to_aggregate: int | None = DEFAULTS.replicas_to_aggregate, seed: int = DEFAULTS.seed,
-                log_every: int = DEFAULTS.log_every, request_timeout: float = DEFAULTS.request_timeout,
-                staleness_bound: int = DEFAULTS.staleness_bound, max_lead: float | None = DEFAULTS.max_lead,
-                placement=DEFAULTS.placement,
-                partition: dict | None = DEFAULTS.partition, shared_memory: bool = DEFAULTS.shared_memory,
-                pipeline: bool = DEFAULTS.pipeline, overlap: bool = DEFAULTS.overlap, buffers: str = DEFAULTS.buffers,
-                max_grad_norm: float | None = DEFAULTS.max_grad_norm, on_nonfinite: str = DEFAULTS.on_nonfinite,
-                on_divergence: str = DEFAULTS.on_divergence,
-                precision: str = DEFAULTS.precision, collate_fn=None, loader_workers: int = DEFAULTS.loader_workers,
-                prefetch_factor: int | None = DEFAULTS.prefetch_factor, pin_memory: bool = DEFAULTS.pin_memory,
-                checkpoint_every: int = DEFAULTS.checkpoint_every, restore: bool = DEFAULTS.restore,
-                **optimizer_kwargs) -> tuple[TrainPlan, object, object]:
-    """``(plan, dataset, collate_fn)`` of a run on ``spec`` (run id 1 until the chief's run store gives it
-    one; the dataset and collate function as a DataLoader given for ``dataset`` unpacks into); the options
-    as ``Cluster.train``'s. Checks the placement and the plan's options; ``check_options`` the optimizer's."""
-    check_keywords(optimizer, optimizer_kwargs, of=script_plan, caller="train_from_environment()")
-    dataset, batch_size, collate_fn, loader = training_input(dataset, batch_size, collate_fn, loader_workers,
-                                                             prefetch_factor, pin_memory)
-    model = build_model(model_fn, seed)
-    groups = named_groups(param_groups or (), (model_fn if isinstance(model_fn, torch.nn.Module) else model)
-                          .named_parameters())
-    spec_of_optimizer = OptimizerSpec(optimizer, optimizer_kwargs, groups=groups,
-                                      scheduler=scheduler, scheduler_options=scheduler_options or {})
-    plan = TrainPlan.for_model(model, spec_of_optimizer, num_ps=len(spec.ps), placement=placement,
-                               partition=partition, run_id=1, mode=mode, steps=steps, batch_size=batch_size,
-                               replicas_to_aggregate=replicas_to_aggregate or len(spec.workers),
-                               num_workers=len(spec.workers), staleness_bound=staleness_bound,
-                               max_lead=max_lead, seed=seed,
-                               log_every=log_every, request_timeout=request_timeout,
-                               shared_memory=shared_memory, pipeline=pipeline, overlap=overlap, buffers=buffers,
-                               max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite, on_divergence=on_divergence,
-                               precision=precision, loader=loader, checkpoint_every=checkpoint_every, restore=restore)
-    return plan, dataset, collate_fn
 
 
 def check_options(plan: TrainPlan, model: torch.nn.Module) -> None:

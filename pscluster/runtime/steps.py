@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError
 
 
 class Computed(NamedTuple):
@@ -164,18 +164,15 @@ class Precision:
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def compute(model: torch.nn.Module, loss_fn, step_fn, batch, device: torch.device, step: int,
-            precision: Precision | None = None, before_backward=None) -> Computed:
-    """Forward and backward of one batch on ``device``, on the parameters of global ``step`` (in ``precision``);
-    ``before_backward(loss)`` is called in between."""
-    precision = precision or Precision("fp32", device)
+def compute(model: torch.nn.Module, loss_fn, step_fn, batch, device: torch.device, step: int = 0,
+            autocast=contextlib.nullcontext, backward=torch.Tensor.backward) -> Computed:
+    """Forward and backward of one batch on ``device``, on the parameters of global ``step``: forward and loss
+    under ``autocast()``, then ``backward(loss)`` (a worker's: ``ctx.autocast``, ``ctx.backward``)."""
     batch = to_device(batch, device)
     model.zero_grad(set_to_none=True)  # fresh .grad tensors: the last ones may still be in flight
-    with precision.autocast():
+    with autocast():
         loss, output, target, metrics = forward(model, loss_fn, step_fn, batch)
-    if before_backward is not None:
-        before_backward(loss)
-    precision.backward(loss, model)
+    backward(loss)
     return Computed(loss, output, target, samples_in(batch), metrics, step)
 
 
@@ -200,9 +197,11 @@ def batch_accuracy(output, target) -> float | None:
     if logits is None or not isinstance(target, torch.Tensor) or target.is_complex():
         return None
     logits, target = logits.detach(), target.detach()
+    if not target.numel():
+        return None
     if logits.dim() >= 2 and logits.shape[-1] > 1 and logits.shape[:-1] == target.shape \
             and not target.is_floating_point() and target.dtype is not torch.bool:
-        return (logits.argmax(-1) == target).float().mean().item()
+        return logits.argmax(-1).eq(target).sum().item() / target.numel()
     if logits.numel() == target.numel() and logits.numel() and (logits.shape == target.shape or
                                                                  logits.shape == (*target.shape, 1)):
         flat = target.reshape(-1).float()
@@ -241,14 +240,16 @@ def grad_norm(model: torch.nn.Module, max_norm: float | None = None, skip: set[i
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
-def nonfinite(computed: Computed, norm: torch.Tensor, named: list[tuple[str, torch.nn.Parameter]]) -> str | None:
-    """What is not finite in a computed step, given its gradients' total ``norm`` (``grad_norm``) and the model's
-    ``named_parameters()``: ``"loss nan"``, ``"gradient of fc.weight"`` (the first such parameter), or None when
-    all is finite."""
-    loss = computed.loss.detach().item()
-    if not math.isfinite(loss):
-        return f"loss {loss}"
-    finite = bool(torch.isfinite(norm))  # of the dense gradients; sparse ones are checked below
+def nonfinite(loss: torch.Tensor | None, norm: torch.Tensor,
+              named: list[tuple[str, torch.nn.Parameter]]) -> str | None:
+    """What is not finite in a step: its ``loss`` (None: not known), its gradients given their total ``norm``
+    (``grad_norm``) and the ``named_parameters()`` they are of: ``"loss nan"``, ``"gradient of fc.weight"`` (the
+    first such parameter), or None when all is finite."""
+    if loss is not None:
+        value = loss.detach().item()
+        if not math.isfinite(value):
+            return f"loss {value}"
+    finite = math.isfinite(norm.item())  # of the dense gradients; sparse ones are checked below
     for name, p in named:
         g = p.grad
         if g is None or (finite and not g.is_sparse):
@@ -257,6 +258,57 @@ def nonfinite(computed: Computed, norm: torch.Tensor, named: list[tuple[str, tor
         if not bool(torch.isfinite(values).all()):
             return f"gradient of {name}"
     return None
+
+
+MAX_SKIPS = 100  # steps in a row a worker may leave out (non-finite, or fp16 overflows) before it fails anyway
+
+
+class GradientRules:
+    """What becomes of a step's gradients before they leave, the same in every loop (``optimizer.step()`` applies
+    it, see ``context``), in this order:
+
+    1. clipped to the run's ``max_grad_norm`` (torch's ``clip_grad_norm_``), their total norm taken;
+    2. with fp16 loss scaling (``ctx.backward``), a step whose loss or gradients are not finite overflowed the
+       scale: the scale is halved (``Precision.overflowed``) and the step left out, as torch's GradScaler does;
+    3. a non-finite loss (the one given to ``ctx.backward``) or gradient fails the run with a ``NonFiniteError``
+       naming the worker, the step and what (``on_nonfinite="fail"``), or leaves the step out (``"skip"``);
+    4. ``MAX_SKIPS`` steps left out in a row fail the run anyway.
+
+    ``emit``: the worker's metric events (``loss_scale``, ``nonfinite``)."""
+
+    def __init__(self, precision: Precision, index: int, emit):
+        self.precision, self.index, self.emit = precision, index, emit
+        self.skipped = 0  # steps left out for a non-finite value (3.)
+        self._in_a_row = 0
+
+    def passes(self, plan, loss: torch.Tensor | None, params: list, named: list, *, scaled: bool, step: int,
+               local_step: int, checked: frozenset = frozenset()) -> bool:
+        """Whether the step of these gradients goes (see the class): ``params``, the parameters it pushes (named
+        in ``named``); ``scaled``: its loss went through the loss scale; ``checked``: ids of parameters whose
+        gradients are known finite; ``step``, ``local_step``: the global step they were computed on, this
+        worker's steps so far."""
+        norm = grad_norm(None, plan.max_grad_norm, checked, params=params)
+        problem = nonfinite(loss, norm, named)
+        overflowed = scaled and self.precision.overflowed(problem is None)
+        if overflowed:
+            self.emit("loss_scale", global_step=step, scale=self.precision.scale, problem=problem)
+        elif problem is None:
+            self._in_a_row = 0
+            return True
+        if (plan.on_nonfinite == "fail" and not overflowed) or self._in_a_row == MAX_SKIPS:
+            raise self._failure(problem, step, local_step)
+        self._in_a_row += 1
+        if not overflowed:
+            self.skipped += 1
+            self.emit("nonfinite", global_step=step, local_step=local_step + 1, problem=problem)
+        return False
+
+    def _failure(self, problem: str, step: int, local_step: int) -> NonFiniteError:
+        skipped = self._in_a_row
+        return NonFiniteError(
+            f"worker {self.index} computed a non-finite {problem} at global step {step} (its local step "
+            f"{local_step + 1}{f', after skipping {skipped} batches' if skipped else ''}): lower the learning "
+            "rate, clip with max_grad_norm=..., or train with on_nonfinite='skip'")
 
 
 def check_loss(loss_fn, step_fn) -> None:

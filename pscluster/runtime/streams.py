@@ -40,8 +40,12 @@ class Batches:
     instead, so that a loop that asks for epoch after epoch (``while True``) ends too."""
 
     def __init__(self, make: Callable[[], Iterator], begin: Callable[[], None], counted: Callable[[int], None],
-                 ended: Callable[[], str | None]):
+                 ended: Callable[[], str | None], *, first_before_begin: bool = False, always_ahead: bool = False):
+        """``first_before_begin``: the first batch is read before ``begin()`` (a worker joins the run with its
+        data ready); ``always_ahead``: batches are read ahead even where reading them draws, the loop drawing
+        nothing between a step and its next batch (``Cluster.train``'s), and no generator state is compared."""
         self._make, self._begin, self._counted, self._ended = make, begin, counted, ended
+        self._first_before_begin, self._always_ahead = first_before_begin, always_ahead
         self._it: Iterator | None = None
         self._ahead: collections.deque[_Read] = collections.deque()
         self._taken = 0  # batches handed out since the last read ahead: how many the loop takes a step
@@ -52,6 +56,8 @@ class Batches:
         return self
 
     def __next__(self):
+        if self._first_before_begin and self._it is None and not self._closed:
+            self._ahead.append(self._first())
         try:
             self._begin()
         except StopIteration as e:  # a for loop would take it for the end of the data
@@ -77,9 +83,19 @@ class Batches:
         self._counted(samples_in(batch))
         return batch
 
+    def _first(self) -> _Read:
+        """The first batch, read before the run began (what reading it raised, raised when it is handed out)."""
+        try:
+            return _Read(self._read())
+        except (Exception, StopIteration) as e:
+            return _Read(error=e)
+
     def _read(self):
         if self._it is None:
             self._it = self._make()
+        if self._always_ahead:
+            self._draws = False
+            return next(self._it)
         before = seeding.generator_states()
         batch = next(self._it)
         self._draws = not seeding.same_states(before, seeding.generator_states())
@@ -87,20 +103,19 @@ class Batches:
 
     def read_ahead(self) -> None:
         """Read as many batches as the loop took since the last call (its batches of a step), unless the last
-        read drew from the random generators (see the module); what reading raises is raised when the loop asks
-        for that batch."""
+        read drew from the random generators (see the module; with ``always_ahead``, whether it drew or not); what
+        reading raises is raised when the loop asks for that batch."""
         wanted, self._taken = self._taken - len(self._ahead), 0
         for _ in range(wanted):
             if self._draws or self._closed:
                 return
-            before = seeding.generator_states()
+            before = None if self._always_ahead else seeding.generator_states()
             try:
                 batch = next(self._it)
             except (Exception, StopIteration) as e:
                 self._ahead.append(_Read(error=e))
                 return
-            after = seeding.generator_states()
-            if seeding.same_states(before, after):
+            if before is None or seeding.same_states(before, after := seeding.generator_states()):
                 self._ahead.append(_Read(batch))
             else:
                 self._draws = True

@@ -1,114 +1,52 @@
-"""The library's own worker loop (``Cluster.train``'s): ``library_loop``, a ``train_fn`` of the worker's context
-(``context.WorkerContext``), and ``run_worker``, which runs it as worker ``index`` of a run.
+"""The library's own worker loop (``Cluster.train``'s): ``library_loop``, a ``train_fn`` of the worker's public
+context (``context.WorkerContext``), and ``run_worker``, which runs it as worker ``index`` of a run.
 
-Each step is one fused push-then-pull round trip to every ps at once, during which the step's numbers and the
-next batch are read (with ``pipeline``, its gradients computed); the dense values go through shared memory to a
-ps on the same host (``PSClient.share``).
+Each step is one fused push-then-pull round trip to every ps at once, during which the next batch is read (with
+``pipeline``, its gradients computed); the dense values go through shared memory to a ps on the same host
+(``PSClient.share``).
 """
 
 from __future__ import annotations
 
-import math
-
-import torch
-
-from ..errors import NonFiniteError
 from ..spec import ClusterSpec
 from . import seeding
-from .data import worker_batches
-from .overlap import EarlyPush
 from .plan import TrainPlan
-from .staging import GradientStaging
-from .steps import Computed, Precision, batch_accuracy, compute, grad_norm, metric_values, nonfinite
-
-
-MAX_SKIPS = 100  # on_nonfinite="skip": batches in a row a worker may leave out before it fails anyway
-
-
-class _Steps:
-    """This worker's gradients, batch after batch: the training step (``steps``) in the run's precision, the
-    non-finite check of ``plan.on_nonfinite`` and the clipping to ``plan.max_grad_norm``."""
-
-    def __init__(self, model, loss_fn, step_fn, batches, device, plan: TrainPlan, index: int, emit,
-                 early: EarlyPush | None = None, staging: GradientStaging | None = None):
-        """``early``: the pushes that leave during backward (begun here once forward gave a finite loss);
-        ``staging``: a CUDA worker's gradients copied to the host during backward (begun before each)."""
-        self.model, self.loss_fn, self.step_fn, self.batches = model, loss_fn, step_fn, batches
-        self.device, self.plan, self.index, self.emit = device, plan, index, emit
-        self.precision = Precision(plan.precision, device)
-        self.early, self.staging = early, staging
-        self.skipped = 0
-        self.named = list(model.named_parameters())  # read once: walking the modules every step costs
-        self.params = [p for _, p in self.named]
-
-    def gradients(self, batch, step: int, local_step: int) -> Computed:
-        """The gradients of ``batch`` on the parameters of global ``step``; a batch with a non-finite loss or
-        gradient fails the run (NonFiniteError naming this worker and the step) or, with ``skip``, is left out
-        for the next one."""
-        def before_backward(loss: torch.Tensor) -> None:
-            if self.staging is not None:
-                self.staging.begin()
-            if self.early is not None and math.isfinite(loss.detach().item()):
-                self.early.begin(step)
-
-        for attempt in range(MAX_SKIPS + 1):
-            computed = compute(self.model, self.loss_fn, self.step_fn, batch, self.device, step, self.precision,
-                               before_backward=before_backward)
-            checked = self.early.checked() if self.early is not None else frozenset()  # finite, checked already
-            norm = grad_norm(self.model, self.plan.max_grad_norm, checked, params=self.params)
-            problem = nonfinite(computed, norm, self.named)
-            if self.precision.overflowed(problem is None):  # fp16: the loss scale was too high for this batch
-                self.emit("loss_scale", global_step=step, scale=self.precision.scale, problem=problem)
-                batch = next(self.batches)
-                continue
-            if problem is None:
-                return computed
-            if self.plan.on_nonfinite == "fail" or attempt == MAX_SKIPS:
-                raise NonFiniteError(
-                    f"worker {self.index} computed a non-finite {problem} at global step {step} (its local step "
-                    f"{local_step + 1}{f', after skipping {attempt} batches' if attempt else ''}): lower the "
-                    "learning rate, clip with max_grad_norm=..., or train with on_nonfinite='skip'")
-            self.skipped += 1
-            self.emit("nonfinite", global_step=step, local_step=local_step + 1, problem=problem)
-            batch = next(self.batches)
-        raise AssertionError("unreachable")
+from .steps import batch_accuracy, compute
 
 
 def library_loop(model_fn, dataset, loss_fn, step_fn=None, collate_fn=None):
-    """``Cluster.train``'s loop: a ``train_fn`` of the worker's context (``context.WorkerContext``), whose exchange
-    it shares with every user's loop.
+    """``Cluster.train``'s loop: a ``train_fn`` of the worker's public context (``context.WorkerContext``), as a
+    user's loop is, so both follow one set of rules (the context's ``autocast``, ``backward`` and
+    ``optimizer.step()``: precision, clipping, non-finite values, overlap, pipelining).
 
     The model is built under the run's seed, then the worker's own random streams seeded (``seeding``); its first
-    batch is read before the run starts (``ctx._start``). Each step: the gradients of a batch on the values the
-    worker holds (``_Steps``: the run's precision, non-finite check, clipping; pushes leaving during backward and
-    a GPU's host copies where the plan's ``overlap`` applies), pushed (``ctx._push``); while the push-pull is in
-    flight, the step's numbers, the next batch and, with ``pipeline``, its gradients; then the reply's values
-    (``ctx._settle``)."""
+    batch is read before the run starts (``ctx.endless_shard``). Each step: forward under ``ctx.autocast()``,
+    ``ctx.backward(loss)`` (fp16 loss scaling; the pushes that leave during backward and a GPU's host copies where
+    the plan's ``overlap`` applies), ``optimizer.step()`` of the plan's own optimizer (the run's rules, the push;
+    the next batch read while it is in flight, or with ``pipeline`` the reply settled at the next step), then the
+    step's numbers (``ctx.log``). A step left out (a non-finite value with ``on_nonfinite="skip"``, an fp16
+    overflow) takes the next batch."""
     def train_fn(ctx) -> None:
-        plan = ctx._plan
+        plan = ctx.plan
         model = ctx.model(seeding.build_model(model_fn, plan.seed).to(ctx.device))
         seeding.seed_worker(plan.seed, ctx.worker_index, plan.attempt)
-        batches = worker_batches(dataset, ctx.worker_index, plan.num_workers, plan.batch_size, plan.seed, plan.loader,
-                                 collate_fn, ctx.device)
-        try:
-            batch = next(batches)
-            ctx._overlap = True
-            ctx._start()
-            steps = _Steps(model, loss_fn, step_fn, batches, ctx.device, plan, ctx.worker_index, ctx._emitter.emit,
-                           ctx._early, ctx._staging)
-            ahead = None  # pipeline: the gradients of the next batch, computed while the last push-pull was in flight
-            while not ctx.should_stop():
-                computed = ahead if ahead is not None else steps.gradients(batch, ctx.global_step, ctx._local_steps)
-                ctx._samples += computed.samples
-                ctx._push(computed.step)
-                ctx._log_step(computed.loss.item(), batch_accuracy(computed.output, computed.target),
-                              metric_values(computed.metrics))
-                batch = next(batches)
-                ahead = steps.gradients(batch, ctx.global_step, ctx._local_steps + 1) if plan.pipeline else None
-                ctx._settle()
-            ctx._skipped += steps.skipped
-        finally:
-            batches.close()  # its loader processes end
+        optimizer = ctx.optimizer(overlap=True)  # the plan's: its gradients are final when backward returns
+        loader = plan.loader
+        batches = ctx.endless_shard(dataset, plan.batch_size, collate_fn=collate_fn, loader_workers=loader.num_workers,
+                                    prefetch_factor=loader.prefetch_factor, pin_memory=loader.pin_memory,
+                                    shuffle=loader.shuffle, drop_last=loader.drop_last, always_read_ahead=True)
+        for batch in batches:
+            computed = compute(model, loss_fn, step_fn, batch, ctx.device, autocast=ctx.autocast,
+                               backward=ctx.backward)
+            if optimizer.step():
+                numbers = {**{str(name): value for name, value in computed.metrics.items()},
+                           "loss": computed.loss.item()}
+                accuracy = batch_accuracy(computed.output, computed.target)
+                if accuracy is not None:
+                    numbers["accuracy"] = accuracy
+                ctx.log(**numbers)
+            if ctx.should_stop():
+                break
 
     return train_fn
 

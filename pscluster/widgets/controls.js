@@ -1,7 +1,8 @@
 // The viewer's controls of a figure with `layout.meta.controls` (the convergence figure): smoothing, a log loss
-// axis, x as the global step or time. Shared by the live figure's view (live.js) and the static figure a finished
-// run leaves in the notebook and the HTML report (`drawStatic`), so they outlive the kernel. plotly_loader.js
-// comes first.
+// axis, x as the global step or time. Shared by the live figure's view (live.js), the static figure a finished
+// run leaves in the notebook and the HTML report (`drawStatic`), so they outlive the kernel, and the JupyterLab
+// side panel (`figureView`, served with plotly_loader.js as pscluster/static/figures.js): the one implementation
+// of the smoothing a viewer chooses. plotly_loader.js comes first.
 
 // TensorBoard's smoothing: an exponential moving average with weight `w`, debiased at the start. A constant
 // series stays as it is (the debiasing's rounding would make it wobble).
@@ -86,22 +87,35 @@ function toolbar(controls, choice, changed) {
   return bar;
 }
 
-// Draws `figure` into `node` once, with its controls above it when it has some: the static figure's script. What
-// `node` held before (the figure's image, for pages that run no script) goes once plotly.js has drawn.
-function drawStatic(node, figure, config) {
-  return loadPlotly().then(Plotly => {
-    const controls = (figure.layout.meta || {}).controls;
-    const choice = controls ? { smoothing: controls.smoothing, log: false, x: 'step' } : null;
-    const draw = () => {
+// A figure drawn into `node` with its controls above it when it has some: `show(figure)` draws it, and draws it
+// again when given a newer version of it (the side panel's figures of a training run), keeping what the viewer
+// chose (smoothing, log scale, x axis, zoom). The static figure's script and the side panel draw with it.
+function figureView(node, config) {
+  let figure = null;
+  let choice = null;
+  const draw = () =>
+    loadPlotly().then(Plotly => {
       const { data, layout } = viewed(figure, choice);
       const revision = choice ? `${choice.x}/${choice.log}` : 'pscluster';
       return Plotly.react(node, data, { uirevision: revision, ...layout }, config);
-    };
-    node.replaceChildren();
-    node.style.height = `${figure.layout.height || 300}px`;
-    if (controls) {
+    });
+  return next => {
+    figure = next;
+    const controls = (figure.layout.meta || {}).controls;
+    if (controls && !choice) {
+      choice = { smoothing: controls.smoothing, log: false, x: 'step' };
       node.parentNode.insertBefore(toolbar(controls, choice, draw), node);
     }
+    node.style.height = `${figure.layout.height || 300}px`;
     return draw();
+  };
+}
+
+// Draws `figure` into `node` once, with its controls: the static figure's script. What `node` held before (the
+// figure's image, for pages that run no script) goes once plotly.js has loaded.
+function drawStatic(node, figure, config) {
+  return loadPlotly().then(() => {
+    node.replaceChildren();
+    return figureView(node, config)(figure);
   });
 }

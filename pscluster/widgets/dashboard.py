@@ -23,12 +23,12 @@ import numpy as np
 import plotly.graph_objects as go
 
 from ..errors import ConfigError
-from ..footprint import optimizer_slot_names
 from ..metrics import epochs, speed
 from ..metrics.divergence import Diverging
 from ..metrics.store import RunStore
-from . import figure_specs, figures, live, panels, ps_panels
+from . import figure_specs, figures, live
 from .reader import RunReader
+from .run_figures import RunFigures
 from .task_table import FINAL, roles_frame, task_states
 
 REFRESH_S = 0.4  # 2.5 refreshes per second
@@ -138,16 +138,9 @@ class Dashboard:
         self._epochs: dict[int, int] = {}  # each worker's epoch of its ctx.shard loader (none without one)
         self._divergence: Diverging | None = None  # what the divergence rule found in the loss
 
-        started = self.record["started"]
-        self.panels = {"speed": panels.Speed(start=started, live=not self.final), "convergence": panels.Convergence()}
-        if (self.record["config"] or {}).get("aggregates_steps"):
-            self.panels["waiting"] = ps_panels.Waiting(self._num_workers(), start=started)
-        else:
-            self.panels["staleness"] = panels.Staleness()
-        self.panels["ps_load"] = ps_panels.PsLoad(start=started)
-        self.panels["traffic"] = ps_panels.Traffic(num_ps=len(self.record["spec"]["ps"]))
-        shown = {"placement": figure_specs.no_data("placement"),
-                 **{name: panel.spec() for name, panel in self.panels.items()}}
+        self.charts = RunFigures(self.record)  # the figures, as the side panel serves them too
+        self.panels = self.charts.panels
+        shown = self.charts.specs()
         self.figures: dict[str, live.LiveFigure] = {name: live.LiveFigure(s) for name, s in shown.items()}
         self._changed: set[str] = set()  # panels whose figure changed since it was last shown
         self._shown_at = -math.inf  # when the panels' figures were last shown (time.monotonic())
@@ -162,9 +155,6 @@ class Dashboard:
         self.box = widgets.VBox([self.header, widgets.HBox([self.roles, self.lines]), self.redraw,
                                  *self.figures.values()])
         self._draw_header()
-
-    def _num_workers(self) -> int:
-        return len(self.record["spec"]["worker"])
 
     @property
     def final(self) -> bool:
@@ -268,18 +258,12 @@ class Dashboard:
             self._draw_header()
             return
         if "placement" in new:
-            config = self.record["config"] or {}
-            slots = optimizer_slot_names(config.get("optimizer", "sgd"), config.get("optimizer_kwargs") or {})
-            self._show("placement", figures.placement_spec(self._placement, len(slots),
-                                                           num_ps=len(self.record["spec"]["ps"])))
+            self._show("placement", self.charts.place(self._placement, self.record))
             self.lines.value = "<pre style='font-size: 12px'>{}</pre>".format(
-                html.escape("\n".join(figures.placement_lines(self._placement, slots))))
-        if "waiting" in self.panels:
-            self.panels["waiting"].num_workers = self._num_workers()  # workers come and go with scaling
-        self.panels["speed"].live = not self.final  # its rates: lately while the run trains, then of all of it
-        for name, panel in self.panels.items():
-            if panel.feed(new) or (name == "speed" and record_changed):
-                self._changed.add(name)
+                html.escape("\n".join(figures.placement_lines(self._placement, self.charts.slots))))
+        self._changed |= self.charts.feed(new, self.record)
+        if record_changed:
+            self._changed.add("speed")
         if self._changed and (self.final or time.monotonic() - self._shown_at >= self.redraw.value):
             for name in sorted(self._changed):
                 self._show(name, self.panels[name].spec())

@@ -132,6 +132,18 @@ def placement_lines(placement: pd.DataFrame, slot_names: tuple[str, ...] = ()) -
     return lines
 
 
+def sparkline_path(values: list[float]) -> str:
+    """The SVG path (``d``) of a sparkline of ``values`` in the unit square: the first value at x 0, the last at
+    x 1, the lowest at y 1 (the bottom), the highest at y 0; non-finite values left out; '' for fewer than 2."""
+    finite = [v for v in values if math.isfinite(v)]
+    if len(values) < 2 or not finite:
+        return ""
+    lo, hi = min(finite), max(finite)
+    lo, hi = (lo - 1, hi + 1) if lo == hi else (lo, hi)
+    points = [(i / (len(values) - 1), (hi - v) / (hi - lo)) for i, v in enumerate(values) if math.isfinite(v)]
+    return "".join(f"{'L' if i else 'M'}{x:.4g},{y:.4g}" for i, (x, y) in enumerate(points))
+
+
 def number(v: float, digits: int) -> str:
     """``v`` with ``digits`` decimals, or below 1 with ``digits + 1`` significant digits, so that a small
     number shows as itself (0.00032, not 0.00)."""
@@ -165,18 +177,22 @@ class ComparedRun(NamedTuple):
     ended: float | None
 
 
-def compare_figure(runs: list[ComparedRun]) -> go.Figure:
-    """Several runs side by side: loss against global step (mean over workers, smoothed; left) and
-    the global and the local steps/s (summed over workers) of each run by ``speed.rate`` (bars; right)."""
+def compare_spec(runs: list[ComparedRun], metric: str = "loss") -> Spec:
+    """Several runs side by side: ``metric`` (default the loss; one their ``series`` hold) against global step
+    (mean over workers, smoothed; left) and the global and the local steps/s (summed over workers) of each run by
+    ``speed.rate`` (bars; right)."""
     title = "compare runs: convergence and speed"
     runs = [r for r in runs if len(r.series)]
     if not runs:
-        return no_data_figure(title)
+        return no_data(title)
     traces = []
     for i, run in enumerate(runs):
-        loss = _weighted_mean(run.series.dropna(subset=["loss_mean"]), "x")
+        column = f"{metric}_mean"
+        if column not in run.series:  # a run without this metric
+            continue
+        values = _weighted_mean(run.series.dropna(subset=[column]), "x", column)
         points = Decimated("x", "y")
-        points.extend(x=loss.index.to_numpy(), y=Ewm(SMOOTH_SPAN).update(loss.to_numpy()))
+        points.extend(x=values.index.to_numpy(), y=Ewm(SMOOTH_SPAN).update(values.to_numpy()))
         traces.append(dict(type="scatter", mode="lines", x=points["x"], y=points["y"], name=run.label,
                            line_color=color(i)))
     table = compare_table(runs)
@@ -184,14 +200,33 @@ def compare_figure(runs: list[ComparedRun]) -> go.Figure:
                                     ("local steps/s (all workers)", "local steps/s", "#b6bcfb")):
         traces.append(dict(type="bar", xaxis="x2", yaxis="y2", x=list(table["run"]),
                            y=table[column].to_numpy(dtype=float), name=name, marker_color=bar_color))
-    return figure(spec(title, traces, barmode="group", **columns(
-        0.62, left=dict(title_text="loss (mean over workers)", x=dict(title_text="global step")),
-        right=dict(title_text="steps/s"))))
+    return spec(title, traces, barmode="group", **columns(
+        0.62, left=dict(title_text=f"{metric} (mean over workers)", x=dict(title_text="global step")),
+        right=dict(title_text="steps/s")))
 
 
-def _weighted_mean(series: pd.DataFrame, by: str | None = None):
-    """The mean loss of the rows ``series`` holds (each bucket's mean weighted by its rows), by ``by``."""
-    weighted = series.assign(total=series["loss_mean"] * series["count"])
+def compare_figure(runs: list[ComparedRun], metric: str = "loss") -> go.Figure:
+    """The figure of ``compare_spec``."""
+    return figure(compare_spec(runs, metric))
+
+
+def compared_run(store, run_id: int, label: str, names: tuple[str, ...] = ("loss",), *,
+                 points: int = 2000) -> ComparedRun | None:
+    """Run ``run_id`` of ``store`` (a ``RunStore``) as a comparison takes it: its metrics ``names`` (the loss
+    among them, for its final loss) at most ``points`` per worker; None when there is no such run."""
+    record = store.run(run_id)
+    if record is None:
+        return None
+    names = tuple(dict.fromkeys(("loss", *names)))
+    series = store.series(run_id, names, max_points=points)
+    last = float(series["time_last"].max()) if len(series) else 0.0
+    recent = store.series(run_id, ["loss"], x="time", start=last - speed.RECENT_S, max_points=points)
+    return ComparedRun(label, series, recent, record["started"], record["ended"])
+
+
+def _weighted_mean(series: pd.DataFrame, by: str | None = None, column: str = "loss_mean"):
+    """The mean of ``column`` over the rows ``series`` holds (each bucket's mean weighted by its rows), by ``by``."""
+    weighted = series.assign(total=series[column] * series["count"])
     if by is None:
         return weighted["total"].sum() / weighted["count"].sum() if len(weighted) else math.nan
     sums = weighted.groupby(by)[["total", "count"]].sum()

@@ -37,6 +37,10 @@ from .figure_specs import Spec, expanded, figure
 _LOADER, _CONTROLS, _VIEW = (pathlib.Path(__file__).with_name(name).read_text()
                              for name in ("plotly_loader.js", "controls.js", "live.js"))
 CONFIG = {"displaylogo": False, "responsive": True}
+# The figures' drawing for the JupyterLab side panel, which the lab server serves as pscluster/static/figures.js: the
+# functions of plotly_loader.js and controls.js in a scope of their own, figureView and CONFIG on the page's window.
+PANEL_SCRIPT = (f"window.psclusterFigures = (() => {{\n{_LOADER}\n{_CONTROLS}\n"
+                f"return {{ figureView, config: {json.dumps(CONFIG)} }};\n}})();\n")
 STATIC_CALL = "drawStatic(div, "  # in a static figure's script, followed by the figure as JSON ({"data", "layout"})
 
 

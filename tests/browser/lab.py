@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 
 CHROMIUM = "/usr/bin/chromium"
+NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook the lab shows
 LIVE_STEPS = 10**6  # a long live run's target, never reached: the test or benchmark that follows it stops it
 # A notebook that starts a cluster and trains a long async run with its live dashboard (test_long_run, and
 # benchmarks/live_page.py, which measures the page's main thread while it trains)
@@ -52,6 +53,16 @@ def launch_chromium(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
 
 
+def open_notebook(page, name: str):
+    """Opens the lab's file ``name`` as a user does, by a double click on it in the file browser, and returns the
+    notebook's locator once it shows. The file browser is refreshed first: a file written after the page loaded
+    shows otherwise only at the browser's next poll of the server (every 10 s, later on a loaded machine)."""
+    page.locator('.jp-FileBrowser [data-command="filebrowser:refresh"]').click(timeout=60_000)
+    page.locator(".jp-DirListing-itemText", has_text=name).dblclick()
+    page.locator(NOTEBOOK).wait_for(timeout=60_000)
+    return page.locator(NOTEBOOK)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,8 +70,10 @@ def _free_port() -> int:
 
 
 class LabServer:
-    """``jupyter lab`` on 127.0.0.1 in a child process, with a temporary root, settings and runtime
-    directory; ``restart()`` stops it and starts a new one on the same port with the same token, as
+    """``jupyter lab`` on 127.0.0.1 in a child process, with a temporary root, settings, runtime and IPython
+    directory (ipyparallel's server extension loads every cluster of its IPython directory's profiles and polls
+    their launchers on the server's event loop: an SSH cluster of another test, seen through a shared directory,
+    held the server's answers for seconds while its ssh commands ran); ``restart()`` stops it and starts a new one on the same port with the same token, as
     a user restarting their server would. ``env``: variables the server gets besides this process's
     environment (``PSCLUSTER_HOME``: where the panel finds the run store and the cluster registry); ``python``:
     the interpreter whose JupyterLab it is (this one unless said), run from ``root``."""
@@ -85,7 +98,7 @@ class LabServer:
                  f"--ServerApp.root_dir={r / 'files'}", "--LabApp.news_url=None",
                  f"--LabApp.user_settings_dir={r / 'settings'}", f"--LabApp.workspaces_dir={r / 'workspaces'}"],
                 env={**os.environ, **self.env, "JUPYTER_CONFIG_DIR": str(r / "config"),
-                     "JUPYTER_RUNTIME_DIR": str(r / "runtime")},
+                     "JUPYTER_RUNTIME_DIR": str(r / "runtime"), "IPYTHONDIR": str(r / "ipython")},
                 cwd=r, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:

@@ -18,12 +18,11 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from pscluster.metrics.store import RunStore
 
-from .lab import FIGURES_DRAWN, LIVE_CELLS, SHOW_UNDRAWN_FIGURE, MainThread
+from .lab import FIGURES_DRAWN, LIVE_CELLS, NOTEBOOK, SHOW_UNDRAWN_FIGURE, MainThread, open_notebook
 from .test_panel import CLICKED, DRAWN_MS
 
 pytestmark = pytest.mark.browser
 
-NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 TAB = '.jp-SideBar.jp-mod-left .lm-TabBar-tab[data-id="pscluster-panel"]'
 REPORTS = Path(__file__).resolve().parents[2] / "reports"
 FIGURES = 6  # placement, speed, convergence, staleness, ps load, traffic
@@ -73,12 +72,6 @@ class FirstReadyLost:
             server.send(message)
 
         ws.on_message(to_kernel)
-
-
-def open_notebook(page, name: str):
-    page.locator(".jp-DirListing-itemText", has_text=name).dblclick()
-    page.locator(NOTEBOOK).wait_for()
-    return page.locator(NOTEBOOK)
 
 
 def drawn(page) -> list[int]:
@@ -212,7 +205,7 @@ def test_a_long_async_run_stays_drawn_within_budget_through_a_reload(page, lab, 
     page.evaluate(CLICKED)
     row.locator(".jp-pscluster-run-name").click()
     view = f'.jp-pscluster-runview[data-run-id="{run_id}"]'
-    drawn_ms = page.wait_for_function(DRAWN_MS, arg=f'{view} .jp-pscluster-plot[data-chart="loss"]', polling="raf",
-                                      timeout=30_000).json_value()
-    print(f"side panel: the run view drew its loss chart {drawn_ms:.0f} ms after the click")  # goal: run_view
+    convergence = f'{view} .jp-pscluster-plot[data-chart="convergence"]'
+    drawn_ms = page.wait_for_function(DRAWN_MS, arg=convergence, polling="raf", timeout=30_000).json_value()
+    print(f"side panel: the run view drew its convergence figure {drawn_ms:.0f} ms after the click")  # goal: run_view
     page.screenshot(path=str(REPORTS / "long_run_panel.png"))

@@ -2,8 +2,8 @@
 magics and shows the run's live dashboard; the panel lists the cluster's roles and the run, shows its
 global step advancing, stops the run, then the cluster (each after a confirmation); hidden, it asks the
 server nothing. A restarted server lists again a cluster that kept running in another process, with
-the runs of that cluster's own store. The view of a 200k-step run draws its plotly charts (how soon
-after the click: benchmarks/run_view.py) (hover, log axis, smoothing, zoom at a finer resolution, x modes),
+the runs of that cluster's own store. The view of a 200k-step run draws the notebook's figures (how soon
+after the click: benchmarks/run_view.py) with the notebook's controls (hover, log axis, smoothing, x modes),
 two runs compare, and the view of a training run follows it. At the side bar's default width the panel fits with no
 sideways scroll, a run's details open by mouse and keyboard, and axe-core finds no serious or critical accessibility
 issue in it. Screenshots go to ``reports/``."""
@@ -24,12 +24,14 @@ from benchmarks.run_view import DRAWN_MS  # the same measure as the benchmark of
 import pscluster
 from pscluster.cluster import forkserver, registry
 from pscluster.metrics.store import RunStore
+from pscluster.widgets import run_figures
+
+from .lab import open_notebook
 
 pytestmark = pytest.mark.browser
 
 TAB = '.jp-SideBar.jp-mod-left .lm-TabBar-tab[data-id="pscluster-panel"]'
 PANEL = "#pscluster-panel"
-NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 ROOT = Path(__file__).resolve().parents[2]
 REPORTS = ROOT / "reports"
 SCREENSHOT = REPORTS / "side_panel.png"
@@ -69,9 +71,9 @@ CONTRAST = """(node) => {
         .map(luminance).sort((x, y) => y - x);
     return (a + 0.05) / (b + 0.05);
 }"""
-# worker 0's values and its smoothed values as drawn (null without smoothing)
-SMOOTHED = """(div) => { const raw = div.data.find(t => t.name === 'worker 0 (raw)');
-    return raw ? [raw.y, div.data.find(t => t.name === 'worker 0').y] : null; }"""
+# worker 0's loss and its smoothed loss as drawn
+SMOOTHED = """(div) => [div.data.find(t => t.name === 'worker 0').y,
+    div.data.find(t => t.name === 'worker 0 (smoothed)').y]"""
 
 
 def mlp():
@@ -151,9 +153,7 @@ def test_a_notebook_trains_with_its_dashboard_and_the_panel_follows_and_stops_it
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS], metadata={
         "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}),
         lab.root / "files" / "train_digits.ipynb")
-    page.locator(".jp-DirListing-itemText", has_text="train_digits.ipynb").dblclick()
-    notebook = page.locator(NOTEBOOK)
-    notebook.wait_for()
+    notebook = open_notebook(page, "train_digits.ipynb")
     eventually(lambda: any(k["execution_state"] == "idle" and k["connections"] for k in lab.kernels()), 90)
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Run All Cells$")).click()
@@ -265,7 +265,7 @@ def synthetic_run(store: RunStore, name: str, steps: int, lr: float) -> int:
     t0 = time.time()
     run = store.create_run(name=name, cluster="gone", mode="async", spec={}, config={
         "mode": "async", "steps": steps, "batch_size": 32, "optimizer": "SGD", "optimizer_kwargs": {"lr": lr},
-        "num_workers": 2})
+        "num_workers": 2, "shown": ["num_workers", "mode", "steps", "batch_size"]})  # as run_records keeps it
     for first in range(1, steps + 1, 50_000):
         store.add_batch(run, [{"kind": "step", "task": f"worker:{g % 2}", "time": t0 + g / 1000,
                                "local_step": (g + 1) // 2, "global_step": g, "loss": lr / g}
@@ -278,6 +278,8 @@ def test_the_view_of_a_long_run_draws_and_runs_compare(page, lab, home):
     with RunStore() as store:
         long, short = synthetic_run(store, "long-200k", 200_000, 0.1), synthetic_run(store, "short-50k", 50_000, 1.0)
         path = store.path
+        convergence = run_figures.read(store, long).spec("convergence")  # as the notebook's dashboard draws it
+    notebook_s = next(t["y"] for t in convergence.traces if t["name"] == "worker 0 (smoothed)")
     panel = open_panel(page)
     rows = {run: panel.locator(f'.jp-pscluster-run[data-run-id="{run}"][data-store="{path}"]') for run in (long, short)}
     rows[long].get_by_text("finished").wait_for(timeout=30_000)
@@ -285,7 +287,7 @@ def test_the_view_of_a_long_run_draws_and_runs_compare(page, lab, home):
     assert "lr=0.1" in rows[long].locator(".jp-pscluster-run-settings").inner_text()
 
     view = f'.jp-pscluster-runview[data-run-id="{long}"][data-store="{path}"]'
-    loss = f'{view} .jp-pscluster-plot[data-chart="loss"]'
+    loss = f'{view} .jp-pscluster-plot[data-chart="convergence"]'
     page.evaluate(CLICKED)
     rows[long].locator(".jp-pscluster-run-name").click()
     drawn_ms = page.wait_for_function(DRAWN_MS, arg=loss, polling="raf", timeout=30_000).json_value()
@@ -296,34 +298,32 @@ def test_the_view_of_a_long_run_draws_and_runs_compare(page, lab, home):
     assert "/metrics.json" in header.get_by_text("JSON").get_attribute("href")
     page.locator(f'{view} .jp-pscluster-plot[data-chart="speed"] .scatterlayer .trace').first.wait_for(state="attached")
     plot = page.locator(loss)
-    assert plot.evaluate(CHART)["legend"] == ["worker 0", "worker 1"]
+    assert plot.evaluate(CHART)["legend"] == ["worker 0", "worker 0 (smoothed)", "worker 1", "worker 1 (smoothed)"]
 
+    plot.scroll_into_view_if_needed()  # under the placement and speed figures, as in the notebook
     box = plot.locator(".nsewdrag").first.bounding_box()
-    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] / 2)
+    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] - 2)  # on the lines, near 0 there
     hover = plot.locator(".hoverlayer")
     eventually(lambda: "worker 0" in hover.text_content(), 5)  # the values under the mouse
 
-    page.locator(f"{view} .jp-pscluster-log").check()
+    page.locator(view).get_by_label("log scale (loss)").check()  # the notebook's controls
     eventually(lambda: plot.evaluate(CHART)["yaxis"] == "log", 5)
     REPORTS.mkdir(exist_ok=True)
     page.screenshot(path=str(REPORTS / "run_view_long.png"))
 
-    with page.expect_response(lambda r: "/series?" in r.url and "start=" in r.url) as zoomed:
-        page.mouse.move(box["x"] + box["width"] * 0.7, box["y"] + 40)
-        page.mouse.down()
-        page.mouse.move(box["x"] + box["width"] * 0.8, box["y"] + 40, steps=5)
-        page.mouse.up()
-    answer = zoomed.value.json()
-    xs = [x for w in answer["workers"] for x in w["columns"]["x"]]
-    lo, hi = plot.evaluate(CHART)["xrange"]
-    assert answer["start"] == pytest.approx(lo) and lo - answer["resolution"] <= min(xs) and max(xs) <= hi
+    # smoothed as the notebook smooths it (over every row, then thinned), then at the weight the viewer chooses, by
+    # the notebook's controls.js: TensorBoard's debiased EMA of the points drawn, from the first one on; then none
+    def second(raw, w):
+        return (w * (1 - w) * raw[0] + (1 - w) * raw[1]) / (1 - w ** 2)
 
-    raw, smoothed = plot.evaluate(SMOOTHED)  # TensorBoard's debiased EMA (weight 0.6): from the first value on
-    assert smoothed[0] == pytest.approx(raw[0]) and smoothed[1] == pytest.approx((0.6 * 0.4 * raw[0] + 0.4 * raw[1])
-                                                                                 / (1 - 0.6 ** 2))
-    page.locator(f"{view} .jp-pscluster-smoothing").evaluate(
+    raw, smoothed = plot.evaluate(SMOOTHED)
+    assert smoothed == pytest.approx(notebook_s.tolist()) and smoothed[0] == pytest.approx(raw[0])
+    page.locator(f"{view} .pscluster-controls input[type=range]").evaluate(
+        "(s) => { s.value = '0.6'; s.dispatchEvent(new Event('input')); }")
+    eventually(lambda: plot.evaluate(SMOOTHED)[1][1] == pytest.approx(second(raw, 0.6)), 5)
+    page.locator(f"{view} .pscluster-controls input[type=range]").evaluate(
         "(s) => { s.value = '0'; s.dispatchEvent(new Event('input')); }")
-    eventually(lambda: plot.evaluate(SMOOTHED) is None, 5)  # no smoothing: the values alone
+    eventually(lambda: plot.evaluate(SMOOTHED)[1] == plot.evaluate(SMOOTHED)[0], 5)  # no smoothing: the values alone
     page.locator(view).get_by_label("x axis").select_option("relative")  # the control is labelled
     eventually(lambda: plot.evaluate(CHART)["xrange"][1] < 250, 5)  # seconds since the run started
     page.locator(view).get_by_label("x axis").select_option("wall")
@@ -332,9 +332,9 @@ def test_the_view_of_a_long_run_draws_and_runs_compare(page, lab, home):
     for run in (long, short):
         rows[run].locator(".jp-pscluster-run-checkbox").check()
     panel.locator(".jp-pscluster-compare").click()
-    compare = page.locator('.jp-pscluster-runview[data-compare="2"] .jp-pscluster-plot[data-chart="loss"]')
+    compare = page.locator('.jp-pscluster-runview[data-compare="2"] .jp-pscluster-plot[data-chart="compare"]')
     compare.locator(".scatterlayer .trace").first.wait_for(timeout=10_000)
-    assert sorted(compare.evaluate(CHART)["legend"]) == ["long-200k", "short-50k"]  # a curve per run
+    assert {"long-200k", "short-50k"} <= set(compare.evaluate(CHART)["legend"])  # a curve per run
     page.screenshot(path=str(REPORTS / "run_compare.png"))
 
 
@@ -348,8 +348,8 @@ def test_the_view_of_a_training_run_follows_it(page, lab, home):
     registry.write({"name": "live", "owner_pid": os.getpid(), "tasks": []})  # its kernel: this process
     try:
         with RunStore() as store:
-            run = store.create_run(name="live-run", cluster="live", mode="async", config={"steps": 10_000_000},
-                                   spec={})
+            run = store.create_run(name="live-run", cluster="live", mode="async", spec={},
+                                   config={"steps": 10_000_000, "shown": ["steps"]})
             store.set_status(run, "training")
             store.add_batch(run, steps_now(1, 100))
             store.add_event(run, "controller", "diverging", {"since_step": 90, "loss": 950.0, "reference": 2.3,
@@ -392,7 +392,9 @@ def three_runs(store: RunStore, cluster: str) -> dict[str, int]:
     runs["failed"] = store.create_run(name="digits-adamw", cluster=cluster, mode="sync", spec={}, config={
         "optimizer": "AdamW", "optimizer_kwargs": {"lr": 0.003, "weight_decay": 0.01}, "batch_size": 256,
         "mode": "sync", "num_workers": 2, "steps": 1_000_000, "replicas_to_aggregate": 2, "scheduler": "cosine",
-        "max_grad_norm": 1.0, "precision": "bf16", "seed": 1234})
+        "max_grad_norm": 1.0, "precision": "bf16", "seed": 1234, "shown": [
+            "num_workers", "scheduler", "mode", "steps", "batch_size", "replicas_to_aggregate", "max_grad_norm",
+            "precision", "seed"]})
     store.add_batch(runs["failed"], steps_until_now(1, 37, 60))
     store.set_status(runs["failed"], "failed", failure={
         "cause": "worker 1 failed: NonFiniteError: worker 1 computed a non-finite loss (nan) at local step 37: lower "

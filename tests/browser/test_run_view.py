@@ -1,16 +1,18 @@
 """The run view and the compare view in a real JupyterLab, as plotly draws them (the traces of each chart's div):
-a run's smoothed lines over their faint raw lines with no band, its test evaluations marked, its speed by the
-notebook's rule; runs compared by any metric with the hyperparameters that differ. Screenshots go to ``reports/``
+the notebook's figures of a run, as its dashboard draws them (smoothed lines over their faint raw lines, test
+evaluations marked, each worker's speed), served by the lab server and drawn as they come; runs compared as
+pscluster.compare draws them, by any metric, with the hyperparameters that differ. Screenshots go to ``reports/``
 (``run_view.png`` and ``compare.png`` are those of docs/guide.md)."""
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
+from pscluster.widgets import panels
 
 from .test_panel import open_panel
 
@@ -25,15 +27,15 @@ TRACES = """([chart, names]) => {
     const drawn = div && div.data ? div.data : [];
     if (!names.every(n => drawn.some(t => t.name === n))) { return null; }
     return drawn.map(t => ({name: t.name, mode: t.mode, opacity: t.opacity ?? 1, fill: t.fill ?? null,
-        showlegend: t.showlegend ?? true, shape: (t.line && t.line.shape) || null, x: t.x, y: t.y}));
+        showlegend: t.showlegend ?? true, yaxis: t.yaxis || 'y', x: t.x, y: t.y}));
 }"""
 TITLE = "(div) => div._fullLayout.title.text"
 
 
 def noisy_run(store: RunStore, name: str, *, lr: float, batch_size: int, seconds: float, seed: int) -> int:
     """A finished run of 2 workers at RATES steps/s, each step taking 0.5 to 1.5 times its mean; a loss that
-    falls under noise (faster for a higher ``lr``), an accuracy that rises with it; test evaluations at EVALUATED (those it reached); its
-    learning rate divided by 10 half-way."""
+    falls under noise (faster for a higher ``lr``), an accuracy that rises with it; test evaluations at EVALUATED
+    (those it reached); its learning rate divided by 10 half-way; 3 variables on 2 ps."""
     rng = np.random.default_rng(seed)
     t0 = time.time() - seconds
     steps = [(t0 + t, w, i + 1) for w, rate in RATES.items()
@@ -42,7 +44,10 @@ def noisy_run(store: RunStore, name: str, *, lr: float, batch_size: int, seconds
     clean = [2 * np.exp(-g * lr / 60) + 0.1 for g in range(1, len(steps) + 1)]  # faster for a higher lr
     run = store.create_run(name=name, cluster="gone", mode="async", spec={}, config={
         "mode": "async", "steps": len(steps), "batch_size": batch_size, "optimizer": "SGD",
-        "optimizer_kwargs": {"lr": lr}, "num_workers": 2})
+        "optimizer_kwargs": {"lr": lr}, "num_workers": 2,
+        "shown": ["num_workers", "mode", "steps", "batch_size"]})  # as run_records keeps it: the settings shown
+    store.record_placement(run, [SimpleNamespace(name=f"fc{i}.weight", ps=i % 2, shape=(64, 64), dtype="float32",
+                                                 nbytes=16384) for i in range(3)])
     loss = [c * rng.uniform(0.4, 1.6) for c in clean]
     store.add_batch(run, [{"kind": "step", "task": f"worker:{w}", "time": t, "local_step": local, "global_step": g,
                            "loss": loss[g - 1], "accuracy": 1 - loss[g - 1] / 3}
@@ -55,10 +60,10 @@ def noisy_run(store: RunStore, name: str, *, lr: float, batch_size: int, seconds
     return run
 
 
-def traces(page, chart: str, *names: str) -> dict[str, dict]:
-    """The traces of `chart` by name, once it has drawn `names`."""
+def traces(page, chart: str, *names: str, yaxis: str = "y") -> dict[str, dict]:
+    """The traces of `chart` on `yaxis` by name, once it has drawn `names`."""
     found = page.wait_for_function(TRACES, arg=[chart, list(names)], timeout=30_000).json_value()
-    return {t["name"]: t for t in found}
+    return {t["name"]: t for t in found if t["yaxis"] == yaxis}
 
 
 def open_view(page, store_path: str, *runs: int):
@@ -75,7 +80,7 @@ def open_view(page, store_path: str, *runs: int):
     return page.locator(f'.jp-pscluster-runview[data-compare="{len(runs)}"]')
 
 
-def test_the_run_view_draws_a_smoothed_line_over_a_faint_raw_line_no_band_test_evaluations_marked(page, lab, home):
+def test_the_run_view_draws_the_notebook_s_figures_smoothed_lines_over_faint_raw_lines(page, lab, home):
     with RunStore() as store:
         run = noisy_run(store, "noisy", lr=0.1, batch_size=32, seconds=60, seed=1)
         path = store.path
@@ -83,25 +88,34 @@ def test_the_run_view_draws_a_smoothed_line_over_a_faint_raw_line_no_band_test_e
     view = open_view(page, path, run)
     chart = f'.jp-pscluster-runview[data-run-id="{run}"] .jp-pscluster-plot[data-chart="%s"]'
 
-    for name in ("loss", "accuracy"):
-        drawn = traces(page, chart % name, "worker 0", "worker 1", "test")
+    for name, yaxis in (("loss", "y"), ("accuracy", "y2")):  # one figure, a plot each, as in the notebook
+        drawn = traces(page, chart % "convergence", "worker 0 (smoothed)", "worker 1 (smoothed)", "test set",
+                       yaxis=yaxis)
         assert not [t["name"] for t in drawn.values() if t["fill"]]  # no min..max band over the curves
         names = list(drawn)
         for w in RATES:
-            raw, smoothed = drawn[f"worker {w} (raw)"], drawn[f"worker {w}"]
-            assert raw["opacity"] == pytest.approx(0.3) and not raw["showlegend"] and smoothed["opacity"] == 1
+            raw, smoothed = drawn[f"worker {w}"], drawn[f"worker {w} (smoothed)"]
+            assert raw["opacity"] == pytest.approx(0.3) and smoothed["opacity"] == 1
             assert names.index(raw["name"]) < names.index(smoothed["name"])  # the smoothed line drawn over it
             assert np.std(np.diff(smoothed["y"])) < np.std(np.diff(raw["y"])) / 2
-        test = drawn["test"]
+        test = drawn["test set"]
         assert test["mode"] == "markers" and test["x"] == list(EVALUATED)
         assert test["y"] == pytest.approx(evaluations[name].tolist())
+    # the notebook's controls over it, at the notebook's smoothing
+    slider = view.locator(".pscluster-controls input[type=range]")
+    assert float(slider.input_value()) == pytest.approx(1 - 2 / (panels.SMOOTH_SPAN + 1), abs=1e-3)
 
-    speed_chart = page.locator(chart % "speed")
-    drawn = traces(page, chart % "speed", "worker 0", "worker 1")
-    assert speed_chart.evaluate(TITLE) == f"local steps/s per worker (over {speed.RECENT_S:g} s)"
+    drawn = traces(page, chart % "speed", "worker 0", "worker 1 (slowest)")
+    assert page.locator(chart % "speed").evaluate(TITLE).startswith("speed: local steps/s per worker · slowest: "
+                                                                    "worker 1")
     for w, rate in RATES.items():  # over 5 s of steps 0.5 to 1.5 times their mean: near it, never a step's noise
-        ys = [y for x, y in zip(drawn[f"worker {w}"]["x"], drawn[f"worker {w}"]["y"]) if y is not None and x > 400]
+        line = drawn[f"worker {w}" + " (slowest)" * (w == 1)]
+        ys = [y for x, y in zip(line["x"], line["y"]) if y is not None and x > line["x"][0] + 10]
         assert len(ys) > 100 and rate * 0.85 < min(ys) and max(ys) < rate * 1.15
+    for name in ("placement", "staleness", "ps_load", "traffic"):  # every figure of the dashboard, in its order
+        page.locator(chart % name).locator(".main-svg").first.wait_for()
+    order = view.locator(".jp-pscluster-plot").evaluate_all("(divs) => divs.map(d => d.dataset.chart)")
+    assert order == ["placement", "speed", "convergence", "staleness", "ps_load", "traffic"]
     view.locator(".jp-pscluster-runview-header").scroll_into_view_if_needed()
     REPORTS.mkdir(exist_ok=True)
     page.screenshot(path=str(REPORTS / "run_view.png"))
@@ -112,7 +126,8 @@ def test_compare_draws_accuracy_of_two_runs_with_a_hyperparameter_diff(page, lab
         fast = noisy_run(store, "lr-0.2", lr=0.2, batch_size=32, seconds=30, seed=2)
         slow = noisy_run(store, "lr-0.05", lr=0.05, batch_size=64, seconds=30, seed=3)
         path = store.path
-        accuracy = {name: store.metrics(run)["accuracy"] for name, run in (("lr-0.2", fast), ("lr-0.05", slow))}
+        final = {name: store.metrics(run)["accuracy"].iloc[-200:].mean() for name, run in (("lr-0.2", fast),
+                                                                                           ("lr-0.05", slow))}
     view = open_view(page, path, fast, slow)
 
     diff = view.locator("table.jp-pscluster-hyperparameters")
@@ -122,26 +137,20 @@ def test_compare_draws_accuracy_of_two_runs_with_a_hyperparameter_diff(page, lab
              for row in diff.locator("tbody tr").all()}
     assert cells == {"lr": {"lr-0.2": "0.2", "lr-0.05": "0.05"}, "batch_size": {"lr-0.2": "32", "lr-0.05": "64"}}
 
-    chart = '.jp-pscluster-runview[data-compare="2"] .jp-pscluster-plot[data-chart="%s"]'
-    traces(page, chart % "loss", "lr-0.2", "lr-0.05")  # loss first, as before a choice
+    chart = '.jp-pscluster-runview[data-compare="2"] .jp-pscluster-plot[data-chart="compare"]'
+    traces(page, chart, "lr-0.2", "lr-0.05", "global steps/s")  # the loss first, as before a choice
+    assert page.locator(chart).evaluate(TITLE) == "compare runs: convergence and speed"
     chooser = view.get_by_label("metric")
-    assert "accuracy" in chooser.locator("option").all_inner_texts()
+    assert chooser.locator("option").all_inner_texts() == ["loss", "accuracy"]
     chooser.select_option("accuracy")
-    drawn = traces(page, chart % "accuracy", "lr-0.2", "lr-0.05", "lr-0.2 test", "lr-0.05 test")
-    for name, values in accuracy.items():
-        raw = drawn[f"{name} (raw)"]
-        assert raw["opacity"] == pytest.approx(0.3) and sorted(raw["y"]) == pytest.approx(sorted(values))
-        assert drawn[f"{name} test"]["mode"] == "markers" and drawn[f"{name} test"]["x"] == list(EVALUATED)
+    page.wait_for_function("(c) => document.querySelector(c)._fullLayout.yaxis.title.text.startsWith('accuracy')",
+                           arg=chart, timeout=30_000)
+    drawn = traces(page, chart, "lr-0.2", "lr-0.05")
+    for name, value in final.items():  # each run's accuracy, its workers' mean, smoothed
+        assert drawn[name]["y"][-1] == pytest.approx(value, rel=0.1)
+    assert drawn["lr-0.2"]["y"][-1] > drawn["lr-0.05"]["y"][-1]  # learns faster
     REPORTS.mkdir(exist_ok=True)
     page.screenshot(path=str(REPORTS / "compare.png"))
-
-    chooser.select_option("lr")  # a step line of where it changed, never smoothed
-    drawn = traces(page, chart % "lr", "lr-0.2", "lr-0.05")
-    assert drawn["lr-0.2"]["shape"] == "hv" and drawn["lr-0.2"]["y"] == pytest.approx([0.2, 0.02, 0.02])
-    assert "lr-0.2 (raw)" not in drawn
-    chooser.select_option("speed")
-    drawn = traces(page, chart % "speed", "lr-0.2", "lr-0.05")
-    assert page.locator(chart % "speed").evaluate(TITLE) == f"local steps/s per worker (over {speed.RECENT_S:g} s)"
 
 
 def test_compare_says_in_one_line_that_the_hyperparameters_are_the_same(page, lab, home):

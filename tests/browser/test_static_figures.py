@@ -20,10 +20,10 @@ from pscluster.report import InlinePlotly
 from pscluster.widgets.figure_specs import color
 
 from ..unit.widgets.test_dashboard import Writer
+from .lab import NOTEBOOK, open_notebook
 
 pytestmark = pytest.mark.browser
 
-NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 REPORTS = Path(__file__).resolve().parents[2] / "reports"
 FIGURES = 6  # placement, speed, convergence, staleness, ps load, traffic
 CONVERGENCE = f"{NOTEBOOK} .pscluster-controls + .pscluster-figure"
@@ -61,11 +61,6 @@ def coloured(png: bytes, hex_color: str) -> int:
     """How many of a screenshot's pixels are close to ``hex_color``."""
     rgb = np.array([int(hex_color[i:i + 2], 16) for i in (1, 3, 5)])
     return int((np.abs(image(png) - rgb).max(axis=-1) <= 20).sum())
-
-
-def open_notebook(page, name: str):
-    page.locator(".jp-DirListing-itemText", has_text=name).dblclick()
-    page.locator(NOTEBOOK).wait_for()
 
 
 def trust(page) -> None:

@@ -576,8 +576,8 @@ def test_a_nan_loss_fails_the_run_at_that_step_and_keeps_what_was_trained(cluste
     assert "\n" not in line and run.status == "failed"
     assert "finished" not in seen  # not even while the run ends
     assert f"worker 0 failed: NonFiniteError: worker 0 computed a non-finite loss nan at global step {bad_step}" in line
-    assert "on_nonfinite='skip'" in line and "(at worker.py:" in line  # the last frame of the traceback
-    assert "Traceback" in run.error and "NonFiniteError" in run.error and "_Steps.gradients" in run.error
+    assert "on_nonfinite='skip'" in line and "(at steps.py:" in line  # the last frame of the traceback
+    assert "Traceback" in run.error and "NonFiniteError" in run.error and "GradientRules.passes" in run.error
     # the cause, where it failed and the traceback: in the run store, pscluster.runs(), the run's final dashboard
     assert run.failure == {"cause": line, "task": "worker:0", "step": bad_step, "traceback": run.error}
     assert run.store.run(run.id)["failure"] == run.failure
@@ -587,7 +587,7 @@ def test_a_nan_loss_fails_the_run_at_that_step_and_keeps_what_was_trained(cluste
     page = dashboard.static_html()
     dashboard.close()
     assert f"<b>failed on worker:0 at global step {bad_step}:</b> {html.escape(line)}" in page
-    assert "<details><summary>traceback</summary>" in page and html.escape("_Steps.gradients") in page
+    assert "<details><summary>traceback</summary>" in page and html.escape("GradientRules.passes") in page
     assert f"<th style='text-align:left'>cause</th><td style='text-align:left'>{html.escape(line)}</td>" in \
         run._repr_html_()
     state = run.state_dict()  # the last good parameters: those of the plain loop after bad_step steps

@@ -27,10 +27,12 @@ def home(tmp_path, monkeypatch):
 
 @pytest.fixture
 def api(jp_fetch):
-    """``await api("GET", "runs")`` -> (status, decoded JSON body or text), errors included."""
+    """``await api("GET", "runs")`` -> (status, decoded JSON body or text), errors included. A list of values is the
+    query argument repeated: ``run=["1", "2"]`` asks ``?run=1&run=2``."""
 
     async def call(method: str, *path: str, headers=None, **params):
-        kwargs = {"method": method, "params": params, "headers": headers}
+        query = [(k, v) for k, values in params.items() for v in (values if isinstance(values, list) else [values])]
+        kwargs = {"method": method, "params": query, "headers": headers}
         if method == "POST":
             kwargs["body"] = b""
         try:

@@ -17,11 +17,13 @@ from pscluster.metrics import speed
 from pscluster.metrics.store import RunStore
 from pscluster.runtime import optim
 from pscluster.runtime.plan import TrainPlan
+from pscluster.widgets import figures
 
 ROUTES = [("GET", ("clusters",)), ("POST", ("clusters", "c", "stop")),
           ("POST", ("clusters", "c", "tasks", "worker", "1", "kill")),
           ("POST", ("clusters", "c", "tasks", "worker", "1", "restart")),
-          ("GET", ("runs",)), ("GET", ("runs", "1", "series")), ("GET", ("runs", "1", "metrics.csv")),
+          ("GET", ("runs",)), ("GET", ("runs", "1", "series")), ("GET", ("runs", "1", "figures")),
+          ("GET", ("compare",)), ("GET", ("runs", "1", "metrics.csv")),
           ("POST", ("runs", "1", "stop"))]
 
 
@@ -32,7 +34,8 @@ def steps(worker: int, first: int, last: int, t0: float = 1000.0) -> list[dict]:
 
 
 CONFIG = {"mode": "sync", "steps": 500, "batch_size": 64, "optimizer": "SGD", "optimizer_kwargs": {"lr": 0.1},
-          "num_workers": 2, "scheduler": None, "seed": 0}
+          "num_workers": 2, "scheduler": None, "seed": 0,  # as run_records keeps it: with the settings it shows
+          "shown": ["num_workers", "scheduler", "mode", "steps", "seed", "batch_size"]}
 
 
 def epoch(worker: int, number: int, t: float) -> dict:
@@ -53,7 +56,7 @@ async def test_a_run_s_settings_are_those_its_mode_reads_as_the_user_wrote_them(
     model = torch.nn.Linear(3, 2)
     adam = optim.spec_of(torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9)),
                          list(model.named_parameters()))
-    plan = TrainPlan(run_id=1, mode=mode, steps=100, batch_size=8, num_workers=2, replicas_to_aggregate=2,
+    plan = TrainPlan.of(run_id=1, mode=mode, steps=100, batch_size=8, num_workers=2, replicas_to_aggregate=2,
                      staleness_bound=3, optimizer=adam.optimizer, optimizer_kwargs=adam.kwargs)
     with RunStore() as store:
         store.create_run(name=None, cluster="gone-cluster", mode=mode, config=run_records._config(plan), spec={})
@@ -106,6 +109,10 @@ async def test_runs_newest_first_with_step_speed_loss_and_sparkline(api, home):
     assert first["hyperparameters"] == {"optimizer": "SGD", "lr": 0.1, "batch_size": 64, "mode": "sync",
                                         "num_workers": 2, "steps": 500, "seed": 0}
     assert len(first["sparkline"]) == SPARK_POINTS and first["sparkline"][0] > first["sparkline"][-1]
+    # its line as the panel draws it: from the top left (the highest loss) down to the bottom right (the lowest)
+    path = first["sparkline_path"]
+    assert path == figures.sparkline_path(first["sparkline"]) and path.startswith("M0,0L") and path.endswith("L1,1")
+    assert path.count("L") == SPARK_POINTS - 1
     # training, but its cluster is in no registry: nobody will finish it
     assert second["status"] == "lost" and second["global_step"] == 10
     assert "the kernel of cluster gone-cluster is gone" in second["failure"]["cause"] and first["failure"] is None

@@ -51,17 +51,19 @@ LONG_IDS = st.sampled_from([19, 20, 4301, 5000]).map(lambda n: "9" * n)
 SEGMENTS = st.text(st.characters(codec="utf-8", exclude_characters="/?#"), max_size=12) | \
     st.integers(-10, 10**30).map(str) | LONG_IDS
 PATHS = st.one_of(
-    st.just("clusters"), st.just("runs"),
+    st.just("clusters"), st.just("runs"), st.just("compare"),
     st.builds("clusters/{}/stop".format, SEGMENTS),
     st.builds("clusters/{}/tasks/{}/{}/{}".format, SEGMENTS, st.sampled_from(["ps", "chief", "worker"]) | SEGMENTS,
               st.integers(0, 10**30).map(str) | SEGMENTS, st.sampled_from(["kill", "restart"]) | SEGMENTS),
     st.builds("runs/{}/{}".format, st.integers(0, 10**30).map(str) | LONG_IDS | SEGMENTS,
-              st.sampled_from(["series", "metrics.csv", "metrics.parquet", "stop"]) | SEGMENTS),
+              st.sampled_from(["series", "figures", "metrics.csv", "metrics.parquet", "stop"]) | SEGMENTS),
 )
 HOSTILE_NUMBERS = st.sampled_from(["nan", "inf", "-inf", "Infinity", "1e308", "-1e308", "1e999", "9" * 5000])
 QUERY_VALUES = st.text(max_size=24) | st.integers().map(str) | st.floats().map(str) | HOSTILE_NUMBERS | \
-    st.sampled_from(["step", "time", "loss,accuracy", "/", "/dev/null", "../../etc/passwd", "runs.sqlite"])
-QUERIES = st.dictionaries(st.sampled_from(["store", "points", "x", "names", "start", "stop"]) | st.text(max_size=8),
+    st.sampled_from(["step", "time", "loss,accuracy", "/", "/dev/null", "../../etc/passwd", "runs.sqlite", "1:",
+                     "1:/dev/null", "9" * 5000 + ":", "dropped_stale"])
+QUERIES = st.dictionaries(st.sampled_from(["store", "points", "x", "names", "start", "stop", "run", "metric"]) |
+                          st.text(max_size=8),
                           QUERY_VALUES, max_size=4)
 BODIES = st.none() | st.binary(max_size=256) | NESTED | st.builds(encoded, JSON_VALUES, ENCODINGS)
 
@@ -72,6 +74,8 @@ BODIES = st.none() | st.binary(max_size=256) | NESTED | st.builds(encoded, JSON_
 @example(method="GET", path="runs/" + "9" * 5000 + "/series", query={}, body=None)
 @example(method="GET", path="runs/1/series", query={"start": "nan", "stop": "inf"}, body=None)
 @example(method="GET", path="runs/1/series", query={"start": "1e308", "stop": "-1e308"}, body=None)
+@example(method="GET", path="compare", query={"run": "1:/dev/null", "metric": "loss"}, body=None)
+@example(method="GET", path="runs/1/figures", query={"store": "/dev/null"}, body=None)
 def test_every_request_is_answered_without_a_server_error_and_the_api_goes_on(lab, method, path, query, body):
     url = "/pscluster/api/" + urllib.parse.quote(path) + ("?" + urllib.parse.urlencode(query) if query else "")
     status, kind, answer = send(lab, method, url, body if method != "GET" else None)

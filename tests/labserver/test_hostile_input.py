@@ -22,6 +22,8 @@ def run(home) -> int:
 @pytest.mark.parametrize("path,params,named", [
     (("runs", "9" * 5000, "series"), {}, "run id"),
     (("runs", "9" * 5000, "metrics.csv"), {}, "run id"),
+    (("runs", "9" * 5000, "figures"), {}, "run id"),
+    (("compare",), {"run": ["1", "9" * 5000 + ":runs.sqlite"]}, "run id"),
     (("runs", "9" * 5000, "stop"), {}, "run id"),
     (("runs", "99999999999999999999", "series"), {}, "run id"),
     (("clusters", "c", "tasks", "worker", "9" * 5000, "kill"), {}, "task index"),

@@ -1,5 +1,5 @@
-"""What the run view draws besides the metrics, from the series endpoint over a real SQLite run store: each
-worker's speed by the notebook's rule, the run's test-set evaluations and its learning rate."""
+"""What the series endpoint answers besides the metrics, over a real SQLite run store: each worker's speed by the
+notebook's rule, the run's test-set evaluations and its learning rate."""
 
 import numpy as np
 import pytest

@@ -6,13 +6,14 @@ also when the test fails.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import pytest
 import torch
 
 from pscluster.runtime.client import PSClient
 from pscluster.runtime.optim import OptimizerSpec
+from pscluster.runtime.options import OPTIONS
 from pscluster.runtime.plan import PsConfig
 from pscluster.runtime.protocol import NO_TASK
 from pscluster.runtime.ps import ParameterServer
@@ -58,11 +59,14 @@ class LocalPS:
 
 
 def ps_config(names, *, mode="sync", steps=100, replicas=1, optimizer="sgd", workers=1, checkpoint_dir=None,
-              **optimizer_kwargs) -> dict:
-    """The INIT configuration of one ps task, as the chief sends it."""
-    return PsConfig(mode=mode, steps=steps, replicas_to_aggregate=replicas, num_workers=workers,
-                    optimizer=OptimizerSpec(optimizer, optimizer_kwargs or {"lr": 0.1}).to_dict(),
-                    names=tuple(names), checkpoint_dir=checkpoint_dir).to_dict()
+              **more) -> dict:
+    """The INIT configuration of one ps task, as the chief sends it; ``more``: run options and PsConfig fields by
+    name, and the optimizer's keyword arguments."""
+    own = {f.name for f in fields(PsConfig)}
+    settings = {"mode": mode, "steps": steps, "replicas_to_aggregate": replicas, "num_workers": workers,
+                "checkpoint_dir": checkpoint_dir, **{k: more.pop(k) for k in list(more) if k in OPTIONS or k in own}}
+    return PsConfig.of(optimizer=OptimizerSpec(optimizer, more or {"lr": 0.1}).to_dict(), names=tuple(names),
+                       **settings).to_dict()
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """A new run's row, checkpoint folder and plan (``cluster.run_records``): ``resume`` finds the earlier run and
 its folder in a real run store, and every contradiction is a one-line error before anything is recorded."""
 
+import ast
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,7 +63,7 @@ def test_a_script_run_continues_the_checkpoint_of_its_folder_when_its_settings_a
     first, said = new(store, plan, name="job", default_dir=lambda _: shared)
     assert said == [] and first.checkpoint_dir == str(shared)
     committed(first, 10)
-    again, said = new(store, replace(plan, steps=30), name="job", default_dir=lambda _: shared)  # a larger target
+    again, said = new(store, plan.replace(steps=30), name="job", default_dir=lambda _: shared)  # a larger target
     assert again.checkpoint_dir == str(shared)
     assert [(n.kind, n.line) for n in said] == [("resuming", f'resuming run {first.run_id} "job" (sync, 1 worker) '
                                                               f"from its checkpoint at global step 10 in {shared}")]
@@ -75,7 +77,7 @@ def test_a_script_run_with_other_settings_starts_in_a_folder_of_its_own_and_says
     shared = tmp_path / "checkpoints" / "job"
     sync, _ = new(store, plan, name="job", default_dir=lambda _: shared)
     committed(sync, 10)
-    run_async, said = new(store, replace(plan, mode="async"), name="job", default_dir=lambda _: shared)
+    run_async, said = new(store, plan.replace(mode="async"), name="job", default_dir=lambda _: shared)
     assert run_async.checkpoint_dir == str(shared.with_name("job.2"))
     assert [(n.kind, n.line) for n in said] == [(
         "not_resuming", f'not resuming run {sync.run_id} "job" (sync, 1 worker) from its checkpoint at global step 10 '
@@ -83,15 +85,15 @@ def test_a_script_run_with_other_settings_starts_in_a_folder_of_its_own_and_says
         f"{shared.with_name('job.2')} (checkpoint_dir={str(shared)!r} continues it anyway)")]
     assert said[0].detail["differs"] == {"mode": ["sync", "async"]}
     committed(run_async, 20)
-    again, said = new(store, replace(plan, mode="async"), name="job", default_dir=lambda _: shared)
+    again, said = new(store, plan.replace(mode="async"), name="job", default_dir=lambda _: shared)
     assert again.checkpoint_dir == run_async.checkpoint_dir and said[0].kind == "resuming"
     assert said[0].detail["run"] == run_async.run_id and said[0].detail["step"] == 20
     other = OptimizerSpec("adam", {"lr": 0.1})
-    adam, said = new(store, replace(plan, optimizer=other.optimizer, optimizer_kwargs=other.kwargs), name="job",
+    adam, said = new(store, plan.replace(optimizer=other.optimizer, optimizer_kwargs=other.kwargs), name="job",
                      default_dir=lambda _: shared)
     assert adam.checkpoint_dir == str(shared.with_name("job.3"))
     assert "its optimizer was SGD, this run's is Adam" in said[0].line
-    fewer, said = new(store, replace(plan, num_workers=2, replicas_to_aggregate=2), name="job",
+    fewer, said = new(store, plan.replace(num_workers=2, replicas_to_aggregate=2), name="job",
                       default_dir=lambda _: shared)
     assert "its num_workers was 1, this run's is 2; its replicas_to_aggregate was 1, this run's is 2" in said[0].line
 
@@ -101,25 +103,25 @@ def test_a_folder_asked_for_is_continued_whatever_the_settings_and_the_line_says
     sync, said = new(store, plan, name="a", checkpoint_dir=folder)
     assert said == []  # nothing there yet
     committed(sync, 10)
-    run_async, said = new(store, replace(plan, mode="async"), name="b", checkpoint_dir=folder)
+    run_async, said = new(store, plan.replace(mode="async"), name="b", checkpoint_dir=folder)
     assert run_async.checkpoint_dir == str(folder)
     assert said[0].line == (f'resuming run {sync.run_id} "a" (sync, 1 worker) from its checkpoint at global step 10 '
                             f"in {folder}, as checkpoint_dir= asks, though its mode was sync, this run's is async")
-    _, said = new(store, replace(plan, seed=5), name="c", resume=sync.run_id)
+    _, said = new(store, plan.replace(seed=5), name="c", resume=sync.run_id)
     assert said[0].line.endswith(f"as resume={sync.run_id} asks, though its seed was 0, this run's is 5")
-    fresh, said = new(store, replace(plan, mode="async", restore=False), name="d", checkpoint_dir=folder)
+    fresh, said = new(store, plan.replace(mode="async", restore=False), name="d", checkpoint_dir=folder)
     aside = folder / f"before-run-{fresh.run_id}"  # the folder is the run's from scratch alone, nothing lost
     assert fresh.checkpoint_dir == str(folder) and checkpoint.committed_steps(aside) == [10]
     assert checkpoint.committed_steps(folder) == [] and [(n.kind, n.line) for n in said] == [(
         "set_aside", f"restore=False: the checkpoints in {folder} (the newest: global step 10 of run {sync.run_id}) "
         f"were moved to {aside}; this run starts from scratch in {folder}")]
-    assert new(store, replace(plan, restore=False), name="e", checkpoint_dir=folder)[1] == []  # nothing there now
+    assert new(store, plan.replace(restore=False), name="e", checkpoint_dir=folder)[1] == []  # nothing there now
 
 
 def test_a_checkpoint_of_a_run_the_store_does_not_know_is_continued_and_said(store, plan, tmp_path):
     folder = tmp_path / "elsewhere"
-    committed(replace(plan, run_id=77), 40, folder)
-    _, said = new(store, replace(plan, mode="async"), name="a", checkpoint_dir=folder)
+    committed(plan.replace(run_id=77), 40, folder)
+    _, said = new(store, plan.replace(mode="async"), name="a", checkpoint_dir=folder)
     assert said[0].line == (f"resuming from the checkpoint at global step 40 in {folder}, written by a run 77 this "
                             "run store does not know")
 
@@ -138,7 +140,7 @@ def test_contradictions_are_one_line_errors_that_record_nothing(store, plan, kw,
 
 def test_resume_with_restore_off_is_refused(store, plan):
     with pytest.raises(ConfigError, match="drop restore=False"):
-        new(store, replace(plan, restore=False), name="a", resume="latest")
+        new(store, plan.replace(restore=False), name="a", resume="latest")
 
 
 def test_a_chief_started_again_ends_the_unended_runs_of_its_folder_only(store, plan):
@@ -176,3 +178,27 @@ def test_a_store_made_again_at_the_same_path_never_takes_the_old_runs_checkpoint
     assert first.run_id == old.run_id and first.checkpoint_dir == str(folder(1).with_name("run-1.2"))
     assert second.checkpoint_dir == str(folder(second.run_id))  # its own folder was free
     assert script.checkpoint_dir == str(folder(1))
+
+
+def test_a_run_s_row_is_written_by_its_supervisor_alone_but_for_its_record_lease_and_the_orphan_sweep():
+    """The methods of ``RunStore`` that change a row of ``runs`` are called from the supervisor, from
+    ``run_records`` (``create_run``, which records the run before its supervisor starts, and ``end_orphans``) and
+    from the lease, nowhere else (docs/maintainers.md, "One owner per run")."""
+    package = Path(__file__).parents[3] / "pscluster"
+    store = ast.parse((package / "metrics" / "store.py").read_text())
+    writers = {f.name for f in ast.walk(store) if isinstance(f, ast.FunctionDef) and any(
+        isinstance(c, ast.Constant) and isinstance(c.value, str) and re.search(r"(UPDATE|INSERT INTO) runs\b", c.value)
+        for c in ast.walk(f))}
+    assert {"create_run", "set_status", "renew_lease"} <= writers
+    callers = set()
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for function in (f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for call in (c for c in ast.walk(function) if isinstance(c, ast.Call)):
+                receiver = call.func.value if isinstance(call.func, ast.Attribute) else None
+                # a handler's own set_status (tornado's) and the module function run_records.create_run are not
+                # the store's
+                if receiver is not None and call.func.attr in writers and path.name != "store.py" and not (
+                        isinstance(receiver, ast.Name) and receiver.id in ("self", "run_records")):
+                    callers.add((path.name if path.name != "run_records.py" else f"run_records.{function.name}"))
+    assert callers == {"supervisor.py", "lease.py", "run_records.create_run", "run_records.end_orphans"}

@@ -45,7 +45,7 @@ def test_a_diverging_loss_is_recorded_said_and_listed_and_the_run_goes_on(tmp_pa
     store = RunStore(str(tmp_path / "runs.sqlite"))
     calm = store.create_run(name="calm", cluster="c", mode="sync", config={}, spec={})
     run_id = store.create_run(name="exploding", cluster="c", mode="sync", config={}, spec={})
-    run = Run(Supervisor(make_spec(), TrainPlan(run_id=run_id, mode="sync", steps=10**6, batch_size=8,
+    run = Run(Supervisor(make_spec(), TrainPlan.of(run_id=run_id, mode="sync", steps=10**6, batch_size=8,
                                                 optimizer="sgd"), store))
     supervisor = run.supervisor
     try:

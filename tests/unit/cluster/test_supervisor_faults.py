@@ -6,7 +6,6 @@ import contextlib
 import os
 import threading
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -55,7 +54,7 @@ def supervised_run(local_ps, data, store_path, **changes):
     spec = local_ps.start(num_ps=1, num_workers=2)
     store = RunStore(str(store_path))
     run_id = store.create_run(name="faulty", cluster="c", mode="async", config={}, spec={})
-    plan = replace(make_plan(spec, steps=10**6, mode="async", log_every=1), run_id=run_id, **changes)
+    plan = make_plan(spec, steps=10**6, mode="async", log_every=1).replace(run_id=run_id, **changes)
     supervisor = Supervisor(spec, plan, store)
     workers = []
     try:

@@ -31,7 +31,7 @@ def supervised(tmp_path_factory):
     spec = make_spec(num_ps=1, num_workers=2)
     store = RunStore(str(tmp_path_factory.mktemp("collector") / "runs.sqlite"))
     run_id = store.create_run(name="fuzzed", cluster="c", mode="sync", config={}, spec={})
-    plan = TrainPlan(run_id=run_id, mode="sync", steps=10**6, batch_size=8, optimizer="sgd")
+    plan = TrainPlan.of(run_id=run_id, mode="sync", steps=10**6, batch_size=8, optimizer="sgd")
     supervisor = Supervisor(spec, plan, store)
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)

@@ -92,7 +92,7 @@ def train(local_ps, dataset, *, num_ps, partition, steps, directory, every=0, re
     and the plan."""
     spec = local_ps.start(num_ps=num_ps, num_workers=1)
     plan = make_plan(spec, BagModel, steps=steps, optimizer=ADAM, partition=partition)
-    plan = replace(plan, checkpoint_dir=str(directory), checkpoint_every=every, restore=restore, attempt=attempt)
+    plan = plan.replace(checkpoint_dir=str(directory), checkpoint_every=every, restore=restore, attempt=attempt)
     run_worker(spec, 0, plan, BagModel, dataset, torch.nn.BCEWithLogitsLoss())
     committed = checkpoint.commit_ready(directory, num_ps=num_ps, run_id=RUN_ID, attempt=attempt,
                                         variables=plan.variables, optimizer="adam", optimizer_kwargs={"lr": 0.01},

@@ -9,6 +9,7 @@ import torch
 
 from pscluster.errors import ConfigError
 from pscluster.runtime.context import _run_optimizer_class, loop_plan, run_loop, settings_plan
+from pscluster.runtime.options import OPTIONS
 
 from .test_overlap import Wide, plain_wide, trained
 from .test_worker_inprocess import (BATCH, LR, RUN_ID, SEED, dataset, delayed_local_training,  # noqa: F401
@@ -42,15 +43,18 @@ class _Planned(BaseException):
 def plan_of(train_fn, spec, **settings):
     """The plan ``Cluster.run`` makes of ``train_fn`` on ``spec``: from what its loop registered (as worker 0) by its
     first training call, where it is ended."""
-    settings = dict(run_id=RUN_ID, num_workers=len(spec.workers), seed=SEED, request_timeout=30.0, **settings)
+    options = {k: v for k, v in dict(seed=SEED, request_timeout=30.0, **settings).items() if k in OPTIONS}
+    fields = {k: v for k, v in settings.items() if k not in OPTIONS}
     made = []
 
     def planned(*registered):
-        made.append(loop_plan(*registered, num_ps=len(spec.ps), **settings))
+        made.append(replace(loop_plan(*registered, options, num_ps=len(spec.ps), num_workers=len(spec.workers)),
+                            run_id=RUN_ID, **fields))
         raise _Planned
 
     with contextlib.suppress(_Planned):
-        run_loop(spec, 0, settings_plan(**settings), train_fn, planned=planned)
+        run_loop(spec, 0, replace(settings_plan(options, num_workers=len(spec.workers)), run_id=RUN_ID, **fields),
+                 train_fn, planned=planned)
     return made[0]
 
 

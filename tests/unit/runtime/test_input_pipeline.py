@@ -2,6 +2,8 @@
 the same order with and without them, prefetching, classes that cannot be imported, forking from a process
 with threads, IterableDataset streams, and DataLoaders taken apart."""
 
+import hashlib
+import hmac
 import json
 import multiprocessing
 import sys
@@ -194,11 +196,13 @@ def test_too_little_data_is_refused():
 
 @pytest.fixture
 def busy_threads():
-    """A ZeroMQ request/reply pair and torch arithmetic, busy in threads of this process while it forks.
+    """A ZeroMQ request/reply pair and hashing (what a worker's emitter does), busy in threads of this process
+    while it forks.
 
-    No random numbers: a thread inside a torch random op at the fork leaves the default generator's lock held
-    in the child, whose DataLoader seeding then waits forever. pscluster forks in the training thread, and no
-    other thread of a worker draws random numbers."""
+    No torch: a thread inside a torch op at the fork may leave a lock of torch's held in the child (the default
+    generator's, an allocator's), whose DataLoader then waits forever (CI saw it once in a few hundred runs with a
+    matrix product in this thread). pscluster forks in the training thread, and no other thread of a worker runs
+    torch ops."""
     stop = threading.Event()
     context = zmq.Context()
     rep, req = context.socket(zmq.REP), context.socket(zmq.REQ)
@@ -220,11 +224,11 @@ def busy_threads():
             req.recv()
             rounds[0] += 1
 
-    a = torch.ones(64, 64)
+    data = bytes(1 << 16)
 
     def compute():
         while not stop.is_set():
-            (a @ a + a).sum()
+            hmac.new(b"secret", data, hashlib.sha256).digest()
 
     threads = [threading.Thread(target=f, daemon=True) for f in (serve, ask, compute)]
     for t in threads:

@@ -1,6 +1,7 @@
 """Shared-memory lanes between a worker and a ps on the same host (``pscluster.runtime.lanes``)."""
 
 import os
+import secrets
 import threading
 
 import pytest
@@ -58,6 +59,28 @@ def test_async_pushes_through_a_lane_give_what_the_socket_gives(start_run, value
     assert lane_client.pull().flags & Flag.SHARED
 
 
+def test_the_ps_writes_the_set_of_values_the_model_does_not_hold(start_run, values):
+    run = start_run(values, mode="async")
+    client = shared_client(run, 0)
+    (lane,) = client._lanes.values()
+    expected = [t.clone() for t in values.values()]
+    held = None
+    for step in range(4):
+        g = grads(step, expected)
+        kept = [t.clone() for t in lane.values[held]] if held is not None else None
+        reply = client.push_pull(step, run.split(g))
+        expected = [p - LR * d for p, d in zip(expected, g)]
+        written = 1 if held == 0 else 0
+        assert bool(reply.flags & Flag.SECOND) == bool(written)
+        assert all(t is slot for t, slot in zip(reply.messages[0].tensors, lane.values[written]))
+        assert_values(reply.messages[0].tensors, expected, tol=1e-6)
+        if kept is not None:  # what the model computes with stays as it was
+            assert_values(lane.values[held], kept, tol=0)
+        if step != 1:  # a model that copied this reply still holds the set it took before: the ps writes the other
+            client.hold({0: written})
+            held = written
+
+
 def test_sync_averages_a_lane_worker_with_a_socket_worker(start_run, values):
     run = start_run(values, mode="sync", replicas=2)
     w0, w1 = shared_client(run, 0), run.client(task=1)
@@ -77,7 +100,7 @@ def test_sync_averages_a_lane_worker_with_a_socket_worker(start_run, values):
 def test_a_ps_that_cannot_map_the_segments_leaves_the_worker_on_the_socket(start_run, values):
     run = start_run(values, mode="async")
     client = run.client(task=0)
-    missing = {"grads": "pscluster-" + "0" * 32, "params": "pscluster-" + "1" * 32, "token": "00" * 16}
+    missing = {"grads": "pscluster-" + "0" * 32, "values": "pscluster-" + "1" * 32, "token": "00" * 16}
     reply = client.request(Op.SHARE, meta=missing)[0]  # what a ps on another host sees
     assert reply.value == 0 and "No such file" in reply.meta["error"]
 
@@ -88,6 +111,16 @@ def test_a_ps_that_cannot_map_the_segments_leaves_the_worker_on_the_socket(start
         assert reply.value == 0 and "another token" in reply.meta["error"]
     finally:
         lane.unlink()
+    assert not client.push_pull(0, run.split(grads(0, run.initial))).flags & Flag.SHARED
+
+
+def test_a_worker_that_can_make_no_lane_says_why_and_stays_on_the_socket(start_run, values, monkeypatch):
+    run = start_run(values, mode="async")
+    client = run.client(task=0)
+    monkeypatch.setattr(lanes, "SHM_DIR", "/nonexistent-shm")  # a machine without shared memory
+    notes = []
+    assert client.share(client.pull(), note=notes.append) == []
+    assert len(notes) == 1 and "over the socket" in notes[0] and "/nonexistent-shm" in notes[0]
     assert not client.push_pull(0, run.split(grads(0, run.initial))).flags & Flag.SHARED
 
 
@@ -120,6 +153,13 @@ def test_a_shared_push_without_a_lane_or_after_the_next_init_is_an_error(start_r
         client.push_pull(0, run.split(grads(0, run.initial)))
 
 
+def test_a_segment_without_room_in_shared_memory_is_refused_and_leaves_no_file():
+    name = f"pscluster-{secrets.token_hex(16)}"
+    with pytest.raises(LaneError, match="no room for"):
+        lanes.Segment(name, 1 << 52, create=True)  # 4 PiB: more than any /dev/shm holds
+    assert not os.path.exists(os.path.join(lanes.SHM_DIR, name))
+
+
 def test_segments_are_private_and_named_by_the_lane_module_only():
     lane = Lane.for_tensors([0], [torch.zeros(5)])
     try:
@@ -128,7 +168,7 @@ def test_segments_are_private_and_named_by_the_lane_module_only():
     finally:
         lane.unlink()
     with pytest.raises(LaneError, match="not a lane segment name"):
-        Lane.attach([0], [torch.zeros(5)], {"grads": "../etc/passwd", "params": "x", "token": "00" * 16})
+        Lane.attach([0], [torch.zeros(5)], {"grads": "../etc/passwd", "values": "x", "token": "00" * 16})
 
 
 @pytest.mark.gpu
@@ -147,9 +187,9 @@ def test_gradients_on_a_gpu_go_through_a_pinned_lane_and_pinned_frames(start_run
             by_id = {i: t for m in reply.messages for i, t in zip(m.ids, m.tensors)}
             assert_values([by_id[i] for i in range(len(expected))], expected, tol=1e-6)
     pinned = list(lane_client._lanes.values())
-    assert pinned and all(t.is_pinned() for lane in pinned for t in lane.grads + lane.params)
+    assert pinned and all(t.is_pinned() for lane in pinned for t in lane.grads + lane.values[0] + lane.values[1])
     lane_client.close()
-    assert not any(t.is_pinned() for lane in pinned for t in lane.grads + lane.params)
+    assert not any(t.is_pinned() for lane in pinned for t in lane.grads + lane.values[0] + lane.values[1])
 
 
 @pytest.mark.gpu

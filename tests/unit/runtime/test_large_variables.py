@@ -76,8 +76,8 @@ def start(local_ps, optimizer: str, options: dict, *, workers: int = 1, mode: st
     """A ps holding the model, INITed by a controller client (``config``: PsConfig fields beside the defaults);
     (spec, server, controller)."""
     spec = local_ps.start(num_workers=workers)
-    cfg = {**ps_config(NAMES, mode=mode, steps=STEPS, replicas=workers, workers=workers, optimizer=optimizer,
-                       **options), **config}
+    cfg = ps_config(NAMES, mode=mode, steps=STEPS, replicas=workers, workers=workers, optimizer=optimizer,
+                    **options, **config)
     controller = local_ps.client(spec)
     controller.init(RUN_ID, {0: (IDS, initial_values())}, [cfg])
     return spec, local_ps.servers[-1], controller

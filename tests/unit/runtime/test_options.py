@@ -1,11 +1,14 @@
 """Every option of a run has one definition (``pscluster.runtime.options``): each way into a run takes the same
-names with the same defaults from it (the API's signatures, the magics' flags, a script's loop), and a bad value
-is the same one-line error wherever it is given."""
+names with the same defaults from it (the API's keywords, the magics' and ``pscluster launch``'s flags, a script's
+loop), carries them in one value (``RunOptions``) to the workers and the ps tasks, stores and shows them, and a bad
+value is the same one-line error wherever it is given."""
 
-import ast
 import inspect
+import json
+import os
+import subprocess
+import sys
 import textwrap
-from dataclasses import fields
 
 import pytest
 
@@ -14,58 +17,104 @@ from pscluster.cluster.script_run import train_from_environment
 from pscluster.errors import ConfigError
 from pscluster.magics.parsers import parsers
 from pscluster.runtime import options
-from pscluster.runtime.options import OPTIONS
-from pscluster.runtime.plan import PLAN_OPTIONS, TrainPlan
-from pscluster.runtime.standalone import script_plan
+from pscluster.runtime.options import OPTIONS, PLAN, RunOptions
+from pscluster.runtime.plan import PsConfig, TrainPlan
 
 MAGIC_ONLY = {"wait", "lr", "momentum", "opt", "step_fn", "scheduler", "scheduler_opt", "reuse", "help"}
 
+# A process in which the table has one more option, ``probe_level``, added before anything else reads it (as if
+# it were written in options.py): every entry takes it, the plan carries it to a worker (the JSON an engine gets)
+# and to a real ps (its INIT), the store keeps it and the side panel's service shows it. Prints what each saw.
+PROBE = textwrap.dedent("""
+    import json, sys, tempfile
+    from pathlib import Path
+    import torch
+    from pscluster.runtime import options as o
+    o.OPTIONS["probe_level"] = o.Option("probe_level", 3, "a probe", o.EVERY, int, least=0, shown=True)
+    import inspect
+    from pscluster import launch
+    from pscluster.cluster import run_records
+    from pscluster.cluster.handle import Cluster
+    from pscluster.cluster.script_run import train_from_environment
+    from pscluster.labserver.service import _hyperparameters
+    from pscluster.magics.parsers import parsers
+    from pscluster.metrics.store import RunStore
+    from pscluster.runtime.client import PSClient
+    from pscluster.runtime.context import loop_plan
+    from pscluster.runtime.optim import OptimizerSpec
+    from pscluster.runtime.plan import PsConfig, TrainPlan, training_plan
+    from pscluster.runtime.ps import ParameterServer
+    from pscluster.spec import ClusterSpec, TaskSpec
 
-def option_defaults(*functions) -> dict:
-    """The options among the keyword parameters of ``functions``, with their defaults (a required argument of the
-    same name, as a session's optimizer, is not the option)."""
-    found = {}
-    for function in functions:
-        for name, p in inspect.signature(function).parameters.items():
-            if name in OPTIONS and p.default is not inspect.Parameter.empty:
-                found[name] = p.default
-    return found
+    seen = {}
+    for entry in (Cluster.train, Cluster.session, train_from_environment):
+        seen[entry.__qualname__] = inspect.signature(entry).parameters["probe_level"].default
+    model = torch.nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8, 2))
+    plan = training_plan(model, data, {"probe_level": 5, "lr": 0.1}, entry=o.TRAIN, of=Cluster.train, num_ps=1,
+                         num_workers=1).plan
+    seen["train plan"] = plan.probe_level
+    for entry in (o.RUN, o.SESSION, o.SCRIPT):
+        given = o.RunOptions.take(entry, {"probe_level": 6}, caller="f()")
+        seen[entry] = loop_plan(model, ("Linear",), [OptimizerSpec("SGD", {"lr": 0.1})], given, num_ps=1,
+                                num_workers=1).probe_level
+    for command in ("train", "run"):
+        seen["%%pscluster " + command] = o.from_flags(parsers()[command].parse_args(["--probe-level", "7"]),
+                                                      o.TRAIN if command == "train" else o.RUN)["probe_level"]
+    seen["pscluster launch"] = launch.typed_options(["--probe-level", "8", "script.py"])["probe_level"]
+    seen["worker"] = TrainPlan.from_json(plan.to_json()).probe_level
+    spec = ClusterSpec(ps=(TaskSpec("ps", 0),), workers=(TaskSpec("worker", 0),))
+    server = ParameterServer(spec.key).start()
+    try:
+        spec = spec.with_ps_ports([server.port])
+        with PSClient(spec, run_id=plan.run_id, timeout=30) as client:
+            client.init(plan.run_id, {0: ([0, 1], [t.detach() for t in model.state_dict().values()])},
+                        [PsConfig.for_ps(plan, 0).to_dict()])
+            seen["ps"] = client.stats()[0]["options"]["probe_level"]
+    finally:
+        server.shutdown()
+    store = RunStore(Path(tempfile.mkdtemp()) / "runs.sqlite")
+    recorded, _ = run_records.create_run(store, plan, name="probe", cluster="c", spec={}, code=None,
+                                         default_dir=lambda run_id: Path(store.path).parent / str(run_id))
+    config = store.run(recorded.run_id)["config"]
+    seen["stored"] = config["probe_level"]
+    seen["shown"] = _hyperparameters(config).get("probe_level")
+    print(json.dumps(seen))
+""")
 
 
-@pytest.mark.parametrize("entry, functions", [
-    (options.TRAIN, (Cluster.train,)),
-    (options.SESSION, (Cluster.session,)),
-    (options.TRAIN_SCRIPT, (train_from_environment, script_plan)),
-], ids=["Cluster.train", "Cluster.session", "train_from_environment"])
-def test_an_entry_s_signature_has_its_options_with_their_defaults(entry, functions):
-    found = option_defaults(*functions)
-    assert sorted(found) == sorted(options.names(entry))
-    assert {name: OPTIONS[name].default for name in found} == found
+def test_an_option_added_to_the_table_reaches_every_entry_the_worker_the_ps_the_store_and_the_views(tmp_path):
+    env = {**os.environ, "PSCLUSTER_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"Cluster.train": 3, "Cluster.session": 3, "train_from_environment": 3, "train plan": 5,
+                    options.RUN: 6, options.SESSION: 6, options.SCRIPT: 6, "%%pscluster train": 7,
+                    "%%pscluster run": 7, "pscluster launch": 8, "worker": 5, "ps": 5, "stored": 5, "shown": 5}
 
 
-@pytest.mark.parametrize("function", [Cluster.train, Cluster.session, Cluster.plan, train_from_environment,
-                                      script_plan], ids=lambda f: f.__qualname__)
-def test_an_entry_s_defaults_are_named_not_written_again(function):
-    """``seed: int = DEFAULTS.seed``, never ``seed: int = 0``: a default changed in the definition changes here."""
-    node = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
-    arguments = node.args.args + node.args.kwonlyargs
-    defaults = [None] * (len(node.args.args) - len(node.args.defaults)) + node.args.defaults + node.args.kw_defaults
-    written = [a.arg for a, d in zip(arguments, defaults) if a.arg in OPTIONS and d is not None and not (
-        isinstance(d, ast.Attribute) and isinstance(d.value, ast.Name) and d.value.id == "DEFAULTS" and d.attr == a.arg)]
-    assert not written, f"defaults written again: {written}"
+@pytest.mark.parametrize("entry, function", [(options.TRAIN, Cluster.train), (options.SESSION, Cluster.session),
+                                             (options.TRAIN_SCRIPT, train_from_environment)],
+                         ids=["Cluster.train", "Cluster.session", "train_from_environment"])
+def test_an_entry_s_keywords_are_its_options_with_their_defaults_and_help(entry, function):
+    parameters = inspect.signature(function).parameters  # a session's optimizer argument is not the option
+    listed = {name: p.default for name, p in parameters.items()
+              if name in OPTIONS and p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert listed == {name: OPTIONS[name].default_for(entry) for name in options.names(entry)}
+    assert all(OPTIONS[name].help in function.__doc__ for name in listed)
 
 
-@pytest.mark.parametrize("entry, call", [(options.RUN, Cluster.run), (options.SCRIPT, None)], ids=["Cluster.run",
-                                                                                                  "pscluster.init"])
-def test_a_user_s_loop_takes_its_options_by_name_with_their_defaults(entry, call):
-    if call is not None:  # its options are all taken by name (``options.take``): none in the signature
-        assert not option_defaults(call)
-    taken = options.take(entry, {"steps": 7}, caller="f()")
-    assert taken == {**{name: OPTIONS[name].default for name in options.names(entry)}, "steps": 7}
+@pytest.mark.parametrize("entry", [options.RUN, options.SCRIPT], ids=["Cluster.run", "pscluster.init"])
+def test_a_user_s_loop_takes_its_options_by_name_with_their_defaults(entry):
+    taken = RunOptions.take(entry, {"steps": 7}, caller="f()")
+    assert dict(taken) == {**{name: OPTIONS[name].default_for(entry) for name in options.names(entry)}, "steps": 7}
+    assert taken.steps == 7 and taken.of(PLAN).keys() <= {n for n, o in OPTIONS.items() if o.scope == PLAN}
     with pytest.raises(ConfigError, match=r"^f\(\) got unknown option 'step': did you mean 'steps'\?$"):
-        options.take(entry, {"step": 7}, caller="f()")
+        RunOptions.take(entry, {"step": 7}, caller="f()")
     with pytest.raises(ConfigError, match=r"^f\(\) got unknown option 'batch_size'"):
-        options.take(entry, {"batch_size": 7}, caller="f()")
+        RunOptions.take(entry, {"batch_size": 7}, caller="f()")
+    with pytest.raises(AttributeError, match="use replace"):
+        taken.steps = 8
 
 
 @pytest.mark.parametrize("command, entry", [("train", options.TRAIN), ("run", options.RUN)])
@@ -95,11 +144,16 @@ def test_flags_give_each_kind_of_option():
         parser.parse_args(["--mode", "bsp"])
 
 
-def test_the_plan_s_options_default_and_check_as_defined():
-    plan_fields = {f.name: f.default for f in fields(TrainPlan)}
-    # replicas_to_aggregate: the plan holds the number resolved from the workers (see loop_plan, train)
-    for name in set(PLAN_OPTIONS) - {"mode", "steps", "batch_size", "optimizer", "replicas_to_aggregate"}:
-        assert plan_fields[name] == OPTIONS[name].default, name
+def test_the_plan_carries_every_option_its_tasks_read_at_its_default_or_as_given():
+    plan = TrainPlan.of(run_id=1, optimizer="SGD", num_workers=3, seed=4)
+    assert set(plan.options) == {name for name, o in OPTIONS.items() if o.scope == PLAN}
+    assert plan.seed == 4 and plan.replicas_to_aggregate == 3  # one gradient per worker unless given
+    assert all(plan.options[name] == o.default for name, o in OPTIONS.items()
+               if o.scope == PLAN and name not in ("seed", "replicas_to_aggregate"))
+    config = PsConfig.for_ps(plan, 0)
+    assert PsConfig.from_dict(json.loads(json.dumps(config.to_dict()))).options == config.options
+    with pytest.raises(ValueError, match="carries the run options the ps tasks and workers read, not"):
+        TrainPlan.of(run_id=1, optimizer="SGD", name="a")  # the run's start reads it, not the tasks
 
 
 @pytest.mark.parametrize("name, bad, says", [

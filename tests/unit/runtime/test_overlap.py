@@ -52,7 +52,8 @@ def plan_for(spec, *, steps, partition=None, **settings) -> TrainPlan:
     fields = dict(run_id=RUN_ID, mode="sync", steps=steps, batch_size=BATCH, optimizer="adam",
                   optimizer_kwargs={"lr": 0.001}, replicas_to_aggregate=len(spec.workers),
                   num_workers=len(spec.workers), seed=SEED, request_timeout=30.0, shared_memory=False)
-    return TrainPlan(variables=describe_variables(model, len(spec.ps), partition=partition), **{**fields, **settings})
+    return TrainPlan.of(variables=describe_variables(model, len(spec.ps), partition=partition),
+                        **{**fields, **settings})
 
 
 def plain_wide(dataset, steps: int, device: str = "cpu") -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ def model():
 
 def plan(**changes) -> TrainPlan:
     kw = dict(run_id=1, mode="sync", steps=10, batch_size=8, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
-    return TrainPlan(**{**kw, **changes})
+    return TrainPlan.of(**{**kw, **changes})
 
 
 # --- placement -----------------------------------------------------------------------------

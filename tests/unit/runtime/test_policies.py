@@ -57,7 +57,8 @@ def test_an_unknown_mode_is_one_config_error_naming_the_modes(mode):
     with pytest.raises(ConfigError, match=r"^mode=.*: use 'sync', 'async' or 'ssp'$"):
         policy_for(mode)
     with pytest.raises(ValueError, match="use 'sync', 'async' or 'ssp'"):  # what a ps says of a bad INIT
-        PsConfig.from_dict({**ps_config(["w"]), "mode": mode})
+        config = ps_config(["w"])
+        PsConfig.from_dict({**config, "options": {**config["options"], "mode": mode}})
 
 
 # --- what the package asks of a policy ------------------------------------------------------
@@ -74,15 +75,15 @@ PLAN = dict(run_id=1, steps=10, batch_size=8, optimizer="sgd", overlap=True)
 @pytest.mark.parametrize("mode", list(POLICIES))
 def test_a_pipeline_is_refused_where_the_policy_does_not_allow_it(mode):
     if POLICIES[mode].allows_pipeline:
-        assert TrainPlan(**PLAN, mode=mode, pipeline=True).pipeline
+        assert TrainPlan.of(**PLAN, mode=mode, pipeline=True).pipeline
     else:
         with pytest.raises(ConfigError, match=f"pipeline=True with mode='{mode}': use mode='async'"):
-            TrainPlan(**PLAN, mode=mode, pipeline=True)
+            TrainPlan.of(**PLAN, mode=mode, pipeline=True)
 
 
 @pytest.mark.parametrize("mode", list(POLICIES))
 def test_pushes_leave_during_backward_where_the_policy_sums_every_push_of_a_step(mode):
-    assert EarlyPush.applies(TrainPlan(**PLAN, mode=mode), torch.device("cpu")) is POLICIES[mode].aggregates_steps
+    assert EarlyPush.applies(TrainPlan.of(**PLAN, mode=mode), torch.device("cpu")) is POLICIES[mode].aggregates_steps
 
 
 # --- the interface, and the ps's side of it ---------------------------------------------------
@@ -162,7 +163,7 @@ def pushed(policy, server, worker, step, grad=1.0, **kw) -> FakePush:
 
 
 def config(**kw) -> PsConfig:
-    return PsConfig.from_dict({**ps_config(["w"]), **kw})
+    return PsConfig.from_dict(ps_config(["w"], **kw))
 
 
 # --- sync ------------------------------------------------------------------------------------

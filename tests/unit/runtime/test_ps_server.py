@@ -85,7 +85,7 @@ def test_a_stop_before_init_ends_its_run_but_a_failed_attempts_stop_not_the_next
 def test_stats_before_init_has_only_server_counters(local_ps):
     client = local_ps.client(local_ps.start())
     stats = client.stats()[0]
-    assert set(stats) == {"ps", "rejected", "failed_requests", "bytes_in", "bytes_out"}
+    assert set(stats) == {"ps", "rejected", "failed_requests", "bytes_in", "bytes_out", "bells", "bell_requests"}
     assert stats["bytes_in"] > 0 and stats["rejected"] == dict.fromkeys(REJECTED, 0)
 
 
@@ -109,12 +109,15 @@ def test_init_retry_of_the_same_run_keeps_the_trained_values(start_run, values):
 
 @pytest.mark.parametrize("config, problem", [
     ({"mode": "sync"}, "bad INIT"),
-    ({"mode": "sync", "steps": 1, "replicas_to_aggregate": 1, "num_workers": 1, "names": ["w", "b"],
+    ({"options": {"mode": "sync", "steps": 1}, "num_workers": 1, "names": ["w", "b"],
       "optimizer": {"optimizer": "nosuch"}}, "unknown optimizer 'nosuch'"),
-    ({"mode": "sync", "steps": 1, "replicas_to_aggregate": 1, "num_workers": 1, "names": ["w", "b"],
+    ({"options": {"mode": "sync", "steps": 1}, "num_workers": 1, "names": ["w", "b"],
       "optimizer": {"optimizer": "sgd", "kwargs": {"lr": 0.1, "betas": [0.9, 0.9]}}}, "bad INIT"),
-    ({"mode": "sync", "steps": 1, "replicas_to_aggregate": 1, "num_workers": 1, "names": ["w", "b"],
+    ({"options": {"mode": "sync", "steps": 1}, "num_workers": 1, "names": ["w", "b"],
       "optimizer": {"optimizer": "sgd"}, "bogus": 1}, "bad INIT: INIT config: .*unexpected keyword argument 'bogus'"),
+    ({"options": {"mode": "sync", "steps": 1, "bogus": 1}, "num_workers": 1, "names": ["w", "b"],
+      "optimizer": {"optimizer": "sgd"}}, r"bad INIT: unknown run options \['bogus'\]"),
+    ({"options": [1, 2], "num_workers": 1, "names": ["w", "b"], "optimizer": {"optimizer": "sgd"}}, "bad INIT"),
 ])
 def test_bad_init_is_an_error_reply(local_ps, values, config, problem):
     client = local_ps.client(local_ps.start())
@@ -658,7 +661,7 @@ def _hostile(run) -> dict:
         "checkpoint-past-the-end": (Message(op=Op.CHECKPOINT, run_id=RUN_ID, meta={"step": 10**6}), "no checkpoint"),
         "reply-op": (Message(op=Op.PARAMS, run_id=RUN_ID), "op PARAMS is not a request"),
         "init-negative-steps": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2)],
-                                        meta={**ps_config(["w"]), "steps": -1}), "bad INIT: step 0 of -1"),
+                                        meta=dict(ps_config(["w"]), options={"steps": -1})), "bad INIT: steps=-1: use"),
         "init-a-billion-workers": (Message(op=Op.INIT, run_id=99, ids=[0], tensors=[torch.zeros(2)],
                                            meta={**ps_config(["w"]), "num_workers": 10**9}),
                                            "bad INIT: 1000000000 workers"),

@@ -17,9 +17,9 @@ def start(local_ps, *, mode="sync", rule="chief", workers=2):
     spec = local_ps.start(1, workers)
     g = torch.Generator().manual_seed(0)
     values = [torch.randn(3, 4, generator=g), torch.zeros(4), torch.tensor(0), torch.randn(4, generator=g)]
-    config = {**ps_config(["w", "bn.running_mean", "bn.num_batches_tracked", "stem.weight"], mode=mode,
-                          replicas=workers, workers=workers, lr=LR, momentum=MOMENTUM, weight_decay=DECAY),
-              "kinds": tuple(KINDS), "buffers": rule}
+    config = ps_config(["w", "bn.running_mean", "bn.num_batches_tracked", "stem.weight"], mode=mode,
+                       replicas=workers, workers=workers, lr=LR, momentum=MOMENTUM, weight_decay=DECAY,
+                       kinds=tuple(KINDS), buffers=rule)
     local_ps.client(spec).init(RUN_ID, {0: ([0, 1, 2, 3], values)}, [config])
     workers = [local_ps.client(spec, task=i, run_id=RUN_ID) for i in range(workers)]
     return values, workers

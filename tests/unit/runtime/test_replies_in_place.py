@@ -1,7 +1,8 @@
 """Replies that arrive where they belong (``PSClient.receive_into``, ``member.Shards.spare``): a CPU worker's
 reply in parts is written into a spare of each large variable as its parts arrive and swapped in whole, never
-copied; a reply spoiled midway on the wire leaves the model as the last whole reply left it (what a worker's
-rescue copy holds). Against an in-process ps over loopback TCP, compared with plain torch."""
+copied (through a shared-memory lane, the lane's values are swapped in, ``PSClient.hold``); a reply spoiled midway
+on the wire leaves the model as the last whole reply left it (what a worker's rescue copy holds). Against an
+in-process ps over loopback TCP, compared with plain torch."""
 
 import threading
 
@@ -91,14 +92,20 @@ def step(model, shards, client, x, y, global_step):
     model.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     reply = client.push_pull(global_step, shards.grads())
-    shards.load(reply)
+    client.hold(shards.load(reply))
     return reply.step
 
 
-def test_each_large_reply_is_swapped_into_the_model_not_copied_and_training_matches_plain_torch(local_ps, dataset):
+@pytest.mark.parametrize("through", ["socket", "lane"])
+def test_each_large_reply_is_swapped_into_the_model_not_copied_and_training_matches_plain_torch(local_ps, dataset,
+                                                                                              through):
+    """Over the socket, the replies in parts arrive in the spares; through a shared-memory lane, the ps writes
+    the set of values the model does not hold (``lanes``)."""
     steps = 12
     spec = local_ps.start(num_ps=1, num_workers=1)
     model, shards, client = worker_half(local_ps, spec, steps)
+    if through == "lane":
+        assert client.share(client.pull()) == [0]
     torch.manual_seed(SEED)
     plain = Wide()
     adam = torch.optim.Adam(plain.parameters(), lr=0.001)
@@ -114,6 +121,10 @@ def test_each_large_reply_is_swapped_into_the_model_not_copied_and_training_matc
     assert global_step == steps
     # the 8 MB weight lives in two buffers in turn: each reply's values arrived in the one not in use
     assert len(set(addresses)) == 2 and all(a != b for a, b in zip(addresses, addresses[1:]))
+    if through == "lane":
+        (lane,) = client._lanes.values()
+        assert set(addresses) == {t.data_ptr() for values in lane.values for vid, t in zip(lane.ids, values)
+                                  if shards.by_id[vid].parameter == "hidden.weight"}
     for (name, got), expected in zip(model.state_dict().items(), plain.state_dict().values()):
         assert (got.to(expected.dtype) - expected).abs().max() <= 1e-6, name
 

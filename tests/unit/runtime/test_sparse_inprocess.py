@@ -49,7 +49,7 @@ OPTIMIZERS = {"sgd": (("sgd", {"lr": 0.1}), lambda dense, sparse: [torch.optim.S
 def make_plan(spec, model_fn, *, steps, optimizer=("sgd", {"lr": 0.1}), mode="sync", partition=None,
               placement="round_robin", staleness_bound=2, metrics_address=None) -> TrainPlan:
     model = build_model(model_fn, SEED)
-    return TrainPlan(run_id=RUN_ID, mode=mode, steps=steps, batch_size=BATCH, optimizer=optimizer[0],
+    return TrainPlan.of(run_id=RUN_ID, mode=mode, steps=steps, batch_size=BATCH, optimizer=optimizer[0],
                      optimizer_kwargs=optimizer[1], replicas_to_aggregate=1,
                      num_workers=len(spec.workers), staleness_bound=staleness_bound,
                      variables=describe_variables(model, len(spec.ps), placement, partition), seed=SEED,
@@ -170,5 +170,5 @@ def test_ssp_keeps_every_worker_within_the_bound_of_the_slowest(local_ps, bags):
 def test_an_optimizer_without_sparse_updates_is_refused_before_training():
     model = build_model(BagModel, SEED)
     with pytest.raises(ConfigError, match="RMSprop cannot update sparse embeddings: use SGD, Adagrad or Adam"):
-        TrainPlan(run_id=RUN_ID, mode="sync", steps=1, batch_size=1, optimizer="rmsprop",
+        TrainPlan.of(run_id=RUN_ID, mode="sync", steps=1, batch_size=1, optimizer="rmsprop",
                   variables=describe_variables(model, 1))

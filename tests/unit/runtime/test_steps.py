@@ -67,19 +67,20 @@ def computed_with(model, loss=1.0):
 def test_nonfinite_names_the_loss_or_the_first_parameter_whose_gradient_is_not_finite():
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     computed = computed_with(model)
-    assert nonfinite(computed, grad_norm(model), list(model.named_parameters())) is None
+    assert nonfinite(computed.loss, grad_norm(model), list(model.named_parameters())) is None
     model[1].weight.grad[0, 0] = float("inf")  # an overflow in backward: the loss itself is finite
-    assert nonfinite(computed, grad_norm(model), list(model.named_parameters())) == "gradient of 1.weight"
-    assert nonfinite(computed_with(model, float("nan")), grad_norm(model), list(model.named_parameters())) == "loss nan"
+    assert nonfinite(computed.loss, grad_norm(model), list(model.named_parameters())) == "gradient of 1.weight"
+    named = list(model.named_parameters())
+    assert nonfinite(computed_with(model, float("nan")).loss, grad_norm(model), named) == "loss nan"
 
 
 def test_a_sparse_gradient_is_checked_too():
     model = nn.Embedding(10, 2, sparse=True)
     model(torch.tensor([1, 2])).sum().backward()
     computed = computed_with(nn.Linear(3, 1))
-    assert nonfinite(computed, grad_norm(model), list(model.named_parameters())) is None
+    assert nonfinite(computed.loss, grad_norm(model), list(model.named_parameters())) is None
     model.weight.grad = torch.sparse_coo_tensor([[1]], [[float("nan"), 0.0]], (10, 2))
-    assert nonfinite(computed, grad_norm(model), list(model.named_parameters())) == "gradient of weight"
+    assert nonfinite(computed.loss, grad_norm(model), list(model.named_parameters())) == "gradient of weight"
 
 
 def test_clipping_is_torchs_clip_grad_norm():

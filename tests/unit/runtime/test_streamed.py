@@ -24,8 +24,7 @@ def start(local_ps, optimizer: str, kwargs: dict, *, mode: str = "async", **fiel
     torch.manual_seed(0)
     values = [torch.randn(SHAPE), torch.randn(7)]
     spec = local_ps.start(num_workers=2)
-    config = ps_config(["w", "b"], mode=mode, steps=10, workers=2, optimizer=optimizer, **kwargs)
-    config.update(fields)
+    config = ps_config(["w", "b"], mode=mode, steps=10, workers=2, optimizer=optimizer, **kwargs, **fields)
     local_ps.client(spec).init(RUN_ID, {0: ([0, 1], values)}, [config])
     plain = [torch.nn.Parameter(v.clone()) for v in values]
     reference = getattr(torch.optim, optimizer)(plain, **kwargs)

@@ -1,7 +1,6 @@
 """The worker loop against in-process ps servers, its helpers, input sharding and metrics."""
 
 import itertools
-from dataclasses import replace
 import json
 import math
 import re
@@ -61,7 +60,7 @@ OPTIMIZERS = [SGD, ("SGD", {"lr": 0.05, "momentum": 0.9}), ("adam", {"lr": 0.01}
 def make_plan(spec, *, steps, mode="sync", replicas=1, log_every=100, model_fn=mlp, metrics_address=None,
               optimizer=SGD):
     model = build_model(model_fn, SEED)
-    return TrainPlan(run_id=RUN_ID, mode=mode, steps=steps, batch_size=BATCH, optimizer=optimizer[0],
+    return TrainPlan.of(run_id=RUN_ID, mode=mode, steps=steps, batch_size=BATCH, optimizer=optimizer[0],
                      optimizer_kwargs=optimizer[1], replicas_to_aggregate=replicas,
                      num_workers=len(spec.workers),
                      variables=describe_variables(model, len(spec.ps)),
@@ -246,7 +245,7 @@ def test_two_async_workers_apply_exactly_the_step_target(local_ps, dataset):
 def test_a_pipelined_async_worker_computes_each_gradient_on_the_parameters_one_step_older(local_ps, dataset):
     steps = 30
     spec = local_ps.start(num_ps=2, num_workers=1)
-    plan = replace(make_plan(spec, steps=steps, mode="async"), pipeline=True)
+    plan = make_plan(spec, steps=steps, mode="async").replace(pipeline=True)
     summary = run_worker(spec, 0, plan, mlp, dataset, torch.nn.CrossEntropyLoss())
 
     assert (summary["local_steps"], summary["global_step"], summary["dropped"]) == (steps, steps, 0)
