@@ -2,10 +2,10 @@
 value and optimizer slot as it was before it.
 
 Plain SGD (the ps's own ``p -= lr * g``, see ``updates``) is decided by a bound, at the cost of one read of the
-gradients: with every |g| ≤ G (that read also finds a NaN or an infinity in them) and every |p| ≤ P, no value can
-leave the dtype's range while P + |lr|·G stays below half its largest finite value. P is carried from update to
-update (it grows by |lr|·G each time) and measured again only when the sum nears that limit; past it, the update
-is refused.
+gradients: with every |g| ≤ G (G is their Euclidean norm, the cheapest read, which also finds a NaN or an infinity
+in them) and every |p| ≤ P, no value can leave the dtype's range while P + |lr|·G stays below half its largest
+finite value. P is carried from update to update (it grows by |lr|·G each time) and measured again only when the
+sum nears that limit; past it, the update is refused.
 
 Every other update (an optimizer's ``step``, whose state may overflow where the values do not: Adam's squared
 gradient of a float32 gradient above 1.8e19) runs under ``kept``: the values it may change and their optimizer
@@ -34,6 +34,18 @@ def largest(tensors: list[torch.Tensor]) -> float:
     return float(torch.cat(ends).abs().max()) if ends else 0.0  # cat promotes mixed dtypes to the widest
 
 
+def magnitude_bound(tensors: list[torch.Tensor]) -> float:
+    """An upper bound of the magnitude of every element of ``tensors`` (0 for none): their joint Euclidean norm,
+    NaN when one is NaN, inf when one is infinite (``largest`` where the norm is not finite, so that a norm past its
+    dtype's range is not taken for an infinity)."""
+    present = [t.detach() for t in tensors if t.numel()]
+    if not present:
+        return 0.0
+    # one fused pass over each tensor, and a third of what ``largest`` costs on a CPU (its aminmax and the stacking)
+    bound = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(present))))
+    return bound if math.isfinite(bound) else largest(present)
+
+
 def limit(tensors: list[torch.Tensor]) -> float:
     """Half the largest finite value of the narrowest floating dtype among ``tensors``."""
     return min((torch.finfo(t.dtype).max for t in tensors if t.is_floating_point()), default=math.inf) / 2
@@ -45,7 +57,7 @@ def sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor], lr: float, b
     one for the values after the update."""
     if not params:
         return 0.0
-    growth = abs(lr) * largest(grads)
+    growth = abs(lr) * magnitude_bound(grads)
     if not math.isfinite(growth):
         raise NonFiniteUpdate(f"a gradient (times lr={lr}) is NaN or infinite")
     ceiling = limit(params)

@@ -43,7 +43,9 @@ def launch(tmp_path, mode: str, steps: int) -> tuple[dict, str]:
                            mode, str(steps)], env=environment(tmp_path / "home"), capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return summaries(done.stdout)[0], done.stdout
+    found = summaries(done.stdout)
+    assert 0 in found, f"the chief printed no summary:\n{done.stdout[-6000:]}{done.stderr[-2000:]}"
+    return found[0], done.stdout
 
 
 def test_a_script_launched_again_resumes_the_same_run_and_starts_another_mode_anew(tmp_path):

@@ -40,6 +40,23 @@ def test_largest_is_the_largest_magnitude_and_sees_every_nan_and_infinity():
     assert math.isnan(update_guard.largest([torch.tensor([math.nan, math.inf])]))
 
 
+def test_magnitude_bound_bounds_every_element_and_sees_every_nan_and_infinity():
+    tensors = [torch.tensor([1.0, -7.5]), torch.empty(0), torch.tensor([[3.0]], dtype=torch.float16)]
+    assert 7.5 <= update_guard.magnitude_bound(tensors) <= math.sqrt(1 + 7.5 ** 2 + 9) * (1 + 1e-6)
+    assert update_guard.magnitude_bound([]) == update_guard.magnitude_bound([torch.empty(0)]) == 0.0
+    for bad in (math.nan, math.inf, -math.inf):
+        mixed = [torch.ones(5), torch.tensor([0.0, bad, 2.0], dtype=torch.bfloat16)]
+        assert (math.isnan if bad != bad else math.isinf)(update_guard.magnitude_bound(mixed)), bad
+    # a norm past its dtype's range is no infinity: the elements' own largest magnitude bounds them then
+    assert update_guard.magnitude_bound([torch.full((4,), 6e4, dtype=torch.float16)]) == 60000.0
+
+
+def test_plain_sgd_takes_gradients_whose_norm_alone_leaves_their_dtype():
+    params = [torch.zeros(4, dtype=torch.float16)]
+    update_guard.sgd_step(params, [torch.full((4,), 6e4, dtype=torch.float16)], 1e-4, None)
+    assert torch.isfinite(params[0]).all() and params[0][0] == torch.tensor(-6.0, dtype=torch.float16)
+
+
 def step_kept(optimizer, param, grad):
     param.grad = grad
     try:
