@@ -64,7 +64,8 @@ def serve(ctx, worker: _Worker, plan: TrainPlan, model_fn, optimizer, options: d
         batch, groups = item
         for group, values in zip(run_optimizer.param_groups, groups):
             group.update(values)
-        computed = compute(model, loss_fn, step_fn, batch, ctx.device, ctx.global_step)
+        computed = compute(model, loss_fn, step_fn, batch, ctx.device, ctx.global_step, autocast=ctx.autocast,
+                           backward=ctx.backward)
         numbers = {"loss": computed.loss.item(), "accuracy": batch_accuracy(computed.output, computed.target),
                    "metrics": metric_values(computed.metrics), "samples": computed.samples}
         run_optimizer.step()
