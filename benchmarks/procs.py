@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import select
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from pscluster.errors import PeerLost
 from pscluster.runtime.client import PSClient
+from pscluster.runtime.network import free_port
 from pscluster.runtime.optim import OptimizerSpec
 from pscluster.runtime.plan import PsConfig
 from pscluster.spec import ClusterSpec, TaskSpec
@@ -43,20 +43,9 @@ def child_env(threads: int = 1, **extra: str) -> dict:
     return env
 
 
-_given: set[int] = set()  # ports handed out already: their processes may not have bound them yet
-
-
 def free_ports(n: int) -> list[int]:
-    """``n`` loopback ports free right now, none handed out before by this process."""
-    ports: list[int] = []
-    while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _given:
-            _given.add(port)
-            ports.append(port)
-    return ports
+    """``n`` loopback ports free right now, none handed out before by this process (``network.free_port``)."""
+    return [free_port() for _ in range(n)]
 
 
 @dataclass

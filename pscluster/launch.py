@@ -27,7 +27,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ from . import environ
 from .cluster.launchers.base import HEARTBEAT_DEADLINE_S
 from .errors import ConfigError
 from .runtime import options
+from .runtime.network import free_port
 from .spec import ClusterSpec, TaskSpec, threads_per_task
 
 TASKS_END_S = 30.0  # how long the other tasks may take to end once the chief ended well (it finalized the run),
@@ -54,12 +54,6 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         raise ConfigError(f"{message}: see pscluster launch --help")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_spec(num_ps: int, num_workers: int, name: str) -> ClusterSpec:

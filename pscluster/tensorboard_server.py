@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,9 @@ import urllib.request
 from pathlib import Path
 
 from .errors import ClusterStateError
+from .runtime.network import free_port
 
 START_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TensorBoard:
@@ -35,7 +29,7 @@ class TensorBoard:
 
     def __init__(self, logdir: str | os.PathLike, port: int = 0):
         self.logdir = Path(logdir)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self._process: subprocess.Popen | None = None
         self._reaper: subprocess.Popen | None = None
 

@@ -1,6 +1,7 @@
-"""This machine on the network: its address on the route to another host, a free port from a range, and
-the range of ports the kernel gives outgoing connections. Used on engines (a ps's address and port) and by the
-controller (the addresses engines reach it at, the collector's port)."""
+"""This machine on the network: its address on the route to another host, a free port from a range, a free port
+for a server that another process binds later, and the range of ports the kernel gives outgoing connections. Used
+on engines (a ps's address and port), by the controller (the addresses engines reach it at, the collector's port),
+by ``pscluster launch`` (its ps tasks' ports) and TensorBoard's server."""
 
 from __future__ import annotations
 
@@ -36,6 +37,40 @@ def bind_in_range(bind, ports: tuple[int, int]):
                 raise
     raise OSError(errno.EADDRINUSE, f"every port in {lo}-{hi} is taken: give a wider --ports range"
                                     + _outgoing_ports_hint(lo, hi))
+
+
+# where free_port looks first: below the ephemeral ports (Linux's default begins at 32768), above most fixed services
+FIRST_FREE_PORT = 20000
+_handed_out: set[int] = set()  # free_port's ports so far: their servers may not have bound them yet
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of ``host`` free now, for a server that another process binds later (a launched ps,
+    TensorBoard), never one this process handed out before. It is outside the kernel's ephemeral ports where there
+    is room: any process's outgoing connection may take one of those as its own end before the server binds it
+    (``Address already in use`` then, seen in CI); the kernel's pick (port 0) where there is not."""
+    top = (ephemeral_ports() or (FIRST_FREE_PORT + 1, 0))[0] - 1
+    for _ in range(64 if top > FIRST_FREE_PORT else 0):
+        port = random.randint(FIRST_FREE_PORT, top)
+        if port not in _handed_out and _bindable(host, port):
+            _handed_out.add(port)
+            return port
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def ephemeral_ports() -> tuple[int, int] | None:

@@ -5,7 +5,6 @@ so that both measure the same lab in the same browser. No pytest in here."""
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+
+from pscluster.runtime.network import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook the lab shows
@@ -63,12 +64,6 @@ def open_notebook(page, name: str):
     return page.locator(NOTEBOOK)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LabServer:
     """``jupyter lab`` on 127.0.0.1 in a child process, with a temporary root, settings, runtime and IPython
     directory (ipyparallel's server extension loads every cluster of its IPython directory's profiles and polls
@@ -82,7 +77,7 @@ class LabServer:
         self.root = root
         self.env = dict(env or {})
         self.python = python
-        self.port, self.token = _free_port(), secrets.token_hex(16)
+        self.port, self.token = free_port(), secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         news = root / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"

@@ -12,7 +12,7 @@ import pytest
 
 import pscluster
 from pscluster.__main__ import main as command
-from pscluster.launch import free_port
+from pscluster.runtime.network import free_port
 from pscluster.runtime.client import PSClient
 from pscluster.runtime.protocol import Op
 from pscluster.runtime.standalone import held_runs

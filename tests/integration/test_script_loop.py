@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pscluster
-from pscluster.launch import free_port
+from pscluster.runtime.network import free_port
 from pscluster.metrics.store import RunStore
 from pscluster.runtime import checkpoint
 

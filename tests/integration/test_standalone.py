@@ -11,7 +11,6 @@ import textwrap
 import time
 
 import pytest
-import zmq
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -19,6 +18,7 @@ import pscluster
 from pscluster.cluster.script_evaluator import GONE_S
 from pscluster.metrics.store import RunStore
 from pscluster.widgets.dashboard import Dashboard
+from pscluster.runtime.network import free_port
 from pscluster.spec import ClusterSpec, TaskSpec
 
 pytestmark = pytest.mark.integration
@@ -38,13 +38,6 @@ SCRIPT = textwrap.dedent("""
         result = {"run_id": result.id, "global_step": result.global_step, "local_steps": result.local_steps}
     print("SUMMARY", json.dumps(result))
 """)
-
-
-def free_port() -> int:
-    sock = zmq.Context.instance().socket(zmq.REP)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    sock.close(linger=0)
-    return port
 
 
 def start(script, steps: int, home, **config):

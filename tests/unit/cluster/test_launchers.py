@@ -21,7 +21,7 @@ from pscluster.cluster.launchers import base as launcher_base
 from pscluster.cluster.roles import EngineInfo, assign_roles, host_gpus
 from pscluster.errors import ConfigError
 from pscluster.magics.parsers import launcher_options, parsers
-from pscluster.runtime.network import bind_in_range, ephemeral_ports, route_address
+from pscluster.runtime.network import bind_in_range, ephemeral_ports, free_port, route_address
 
 from ...ports import quiet_port_range
 
@@ -148,6 +148,14 @@ def test_a_full_range_that_outgoing_connections_share_is_named_in_the_error():
     low, high = ephemeral_ports()
     with pytest.raises(OSError, match=f"wider --ports range outside {low}-{high}, the ports outgoing"):
         bind_in_range(taken, (high - 1, high + 1))
+
+
+def test_a_free_port_for_a_later_server_is_outside_the_ports_outgoing_connections_take_and_never_handed_out_twice():
+    low, _ = ephemeral_ports()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(p < low for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # free when handed out: a later server binds it
 
 
 def test_route_address_is_this_machines_address_towards_a_target():

@@ -3,7 +3,6 @@
 import gc
 import json
 import re
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -16,6 +15,7 @@ from pscluster.errors import ConfigError, PeerLost, RuntimeTimeout, StaleTask, T
 from pscluster.metrics.collector import Collector
 from pscluster.runtime import checkpoint, protocol
 from pscluster.runtime.client import PSClient
+from pscluster.runtime.network import free_port
 from pscluster.runtime.protocol import Flag, Message, Op
 from pscluster.runtime.ps import PASSED, ParameterServer
 from pscluster.runtime.router import REJECTED
@@ -50,9 +50,7 @@ def assert_values(actual, expected, tol=1e-6):
 
 
 def test_a_ps_that_refuses_connections_is_lost_before_the_timeout():
-    with socket.socket() as s:  # a port that nothing listens on: a ps that died before we connected
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port that nothing listens on: a ps that died before we connected
     spec = ClusterSpec(ps=(TaskSpec("ps", 0, port=port),), workers=(TaskSpec("worker", 0),))
     with pytest.raises(PeerLost, match=f"ps 0 at tcp://127.0.0.1:{port} refuses connections during HELLO"):
         PSClient(spec, timeout=60)  # RuntimeTimeout after 30 s if the refusals went unnoticed

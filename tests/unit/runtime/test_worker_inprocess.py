@@ -5,7 +5,6 @@ import json
 import math
 import re
 import secrets
-import socket
 import threading
 import time
 
@@ -28,6 +27,7 @@ from pscluster.runtime.steps import batch_accuracy
 from pscluster.runtime.member import log_line
 from pscluster.runtime.seeding import build_model
 from pscluster.runtime.worker import run_worker
+from pscluster.runtime.network import free_port
 
 RUN_ID = 7  # the run id the conftest clients use
 SEED = 3
@@ -421,9 +421,7 @@ def test_a_done_event_goes_at_once_with_what_is_buffered(collector, emitters, mo
 
 
 def test_emitter_without_a_listener_never_blocks(emitters):
-    with socket.socket() as s:  # a port where nothing listens
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port where nothing listens
     emitter = emitters(f"tcp://127.0.0.1:{port}")
     started = time.monotonic()
     for i in range(1000):
