@@ -170,7 +170,9 @@ class Policy(ABC):
 class Sync(Policy):
     """See the module. A worker that joins (a replacement, or one added) is waited for from the first step it sends
     a gradient of: counted from its first pull, a ps a step ahead of another when it pulled would wait for its
-    gradient of a step it never computes (it pushes the step of ps 0's reply), and hold every worker."""
+    gradient of a step it never computes (it pushes the step of ps 0's reply), and hold every worker. For the same
+    reason a step stops waiting for a worker that pushes a later step (``passed``): another ps, which learned of a
+    membership change at another moment, applied this step without it and moved on."""
 
     name = "sync"
     aggregates_steps = True
@@ -181,8 +183,12 @@ class Sync(Policy):
         self.sum: list | None = None  # per trained variable: the step's summed gradient, or a list of its parts
         self.optimizer = 0  # which of a user's optimizers the step's gradients are for
         self.contributors: list[int] = []  # the worker of each gradient in the sum
+        self.passed: set[int] = set()  # the workers that pushed a later step: none of this step's comes from them
 
     def push(self, push: Push) -> None:
+        if push.step > self.server.step and push.worker not in self.passed:
+            self.passed.add(push.worker)
+            self.members_changed()  # the step may be complete without it: its push is then of the next one
         staleness = self.server.step - push.step
         if staleness != 0:
             push.drop(staleness)
@@ -216,15 +222,17 @@ class Sync(Policy):
         """Apply the step once it has its gradients (fewer are needed when workers are lost)."""
         if self.sum is not None and len(self.contributors) >= self.replicas_now():
             self.server.apply(self.sum, len(self.contributors), counts=self.optimizer == 0)
-            self.sum, self.contributors = None, []
+            self.sum, self.contributors, self.passed = None, [], set()
             self.server.release()
 
     def replicas_now(self) -> int:
-        """The gradients a step aggregates: ``replicas``, at most one per live worker once a worker is lost."""
+        """The gradients a step aggregates: ``replicas``, at most one per worker it can come from once a worker is
+        lost (or ``passed`` the step)."""
         server = self.server
-        if not server.lost:
+        away = len(server.lost | self.passed)
+        if not away:
             return server.replicas
-        return max(1, min(server.replicas, server.num_workers - len(server.lost)))
+        return max(1, min(server.replicas, server.num_workers - away))
 
     def quota(self, worker: int) -> int:
         """The gradients ``worker`` gives each step: one, or when the step aggregates more than there are live
@@ -240,7 +248,7 @@ class Sync(Policy):
 
     def waiting_for(self) -> list[int]:
         """The workers whose gradients for the current step have not all arrived yet."""
-        return [w for w in self.server.live() if self.contributors.count(w) < self.quota(w)]
+        return [w for w in self.server.live() if w not in self.passed and self.contributors.count(w) < self.quota(w)]
 
     def stats(self) -> dict:
         return {"staleness": {}, "waiting_on": sorted(set(self.contributors))}

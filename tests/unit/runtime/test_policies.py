@@ -205,6 +205,23 @@ def test_sync_applies_a_step_with_fewer_gradients_once_a_worker_is_lost_and_wait
     assert server.lost == set() and policy.waiting_for() == [0] and len(server.updates) == 1
 
 
+def test_sync_stops_waiting_for_a_worker_that_pushes_a_later_step():
+    """Another ps applied this step without the worker (it learned of a membership change at another moment) and
+    the worker pushes the step after: it sends no gradient of this one, which then goes on without it."""
+    server = FakeServer(workers=3, replicas=3)
+    policy = Sync(server, config())
+    first, second = pushed(policy, server, 0, 0, 1.0), pushed(policy, server, 1, 0, 2.0)
+    assert server.updates == [] and policy.waiting_for() == [2]
+    ahead = pushed(policy, server, 2, 1, 5.0)
+    assert server.updates == [([3.0], 2, True)] and first.answers == second.answers == [("released", 1, 0)]
+    assert ahead.answers == [] and policy.waiting_for() == [0, 1]  # a gradient of the next step, which waits for all
+    pushed(policy, server, 0, 1, 1.0), pushed(policy, server, 1, 1, 1.0)
+    assert server.updates[1] == ([7.0], 3, True) and ahead.answers == [("released", 2, 0)]
+    server.step = 3  # (a ps whose step has not seen this worker's yet: its push is dropped, and the step waits)
+    early = pushed(policy, server, 0, 4, 1.0)
+    assert early.answers == [("drop", 3, -1)] and policy.waiting_for() == [1, 2] and len(server.updates) == 2
+
+
 def test_sync_a_step_of_another_optimizer_is_not_a_global_step():
     server = FakeServer(workers=1, replicas=1)
     policy = Sync(server, config())
