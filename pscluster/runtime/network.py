@@ -25,14 +25,15 @@ def route_address(target: str) -> str | None:
 
 def bind_in_range(bind, ports: tuple[int, int]):
     """``bind(port)`` on the ports of ``[lo, hi]`` in random order until one is free (another cluster, or an
-    earlier run, may hold some); raises OSError when every port is taken."""
+    earlier run, may hold some: ``bind`` raises ``EADDRINUSE``, as a ZMQError or an OSError); raises OSError when
+    every port is taken."""
     lo, hi = ports
     candidates = list(range(lo, hi + 1))
     random.shuffle(candidates)
     for port in candidates:
         try:
             return bind(port)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, OSError) as e:
             if e.errno != errno.EADDRINUSE:
                 raise
     raise OSError(errno.EADDRINUSE, f"every port in {lo}-{hi} is taken: give a wider --ports range"
@@ -49,12 +50,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     TensorBoard), never one this process handed out before. It is outside the kernel's ephemeral ports where there
     is room: any process's outgoing connection may take one of those as its own end before the server binds it
     (``Address already in use`` then, seen in CI); the kernel's pick (port 0) where there is not."""
+    def fresh(port: int) -> int:
+        if port in _handed_out:
+            raise OSError(errno.EADDRINUSE, f"port {port} handed out already")
+        with socket.socket() as s:
+            s.bind((host, port))  # OSError EADDRINUSE when another process holds it
+        _handed_out.add(port)
+        return port
+
     top = (ephemeral_ports() or (FIRST_FREE_PORT + 1, 0))[0] - 1
-    for _ in range(64 if top > FIRST_FREE_PORT else 0):
-        port = random.randint(FIRST_FREE_PORT, top)
-        if port not in _handed_out and _bindable(host, port):
-            _handed_out.add(port)
-            return port
+    if top > FIRST_FREE_PORT:
+        return bind_in_range(fresh, (FIRST_FREE_PORT, top))
     while True:
         with socket.socket() as s:
             s.bind((host, 0))
@@ -62,15 +68,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _handed_out:
             _handed_out.add(port)
             return port
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def ephemeral_ports() -> tuple[int, int] | None:
